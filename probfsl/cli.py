@@ -1,0 +1,242 @@
+"""The ``probfsl`` command: list data sets, run the demo, evaluate a method on tasks."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+
+from probfsl.data import (
+    DATASETS,
+    FeatureSet,
+    episodes_from_indices,
+    load_dataset,
+    load_features,
+    load_task_file,
+    sample_episodes,
+)
+from probfsl.evaluation import evaluate, text_table, write_results
+from probfsl.methods import METHODS, make_estimator
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def _positive(kind: type):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    return parse
+
+
+def _load(args: argparse.Namespace) -> FeatureSet:
+    if args.features:
+        return load_features(args.features)
+    return load_dataset(args.dataset)
+
+
+def _device(name: str) -> torch.device:
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine")
+    return torch.device(name)
+
+
+def run_setting(
+    method: str,
+    fs: FeatureSet,
+    way: int,
+    shot: int,
+    query: int,
+    balance: str,
+    alpha: float,
+    tasks: int,
+    seed: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: bool,
+    task_file: str | None = None,
+    batch_size: int = 1000,
+) -> dict:
+    """Evaluate ``method`` on one task setting; returns the row of the results table."""
+    estimator = make_estimator(method)
+    estimator.fit_featureset(fs, dtype)
+    if task_file:
+        episodes = episodes_from_indices(fs, load_task_file(task_file), dtype)
+    else:
+        episodes = sample_episodes(fs, tasks, way, shot, query, balance, alpha, seed, dtype=dtype)
+    result = evaluate(estimator, episodes, batch_size, progress, device, dtype)
+    return {
+        "method": method,
+        "dataset": fs.name,
+        "way": episodes.way,
+        "shot": episodes.shot,
+        "query": episodes.n_query,
+        "balance": "file" if task_file else balance,
+        "alpha": alpha,
+        "tasks": result.n_tasks,
+        "seed": seed,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        **{k: v for k, v in result.summary().items() if k != "n_tasks"},
+    }
+
+
+def cmd_datasets(args: argparse.Namespace) -> int:
+    rows = []
+    for name, (_, description) in DATASETS.items():
+        fs = load_dataset(name)
+        rows.append(
+            {
+                "name": name,
+                "dim": fs.dim,
+                "base": len(fs.classes_in("base")),
+                "novel": len(fs.classes_in("novel")),
+                "samples": int((fs.labels >= 0).sum()),
+                "description": description,
+            }
+        )
+    print(text_table(rows, ["name", "dim", "base", "novel", "samples", "description"]))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    fs = _load(args)
+    row = run_setting(
+        args.method,
+        fs,
+        args.way,
+        args.shot,
+        args.query,
+        args.balance,
+        args.alpha,
+        args.tasks,
+        args.seed,
+        _device(args.device),
+        DTYPES[args.dtype],
+        progress=sys.stderr.isatty(),
+        task_file=args.task_file,
+        batch_size=args.batch_size,
+    )
+    print(text_table([row]))
+    if args.out:
+        write_results([row], args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    fs = load_dataset("omniglot")
+    settings = [(shot, balance) for balance in ("balanced", "dirichlet") for shot in (1, 5)]
+    rows = []
+    tic = time.perf_counter()
+    for shot, balance in settings:
+        for name, info in METHODS.items():
+            tasks = args.tasks or info.demo_tasks
+            rows.append(
+                run_setting(
+                    name,
+                    fs,
+                    5,
+                    shot,
+                    75,
+                    balance,
+                    2.0,
+                    tasks,
+                    0,
+                    torch.device("cpu"),
+                    torch.float32,
+                    progress=False,
+                )
+            )
+    print("probfsl demo: built-in Omniglot (PCA-64), 5-way, 75 queries, seed 0\n")
+    print(
+        text_table(
+            rows, ["method", "shot", "balance", "tasks", "accuracy", "ci95", "tasks_per_second"]
+        )
+    )
+    print(f"\n{len(rows)} runs in {time.perf_counter() - tic:.1f} s")
+    if args.out:
+        write_results(rows, args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a usage error on one line (``probfsl: error: ...``) and exits with 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"probfsl: error: {message} (see '{self.prog} --help')\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="probfsl", description="Bayesian few-shot learning on pre-extracted features."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("datasets", help="list the built-in data sets").set_defaults(func=cmd_datasets)
+
+    demo = sub.add_parser("demo", help="every method on built-in Omniglot, 1/5-shot, (un)balanced")
+    demo.add_argument("--tasks", type=_positive(int), default=None, help="tasks per setting")
+    demo.add_argument("--out", help="write the results as .json or .csv")
+    demo.set_defaults(func=cmd_demo)
+
+    run = sub.add_parser("run", help="evaluate one method on few-shot tasks")
+    run.add_argument(
+        "--method",
+        required=True,
+        choices=list(METHODS),
+        metavar="NAME",
+        help=f"one of: {', '.join(METHODS)}",
+    )
+    source = run.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--dataset",
+        choices=list(DATASETS),
+        metavar="NAME",
+        help=f"built-in data set: {', '.join(DATASETS)}",
+    )
+    source.add_argument(
+        "--features", metavar="PATH", help=".npz with features, labels, split (or .pt / .pkl)"
+    )
+    run.add_argument("--way", type=_positive(int), default=5)
+    run.add_argument("--shot", type=_positive(int), default=1)
+    run.add_argument("--query", type=_positive(int), default=75, help="queries per task in all")
+    run.add_argument("--balance", choices=["balanced", "dirichlet"], default="balanced")
+    run.add_argument(
+        "--alpha",
+        type=_positive(float),
+        default=2.0,
+        help="Dirichlet concentration of the unbalanced query counts",
+    )
+    run.add_argument("--tasks", type=_positive(int), default=1000)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--device", default="cpu")
+    run.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    run.add_argument("--batch-size", type=_positive(int), default=1000)
+    run.add_argument(
+        "--task-file",
+        metavar="PATH",
+        help="explicit task file (.npz of row indices) instead of sampling",
+    )
+    run.add_argument("--out", metavar="FILE", help="write the result as .json or .csv")
+    run.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as err:
+        print(f"probfsl: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

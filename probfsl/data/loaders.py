@@ -1,0 +1,198 @@
+"""Readers for the feature formats that few-shot code publishes.
+
+* ``.npz`` with ``features`` [N, D], ``labels`` [N] and optionally ``split`` [N]
+  (``"base"``/``"novel"``), ``class_names`` [C] and ``class_text_features`` [C, D]
+  (the layout of the Omniglot and WordNet files shipped with probfsl).
+* Pickled ``{class: features [n, D]}`` dictionaries, one file per split, as
+  transductive few-shot repositories publish their backbone features.
+* torch ``.pt`` files holding either the ``.npz`` fields as a dict of tensors or a
+  ``{class: tensor}`` dictionary.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from probfsl.data.featureset import FeatureSet, validate_features
+
+
+def _require_file(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"feature file not found: {path}")
+    return path
+
+
+def _class_names_from(fields: Mapping[str, np.ndarray], labels: np.ndarray) -> list[str]:
+    n_classes = int(labels.max()) + 1 if (labels >= 0).any() else 0
+    if "class_names" in fields:
+        return [str(c) for c in fields["class_names"]]
+    for key in ("class_key",):
+        if key in fields:
+            return _names_from_rows(np.asarray(fields[key]).astype(str), labels, n_classes)
+    if "alphabet" in fields and "character" in fields:
+        keys = np.char.add(np.char.add(fields["alphabet"].astype(str), "/"), fields["character"])
+        return _names_from_rows(keys, labels, n_classes)
+    return [str(c) for c in range(n_classes)]
+
+
+def _names_from_rows(keys: np.ndarray, labels: np.ndarray, n_classes: int) -> list[str]:
+    names = [str(c) for c in range(n_classes)]
+    for c in range(n_classes):
+        rows = np.flatnonzero(labels == c)
+        if rows.size:
+            names[c] = str(keys[rows[0]])
+    return names
+
+
+def _split_from_base_classes(labels: np.ndarray, base_classes: Sequence[int] | None) -> np.ndarray:
+    if base_classes is None:
+        return np.full(labels.shape, "novel")
+    base = np.isin(labels, np.asarray(base_classes))
+    return np.where(base, "base", "novel")
+
+
+def from_arrays(
+    fields: Mapping[str, np.ndarray],
+    source: str,
+    name: str | None = None,
+    base_classes: Sequence[int] | None = None,
+) -> FeatureSet:
+    """Build a :class:`FeatureSet` from a mapping with the ``.npz`` field names."""
+    for key in ("features", "labels"):
+        if key not in fields:
+            raise ValueError(f"{source}: missing field '{key}' (found: {sorted(fields)})")
+    features = np.asarray(fields["features"])
+    labels = np.asarray(fields["labels"])
+    if labels.ndim != 1:
+        raise ValueError(f"{source}: 'labels' must be 1-D, got shape {labels.shape}")
+    if not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(f"{source}: 'labels' must be integers, got {labels.dtype}")
+    labels = labels.astype(np.int64)
+    if "split" in fields:
+        split = np.asarray(fields["split"]).astype(str)
+    else:
+        split = _split_from_base_classes(labels, base_classes)
+    validate_features(features, labels, split, source)
+    class_features = fields.get("class_text_features")
+    extra = {
+        k: np.asarray(v)
+        for k, v in fields.items()
+        if k not in {"features", "labels", "split", "class_names", "class_text_features"}
+    }
+    return FeatureSet(
+        features=features,
+        labels=labels,
+        class_names=_class_names_from(fields, labels),
+        split=split,
+        class_features=None if class_features is None else np.asarray(class_features),
+        name=name or Path(source).stem,
+        metadata=extra,
+    )
+
+
+def load_npz(
+    path: str | Path, name: str | None = None, base_classes: Sequence[int] | None = None
+) -> FeatureSet:
+    """Load an ``.npz`` feature file (see the module docstring for its fields).
+
+    Without a ``split`` field every labelled row is novel, unless ``base_classes``
+    names the labels to treat as base classes.
+    """
+    path = _require_file(path)
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            fields = {k: npz[k] for k in npz.files}
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: not a readable .npz file ({err})") from err
+    return from_arrays(fields, str(path), name=name, base_classes=base_classes)
+
+
+def _from_class_dicts(splits: Mapping[str, Mapping], source: str, name: str | None) -> FeatureSet:
+    """Stack ``{split: {class: [n, D]}}`` into one FeatureSet, classes numbered in order."""
+    features, labels, split_col, names = [], [], [], []
+    for split_name, per_class in splits.items():
+        if not isinstance(per_class, Mapping) or not per_class:
+            raise ValueError(f"{source}: expected a non-empty {{class: features}} dictionary")
+        for key, rows in per_class.items():
+            rows = np.asarray(
+                rows.detach().cpu().numpy() if isinstance(rows, torch.Tensor) else rows,
+                dtype=np.float32,
+            )
+            if rows.ndim == 1:
+                rows = rows[None]
+            if rows.ndim != 2 or rows.shape[0] == 0:
+                raise ValueError(
+                    f"{source}: class {key!r} must hold a non-empty [n, D] array, "
+                    f"got shape {rows.shape}"
+                )
+            label = len(names)
+            names.append(str(key))
+            features.append(rows)
+            labels.append(np.full(rows.shape[0], label))
+            split_col.append(np.full(rows.shape[0], split_name))
+    widths = {f.shape[1] for f in features}
+    if len(widths) != 1:
+        raise ValueError(f"{source}: classes have different feature widths {sorted(widths)}")
+    return FeatureSet(
+        features=np.concatenate(features),
+        labels=np.concatenate(labels),
+        class_names=names,
+        split=np.concatenate(split_col),
+        name=name or Path(source).stem,
+    )
+
+
+def load_pickle(
+    novel: str | Path, base: str | Path | None = None, name: str | None = None
+) -> FeatureSet:
+    """Load pickled ``{class: features}`` dictionaries (novel file, optional base file).
+
+    Pickle runs code from the file: load only files you trust.
+    """
+    splits = {}
+    for split_name, path in (("base", base), ("novel", novel)):
+        if path is None:
+            continue
+        path = _require_file(path)
+        try:
+            with path.open("rb") as fh:
+                splits[split_name] = pickle.load(fh)
+        except (pickle.UnpicklingError, EOFError) as err:
+            raise ValueError(f"{path}: not a readable pickle file ({err})") from err
+    return _from_class_dicts(splits, str(novel), name)
+
+
+def load_torch(path: str | Path, name: str | None = None) -> FeatureSet:
+    """Load a ``.pt`` file: a dict of ``.npz`` fields as tensors, or ``{class: tensor}``."""
+    path = _require_file(path)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises several unrelated types here
+        raise ValueError(f"{path}: not a readable torch file ({err})") from err
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"{path}: expected a dictionary, got {type(obj).__name__}")
+    if "features" in obj:
+        fields = {
+            k: (v.cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v))
+            for k, v in obj.items()
+        }
+        return from_arrays(fields, str(path), name=name)
+    return _from_class_dicts({"novel": obj}, str(path), name)
+
+
+def load_features(path: str | Path, name: str | None = None) -> FeatureSet:
+    """Load a feature file by its suffix: ``.npz``, ``.pt``/``.pth`` or ``.pkl``/``.plk``."""
+    suffix = Path(path).suffix.lower()
+    if suffix == ".npz":
+        return load_npz(path, name=name)
+    if suffix in (".pt", ".pth"):
+        return load_torch(path, name=name)
+    if suffix in (".pkl", ".plk", ".pickle"):
+        return load_pickle(path, name=name)
+    raise ValueError(f"{path}: unknown feature file type {suffix!r} (use .npz, .pt or .pkl)")

@@ -1,0 +1,169 @@
+"""Inputs on the probability simplex (EM-Dirichlet, spec ``em_dirichlet.md`` §9).
+
+EM-Dirichlet (Martin et al., CVPR 2024) classifies class-probability vectors
+``x_n`` in the simplex of R^K. A user can bring them in one of three forms:
+
+1. probabilities ``[..., N, K]`` from any classifier (rows non-negative, summing to 1):
+   :func:`check_probabilities`;
+2. logits ``[..., N, K]`` plus a temperature, x = softmax(T * logits) (for CLIP use
+   cosine similarities with T = 30, not CLIP's logit scale of 100):
+   :func:`probabilities_from_logits`;
+3. sample embeddings ``[..., N, D]`` and one embedding per class ``[K, D]`` (or per task
+   ``[..., K, D]``), both L2-normalised here, x = softmax(T * cosine) (paper eq. 2):
+   :func:`probabilities_from_embeddings`.
+
+:func:`to_simplex` dispatches on whichever is given. Every function raises
+``ValueError`` naming the argument for NaN/inf, negative entries, rows that do not
+sum to one, fewer than two classes, or a class-embedding count or width that does
+not match, before any computation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: default tolerance on |sum_k x_nk - 1|
+SUM_TOL = 1e-4
+
+
+def _check_tensor(x, name: str, ndim: int | None, min_ndim: int = 2) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+    if x.ndim < min_ndim:
+        raise ValueError(f"{name} must be at least {min_ndim}-d [..., N, K], got {tuple(x.shape)}")
+
+
+def _check_finite(x: torch.Tensor, name: str) -> None:
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{name} contains NaN or inf")
+
+
+def _check_classes(k: int, name: str) -> None:
+    if k < 2:
+        raise ValueError(f"{name} must have at least K=2 classes in its last dimension, got {k}")
+
+
+def check_probabilities(
+    probs: torch.Tensor,
+    name: str = "probs",
+    ndim: int | None = None,
+    tol: float = SUM_TOL,
+    allow_empty: bool = False,
+) -> None:
+    """``ValueError`` unless ``probs`` [..., N, K] holds probability rows.
+
+    Rows must be finite, non-negative and sum to one within ``tol``; K >= 2; at least
+    one row unless ``allow_empty``.
+    """
+    _check_tensor(probs, name, ndim)
+    _check_classes(probs.shape[-1], name)
+    if probs.shape[-2] == 0 and not allow_empty:
+        raise ValueError(f"{name} has no rows (shape {tuple(probs.shape)})")
+    if probs.numel() == 0:
+        return
+    _check_finite(probs, name)
+    if (probs < 0).any():
+        raise ValueError(f"{name} has negative entries (min {probs.min().item():.3g})")
+    err = (probs.sum(-1) - 1).abs().max().item()
+    if err > tol:
+        raise ValueError(
+            f"{name} rows must sum to one (largest deviation {err:.3g} > tol {tol:g}); "
+            "pass logits with a temperature, or normalise the rows"
+        )
+
+
+def probabilities_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """x = softmax(temperature * logits) over the last dimension (spec §9, input 2)."""
+    _check_tensor(logits, "logits", None)
+    _check_classes(logits.shape[-1], "logits")
+    _check_temperature(temperature)
+    _check_finite(logits, "logits")
+    return torch.softmax(temperature * logits, -1)
+
+
+def _check_temperature(temperature: float) -> None:
+    if not (isinstance(temperature, int | float) and 0 < temperature < float("inf")):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+
+
+def probabilities_from_embeddings(
+    embeddings: torch.Tensor,
+    class_embeddings: torch.Tensor,
+    temperature: float = 30.0,
+) -> torch.Tensor:
+    """x_n = softmax_k(T cos(e_n, t_k)) (paper eq. 2; spec §9, input 3).
+
+    Args:
+        embeddings: ``[..., N, D]`` sample embeddings (image or sentence embeddings).
+        class_embeddings: ``[K, D]`` one embedding per class (text prompt, class
+            description or prototype), or ``[..., K, D]`` per task (batch dims matching).
+        temperature: T; 30 is the paper's choice for CLIP cosines.
+
+    Both sides are L2-normalised here. Returns ``[..., N, K]`` probabilities.
+    """
+    _check_tensor(embeddings, "embeddings", None)
+    _check_tensor(class_embeddings, "class_embeddings", None)
+    _check_temperature(temperature)
+    k, d = class_embeddings.shape[-2], class_embeddings.shape[-1]
+    _check_classes(k, "class_embeddings (rows)")
+    if embeddings.shape[-1] != d:
+        raise ValueError(
+            f"class_embeddings width {d} does not match the embeddings width "
+            f"{embeddings.shape[-1]}"
+        )
+    if class_embeddings.ndim > 2 and class_embeddings.shape[:-2] != embeddings.shape[:-2]:
+        raise ValueError(
+            f"class_embeddings batch shape {tuple(class_embeddings.shape[:-2])} does not match "
+            f"the embeddings batch shape {tuple(embeddings.shape[:-2])}"
+        )
+    _check_finite(embeddings, "embeddings")
+    _check_finite(class_embeddings, "class_embeddings")
+    if (class_embeddings.norm(dim=-1) == 0).any():
+        raise ValueError("class_embeddings has an all-zero row (no direction for a class)")
+    e = torch.nn.functional.normalize(embeddings, dim=-1)
+    t = torch.nn.functional.normalize(class_embeddings.to(e), dim=-1)
+    return torch.softmax(temperature * (e @ t.transpose(-1, -2)), -1)
+
+
+def to_simplex(
+    probs: torch.Tensor | None = None,
+    *,
+    logits: torch.Tensor | None = None,
+    embeddings: torch.Tensor | None = None,
+    class_embeddings: torch.Tensor | None = None,
+    temperature: float | None = None,
+    n_classes: int | None = None,
+) -> torch.Tensor:
+    """Probabilities from exactly one of the three input forms (module docstring).
+
+    ``temperature`` defaults to 1 for logits and 30 for embeddings. ``n_classes``, when
+    given, is the K the result must have (``ValueError`` otherwise).
+    """
+    given = [
+        name
+        for name, value in (("probs", probs), ("logits", logits), ("embeddings", embeddings))
+        if value is not None
+    ]
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of probs, logits, embeddings; got {given or 'none'}")
+    if (embeddings is None) != (class_embeddings is None):
+        raise ValueError("embeddings and class_embeddings must be given together")
+    if probs is not None:
+        if temperature is not None:
+            raise ValueError("temperature applies to logits or embeddings, not to probs")
+        check_probabilities(probs, "probs")
+        out = probs
+    elif logits is not None:
+        out = probabilities_from_logits(logits, 1.0 if temperature is None else temperature)
+    else:
+        out = probabilities_from_embeddings(
+            embeddings, class_embeddings, 30.0 if temperature is None else temperature
+        )
+    if n_classes is not None and out.shape[-1] != n_classes:
+        name = "class_embeddings" if embeddings is not None else given[0]
+        raise ValueError(f"{name} gives {out.shape[-1]} classes, expected K={n_classes}")
+    return out

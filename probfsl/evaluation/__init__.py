@@ -1,0 +1,6 @@
+"""The evaluation protocol and result tables."""
+
+from probfsl.evaluation.protocol import EvalResult, accuracy_ci, evaluate
+from probfsl.evaluation.tables import markdown_table, text_table, write_results
+
+__all__ = ["EvalResult", "accuracy_ci", "evaluate", "markdown_table", "text_table", "write_results"]

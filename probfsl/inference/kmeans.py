@@ -1,0 +1,47 @@
+"""Soft k-means with labelled support rows (BAVARDAGE's initialiser).
+
+Hu, Pateux & Gripon, "Adaptive Dimension Reduction and Variational Inference for
+Transductive Few-Shot Classification" (AISTATS 2023), §3 and spec bavardage.md §3.4.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def one_hot_support(support_labels: torch.Tensor, way: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[T, n_support, K]`` one-hot rows of the support labels."""
+    return torch.nn.functional.one_hot(support_labels, way).to(dtype)
+
+
+def class_means(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted class means ``[T, K, D]`` from ``x`` [T, N, D] and weights ``[T, N, K]``."""
+    return weights.transpose(1, 2) @ x / weights.sum(1).unsqueeze(-1).clamp_min(1e-12)
+
+
+def soft_kmeans(
+    support: torch.Tensor,
+    support_labels: torch.Tensor,
+    query: torch.Tensor,
+    way: int,
+    temperature: float = 10.0,
+    n_iter: int = 5,
+) -> torch.Tensor:
+    """Responsibilities ``[T, K*L + Q, K]`` of soft k-means seeded by the support.
+
+    Centroids start at the support class means. Each of ``n_iter`` passes computes
+    p_nk = softmax_k(-T_km ||x_n - c_k||^2), resets the support rows to their one-hot
+    labels and moves every centroid to the p-weighted mean of all samples. The
+    returned p is the one computed in the last pass (before its centroid update).
+    """
+    x = torch.cat([support, query], 1)
+    n_support = support.shape[1]
+    labels = one_hot_support(support_labels, way, x.dtype)
+    centroids = class_means(support, labels)
+    p = None
+    for _ in range(n_iter):
+        logits = -temperature * torch.cdist(x, centroids).square()
+        p = torch.softmax(logits, -1)
+        p = torch.cat([labels, p[:, n_support:]], 1)
+        centroids = class_means(x, p)
+    return p

@@ -1,0 +1,53 @@
+"""Transductive soft k-means baseline (the initialiser of BAVARDAGE, spec §3.4)."""
+
+from __future__ import annotations
+
+from typing import Self
+
+import torch
+
+from probfsl.data.preprocess import center_and_normalize
+from probfsl.data.tasks import Episodes
+from probfsl.inference.kmeans import soft_kmeans
+from probfsl.models.base import FewShotClassifier, check_base, check_episodes
+
+
+class SoftKMeans(FewShotClassifier):
+    """Soft k-means on centred, L2-normalised features, seeded by the support means.
+
+    Args:
+        temperature: T_km, the inverse temperature multiplying squared distances.
+        n_iter: number of passes (5 in the reference code).
+        center: centre the features on the base-class mean first (needs ``fit_base``).
+    """
+
+    transductive = True
+
+    def __init__(self, temperature: float = 10.0, n_iter: int = 5, center: bool = True) -> None:
+        self.temperature = temperature
+        self.n_iter = n_iter
+        self.center = center
+
+    @property
+    def needs_base(self) -> bool:
+        return self.center
+
+    def fit_base(self, features: torch.Tensor, labels: torch.Tensor) -> Self:
+        check_base(features, labels)
+        self.base_mean_ = features.mean(0)
+        return self
+
+    def predict_proba(self, episodes: Episodes) -> torch.Tensor:
+        check_episodes(episodes)
+        mean = getattr(self, "base_mean_", None) if self.center else None
+        if self.center and mean is None:
+            raise ValueError("center=True needs base features: call fit_base first")
+        p = soft_kmeans(
+            center_and_normalize(episodes.support, mean),
+            episodes.support_labels,
+            center_and_normalize(episodes.query, mean),
+            episodes.way,
+            self.temperature,
+            self.n_iter,
+        )
+        return p[:, episodes.support.shape[1] :]

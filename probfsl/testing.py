@@ -1,0 +1,176 @@
+"""Conformance checks that every closed-form engine must pass.
+
+The oracle is Pyro itself: for an engine and its Pyro model,
+
+1. Pyro's ``Trace_ELBO`` of (model, engine.guide(state)) agrees with the engine's
+   analytic objective, within Monte Carlo error (:func:`assert_elbo_matches_pyro`);
+2. the objective is monotone over the engine's steps (:func:`assert_monotone`);
+3. running the whole batch equals running each task alone (:func:`assert_batch_invariant`);
+4. float32 agrees with float64 (:func:`assert_dtype_agreement`);
+5. where the guide is the exact posterior, the ELBO equals the exact log evidence.
+
+:func:`check_engine` runs them all on a :class:`ConformanceCase`. Tests of every
+engine reuse it, the way scikit-learn's estimator checks are shared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyro
+import torch
+
+from probfsl.inference.base import Engine, run
+
+
+@dataclass
+class ConformanceCase:
+    """An engine, its Pyro model and a small batch of float64 data.
+
+    Attributes:
+        make_engine: builds a fresh engine.
+        model: the Pyro model, called as ``model(*data)``.
+        data: tensors with a leading task dimension (floating ones in float64).
+        n_steps: number of engine steps to run.
+        outputs: what must agree across batching and dtypes; default the objective.
+        pyro_elbo: the per-task value Pyro's ELBO estimates; default the objective
+            (negated for engines with ``maximize = False``).
+        exact_log_evidence: per-task log evidence, when the guide is the exact posterior.
+        max_plate_nesting: passed to ``Trace_ELBO``.
+        particles: particles per Pyro ELBO estimate; ``repeats`` estimates are averaged.
+        monotone_tol: allowed violation of monotonicity per step.
+        rtol_float32: relative tolerance of the float32 against float64 comparison.
+    """
+
+    make_engine: Callable[[], Engine]
+    model: Callable[..., Any]
+    data: tuple[torch.Tensor, ...]
+    n_steps: int = 20
+    outputs: Callable[[Any], torch.Tensor] | None = None
+    pyro_elbo: Callable[[Any], torch.Tensor] | None = None
+    exact_log_evidence: torch.Tensor | None = None
+    max_plate_nesting: int = 2
+    particles: int = 500
+    repeats: int = 10
+    monotone_tol: float = 1e-9
+    rtol_float32: float = 1e-3
+    vectorize_particles: bool = True
+    extra: dict = field(default_factory=dict)
+
+
+def fit(case: ConformanceCase, data: tuple[torch.Tensor, ...]) -> tuple[Any, torch.Tensor]:
+    """Run a fresh engine of ``case`` for ``n_steps`` on ``data``."""
+    engine = case.make_engine()
+    return run(engine, engine.init(*data), case.n_steps)
+
+
+def _outputs(case: ConformanceCase, state: Any) -> torch.Tensor:
+    return state.objective if case.outputs is None else case.outputs(state)
+
+
+def _elbo_of(case: ConformanceCase, engine: Engine, state: Any) -> torch.Tensor:
+    if case.pyro_elbo is not None:
+        return case.pyro_elbo(state)
+    return state.objective if engine.maximize else -state.objective
+
+
+def pyro_elbo_estimate(
+    model: Callable[..., Any],
+    guide: Callable[..., Any],
+    data: tuple[torch.Tensor, ...],
+    particles: int = 500,
+    repeats: int = 10,
+    max_plate_nesting: int = 2,
+    vectorize_particles: bool = True,
+) -> tuple[float, float]:
+    """Pyro's ``Trace_ELBO`` (as an ELBO, not a loss): mean and Monte Carlo standard error."""
+    elbo = pyro.infer.Trace_ELBO(
+        num_particles=particles,
+        vectorize_particles=vectorize_particles,
+        max_plate_nesting=max_plate_nesting,
+    )
+    with torch.no_grad():
+        values = torch.tensor([-elbo.loss(model, guide, *data) for _ in range(repeats)])
+    return values.mean().item(), (values.std() / repeats**0.5).item()
+
+
+def assert_elbo_matches_pyro(case: ConformanceCase, n_sigma: float = 5.0) -> None:
+    """Pyro's ELBO of (model, guide) equals the engine's analytic ELBO within MC error."""
+    pyro.set_rng_seed(0)
+    engine = case.make_engine()
+    state, _ = run(engine, engine.init(*case.data), case.n_steps)
+    analytic = _elbo_of(case, engine, state).sum().item()
+    mean, se = pyro_elbo_estimate(
+        case.model,
+        engine.guide(state),
+        case.data,
+        case.particles,
+        case.repeats,
+        case.max_plate_nesting,
+        case.vectorize_particles,
+    )
+    tol = n_sigma * se + 1e-6 * max(1.0, abs(analytic))
+    assert abs(mean - analytic) <= tol, (
+        f"Pyro Trace_ELBO {mean:.6f} ± {se:.2e} disagrees with the analytic ELBO {analytic:.6f}"
+    )
+
+
+def assert_monotone(case: ConformanceCase) -> None:
+    """The objective never gets worse from one step to the next, in any task."""
+    engine = case.make_engine()
+    _, trace = run(engine, engine.init(*case.data), case.n_steps)
+    diff = trace[1:] - trace[:-1]
+    worst = (-diff if engine.maximize else diff).max().item()
+    scale = trace.abs().max().clamp_min(1.0).item()
+    assert worst <= case.monotone_tol * scale, (
+        f"objective moved the wrong way by {worst:.3e} "
+        f"({'should increase' if engine.maximize else 'should decrease'})"
+    )
+
+
+def assert_batch_invariant(case: ConformanceCase, rtol: float = 1e-7) -> None:
+    """The batched run equals one-task-at-a-time runs."""
+    state, _ = fit(case, case.data)
+    batched = _outputs(case, state)
+    singles = torch.cat(
+        [
+            _outputs(case, fit(case, tuple(d[t : t + 1] for d in case.data))[0])
+            for t in range(len(batched))
+        ]
+    )
+    torch.testing.assert_close(batched, singles, rtol=rtol, atol=rtol)
+
+
+def assert_dtype_agreement(case: ConformanceCase) -> None:
+    """float32 results agree with float64 ones to ``rtol_float32``."""
+    state64, _ = fit(case, case.data)
+    data32 = tuple(d.float() if d.is_floating_point() else d for d in case.data)
+    state32, _ = fit(case, data32)
+    out64, out32 = _outputs(case, state64), _outputs(case, state32)
+    assert out32.dtype in (torch.float32, torch.long, torch.bool), (
+        f"float32 input gave {out32.dtype} output: dtype must follow the input"
+    )
+    torch.testing.assert_close(
+        out32.to(out64.dtype), out64, rtol=case.rtol_float32, atol=case.rtol_float32
+    )
+
+
+def assert_exact_evidence(case: ConformanceCase, rtol: float = 1e-8) -> None:
+    """With an exact posterior as guide, the analytic ELBO is the exact log evidence."""
+    engine = case.make_engine()
+    state, _ = run(engine, engine.init(*case.data), case.n_steps)
+    torch.testing.assert_close(
+        _elbo_of(case, engine, state), case.exact_log_evidence, rtol=rtol, atol=rtol
+    )
+
+
+def check_engine(case: ConformanceCase) -> None:
+    """Run every conformance check on ``case``; raises ``AssertionError`` on the first failure."""
+    assert_monotone(case)
+    assert_batch_invariant(case)
+    assert_dtype_agreement(case)
+    if case.exact_log_evidence is not None:
+        assert_exact_evidence(case)
+    assert_elbo_matches_pyro(case)

@@ -1,0 +1,101 @@
+import json
+
+import numpy as np
+import torch
+
+from probfsl.cli import main
+from tests.conftest import make_featureset
+
+REQUIRED = {
+    "method",
+    "dataset",
+    "way",
+    "shot",
+    "query",
+    "balance",
+    "tasks",
+    "seed",
+    "accuracy",
+    "ci95",
+    "seconds",
+    "tasks_per_second",
+}
+
+
+def test_run_on_builtin_writes_json(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = main(
+        [
+            "run",
+            "--method",
+            "nearest-centroid",
+            "--dataset",
+            "omniglot",
+            "--tasks",
+            "200",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert REQUIRED <= set(result)
+    assert result["tasks"] == 200 and result["way"] == 5 and 60 < result["accuracy"] < 90
+    assert "nearest-centroid" in capsys.readouterr().out
+
+
+def test_run_on_a_features_file_and_same_seed_same_result(tmp_path):
+    fs = make_featureset()
+    path = tmp_path / "mine.npz"
+    np.savez(path, features=fs.features, labels=fs.labels, split=fs.split)
+    results = []
+    for name in ("a.json", "b.json"):
+        rc = main(
+            [
+                "run",
+                "--method",
+                "soft-kmeans",
+                "--features",
+                str(path),
+                "--tasks",
+                "30",
+                "--shot",
+                "2",
+                "--balance",
+                "dirichlet",
+                "--out",
+                str(tmp_path / name),
+            ]
+        )
+        assert rc == 0
+        results.append(json.loads((tmp_path / name).read_text()))
+    assert results[0]["dataset"] == "mine" and results[0]["balance"] == "dirichlet"
+    assert results[0]["accuracy"] == results[1]["accuracy"]
+
+
+def test_errors_are_one_line_without_traceback(tmp_path, capsys):
+    cases = [
+        ["run", "--method", "nope", "--dataset", "omniglot"],
+        ["run", "--method", "soft-kmeans", "--features", str(tmp_path / "missing.npz")],
+        ["run", "--method", "soft-kmeans", "--dataset", "omniglot", "--way", "500"],
+        ["run", "--method", "soft-kmeans", "--dataset", "omniglot", "--tasks", "0"],
+    ]
+    if not torch.cuda.is_available():
+        cases.append(
+            ["run", "--method", "soft-kmeans", "--dataset", "omniglot", "--device", "cuda"]
+        )
+    for argv in cases:
+        try:
+            rc = main(argv)
+        except SystemExit as exit_:
+            rc = exit_.code
+        err = capsys.readouterr().err
+        assert rc != 0, argv
+        assert err.startswith("probfsl: error:") and err.count("\n") == 1, err
+        assert "Traceback" not in err
+
+
+def test_datasets_lists_builtins(capsys):
+    assert main(["datasets"]) == 0
+    out = capsys.readouterr().out
+    assert "omniglot" in out and "wordnet" in out

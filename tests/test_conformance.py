@@ -1,0 +1,116 @@
+"""The shared model/guide conformance checks, proven on textbook conjugate models."""
+
+from dataclasses import replace
+from functools import partial
+
+import pytest
+import torch
+
+from probfsl.inference.normal_gamma import NormalGammaVB, NormalMeanPosterior
+from probfsl.models.normal_gamma import normal_gamma_model, normal_mean_model
+from probfsl.testing import (
+    ConformanceCase,
+    assert_elbo_matches_pyro,
+    assert_exact_evidence,
+    assert_monotone,
+    check_engine,
+)
+
+
+def _data(t=4, n=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return 1.5 + 0.7 * torch.randn(t, n, generator=g, dtype=torch.float64)
+
+
+def _exact_log_evidence(x, mu0, lam0, tau):
+    """Marginal x ~ Normal(mu0 1, tau^-1 I + (lam0 tau)^-1 11^T), evaluated densely."""
+    n = x.shape[-1]
+    cov = torch.eye(n, dtype=x.dtype) / tau + torch.ones(n, n, dtype=x.dtype) / (lam0 * tau)
+    mvn = torch.distributions.MultivariateNormal(torch.full((n,), mu0, dtype=x.dtype), cov)
+    return mvn.log_prob(x)
+
+
+def normal_mean_case():
+    x = _data()
+    hyper = dict(mu0=0.5, lam0=2.0, tau=1.7)
+    return ConformanceCase(
+        make_engine=lambda: NormalMeanPosterior(**hyper),
+        model=partial(normal_mean_model, **hyper),
+        data=(x,),
+        n_steps=3,
+        exact_log_evidence=_exact_log_evidence(x, **hyper),
+    )
+
+
+def normal_gamma_case():
+    hyper = dict(mu0=0.5, lam0=2.0, a0=2.0, b0=1.5)
+    return ConformanceCase(
+        make_engine=lambda: NormalGammaVB(**hyper),
+        model=partial(normal_gamma_model, **hyper),
+        data=(_data(),),
+        n_steps=15,
+    )
+
+
+@pytest.mark.parametrize("make_case", [normal_mean_case, normal_gamma_case])
+def test_textbook_engines_pass_conformance(make_case):
+    check_engine(make_case())
+
+
+def test_normal_gamma_matches_exact_posterior_limit():
+    """With many samples the mean-field posterior concentrates on the sample moments."""
+    x = 2.0 + 0.5 * torch.randn(1, 20000, generator=torch.Generator().manual_seed(1)).double()
+    engine = NormalGammaVB()
+    from probfsl.inference.base import run
+
+    state, _ = run(engine, engine.init(x), 30)
+    assert abs(state.mu_mean.item() - x.mean().item()) < 1e-3
+    assert abs((state.tau_shape / state.tau_rate).item() - 1 / x.var().item()) < 0.05
+
+
+class _BrokenMuUpdate(NormalGammaVB):
+    """q(mu) update that forgets the prior: no longer coordinate ascent."""
+
+    def _update_mu(self, s):
+        n = s.x.shape[-1]
+        e_tau = s.tau_shape / s.tau_rate
+        new = replace(s, mu_mean=s.x.mean(-1) + 0.3, mu_precision=n * e_tau)
+        return replace(new, objective=self.elbo(new))
+
+
+class _BrokenElbo(NormalGammaVB):
+    """Correct updates but an ELBO that drops the entropy of q(tau)."""
+
+    def elbo(self, s):
+        a, b = s.tau_shape, s.tau_rate
+        h_tau = a - b.log() + torch.lgamma(a) + (1 - a) * torch.special.digamma(a)
+        return super().elbo(s) - h_tau
+
+
+class _BrokenPosterior(NormalMeanPosterior):
+    """Posterior mean shifted away from the exact one."""
+
+    def step(self, state):
+        state = super().step(state)
+        state = replace(state, mean=state.mean + 0.2)
+        return replace(state, objective=self.elbo(state))
+
+
+def test_conformance_catches_a_broken_update():
+    case = replace(normal_gamma_case(), make_engine=lambda: _BrokenMuUpdate(0.5, 2.0, 2.0, 1.5))
+    with pytest.raises(AssertionError):
+        assert_monotone(case)
+
+
+def test_conformance_catches_a_wrong_analytic_elbo():
+    case = replace(normal_gamma_case(), make_engine=lambda: _BrokenElbo(0.5, 2.0, 2.0, 1.5))
+    with pytest.raises(AssertionError):
+        assert_elbo_matches_pyro(case)
+
+
+def test_conformance_catches_an_inexact_posterior():
+    case = replace(normal_mean_case(), make_engine=lambda: _BrokenPosterior(0.5, 2.0, 1.7))
+    with pytest.raises(AssertionError):
+        assert_exact_evidence(case)
+    with pytest.raises(AssertionError):
+        check_engine(case)

@@ -1,0 +1,146 @@
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from probfsl.data import (
+    FeatureSet,
+    load_dataset,
+    load_features,
+    load_npz,
+    load_pickle,
+    load_torch,
+)
+from probfsl.data.builtin import wordnet_base_classes
+from tests.conftest import make_featureset
+
+
+def test_builtin_omniglot_matches_its_description():
+    fs = load_dataset("omniglot")
+    assert fs.features.shape == (5640, 64)
+    assert len(fs.classes_in("base")) == 136 and len(fs.classes_in("novel")) == 106
+    assert not set(fs.classes_in("base")) & set(fs.classes_in("novel"))
+    novel_sizes = np.bincount(fs.labels[fs.rows("novel")])[fs.classes_in("novel")]
+    assert (novel_sizes == 20).all()
+    assert fs.class_names[fs.classes_in("novel")[0]].startswith("Japanese")
+
+
+def test_builtin_wordnet_split_and_class_embeddings():
+    fs = load_dataset("wordnet")
+    assert fs.features.shape == (3974, 384)
+    assert fs.class_features.shape == (41, 384)
+    assert sorted(fs.classes_in("base")) == sorted(wordnet_base_classes())
+    assert len(fs.classes_in("novel")) == 20
+    assert fs.class_names[2] == "noun.animal"
+
+
+def test_unknown_dataset_is_a_value_error():
+    with pytest.raises(ValueError, match="unknown dataset 'nope'"):
+        load_dataset("nope")
+
+
+def _save_npz(path, fs, **extra):
+    np.savez(path, features=fs.features, labels=fs.labels, split=fs.split, **extra)
+
+
+def test_npz_roundtrip(tmp_path, synthetic):
+    _save_npz(tmp_path / "f.npz", synthetic, class_names=np.array(synthetic.class_names))
+    fs = load_features(tmp_path / "f.npz")
+    np.testing.assert_array_equal(fs.features, synthetic.features)
+    np.testing.assert_array_equal(fs.split, synthetic.split)
+    assert fs.class_names == synthetic.class_names
+    assert fs.name == "f"
+
+
+def test_npz_without_split_is_all_novel_or_uses_base_classes(tmp_path, synthetic):
+    np.savez(tmp_path / "f.npz", features=synthetic.features, labels=synthetic.labels)
+    assert set(load_npz(tmp_path / "f.npz").split) == {"novel"}
+    fs = load_npz(tmp_path / "f.npz", base_classes=[0, 1])
+    assert list(fs.classes_in("base")) == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(labels=np.zeros(3, int)), "missing field 'features'"),
+        (dict(features=np.zeros((3, 2))), "missing field 'labels'"),
+        (dict(features=np.zeros(3), labels=np.zeros(3, int)), "must be 2-D"),
+        (dict(features=np.zeros((3, 2)), labels=np.zeros(4, int)), "one entry per feature row"),
+        (dict(features=np.zeros((3, 2)), labels=np.zeros(3)), "must be integers"),
+        (dict(features=np.array([[0, np.nan]] * 3), labels=np.zeros(3, int)), "NaN or inf"),
+        (dict(features=np.array([[0, np.inf]] * 3), labels=np.zeros(3, int)), "NaN or inf"),
+        (
+            dict(features=np.zeros((3, 2)), labels=np.zeros(3, int), split=np.array(["base"])),
+            "'split' must have one entry per row",
+        ),
+    ],
+)
+def test_bad_npz_names_file_and_field(tmp_path, fields, message):
+    path = tmp_path / "bad.npz"
+    np.savez(path, **fields)
+    with pytest.raises(ValueError, match=message) as err:
+        load_npz(path)
+    assert "bad.npz" in str(err.value)
+
+
+def test_missing_and_unreadable_files(tmp_path):
+    with pytest.raises(ValueError, match="not found"):
+        load_features(tmp_path / "none.npz")
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match="junk.npz"):
+        load_features(tmp_path / "junk.npz")
+    (tmp_path / "f.csv").write_text("1,2")
+    with pytest.raises(ValueError, match="unknown feature file type"):
+        load_features(tmp_path / "f.csv")
+
+
+def test_pickled_class_dictionaries(tmp_path):
+    rng = np.random.default_rng(0)
+    novel = {f"n{c}": rng.standard_normal((4 + c, 3)) for c in range(3)}
+    base = {f"b{c}": rng.standard_normal((5, 3)) for c in range(2)}
+    for name, obj in (("novel.plk", novel), ("base.plk", base)):
+        with open(tmp_path / name, "wb") as fh:
+            pickle.dump(obj, fh)
+    fs = load_pickle(tmp_path / "novel.plk", base=tmp_path / "base.plk")
+    assert fs.class_names == ["b0", "b1", "n0", "n1", "n2"]
+    assert list(fs.classes_in("base")) == [0, 1] and list(fs.classes_in("novel")) == [2, 3, 4]
+    np.testing.assert_allclose(fs.features[fs.labels == 3], novel["n1"], rtol=1e-6)
+
+
+def test_pickle_with_ragged_widths_is_rejected(tmp_path):
+    with open(tmp_path / "x.pkl", "wb") as fh:
+        pickle.dump({"a": np.zeros((2, 3)), "b": np.zeros((2, 4))}, fh)
+    with pytest.raises(ValueError, match="different feature widths"):
+        load_pickle(tmp_path / "x.pkl")
+
+
+def test_torch_files(tmp_path, synthetic):
+    torch.save(
+        {"features": torch.tensor(synthetic.features), "labels": torch.tensor(synthetic.labels)},
+        tmp_path / "a.pt",
+    )
+    fs = load_torch(tmp_path / "a.pt")
+    np.testing.assert_array_equal(fs.features, synthetic.features)
+    torch.save({"x": torch.ones(2, 3), "y": torch.zeros(3, 3)}, tmp_path / "b.pt")
+    fs = load_features(tmp_path / "b.pt")
+    assert fs.class_names == ["x", "y"] and fs.features.shape == (5, 3)
+
+
+def test_featureset_validates_class_features():
+    fs = make_featureset(n_base=1, n_novel=2)
+    with pytest.raises(ValueError, match="class_features"):
+        FeatureSet(fs.features, fs.labels, fs.class_names, fs.split, class_features=np.ones((2, 4)))
+
+
+def test_base_tensors_require_base_rows(synthetic):
+    features, labels = synthetic.base()
+    assert features.dtype == torch.float32 and labels.unique().numel() == 6
+    no_base = FeatureSet(
+        synthetic.features,
+        synthetic.labels,
+        synthetic.class_names,
+        np.full(synthetic.labels.shape, "novel"),
+    )
+    with pytest.raises(ValueError, match="no base-class rows"):
+        no_base.base()

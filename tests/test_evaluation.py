@@ -1,0 +1,57 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from probfsl.data import sample_episodes
+from probfsl.evaluation import accuracy_ci, evaluate, markdown_table, text_table, write_results
+from probfsl.models.base import FewShotClassifier
+
+
+class Oracle(FewShotClassifier):
+    """Knows the answer for even tasks, answers class 0 for odd ones (for testing scoring)."""
+
+    def predict_proba(self, episodes):
+        proba = torch.nn.functional.one_hot(episodes.query_labels, episodes.way).float()
+        odd = episodes.query_index[:, 0] % 2 == 1
+        proba[odd] = torch.nn.functional.one_hot(
+            torch.zeros_like(episodes.query_labels[odd]), episodes.way
+        ).float()
+        return proba
+
+
+def test_accuracy_ci_formula():
+    per_task = np.array([0.5, 0.7, 0.9, 0.6])
+    mean, ci = accuracy_ci(per_task)
+    assert mean == pytest.approx(67.5)
+    assert ci == pytest.approx(100 * 1.96 * per_task.std(ddof=1) / 2)
+    with pytest.raises(ValueError):
+        accuracy_ci(np.array([]))
+
+
+def test_evaluate_scores_queries_per_task_in_batches(synthetic):
+    ep = sample_episodes(synthetic, 23, seed=0)
+    res = evaluate(Oracle(), ep, batch_size=5)
+    odd = (ep.query_index[:, 0] % 2 == 1).numpy()
+    expected = np.where(odd, (ep.query_labels == 0).double().mean(1).numpy(), 1.0)
+    np.testing.assert_allclose(res.per_task_accuracy, expected)
+    assert res.n_tasks == 23 and res.accuracy == pytest.approx(100 * expected.mean())
+    assert res.seconds > 0 and res.tasks_per_second > 0
+    with pytest.raises(ValueError, match="batch_size"):
+        evaluate(Oracle(), ep, batch_size=0)
+
+
+def test_tables_and_files(tmp_path):
+    rows = [{"method": "a", "accuracy": 71.234, "ci95": 0.5}, {"method": "b", "accuracy": 9.0}]
+    md = markdown_table(rows, ["method", "accuracy", "ci95"])
+    assert md.splitlines()[2] == "| a | 71.23 | 0.50 |"
+    assert "b" in text_table(rows, ["method", "accuracy"])
+    write_results(rows, tmp_path / "r.json")
+    assert json.loads((tmp_path / "r.json").read_text())[1]["method"] == "b"
+    write_results(rows[:1], tmp_path / "one.json")
+    assert json.loads((tmp_path / "one.json").read_text())["method"] == "a"
+    write_results(rows, tmp_path / "r.csv")
+    assert (tmp_path / "r.csv").read_text().splitlines()[0] == "method,accuracy,ci95"
+    with pytest.raises(ValueError, match=".json or .csv"):
+        write_results(rows, tmp_path / "r.txt")
