@@ -13,15 +13,27 @@ from probfsl.models.base import FewShotClassifier, check_base, check_episodes
 
 
 class NearestCentroid(FewShotClassifier):
-    """Inductive baseline: cosine similarity to the mean of each class's support.
+    """Inductive baseline: similarity of each query to the mean of each class's support.
 
-    Features are centred on the base-class mean (when ``center`` and base features
-    are given) and L2-normalised; the prototype of a class is the mean of its
-    normalised support features. Probabilities are softmax(temperature * cosine).
+    Features are centred on the base-class mean (when ``center``) and L2-normalised;
+    the prototype of a class is the mean of its normalised support features. The
+    score is the inner product of the normalised query with that prototype
+    (``prototype="mean"``, the convention behind the reference numbers of the
+    shipped data sets) or with the prototype renormalised to unit length
+    (``prototype="normalized"``, a true cosine). The two agree in 1-shot; in 5-shot
+    the cosine is about 2 points better on Omniglot (87.6 against 85.4, PCA-64).
+    Probabilities are softmax(temperature * score).
     """
 
-    def __init__(self, center: bool = True, temperature: float = 10.0) -> None:
+    PROTOTYPES = ("mean", "normalized")
+
+    def __init__(
+        self, center: bool = True, prototype: str = "mean", temperature: float = 10.0
+    ) -> None:
+        if prototype not in self.PROTOTYPES:
+            raise ValueError(f"prototype must be one of {self.PROTOTYPES}, got {prototype!r}")
         self.center = center
+        self.prototype = prototype
         self.temperature = temperature
 
     @property
@@ -41,6 +53,8 @@ class NearestCentroid(FewShotClassifier):
         support = center_and_normalize(episodes.support, mean)
         query = center_and_normalize(episodes.query, mean)
         labels = one_hot_support(episodes.support_labels, episodes.way, support.dtype)
-        prototypes = torch.nn.functional.normalize(class_means(support, labels), dim=-1)
-        cosine = query @ prototypes.transpose(1, 2)
-        return torch.softmax(self.temperature * cosine, -1)
+        prototypes = class_means(support, labels)
+        if self.prototype == "normalized":
+            prototypes = torch.nn.functional.normalize(prototypes, dim=-1)
+        score = query @ prototypes.transpose(1, 2)
+        return torch.softmax(self.temperature * score, -1)
