@@ -19,7 +19,7 @@ from probfsl.data import (
     sample_episodes,
 )
 from probfsl.evaluation import evaluate, text_table, write_results
-from probfsl.methods import METHODS, make_estimator
+from probfsl.methods import METHODS, make_estimator, parse_params
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -61,9 +61,11 @@ def run_setting(
     progress: bool,
     task_file: str | None = None,
     batch_size: int = 1000,
+    preset: str | None = None,
+    params: dict | None = None,
 ) -> dict:
     """Evaluate ``method`` on one task setting; returns the row of the results table."""
-    estimator = make_estimator(method)
+    estimator = make_estimator(method, preset, **(params or {}))
     estimator.fit_featureset(fs, dtype)
     if task_file:
         episodes = episodes_from_indices(fs, load_task_file(task_file), dtype)
@@ -82,6 +84,8 @@ def run_setting(
         "seed": seed,
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
+        "preset": preset,
+        "params": params or {},
         **{k: v for k, v in result.summary().items() if k != "n_tasks"},
     }
 
@@ -104,8 +108,62 @@ def cmd_datasets(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_zero_shot(
+    method: str,
+    fs: FeatureSet,
+    tasks: int,
+    min_classes: int,
+    max_classes: int,
+    query: int,
+    seed: int,
+    dtype: torch.dtype,
+    batch_size: int = 1000,
+    progress: bool = False,
+) -> dict:
+    """Zero-shot protocol (EM-Dirichlet): probabilities over all classes, matched clusters."""
+    from probfsl.data import sample_zero_shot_tasks
+    from probfsl.models.em_dirichlet import evaluate_zero_shot, zero_shot_probabilities
+
+    estimator = make_estimator(method)
+    if not hasattr(estimator, "predict_zero_shot"):
+        raise ValueError(f"--zero-shot is not available for method {method!r}")
+    zs = sample_zero_shot_tasks(fs, tasks, min_classes, max_classes, query, seed)
+    probs = zero_shot_probabilities(fs, zs, estimator.temperature, dtype)
+    result = evaluate_zero_shot(estimator, probs, zs.query_labels, batch_size, progress)
+    return {
+        "method": method,
+        "dataset": fs.name,
+        "way": f"{min_classes}-{max_classes}",
+        "shot": 0,
+        "query": query,
+        "balance": "natural",
+        "tasks": result.n_tasks,
+        "seed": seed,
+        "dtype": str(dtype).removeprefix("torch."),
+        **{k: v for k, v in result.summary().items() if k != "n_tasks"},
+    }
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     fs = _load(args)
+    if args.zero_shot:
+        row = run_zero_shot(
+            args.method,
+            fs,
+            args.tasks,
+            args.min_classes,
+            args.max_classes,
+            args.query,
+            args.seed,
+            DTYPES[args.dtype],
+            args.batch_size,
+            progress=sys.stderr.isatty(),
+        )
+        print(text_table([row]))
+        if args.out:
+            write_results([row], args.out)
+            print(f"wrote {args.out}")
+        return 0
     row = run_setting(
         args.method,
         fs,
@@ -121,6 +179,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         progress=sys.stderr.isatty(),
         task_file=args.task_file,
         batch_size=args.batch_size,
+        preset=args.preset,
+        params=parse_params(args.param),
     )
     print(text_table([row]))
     if args.out:
@@ -224,6 +284,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="explicit task file (.npz of row indices) instead of sampling",
     )
+    run.add_argument("--preset", metavar="NAME", help="a published setting of the method")
+    run.add_argument(
+        "--param",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a hyperparameter of the method (repeatable), e.g. whitening=global",
+    )
+    run.add_argument(
+        "--zero-shot",
+        action="store_true",
+        help="zero-shot tasks (em-dirichlet): 3-10 classes from all classes, "
+        "probabilities from the class embeddings",
+    )
+    run.add_argument("--min-classes", type=_positive(int), default=3)
+    run.add_argument("--max-classes", type=_positive(int), default=10)
     run.add_argument("--out", metavar="FILE", help="write the result as .json or .csv")
     run.set_defaults(func=cmd_run)
     return parser

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from importlib import import_module
 
@@ -35,6 +36,17 @@ METHODS: dict[str, MethodInfo] = {
             "probfsl.models.soft_kmeans:SoftKMeans",
             "transductive soft k-means seeded by the support (BAVARDAGE's initialiser)",
         ),
+        MethodInfo(
+            "bavardage",
+            "probfsl.models.bavardage:Bavardage",
+            "transductive VB Gaussian mixture with adaptive PLDA (Hu et al., AISTATS 2023)",
+        ),
+        MethodInfo(
+            "em-dirichlet",
+            "probfsl.models.em_dirichlet:EMDirichlet",
+            "transductive Dirichlet mixture on the probability simplex (Martin et al., CVPR 2024)",
+            demo_tasks=200,
+        ),
     ]
 }
 
@@ -46,6 +58,35 @@ def method_info(name: str) -> MethodInfo:
     return METHODS[name]
 
 
-def make_estimator(name: str, **params) -> FewShotClassifier:
-    """A new estimator of method ``name`` with hyperparameters ``params``."""
-    return method_info(name).load()(**params)
+def make_estimator(name: str, preset: str | None = None, **params) -> FewShotClassifier:
+    """A new estimator of method ``name`` with hyperparameters ``params``.
+
+    ``preset`` names a published setting of methods that define ``from_preset``.
+    """
+    cls = method_info(name).load()
+    accepted = inspect.signature(cls.__init__).parameters
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        choices = ", ".join(p for p in accepted if p != "self")
+        raise ValueError(f"{name}: unknown hyperparameter(s) {unknown}; accepted: {choices}")
+    if preset is None:
+        return cls(**params)
+    if not hasattr(cls, "from_preset"):
+        raise ValueError(f"method {name!r} has no presets")
+    return cls.from_preset(preset, **params)
+
+
+def parse_params(items: list[str] | None) -> dict:
+    """``["key=value", ...]`` from the command line into a dict (values as Python literals)."""
+    from ast import literal_eval
+
+    params = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"--param expects KEY=VALUE, got {item!r}")
+        try:
+            params[key] = literal_eval(value)
+        except (ValueError, SyntaxError):
+            params[key] = value
+    return params

@@ -37,11 +37,18 @@ def soft_kmeans(
     x = torch.cat([support, query], 1)
     n_support = support.shape[1]
     labels = one_hot_support(support_labels, way, x.dtype)
-    centroids = class_means(support, labels)
+    # Centroids are weighted means of the samples, c = W^T x with W = p / sum_n p, so every
+    # distance follows from the Gram matrix: ||x_n - c_k||^2 = G_nn - 2 (G W)_nk + (W^T G W)_kk.
+    # One [N, N] Gram matrix per task replaces 2 passes over the D-dim features per iteration.
+    gram = x @ x.transpose(1, 2)
+    sq_norms = gram.diagonal(dim1=1, dim2=2).unsqueeze(-1)
+    weights = torch.cat([labels, labels.new_zeros(x.shape[0], query.shape[1], way)], 1)
     p = None
     for _ in range(n_iter):
-        logits = -temperature * torch.cdist(x, centroids).square()
-        p = torch.softmax(logits, -1)
+        weights = weights / weights.sum(1, keepdim=True).clamp_min(1e-12)
+        cross = gram @ weights
+        sq_dist = sq_norms - 2 * cross + (weights * cross).sum(1, keepdim=True)
+        p = torch.softmax(-temperature * sq_dist, -1)
         p = torch.cat([labels, p[:, n_support:]], 1)
-        centroids = class_means(x, p)
+        weights = p
     return p

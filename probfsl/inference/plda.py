@@ -1,0 +1,247 @@
+"""PLDA whitening and the adaptive centroid projection of BAVARDAGE.
+
+Hu, Pateux & Gripon, "Adaptive Dimension Reduction and Variational Inference for
+Transductive Few-Shot Classification" (AISTATS 2023), §3.2 and Appendix 6.1 (eq. 6-9);
+implementation spec ``bavardage.md`` §3.1-3.5, which follows the authors' code where
+it differs from the paper.
+
+* :func:`within_class_scatter`: the base within-class scatter S_w (spec §3.2, the code's
+  norm-averaged per-class scatter; the paper's eq. 6 as an option).
+* :func:`task_span_whitening`: the code's per-task whitening inside the span of the
+  task's points, ``M_t = (U_t^T S_w^{-1} U_t)^{-1}`` (spec §3.1 "S" and "V").
+* :func:`global_whitening`: the paper's whitening, one D x D eigendecomposition of S_w
+  (spec §3.3, eq. 7), returned as a :class:`GlobalWhitening` that can whiten rows or
+  apply the whitened metric ``G = W W^T`` lazily (the fast path).
+* :func:`centroid_projection`: the adaptive projection onto the (K-1)-dim subspace of
+  the shrunk soft centroids (spec §3.5, eq. 8-9).
+
+All functions take a leading task dimension where tasks are involved and follow the
+dtype and device of their input.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def _check_scatter_input(features: torch.Tensor, labels: torch.Tensor) -> None:
+    if not isinstance(features, torch.Tensor) or features.ndim != 2 or features.shape[0] == 0:
+        shape = getattr(features, "shape", None)
+        raise ValueError(f"features must be a non-empty [N, D] tensor, got shape {shape}")
+    if not isinstance(labels, torch.Tensor) or labels.shape != features.shape[:1]:
+        raise ValueError(
+            f"labels must be [N={features.shape[0]}], got shape {getattr(labels, 'shape', None)}"
+        )
+    if not torch.isfinite(features).all():
+        raise ValueError("features contain NaN or inf")
+    classes, counts = labels.unique(return_counts=True)
+    usable = int((counts >= 2).sum())
+    if usable < 2:
+        raise ValueError(
+            "features: the within-class scatter needs at least 2 base classes with at least "
+            f"2 samples each, got {usable} such classes (of {classes.numel()})"
+        )
+
+
+def within_class_scatter(
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    normalization: str = "code",
+    ridge: float = 1e-6,
+) -> torch.Tensor:
+    """Within-class scatter ``S_w`` [D, D] of labelled base features.
+
+    ``normalization="code"`` (default, spec §3.2, what the published hyperparameters were
+    tuned with): with the per-class scatter sums C_c = sum_{i in c} (x_i - m_c)(x_i - m_c)^T
+    (not divided by the class size),
+
+        S_w = mean_c(C_c / ||C_c||_F) * mean_c(||C_c||_F) + ridge * I.
+
+    ``normalization="paper"``: eq. 6 of the paper, sum_c C_c / N_base + ridge * I.
+    Classes with fewer than two samples carry no within-class information and are skipped.
+    """
+    _check_scatter_input(features, labels)
+    if normalization not in ("code", "paper"):
+        raise ValueError(f"normalization must be 'code' or 'paper', got {normalization!r}")
+    classes, inverse, counts = labels.unique(return_inverse=True, return_counts=True)
+    keep = counts >= 2
+    rows = keep[inverse]
+    features, inverse = features[rows], inverse[rows]
+    onehot = torch.nn.functional.one_hot(inverse, classes.numel()).to(features.dtype)
+    means = (onehot.T @ features) / counts.to(features.dtype).clamp_min(1).unsqueeze(-1)
+    centred = features - means[inverse]
+    eye = torch.eye(features.shape[1], dtype=features.dtype, device=features.device)
+    if normalization == "paper":
+        return centred.T @ centred / centred.shape[0] + ridge * eye
+    # ||C_c||_F = ||X_c X_c^T||_F (the small n_c x n_c Gram matrix has the same norm), and
+    # sum_c C_c / ||C_c||_F is one weighted product: no [C, D, D] stack is ever formed.
+    norms = torch.stack(
+        [
+            torch.linalg.matrix_norm(block @ block.T)
+            for block in (centred[inverse == c] for c in torch.nonzero(keep).flatten().tolist())
+        ]
+    ).clamp_min(torch.finfo(features.dtype).tiny)
+    index = torch.cumsum(keep.long(), 0) - 1  # class -> position among kept classes
+    weights = norms[index[inverse]].rsqrt().unsqueeze(-1)
+    weighted = centred * weights
+    return weighted.T @ weighted / norms.numel() * norms.mean() + ridge * eye
+
+
+def _scale(eigenvalues: torch.Tensor, s_max: float | None) -> torch.Tensor:
+    """Eq. 7: s_i = min(lambda_i^{-1/2}, s_max) from the eigenvalues of a covariance."""
+    s = eigenvalues.clamp_min(torch.finfo(eigenvalues.dtype).tiny).rsqrt()
+    return s if s_max is None or math.isinf(s_max) else s.clamp_max(s_max)
+
+
+@dataclass
+class GlobalWhitening:
+    """The paper's whitening x' = diag(s) R^T x with S_w = R diag(lambda) R^T (eq. 7).
+
+    Rows are whitened by ``x @ matrix`` with ``matrix = R diag(s)`` ([D, D]). BAVARDAGE only
+    needs inner products in the whitened space, i.e. the metric ``G = W W^T``;
+    :meth:`metric_apply` applies it without forming whitened rows, and when most scales
+    are clamped at ``s_max`` it uses G = s_max^2 I + R_u diag(s_u^2 - s_max^2) R_u^T over
+    the few unclamped directions (exact, cheaper).
+    """
+
+    rotation: torch.Tensor  # R [D, D], columns are eigenvectors of S_w
+    scales: torch.Tensor  # s [D]
+    s_max: float | None
+
+    @property
+    def matrix(self) -> torch.Tensor:
+        """W = R diag(s), so that whitened rows are ``x @ W`` and W^T S_w W = I unclamped."""
+        return self.rotation * self.scales
+
+    @property
+    def clamped_fraction(self) -> float:
+        """Fraction of the D scales clamped at ``s_max`` (eq. 7)."""
+        if self.s_max is None or math.isinf(self.s_max):
+            return 0.0
+        return float((self.scales >= self.s_max).double().mean())
+
+    def transform(self, x: torch.Tensor) -> torch.Tensor:
+        """Whitened rows ``x @ W`` (any leading dimensions)."""
+        return x @ self.matrix.to(x)
+
+    def to(self, reference: torch.Tensor) -> GlobalWhitening:
+        """The same whitening in the dtype and on the device of ``reference``."""
+        return GlobalWhitening(self.rotation.to(reference), self.scales.to(reference), self.s_max)
+
+    def metric_apply(self, v: torch.Tensor) -> torch.Tensor:
+        """``v @ G`` with the whitened metric G = W W^T = R diag(s^2) R^T (v: [..., D])."""
+        r, s2 = self.rotation.to(v), self.scales.to(v).square()
+        if self.s_max is not None and not math.isinf(self.s_max):
+            free = self.scales < self.s_max
+            n_free = int(free.sum())
+            if n_free < 0.5 * len(s2):
+                r_u = r[:, free]
+                return self.s_max**2 * v + ((v @ r_u) * (s2[free] - self.s_max**2)) @ r_u.T
+        return ((v @ r) * s2) @ r.T
+
+
+def global_whitening(scatter: torch.Tensor, s_max: float | None = None) -> GlobalWhitening:
+    """The paper-mode whitening of spec §3.3: one eigendecomposition of S_w in D dimensions."""
+    if scatter.ndim != 2 or scatter.shape[0] != scatter.shape[1]:
+        raise ValueError(f"scatter must be a square [D, D] matrix, got {tuple(scatter.shape)}")
+    if s_max is not None and not s_max > 0:
+        raise ValueError(f"s_max must be positive (or None for no clamping), got {s_max}")
+    eigenvalues, rotation = torch.linalg.eigh(scatter)
+    return GlobalWhitening(rotation, _scale(eigenvalues, s_max), s_max)
+
+
+@dataclass
+class TaskSpanBasis:
+    """The pieces of the code's per-task whitening (spec §3.1), for inspection and tests.
+
+    ``span`` is U_t [T, D, r], an orthonormal basis of the task's points; ``rotation`` is
+    V_e [T, r, r] (eigenvectors of M_t = (U_t^T S_w^{-1} U_t)^{-1}); ``scales`` s [T, r].
+    The whitening of a row x of the task is ``x @ U_t @ V_e * s``.
+    """
+
+    span: torch.Tensor
+    rotation: torch.Tensor
+    scales: torch.Tensor
+
+
+def task_span_whitening(
+    x: torch.Tensor,
+    precision: torch.Tensor,
+    s_max: float | None = None,
+    return_basis: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, TaskSpanBasis]:
+    """The code's whitening inside each task's span (spec §3.1, steps S and V).
+
+    With U_t an orthonormal basis of the span of the task's N points (x: [T, N, D]) and
+    ``precision`` = S_w^{-1}, the N x N matrix M_t = (U_t^T S_w^{-1} U_t)^{-1} = V_e diag(e)
+    V_e^T gives the whitened rows y = x U_t V_e diag(s), s_i = min(e_i^{-1/2}, s_max).
+    Unclamped, y_a . y_b is the full-space Mahalanobis product x_a^T S_w^{-1} x_b.
+
+    U_t comes from a reduced QR of x^T (any orthonormal basis of the span gives the same
+    whitened geometry; the code uses the SVD). The eigenvectors of M_t are taken from
+    U_t^T S_w^{-1} U_t itself (same eigenvectors, reciprocal eigenvalues), which avoids
+    an N x N inverse. When N >= D the span is all of R^D and U_t = I (then this equals
+    :func:`global_whitening` exactly, clamping included).
+
+    Returns y [T, N, r] with r = min(N, D) (and the basis when ``return_basis``).
+    """
+    if x.ndim != 3:
+        raise ValueError(f"x must be [T, N, D], got shape {tuple(x.shape)}")
+    d = x.shape[-1]
+    if precision.shape != (d, d):
+        raise ValueError(f"precision must be [{d}, {d}], got {tuple(precision.shape)}")
+    precision = precision.to(x)
+    if x.shape[1] >= d:
+        a, v = torch.linalg.eigh(precision)
+        span = torch.eye(d, dtype=x.dtype, device=x.device).expand(x.shape[0], d, d)
+        v = v.expand(x.shape[0], d, d)
+        a = a.expand(x.shape[0], d)
+        coords = x
+    else:
+        span, r_factor = torch.linalg.qr(x.transpose(1, 2))  # x^T = U_t R
+        coords = r_factor.transpose(1, 2)  # x U_t = R^T, [T, N, N]
+        a, v = torch.linalg.eigh(span.transpose(1, 2) @ precision @ span)
+    # eigenvalues of M_t are 1/a, so s = min(a^{1/2}, s_max)
+    s = a.clamp_min(0).sqrt()
+    if s_max is not None and not math.isinf(s_max):
+        s = s.clamp_max(s_max)
+    y = (coords @ v) * s.unsqueeze(1)
+    if return_basis:
+        return y, TaskSpanBasis(span, v, s)
+    return y
+
+
+def shrunk_centroids(x: torch.Tensor, resp: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Eq. 8: c'_k = sum_n o_nk x_n / (gamma + N_k), [T, K, D] from x [T, N, D], o [T, N, K]."""
+    return resp.transpose(1, 2) @ x / (gamma + resp.sum(1)).unsqueeze(-1)
+
+
+def centroid_projection(
+    x: torch.Tensor,
+    resp: torch.Tensor,
+    gamma: float = 10.0,
+    metric: GlobalWhitening | None = None,
+) -> torch.Tensor:
+    """The adaptive PLDA projection u_n = q^T y_n of spec §3.5 (paper eq. 8-9), [T, N, K-1].
+
+    q is an orthonormal basis of the differences c'_k - c'_1 (k = 2..K) of the shrunk
+    soft centroids in the whitened space. The code takes it from a QR factorisation and
+    the paper from the top eigenvectors of Psi; both span the same subspace and the VB
+    output is invariant to the choice (isotropic model, m_o = 0). Here q = Delta^T V h^{-1/2}
+    with H = Delta Delta^T = V diag(h) V^T, the (K-1) x (K-1) Gram matrix of the differences.
+
+    ``x`` holds whitened rows (``metric=None``) or rows whose whitened metric is ``metric``
+    (``GlobalWhitening``): then inner products are taken with G = W W^T and the D x D
+    whitening of every row is never formed (spec §8, the fast path).
+    """
+    centroids = shrunk_centroids(x, resp, gamma)
+    diff = centroids[:, 1:] - centroids[:, :1]  # [T, K-1, D]
+    g_diff = diff if metric is None else metric.metric_apply(diff)
+    gram = diff @ g_diff.transpose(1, 2)  # [T, K-1, K-1]
+    h, v = torch.linalg.eigh(gram)
+    floor = h[:, -1:].clamp_min(torch.finfo(x.dtype).tiny) * torch.finfo(x.dtype).eps
+    coeff = v * h.clamp_min(floor).rsqrt().unsqueeze(1)  # [T, K-1, K-1]
+    return x @ g_diff.transpose(1, 2) @ coeff

@@ -1,0 +1,311 @@
+"""BAVARDAGE's PLDA whitening and the estimator: spec §7 (PLDA, invariances, behaviour)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from probfsl.data.preprocess import center_and_normalize
+from probfsl.data.tasks import Episodes
+from probfsl.inference.kmeans import soft_kmeans
+from probfsl.inference.plda import (
+    centroid_projection,
+    global_whitening,
+    shrunk_centroids,
+    task_span_whitening,
+    within_class_scatter,
+)
+from probfsl.models.bavardage import PRESETS, Bavardage
+
+F64 = torch.float64
+
+
+def _world(dim=24, n_base=12, per_base=15, seed=0, spread=1.0, noise=0.35):
+    """A shared anisotropic within-class covariance and a sampler of its classes."""
+    g = torch.Generator().manual_seed(seed)
+    rot, _ = torch.linalg.qr(torch.randn(dim, dim, generator=g, dtype=F64))
+    scales = noise * torch.logspace(0, -1.2, dim, dtype=F64)
+    offset = 3.0 * torch.randn(dim, generator=g, dtype=F64)
+
+    def draw(means, counts):
+        rows = [
+            m + (torch.randn(c, dim, generator=g, dtype=F64) * scales) @ rot.T
+            for m, c in zip(means, counts, strict=True)
+        ]
+        return torch.cat(rows) + offset
+
+    base_means = spread * torch.randn(n_base, dim, generator=g, dtype=F64)
+    base = draw(base_means, [per_base] * n_base)
+    labels = torch.arange(n_base).repeat_interleave(per_base)
+
+    def episodes(n_tasks, way=3, shot=1, counts=(6, 2, 4), spread_novel=spread):
+        sup, sup_lab, qry, qry_lab = [], [], [], []
+        for _ in range(n_tasks):
+            means = spread_novel * torch.randn(way, dim, generator=g, dtype=F64)
+            s = draw(means, [shot] * way).reshape(way, shot, dim).transpose(0, 1).reshape(-1, dim)
+            q = draw(means, counts)
+            ql = torch.arange(way).repeat_interleave(torch.tensor(counts))
+            perm = torch.randperm(len(ql), generator=g)
+            sup.append(s)
+            sup_lab.append(torch.arange(way).repeat(shot))
+            qry.append(q[perm])
+            qry_lab.append(ql[perm])
+        t = n_tasks
+        return Episodes(
+            torch.stack(sup),
+            torch.stack(sup_lab),
+            torch.stack(qry),
+            torch.stack(qry_lab),
+            torch.arange(way).expand(t, way),
+            torch.zeros(t, way * shot, dtype=torch.long),
+            torch.zeros(t, sum(counts), dtype=torch.long),
+        )
+
+    return base, labels, episodes
+
+
+def _with(ep, support=None, query=None, support_labels=None, query_labels=None):
+    return Episodes(
+        ep.support if support is None else support,
+        ep.support_labels if support_labels is None else support_labels,
+        ep.query if query is None else query,
+        ep.query_labels if query_labels is None else query_labels,
+        ep.classes,
+        ep.support_index,
+        ep.query_index,
+    )
+
+
+# ---------------------------------------------------------------------- S_w and whitening
+def test_within_class_scatter_matches_the_code_normalisation():
+    base, labels, _ = _world(dim=6, n_base=5, per_base=7)
+    scatters = []
+    for c in range(5):
+        x = base[labels == c]
+        xc = x - x.mean(0)
+        scatters.append(xc.T @ xc)
+    norms = torch.stack([torch.linalg.norm(c) for c in scatters])
+    normed = torch.stack([c / n for c, n in zip(scatters, norms, strict=True)])
+    expected = normed.mean(0) * norms.mean()
+    eye = torch.eye(6, dtype=F64)
+    torch.testing.assert_close(within_class_scatter(base, labels), expected + 1e-6 * eye)
+    paper = sum(scatters) / len(base) + 1e-6 * eye
+    torch.testing.assert_close(within_class_scatter(base, labels, "paper"), paper)
+
+
+def test_global_whitening_spheres_the_scatter_and_lazy_metric_is_exact():
+    base, labels, _ = _world(dim=10)
+    s_w = within_class_scatter(base, labels)
+    w = global_whitening(s_w).matrix
+    torch.testing.assert_close(w.T @ s_w @ w, torch.eye(10, dtype=F64))
+    # s_max clamping most scales: the low-rank form of G = W W^T is exact
+    scales = global_whitening(s_w).scales.sort().values
+    clamped = global_whitening(s_w, s_max=scales[2].item())
+    assert clamped.clamped_fraction > 0.5
+    v = torch.randn(3, 4, 10, dtype=F64)
+    g = clamped.matrix @ clamped.matrix.T
+    torch.testing.assert_close(clamped.metric_apply(v), v @ g)
+
+
+def test_task_span_whitening_reproduces_the_span_metric():
+    """Spec §7: W = U_t V_e diag(s) satisfies W^T (U_t M_t U_t^T) W = I when unclamped."""
+    base, labels, episodes = _world(dim=24)
+    precision = torch.linalg.inv(within_class_scatter(base, labels))
+    ep = episodes(2)
+    x = torch.cat([ep.support, ep.query], 1)  # N = 15 < D = 24
+    y, basis = task_span_whitening(x, precision, None, return_basis=True)
+    u_t = basis.span
+    m_t = torch.linalg.inv(u_t.mT @ precision @ u_t)
+    w = u_t @ basis.rotation * basis.scales.unsqueeze(1)
+    eye = torch.eye(x.shape[1], dtype=F64).expand(2, -1, -1)
+    torch.testing.assert_close(w.mT @ (u_t @ m_t @ u_t.mT) @ w, eye)
+    torch.testing.assert_close(y, x @ w)
+    # unclamped, whitened inner products are the full-space Mahalanobis ones
+    torch.testing.assert_close(y @ y.mT, x @ precision @ x.mT)
+    # with q an orthonormal basis of the centroid differences, W q is still orthonormal
+    resp = torch.softmax(torch.randn(2, x.shape[1], 3, dtype=F64), -1)
+    c = shrunk_centroids(y, resp, 10.0)
+    q, _ = torch.linalg.qr((c[:, 1:] - c[:, :1]).mT)
+    wq = w @ q
+    torch.testing.assert_close(wq.mT @ (u_t @ m_t @ u_t.mT) @ wq, eye[:, :2, :2])
+
+
+def test_projection_basis_keeps_the_between_class_spectrum_and_is_basis_free():
+    """Spec §7: q^T Ψ q has Ψ's nonzero spectrum; QR basis and ours give the same geometry."""
+    g = torch.Generator().manual_seed(1)
+    y = torch.randn(2, 20, 9, generator=g, dtype=F64)
+    resp = torch.softmax(3 * torch.randn(2, 20, 4, generator=g, dtype=F64), -1)
+    c = shrunk_centroids(y, resp, 10.0)
+    centred = c - c.mean(1, keepdim=True)
+    psi = centred.mT @ centred  # [T, D, D], rank K - 1
+    q, _ = torch.linalg.qr((c[:, 1:] - c[:, :1]).mT)
+    top = torch.linalg.eigvalsh(psi)[:, -3:]
+    torch.testing.assert_close(torch.linalg.eigvalsh(q.mT @ psi @ q), top)
+    u = centroid_projection(y, resp, 10.0)
+    u_qr = y @ q
+    torch.testing.assert_close(u @ u.mT, u_qr @ u_qr.mT)
+    # ... and the same as the global-metric (lazy) form on unwhitened rows
+    base = torch.randn(60, 9, generator=g, dtype=F64)
+    metric = global_whitening(within_class_scatter(base, torch.arange(60) % 6))
+    u_lazy = centroid_projection(y, resp, 10.0, metric)
+    u_dense = centroid_projection(metric.transform(y), resp, 10.0)
+    torch.testing.assert_close(u_lazy @ u_lazy.mT, u_dense @ u_dense.mT)
+
+
+# ---------------------------------------------------------------------- estimator
+def _fit(base, labels, **kw):
+    return Bavardage(**kw).fit_base(base, labels)
+
+
+def test_task_span_and_global_whitening_agree_when_s_max_does_not_clamp():
+    base, labels, episodes = _world()
+    ep = episodes(4)
+    a = _fit(base, labels, s_max=None).predict_proba(ep)
+    b = _fit(base, labels, s_max=None, whitening="global").predict_proba(ep)
+    torch.testing.assert_close(a, b, atol=1e-9, rtol=0)
+    # N >= D: the span is the whole space and the two are equal even with clamping
+    base, labels, episodes = _world(dim=8)
+    ep = episodes(3)
+    est = _fit(base, labels, s_max=4.0)
+    assert 0 < est.clamped_fraction_ < 1
+    a = est.predict_proba(ep)
+    b = _fit(base, labels, s_max=4.0, whitening="global").predict_proba(ep)
+    torch.testing.assert_close(a, b, atol=1e-9, rtol=0)
+
+
+def test_invariances_of_the_responsibilities():
+    """Spec §7: orthogonal transform, translation and scaling of base+task; permutations."""
+    base, labels, episodes = _world()
+    ep = episodes(3)
+    kw = dict(temperature_vb=20.0, s_max=2.0)
+    ref = _fit(base, labels, **kw).predict_proba(ep)
+    g = torch.Generator().manual_seed(7)
+    rot, _ = torch.linalg.qr(torch.randn(24, 24, generator=g, dtype=F64))
+    shift = torch.randn(24, generator=g, dtype=F64)
+    for transform in (lambda x: x @ rot, lambda x: x + shift, lambda x: 3.7 * x):
+        est = _fit(transform(base), labels, **kw)
+        out = est.predict_proba(_with(ep, transform(ep.support), transform(ep.query)))
+        torch.testing.assert_close(out, ref, atol=1e-7, rtol=0)
+    est = _fit(base, labels, **kw)
+    perm = torch.randperm(ep.n_query, generator=g)
+    out = est.predict_proba(_with(ep, query=ep.query[:, perm]))
+    torch.testing.assert_close(out, ref[:, perm], atol=1e-9, rtol=0)
+    relabel = torch.tensor([2, 0, 1])
+    out = est.predict_proba(_with(ep, support_labels=relabel[ep.support_labels]))
+    torch.testing.assert_close(out[..., relabel], ref, atol=1e-9, rtol=0)
+
+
+def test_batched_equals_single_and_float32_agrees():
+    base, labels, episodes = _world()
+    ep = episodes(4)
+    est = _fit(base, labels)
+    batched = est.predict_proba(ep)
+    singles = torch.cat([est.predict_proba(ep[t]) for t in range(4)])
+    torch.testing.assert_close(batched, singles, atol=1e-10, rtol=0)
+    p32 = est.predict_proba(ep.to(dtype=torch.float32))
+    assert p32.dtype == torch.float32
+    torch.testing.assert_close(p32.double(), batched, atol=2e-3, rtol=0)
+    assert (p32.argmax(-1) == batched.argmax(-1)).float().mean() > 0.97
+
+
+def test_well_separated_clusters_are_recovered_with_exact_query_counts():
+    """Spec §7: 100% accuracy and α_k - α_o equal to the true query counts."""
+    base, labels, episodes = _world(spread=6.0, noise=0.05)
+    counts = (9, 0, 5)
+    ep = episodes(5, counts=counts, spread_novel=6.0)
+    est = _fit(base, labels, temperature_vb=10.0)
+    assert (est.predict(ep) == ep.query_labels).all()
+    alpha = est.state_.alpha
+    torch.testing.assert_close(
+        alpha - 2.0, torch.tensor(counts, dtype=F64).expand(5, 3), atol=1e-4, rtol=0
+    )
+    assert est.elbo_trace_.shape == (est.n_vb + 1, 5)
+    assert torch.isfinite(est.elbo_trace_).all()
+
+
+def test_plda_beats_soft_kmeans_on_anisotropic_tasks():
+    """Spec §7 behaviour: with a strongly anisotropic shared covariance, VB+PLDA wins."""
+    base, labels, episodes = _world(dim=16, n_base=20, per_base=20, spread=0.25, noise=1.0)
+    ep = episodes(30, way=3, shot=1, counts=(12, 4, 8), spread_novel=0.25)
+    bav = _fit(base, labels, temperature_vb=10.0, s_max=None)
+    skm = _fit(base, labels, mode="soft_kmeans")
+    acc_bav = (bav.predict(ep) == ep.query_labels).double().mean().item()
+    acc_skm = (skm.predict(ep) == ep.query_labels).double().mean().item()
+    assert acc_bav > acc_skm + 0.05, (acc_bav, acc_skm)
+
+
+def test_soft_kmeans_mode_is_the_shared_initialiser_and_vb_mode_runs_in_full_space():
+    base, labels, episodes = _world()
+    ep = episodes(2)
+    est = _fit(base, labels, mode="soft_kmeans", temperature_km=7.0)
+    mean = base.mean(0)
+    expected = soft_kmeans(
+        center_and_normalize(ep.support, mean),
+        ep.support_labels,
+        center_and_normalize(ep.query, mean),
+        3,
+        7.0,
+        5,
+    )[:, 3:]
+    torch.testing.assert_close(est.predict_proba(ep), expected)
+    vb = _fit(base, labels, mode="vb")
+    p = vb.predict_proba(ep)
+    assert vb.state_.u.shape[-1] == 24 and p.shape == (2, 12, 3)
+
+
+def test_presets_and_balanced_model():
+    assert set(PRESETS) == {
+        "mini-balanced",
+        "mini-unbalanced",
+        "tiered-balanced",
+        "tiered-unbalanced",
+        "cub",
+    }
+    est = Bavardage.from_preset("tiered-unbalanced")
+    assert (est.temperature_km, est.temperature_vb, est.s_max) == (100.0, 100.0, 1.0)
+    assert Bavardage.from_preset("cub").get_params()["temperature_vb"] == 4.0
+    with pytest.raises(ValueError, match="preset"):
+        Bavardage.from_preset("imagenet")
+    base, labels, episodes = _world()
+    est = Bavardage.from_preset("mini-balanced").fit_base(base, labels)
+    p = est.predict_proba(episodes(2))
+    assert est.state_.alpha is None
+    torch.testing.assert_close(p.sum(-1), torch.ones(2, 12, dtype=F64))
+
+
+def test_to_datatree_exports_per_task_posteriors():
+    pytest.importorskip("arviz_base")
+    base, labels, episodes = _world()
+    est = _fit(base, labels)
+    est.predict_proba(episodes(3))
+    tree = est.to_datatree(n_draws=40)
+    post = tree["posterior"]
+    assert post["pi"].shape == (1, 40, 3, 3)
+    assert post["mu"].shape == (1, 40, 3, 3, 2)
+    assert post["z"].shape == (1, 40, 3, 12)
+    mean_pi = np.asarray(post["pi"].mean(("chain", "draw")))
+    alpha = est.state_.alpha.numpy()
+    assert np.abs(mean_pi - alpha / alpha.sum(-1, keepdims=True)).max() < 0.1
+
+
+def test_bad_input_raises_value_error():
+    base, labels, episodes = _world()
+    ep = episodes(2)
+    with pytest.raises(ValueError, match="fit_base"):
+        Bavardage().predict_proba(ep)
+    with pytest.raises(ValueError, match="classes"):
+        Bavardage().fit_base(base[:15], labels[:15])
+    with pytest.raises(ValueError, match="base features"):
+        Bavardage().fit_base(None, labels)
+    est = _fit(base, labels)
+    with pytest.raises(ValueError, match="support_labels"):
+        est.predict_proba(_with(ep, support_labels=ep.support_labels + 5))
+    with pytest.raises(ValueError, match="width"):
+        est.predict_proba(_with(ep, query=ep.query[..., :10], support=ep.support[..., :10]))
+    with pytest.raises(ValueError, match="query"):
+        est.predict_proba(_with(ep, query=ep.query[..., :10]))
+    with pytest.raises(ValueError, match="whitening"):
+        Bavardage(whitening="pca").fit_base(base, labels)
+    with pytest.raises(ValueError, match="NaN"):
+        est.predict_proba(_with(ep, query=ep.query * math.nan))
