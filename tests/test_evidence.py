@@ -1,0 +1,429 @@
+"""Evidence LS-SVM: the spec's verification checklist (evidence.md §6) and the estimator."""
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from probfsl.inference.base import run
+from probfsl.inference.evidence import (
+    EvidenceEngine,
+    em_update,
+    evidence_curve,
+    log_evidence,
+    log_evidence_ab,
+    maximize_evidence,
+    posterior_covariance,
+    posterior_mean,
+    profile_beta,
+    spectrum,
+    spectrum_from_gram,
+    update,
+)
+from probfsl.models.evidence import (
+    EvidenceLSSVM,
+    evidence_model,
+    greedy_ensemble,
+    rank_backbones,
+)
+from probfsl.testing import ConformanceCase, check_engine
+
+F64 = torch.float64
+
+
+def _problem(n, d, k=3, seed=0, nonneg=True):
+    g = torch.Generator().manual_seed(seed)
+    x = (
+        torch.rand(n, d, generator=g, dtype=F64)
+        if nonneg
+        else torch.randn(n, d, generator=g, dtype=F64)
+    )
+    x = x / x.norm(dim=1, keepdim=True)
+    labels = torch.arange(n) % k
+    # informative features: shift each class along its own direction
+    x = x + 0.3 * torch.nn.functional.one_hot(labels, d).to(F64)
+    x = x / x.norm(dim=1, keepdim=True)
+    return x, torch.nn.functional.one_hot(labels, k).to(F64), labels
+
+
+def _mvn_log_evidence(x, y, alpha, beta):
+    n = x.shape[0]
+    cov = torch.eye(n, dtype=F64) / beta + x @ x.T / alpha
+    return torch.distributions.MultivariateNormal(torch.zeros(n, dtype=F64), cov).log_prob(y)
+
+
+def _eq7(x, y, alpha, beta):
+    """Paper eq. 7 with the explicit D x D matrix A."""
+    n, d = x.shape
+    a = alpha * torch.eye(d, dtype=F64) + beta * x.T @ x
+    m = beta * torch.linalg.solve(a, x.T @ y)
+    return (
+        d / 2 * math.log(alpha)
+        + n / 2 * math.log(beta)
+        - 0.5 * torch.linalg.slogdet(a)[1]
+        - beta / 2 * ((y - x @ m) ** 2).sum()
+        - alpha / 2 * (m @ m)
+        - n / 2 * math.log(2 * math.pi)
+    )
+
+
+@pytest.mark.parametrize("n,d", [(40, 10), (12, 30)])
+def test_log_evidence_equals_marginal_gaussian_and_eq7(n, d):
+    """Checklist 1: eq. 17 = MVN(0, I/beta + XX^T/alpha).log_prob(y) = eq. 7 (rtol 1e-10)."""
+    x, y, _ = _problem(n, d)
+    sp = spectrum(x, y)
+    assert sp.mode == ("primal" if n > d else "dual")
+    lam = torch.tensor([0.05, 0.7, 3.0], dtype=F64)
+    f = log_evidence(sp, lam)
+    beta = profile_beta(sp, lam)
+    alpha = lam * beta
+    for k in range(3):
+        ref = _mvn_log_evidence(x, y[:, k], alpha[k], beta[k])
+        torch.testing.assert_close(f[k], ref, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(_eq7(x, y[:, k], alpha[k], beta[k]), ref, rtol=1e-10, atol=1e-10)
+    # eq. 14 at arbitrary (alpha, beta), not only at the profile beta
+    a2, b2 = alpha * 1.7, beta * 0.6
+    for k in range(3):
+        torch.testing.assert_close(
+            log_evidence_ab(sp, a2, b2)[k],
+            _mvn_log_evidence(x, y[:, k], a2[k], b2[k]),
+            rtol=1e-10,
+            atol=1e-10,
+        )
+
+
+def test_printed_eq19_converges_elsewhere():
+    """Checklist 2: the printed eq. (19) (no factor N) has a different limit (erratum)."""
+    x, y, _ = _problem(60, 8)
+    sp = spectrum(x, y)
+    right = maximize_evidence(sp, paper_exact=True).lam
+    wrong = maximize_evidence(sp, paper_exact=True, variant="eq19").lam
+    assert ((wrong - right).abs() / right > 0.1).all()
+
+
+@pytest.mark.parametrize("paper_exact", [True, False])
+def test_fixed_point_is_the_grid_maximum(paper_exact):
+    """Checklist 3: fixed point = argmax of F on a dense 4000-point log grid."""
+    x, y, _ = _problem(80, 12)
+    sp = spectrum(x, y)
+    res = maximize_evidence(sp, paper_exact=paper_exact)
+    assert res.converged.all() and not res.at_boundary.any()
+    grid = torch.logspace(-5, 4, 4000, dtype=F64)
+    curve = evidence_curve(sp, grid)
+    step = math.log(grid[1] / grid[0])
+    best = grid[curve.argmax(-1)]
+    assert ((res.lam.log() - best.log()).abs() <= step).all()
+    assert (res.log_evidence >= curve.max(-1).values - 1e-9).all()
+
+
+def test_aitken_same_fixed_point_in_fewer_iterations():
+    """Checklist 4: Aitken and plain iteration agree (rtol 1e-4); Aitken needs fewer steps."""
+    x, y, _ = _problem(80, 12, k=4)
+    sp = spectrum(x, y)
+    fast = maximize_evidence(sp, paper_exact=True, accelerate=True)
+    slow = maximize_evidence(sp, paper_exact=True, accelerate=False, eps=1e-9)
+    torch.testing.assert_close(fast.lam, slow.lam, rtol=1e-4, atol=0)
+    assert (fast.n_iter < slow.n_iter).all()
+
+
+def test_mackay_profile_and_em_maps_share_the_fixed_point():
+    """Checklist 5."""
+    x, y, _ = _problem(50, 10)
+    sp = spectrum(x, y)
+    lam = maximize_evidence(sp).lam
+    torch.testing.assert_close(update(sp, lam), lam, rtol=1e-7, atol=0)
+    torch.testing.assert_close(update(sp, lam, "mackay"), lam, rtol=1e-7, atol=0)
+    beta = profile_beta(sp, lam)
+    a, b = em_update(sp, lam * beta, beta)
+    torch.testing.assert_close(a / b, lam, rtol=1e-7, atol=0)
+    # EM is an ascent method on L(alpha, beta)
+    a0, b0 = lam * beta * 3, beta / 2
+    a1, b1 = em_update(sp, a0, b0)
+    assert (log_evidence_ab(sp, a1, b1) >= log_evidence_ab(sp, a0, b0)).all()
+
+
+def test_matches_sklearn_bayesian_ridge():
+    """Checklist 6: lambda_/alpha_ = our lambda and scores_[-1] = F (N > D)."""
+    sklearn = pytest.importorskip("sklearn.linear_model")
+    x, y, _ = _problem(60, 8)
+    res = maximize_evidence(spectrum(x, y))
+    for k in range(y.shape[1]):
+        br = sklearn.BayesianRidge(
+            fit_intercept=False,
+            alpha_1=0,
+            alpha_2=0,
+            lambda_1=0,
+            lambda_2=0,
+            tol=1e-12,
+            max_iter=100000,
+            compute_score=True,
+        ).fit(x.numpy(), y[:, k].numpy())
+        assert br.lambda_ / br.alpha_ == pytest.approx(res.lam[k].item(), rel=1e-6)
+        assert br.scores_[-1] == pytest.approx(res.log_evidence[k].item(), rel=1e-9)
+
+
+def test_weights_and_dual_primal_agree():
+    """Checklist 7: w = solve(X^T X + lambda I, X^T y); dual and primal paths agree."""
+    lam = torch.tensor([0.1, 1.0, 5.0], dtype=F64)
+    for n, d in [(15, 25), (40, 10)]:
+        x, y, _ = _problem(n, d)
+        eye = torch.eye(d, dtype=F64)
+        direct = torch.stack(
+            [torch.linalg.solve(x.T @ x + lam[k] * eye, x.T @ y[:, k]) for k in range(3)], -1
+        )
+        dual, primal = spectrum(x, y, mode="dual"), spectrum(x, y, mode="primal")
+        assert spectrum(x, y).mode == ("dual" if n <= d else "primal")
+        for sp in (dual, primal):
+            torch.testing.assert_close(posterior_mean(sp, lam), direct, rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(
+            log_evidence(dual, lam), log_evidence(primal, lam), rtol=1e-10, atol=1e-10
+        )
+        torch.testing.assert_close(
+            log_evidence(spectrum_from_gram(x @ x.T, y), lam),
+            log_evidence(dual, lam),
+            rtol=1e-10,
+            atol=1e-10,
+        )
+
+
+@pytest.mark.filterwarnings("ignore:evidence. lambda ended")
+def test_posterior_covariance_is_inverse_precision():
+    x, y, _ = _problem(15, 25)
+    sp = spectrum(x, y)
+    res = maximize_evidence(sp)
+    cov = posterior_covariance(sp, res.alpha, res.beta)
+    for k in range(3):
+        a = res.alpha[k] * torch.eye(25, dtype=F64) + res.beta[k] * x.T @ x
+        torch.testing.assert_close(cov[k], torch.linalg.inv(a), rtol=1e-8, atol=1e-10)
+
+
+def test_zero_columns_leave_evidence_unchanged():
+    """Checklist 8."""
+    x, y, _ = _problem(40, 10)
+    base = maximize_evidence(spectrum(x, y))
+    padded = maximize_evidence(spectrum(torch.cat([x, torch.zeros(40, 50, dtype=F64)], 1), y))
+    torch.testing.assert_close(padded.lam, base.lam, rtol=1e-7, atol=0)
+    torch.testing.assert_close(padded.log_evidence, base.log_evidence, rtol=1e-10, atol=1e-10)
+
+
+def test_ensemble_gram_additivity():
+    """Checklist 9: F from summed Grams = F of the explicit concatenation."""
+    x1, y, _ = _problem(30, 12, seed=1)
+    x2, _, _ = _problem(30, 20, seed=2)
+    lam = torch.tensor([0.3, 1.0, 2.0], dtype=F64)
+    summed = spectrum_from_gram(x1 @ x1.T + x2 @ x2.T, y)
+    explicit = spectrum(torch.cat([x1, x2], 1), y)
+    torch.testing.assert_close(
+        log_evidence(summed, lam), log_evidence(explicit, lam), rtol=1e-10, atol=1e-10
+    )
+
+
+def test_batched_over_backbones_equals_loop():
+    """Checklist 10: K classes x M backbones in one call = the loop over single problems."""
+    xs = [_problem(30, d, seed=s)[0] for s, d in [(1, 8), (2, 8), (3, 8)]]
+    _, y, _ = _problem(30, 8)
+    batched = maximize_evidence(spectrum(torch.stack(xs), y.expand(3, -1, -1)))
+    for m, x in enumerate(xs):
+        for k in range(3):
+            single = maximize_evidence(spectrum(x, y[:, k : k + 1]))
+            torch.testing.assert_close(batched.lam[m, k : k + 1], single.lam, rtol=1e-6, atol=0)
+            torch.testing.assert_close(
+                batched.log_evidence[m, k : k + 1], single.log_evidence, rtol=1e-10, atol=1e-10
+            )
+
+
+def test_degenerate_cases_are_finite_and_flagged():
+    """Checklist 11: P = 1, all-zero target, N <= D interpolation, duplicate rows."""
+    x, _, _ = _problem(12, 30)
+    y = torch.zeros(12, 3, dtype=F64)
+    y[0, 0] = 1  # a single positive
+    y[:4, 2] = 1  # interpolation possible (N <= D), column 1 all zero
+    x = torch.cat([x, x[:3]], 0)  # duplicate rows
+    y = torch.cat([y, y[:3]], 0)
+    with pytest.warns(RuntimeWarning, match="bound"):
+        res = maximize_evidence(spectrum(x, y))
+    assert torch.isfinite(res.log_evidence).all() and torch.isfinite(res.lam).all()
+    assert res.at_boundary[0] and res.degenerate[1] and not res.degenerate[0]
+
+
+def test_paper_counterexample_safeguards_keep_the_better_point():
+    """Safeguards: the result is never below the grid maximum (spec §3 caveat, N <= D)."""
+    x, y, _ = _problem(25, 60, k=5, seed=4)
+    with pytest.warns(RuntimeWarning, match="bound"):
+        safe = maximize_evidence(spectrum(x, y))
+    grid = evidence_curve(spectrum(x, y), torch.logspace(-8, 6, 600, dtype=F64))
+    # F is flat as lambda -> 0 when y can be interpolated: within 1e-4 of the supremum,
+    # and flagged when the supremum is not attained
+    assert (safe.log_evidence >= grid.max(-1).values - 1e-4).all()
+    lower_end = grid.argmax(-1) == 0
+    assert lower_end.any() and (safe.at_boundary[lower_end]).all()
+
+
+def test_engine_conformance_exact_evidence():
+    """Model/guide contract: Pyro's Trace_ELBO equals the log evidence (exact posterior)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 12, 4, generator=g, dtype=F64)
+    y = (torch.rand(3, 12, generator=g) < 0.4).to(F64)
+    engine = EvidenceEngine()
+    state, _ = run(engine, engine.init(x, y), 15)
+    exact = torch.stack(
+        [_mvn_log_evidence(x[t], y[t], state.alpha[t], state.beta[t]) for t in range(3)]
+    )
+    case = ConformanceCase(
+        make_engine=EvidenceEngine,
+        model=evidence_model,
+        data=(x, y),
+        n_steps=15,
+        exact_log_evidence=exact,
+        particles=64,
+        repeats=3,
+    )
+    check_engine(case)
+
+
+def test_estimator_fit_predict_and_multilabel():
+    x, _, labels = _problem(90, 15, k=3, seed=5)
+    model = EvidenceLSSVM(lambda_mode="per_class").fit(x.numpy(), labels.numpy())
+    assert model.coef_.shape == (3, 15) and model.log_evidence_.shape == (3,)
+    assert (model.predict(x) == labels.numpy()).mean() > 0.9
+    proba = model.predict_proba(x)
+    torch.testing.assert_close(proba.sum(-1), torch.ones(90, dtype=F64))
+    assert model.total_log_evidence_ == pytest.approx(model.log_evidence_.sum().item())
+    per = EvidenceLSSVM(score="mean_per_sample", lambda_mode="per_class").fit(x, labels)
+    assert per.total_log_evidence_ == pytest.approx(model.total_log_evidence_ / 90)
+    ind = torch.nn.functional.one_hot(labels, 3)
+    multi = EvidenceLSSVM(lambda_mode="per_class").fit(x, ind)
+    torch.testing.assert_close(multi.lambda_, model.lambda_)
+    model32 = EvidenceLSSVM(dtype=torch.float32, lambda_mode="per_class").fit(x.float(), labels)
+    torch.testing.assert_close(model32.lambda_.double(), model.lambda_, rtol=1e-3, atol=0)
+
+
+def test_rank_backbones_orders_by_evidence_and_greedy_rejects_noise():
+    """Checklist 12 and the ranking."""
+    g = torch.Generator().manual_seed(7)
+    n, k = 60, 3
+    labels = torch.arange(n) % k
+    signal = torch.nn.functional.one_hot(labels, 16).to(F64) * 2 + 0.3 * torch.rand(
+        n, 16, generator=g, dtype=F64
+    )
+    weak = torch.nn.functional.one_hot(labels, 16).to(F64) * 0.4 + torch.rand(
+        n, 16, generator=g, dtype=F64
+    )
+    noise = torch.rand(n, 24, generator=g, dtype=F64)
+    ranking = rank_backbones({"noise": noise, "signal": signal, "weak": weak}, labels)
+    assert [b.name for b in ranking] == ["signal", "weak", "noise"]
+    for b in ranking:
+        model = EvidenceLSSVM(center=False, lambda_mode="per_class").fit(
+            {"noise": noise, "signal": signal, "weak": weak}[b.name], labels
+        )
+        assert b.log_evidence == pytest.approx(model.total_log_evidence_, rel=1e-9)
+    ens = greedy_ensemble({"noise": noise, "signal": signal}, labels)
+    assert ens.selected == ["signal"] and ens.accepted == [True, False]
+    dup = greedy_ensemble({"a": signal, "b": signal.clone()}, labels, fit_model=False)
+    assert dup.selected == ["a"] or abs(dup.trace[1] - dup.trace[0]) < 1e-6 * abs(dup.trace[0])
+
+
+@pytest.mark.filterwarnings("ignore:evidence. lambda ended")
+def test_episodic_path_matches_single_task_fit():
+    from probfsl.data.builtin import load_dataset
+    from probfsl.data.tasks import sample_episodes
+
+    fs = load_dataset("omniglot")
+    eps = sample_episodes(fs, n_tasks=6, way=5, shot=5, n_query=15, seed=0, dtype=F64)
+    model = EvidenceLSSVM().fit_base(*fs.base(F64))
+    proba = model.predict_proba(eps)
+    assert proba.shape == (6, 15, 5)
+    assert torch.isfinite(proba).all()
+    lam_batch = model.lambda_.clone()
+    single = EvidenceLSSVM().fit_base(*fs.base(F64))
+    single.fit(eps.support[2], eps.support_labels[2])
+    torch.testing.assert_close(single.lambda_, lam_batch[2], rtol=1e-6, atol=0)
+    scores = single.decision_function(eps.query[2])
+    assert (scores.argmax(-1) == proba[2].argmax(-1)).all()
+    acc = (proba.argmax(-1) == eps.query_labels).double().mean()
+    assert acc > 0.6
+
+
+@pytest.mark.parametrize(
+    "features,labels,match",
+    [
+        (np.random.rand(10, 4), np.zeros(10, dtype=int), "two classes"),
+        (np.random.rand(1, 4), np.array([0]), "single sample"),
+        (np.ones((10, 4)), np.arange(10) % 2, "constant"),
+        (np.full((10, 4), np.nan), np.arange(10) % 2, "NaN"),
+        (np.random.rand(10, 4), np.arange(9) % 2, "labels must be"),
+    ],
+)
+def test_bad_input_raises(features, labels, match):
+    with pytest.raises(ValueError, match=match):
+        EvidenceLSSVM().fit(features, labels)
+
+
+def test_rank_backbones_rejects_different_row_counts():
+    with pytest.raises(ValueError, match="different row counts"):
+        rank_backbones([np.random.rand(10, 4), np.random.rand(11, 4)], np.arange(10) % 2)
+
+
+def test_diagnostics_datatree_and_plot(tmp_path):
+    pytest.importorskip("arviz_base")
+    x, _, labels = _problem(40, 6, seed=8)
+    model = EvidenceLSSVM(lambda_mode="per_class").fit(x, labels)
+    from probfsl.models.evidence import evidence_datatree, plot_evidence
+
+    tree = evidence_datatree(model, n_draws=400)
+    w = tree["posterior"]["w"].values  # [chain, draw, class, feature]
+    assert w.shape == (1, 400, 3, 6)
+    np.testing.assert_allclose(w.mean((0, 1)), model.coef_.numpy(), atol=0.2)
+    curve = tree["evidence_curve"]["log_evidence"].values
+    assert (curve.max(-1) <= model.log_evidence_.numpy() + 1e-6).all()
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    ax = plot_evidence(tree)
+    assert len(ax.lines) == 6
+
+
+def test_select_main_prints_ranking(tmp_path, capsys):
+    from probfsl.models.evidence import select_main
+
+    g = np.random.default_rng(0)
+    labels = np.arange(40) % 4
+    good = np.eye(8)[labels] * 2 + 0.2 * g.random((40, 8))
+    bad = g.random((40, 8))
+    for name, f in [("good", good), ("bad", bad)]:
+        np.savez(tmp_path / f"{name}.npz", features=f.astype(np.float32), labels=labels)
+    assert select_main([tmp_path / "bad.npz", tmp_path / "good.npz"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == f"best: {tmp_path / 'good.npz'}"
+    assert "good.npz" in out[1]
+    np.savez(tmp_path / "short.npz", features=bad[:30].astype(np.float32), labels=labels[:30])
+    with pytest.raises(ValueError, match="row counts"):
+        select_main([tmp_path / "good.npz", tmp_path / "short.npz"])
+
+
+def test_no_warning_on_well_posed_problem():
+    x, y, _ = _problem(60, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        maximize_evidence(spectrum(x, y))
+
+
+def test_shared_lambda_maximises_the_summed_evidence():
+    from probfsl.inference.evidence import maximize_shared_evidence
+
+    x, y, labels = _problem(50, 12, k=4, seed=9)
+    sp = spectrum(x, y)
+    shared = maximize_shared_evidence(sp)
+    assert (shared.lam == shared.lam[0]).all()
+    grid = torch.logspace(-4, 3, 2000, dtype=F64)
+    total = evidence_curve(sp, grid).sum(0)
+    assert shared.log_evidence.sum() >= total.max() - 1e-8
+    # per-class optimum is an upper bound for the shared one
+    assert maximize_evidence(sp).log_evidence.sum() >= shared.log_evidence.sum() - 1e-9
+    model = EvidenceLSSVM(center=False).fit(x, labels)
+    torch.testing.assert_close(model.lambda_, shared.lam)
+    with pytest.raises(ValueError, match="lambda_mode"):
+        EvidenceLSSVM(lambda_mode="global").fit(x, labels)
