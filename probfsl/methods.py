@@ -42,6 +42,12 @@ METHODS: dict[str, MethodInfo] = {
             "transductive VB Gaussian mixture with adaptive PLDA (Hu et al., AISTATS 2023)",
         ),
         MethodInfo(
+            "gp-tree",
+            "probfsl.models.gptree:GPTreeFewShot",
+            "Pólya-Gamma GP classifiers in a class tree (Achituve et al., ICML 2021)",
+            demo_tasks=50,
+        ),
+        MethodInfo(
             "evidence-lssvm",
             "probfsl.models.evidence:EvidenceLSSVM",
             "one-vs-rest Bayesian linear regression, penalty by evidence (Kim et al., CVPR 2016)",

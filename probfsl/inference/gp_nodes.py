@@ -1,0 +1,597 @@
+"""Closed-form inference for GP-Tree's binary Pólya-Gamma GP nodes, batched over nodes.
+
+Achituve, Navon, Yemini, Chechik, Fetaya, "GP-Tree: A Gaussian Process Classifier for
+Few-Shot Incremental Learning", ICML 2021 (§3, App. A); spec ``gptree.md`` §3.2–3.3.
+
+Every tensor has a leading node dimension ``V``: a batch of independent binary GP
+classifiers with their own data, padded to a common size and masked. Padded training
+points get ω = 0 and κ = 0 (no information), padded inducing points an identity prior
+block, so a padded node equals the unpadded one exactly.
+
+* :class:`GibbsNodes` — block Gibbs over (f, ω) for exact-kernel nodes, ``n_chains``
+  chains per node at once (§3.2), without any K⁻¹: with B = I + Ω^½KΩ^½,
+  f | ω ~ N(Σκ, Σ), Σ = K − KΩ^½B⁻¹Ω^½K, drawn by Matheron's rule
+  f = g − KΩ^½B⁻¹(Ω^½g + e), g ~ N(Kκ, K), e ~ N(0, I); ω | f ~ PG(1, f).
+* :class:`VINodes` — the inducing-point variational node (§3.3) with q(f̄) = N(μ̃, Σ̃),
+  q(ω_i) = PG(1, c_i), closed-form coordinate updates and the correct ELBO (§3.8 item 1;
+  ``code_elbo=True`` reproduces the official code's two flipped signs). Honours the
+  :class:`probfsl.inference.base.Engine` contract (tasks = nodes).
+* :func:`gauss_hermite_sigmoid` — E[σ(f)], f ~ N(μ, σ²), by 20-point Gauss–Hermite
+  quadrature (the nodes and weights of gpytorch's ``GaussHermiteQuadrature1D``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+import pyro
+import pyro.distributions as dist
+import torch
+
+from probfsl.inference.base import Engine
+from probfsl.inference.polya_gamma import (
+    PolyaGamma,
+    log_cosh,
+    pg_mean,
+    sample_pg_exact,
+    sample_pg_torch,
+)
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def normalize(x: torch.Tensor) -> torch.Tensor:
+    """L2-normalise the last dimension (GP-Tree's kernels act on x/||x||)."""
+    return torch.nn.functional.normalize(x, dim=-1)
+
+
+def rbf_kernel(
+    x1: torch.Tensor,
+    x2: torch.Tensor,
+    outputscale: torch.Tensor,
+    lengthscale: torch.Tensor,
+) -> torch.Tensor:
+    """s·exp(−‖x1−x2‖²/(2l²)) for ``x1 [V, a, D]``, ``x2 [V, b, D]``, ``s, l [V]`` → ``[V, a, b]``.
+
+    Same value as gpytorch's ``ScaleKernel(RBFKernel())`` with batch shape ``[V]``.
+    """
+    sq = (
+        x1.pow(2).sum(-1).unsqueeze(-1)
+        + x2.pow(2).sum(-1).unsqueeze(-2)
+        - 2 * x1 @ x2.transpose(-1, -2)
+    ).clamp_min(0)
+    l2 = lengthscale.pow(2)[..., None, None]
+    return outputscale[..., None, None] * torch.exp(-sq / (2 * l2))
+
+
+def _masked_gram(k: torch.Tensor, mask: torch.Tensor, jitter: float) -> torch.Tensor:
+    """K + jitter·I on real rows; identity rows/columns on padded ones."""
+    m = mask.to(k.dtype)
+    eye = torch.eye(k.shape[-1], dtype=k.dtype, device=k.device)
+    return k * m.unsqueeze(-1) * m.unsqueeze(-2) + eye * (jitter * m + (1 - m)).unsqueeze(-1)
+
+
+def safe_cholesky(a: torch.Tensor, max_tries: int = 5) -> torch.Tensor:
+    """Cholesky with escalating jitter retries (1e-8·mean diag, ×10 each try), as in the code."""
+    chol, info = torch.linalg.cholesky_ex(a)
+    if not bool((info > 0).any()):
+        return chol
+    diag = a.diagonal(dim1=-2, dim2=-1).mean(-1).abs().clamp_min(1e-12)
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    for i in range(max_tries):
+        jit = diag * 10.0 ** (-8 + i + (2 if a.dtype == torch.float32 else 0))
+        chol, info = torch.linalg.cholesky_ex(a + jit[..., None, None] * eye)
+        if not bool((info > 0).any()):
+            return chol
+    raise ValueError("matrix is not positive definite even with jitter (check the inputs)")
+
+
+# ------------------------------------------------------------------ Gauss–Hermite predictive
+
+_GH_CACHE: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def gauss_hermite_sigmoid(
+    mean: torch.Tensor, var: torch.Tensor, n_points: int = 20
+) -> torch.Tensor:
+    """E[σ(f)] for f ~ N(mean, var): Σ_j w_j σ(mean + √(2 var) t_j)/√π (Hermite nodes t_j)."""
+    if n_points not in _GH_CACHE:
+        _GH_CACHE[n_points] = np.polynomial.hermite.hermgauss(n_points)
+    t, w = _GH_CACHE[n_points]
+    t = torch.as_tensor(t, dtype=mean.dtype, device=mean.device)
+    w = torch.as_tensor(w, dtype=mean.dtype, device=mean.device) / math.sqrt(math.pi)
+    f = mean.unsqueeze(-1) + (2 * var.clamp_min(0)).sqrt().unsqueeze(-1) * t
+    return (torch.sigmoid(f) * w).sum(-1)
+
+
+# ------------------------------------------------------------------------- validation
+
+
+def check_node_data(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> None:
+    """``ValueError`` unless ``x [V, n, D]``, ``y [V, n]`` ∈ {0, 1} and ``mask [V, n]`` agree."""
+    if x.ndim != 3:
+        raise ValueError(f"x must be [V, n, D], got shape {tuple(x.shape)}")
+    if y.shape != x.shape[:2] or mask.shape != x.shape[:2]:
+        raise ValueError(
+            f"y and mask must be [V, n]={tuple(x.shape[:2])}, got {tuple(y.shape)}, "
+            f"{tuple(mask.shape)}"
+        )
+    if not torch.isfinite(x).all():
+        raise ValueError("x contains NaN or inf")
+    if not ((y == 0) | (y == 1)).all():
+        raise ValueError("y must hold 0/1 node labels")
+    if not bool(mask.bool().any(-1).all()):
+        raise ValueError("mask: every node needs at least one training point")
+
+
+# ------------------------------------------------------------------------------ Gibbs
+
+
+@dataclass
+class GibbsState:
+    """Gibbs chains of a batch of nodes.
+
+    Attributes:
+        x: ``[V, n, D]`` node inputs (L2-normalised), ``mask`` ``[V, n]``, ``kappa``
+            ``[V, n]`` = y − ½ (0 on padding).
+        K: ``[V, n, n]`` prior covariance with jitter; ``chol_K`` its Cholesky factor.
+        omega: ``[V, S, n]`` current ω of S chains (0 on padding); ``f`` the last f draw.
+        outputscale, lengthscale: ``[V]`` kernel hyper-parameters.
+        objective: ``[V]`` mean over chains of the augmented log marginal likelihood
+            log p(y | ω, X) (a trace for diagnostics, not monotone: this is a sampler);
+            None unless the engine has ``track_objective``.
+        omega_trace: ``[sweeps+1, V, S, n]`` ω after each sweep when recorded, else None.
+    """
+
+    x: torch.Tensor
+    mask: torch.Tensor
+    kappa: torch.Tensor
+    K: torch.Tensor
+    chol_K: torch.Tensor
+    omega: torch.Tensor
+    f: torch.Tensor
+    outputscale: torch.Tensor
+    lengthscale: torch.Tensor
+    objective: torch.Tensor | None
+    f_trace: list | None = None
+    omega_trace: list | None = None
+
+
+class GibbsNodes:
+    """Block Gibbs sampler for exact-kernel PG-GP nodes, all nodes and chains at once (§3.2).
+
+    Args:
+        n_chains: independent chains per node (code default 30).
+        outputscale, lengthscale: fixed RBF hyper-parameters (code: 8 and 1).
+        jitter: added to the kernel diagonal (code: 1e-3).
+        sampler: ``"torch"`` (on device, :func:`sample_pg_torch`) or ``"exact"``
+            (``polyagamma`` on CPU).
+        generator: torch generator for the normal and Gamma draws (``"torch"`` sampler).
+        seed: seed of the NumPy generator of the ``"exact"`` sampler.
+        record: keep f and ω after every sweep (for ArviZ diagnostics).
+        track_objective: compute log p(y | ω) after every sweep (one more Cholesky per
+            sweep); otherwise ``state.objective`` is None.
+    """
+
+    def __init__(
+        self,
+        n_chains: int = 30,
+        outputscale: float = 8.0,
+        lengthscale: float = 1.0,
+        jitter: float = 1e-3,
+        sampler: str = "torch",
+        generator: torch.Generator | None = None,
+        seed: int | None = 0,
+        record: bool = False,
+        track_objective: bool = False,
+    ) -> None:
+        if n_chains < 1:
+            raise ValueError(f"n_chains must be >= 1, got {n_chains}")
+        if outputscale <= 0 or lengthscale <= 0:
+            raise ValueError("outputscale and lengthscale must be positive")
+        if sampler not in ("torch", "exact"):
+            raise ValueError(f"sampler must be 'torch' or 'exact', got {sampler!r}")
+        self.n_chains = n_chains
+        self.outputscale = outputscale
+        self.lengthscale = lengthscale
+        self.jitter = jitter
+        self.sampler = sampler
+        self.generator = generator
+        self._rng = np.random.default_rng(seed)
+        self.record = record
+        self.track_objective = track_objective
+
+    def _objective(self, state: GibbsState) -> torch.Tensor | None:
+        return augmented_log_marginal(state).mean(-1) if self.track_objective else None
+
+    # -- draws
+    def _randn(self, shape, like: torch.Tensor) -> torch.Tensor:
+        return torch.randn(shape, dtype=like.dtype, device=like.device, generator=self.generator)
+
+    def _pg(self, f: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.sampler == "torch":
+            w = sample_pg_torch(f, generator=self.generator)
+        else:
+            w = sample_pg_exact(f, random_state=self._rng)
+        return w * mask.unsqueeze(-2).to(w.dtype)
+
+    def init(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> GibbsState:
+        """Kernel matrices and the code's initialisation f⁰ ~ N(0, K), ω⁰ ~ PG(1, f⁰)."""
+        check_node_data(x, y, mask)
+        x = normalize(x)
+        mask = mask.bool()
+        m = mask.to(x.dtype)
+        V = x.shape[0]
+        s = x.new_full((V,), self.outputscale)
+        ls = x.new_full((V,), self.lengthscale)
+        K = _masked_gram(rbf_kernel(x, x, s, ls), mask, self.jitter)
+        chol_K = safe_cholesky(K)
+        kappa = (y.to(x.dtype) - 0.5) * m
+        eps = self._randn((V, self.n_chains, x.shape[1]), x)
+        f = (chol_K.unsqueeze(1) @ eps.unsqueeze(-1)).squeeze(-1)
+        omega = self._pg(f, mask)
+        state = GibbsState(x, mask, kappa, K, chol_K, omega, f, s, ls, None)
+        state.objective = self._objective(state)
+        if self.record:
+            state.f_trace, state.omega_trace = [f], [omega]
+        return state
+
+    def sample_f(self, state: GibbsState) -> torch.Tensor:
+        """One draw of f | ω, y for every node and chain (Matheron's rule, no K⁻¹)."""
+        K, kappa, omega = state.K, state.kappa, state.omega
+        V, S, n = omega.shape
+        Kb = K.unsqueeze(1)
+        eps = self._randn((V, S, n), omega)
+        g = (K @ kappa.unsqueeze(-1)).squeeze(-1).unsqueeze(1) + (
+            state.chol_K.unsqueeze(1) @ eps.unsqueeze(-1)
+        ).squeeze(-1)
+        sw = omega.sqrt()
+        chol_B = _chol_B(K, sw)
+        r = sw * g + self._randn((V, S, n), omega)
+        v = torch.cholesky_solve(r.unsqueeze(-1), chol_B).squeeze(-1)
+        return g - (Kb @ (sw * v).unsqueeze(-1)).squeeze(-1)
+
+    def step(self, state: GibbsState) -> GibbsState:
+        """One sweep: f | ω, then ω | f ~ PG(1, f)."""
+        f = self.sample_f(state)
+        omega = self._pg(f, state.mask)
+        new = replace(state, f=f, omega=omega)
+        new.objective = self._objective(new)
+        if self.record:
+            new.f_trace = [*state.f_trace, f]
+            new.omega_trace = [*state.omega_trace, omega]
+        return new
+
+    def fit(
+        self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, n_sweeps: int = 10
+    ) -> GibbsState:
+        """``init`` then ``n_sweeps`` sweeps (code default 10)."""
+        state = self.init(x, y, mask)
+        for _ in range(n_sweeps):
+            state = self.step(state)
+        return state
+
+
+def _chol_B(K: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
+    """Cholesky of B = I + Ω^½ K Ω^½ for ``K [V, n, n]`` and ``sw = √ω [V, S, n]``."""
+    B = sw.unsqueeze(-1) * K.unsqueeze(1) * sw.unsqueeze(-2)
+    B = B + torch.eye(B.shape[-1], dtype=B.dtype, device=B.device)
+    return safe_cholesky(B)
+
+
+def _posterior_mean_f(K: torch.Tensor, kappa: torch.Tensor, sw: torch.Tensor, chol_B):
+    """m_f = Σκ = Kκ − KΩ^½B⁻¹Ω^½Kκ, ``[V, S, n]``."""
+    Kk = (K @ kappa.unsqueeze(-1)).squeeze(-1).unsqueeze(1)
+    v = torch.cholesky_solve((sw * Kk).unsqueeze(-1), chol_B).squeeze(-1)
+    return Kk - (K.unsqueeze(1) @ (sw * v).unsqueeze(-1)).squeeze(-1)
+
+
+def augmented_log_marginal(state: GibbsState) -> torch.Tensor:
+    """log p(y | ω, X) = ½κᵀΣκ − ½log|B| − n log 2 per node and chain, ``[V, S]`` (§3.2).
+
+    Equal to log N(Ω⁻¹κ | 0, K + Ω⁻¹) + (n/2)log 2π − ½Σlog ω + ½Σκ²/ω − n log 2.
+    """
+    sw = state.omega.sqrt()
+    chol_B = _chol_B(state.K, sw)
+    m_f = _posterior_mean_f(state.K, state.kappa, sw, chol_B)
+    n = state.mask.sum(-1).to(state.K.dtype).unsqueeze(-1)
+    logdet = 2 * chol_B.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+    return 0.5 * (state.kappa.unsqueeze(1) * m_f).sum(-1) - 0.5 * logdet - n * math.log(2.0)
+
+
+def gibbs_predict(
+    state: GibbsState,
+    x_star: torch.Tensor,
+    n_points: int = 20,
+    chunk: int | None = None,
+    return_moments: bool = False,
+):
+    """p(y_v = 1 | x*) for ``x_star [V, N, D]`` (or ``[N, D]``, shared by all nodes) → ``[V, N]``.
+
+    Per chain: μ* = k*ᵀα, α = κ − Ω m_f (= (K + Ω⁻¹)⁻¹Ω⁻¹κ), σ*² = k** − ‖L_B⁻¹Ω^½k*‖²;
+    the node probability is the mean over chains of E[σ(f*)] (Gauss–Hermite). With
+    ``return_moments`` also returns μ*, σ*² ``[V, S, N]``.
+    """
+    if x_star.ndim == 2:
+        x_star = x_star.unsqueeze(0).expand(state.x.shape[0], -1, -1)
+    V, D = state.x.shape[0], state.x.shape[-1]
+    if x_star.ndim != 3 or x_star.shape[0] != V or x_star.shape[-1] != D:
+        raise ValueError(f"x_star must be [V={V}, N, D={D}], got {tuple(x_star.shape)}")
+    x_star = normalize(x_star)
+    sw = state.omega.clamp_min(0).sqrt()
+    chol_B = _chol_B(state.K, sw)
+    m_f = _posterior_mean_f(state.K, state.kappa, sw, chol_B)
+    alpha = state.kappa.unsqueeze(1) - state.omega * m_f  # [V, S, n]
+    m = state.mask.to(x_star.dtype)
+    if chunk is None:  # keep the [V, S, n, chunk] solve at about 2**23 elements
+        chunk = max(16, 2**23 // max(1, state.omega.numel()))
+    probs, mus, vars_ = [], [], []
+    for start in range(0, x_star.shape[1], chunk):
+        xs = x_star[:, start : start + chunk]
+        ks = rbf_kernel(state.x, xs, state.outputscale, state.lengthscale) * m.unsqueeze(-1)
+        mu = alpha @ ks  # [V, S, N]
+        w = torch.linalg.solve_triangular(chol_B, sw.unsqueeze(-1) * ks.unsqueeze(1), upper=False)
+        var = (state.outputscale[:, None, None] - w.pow(2).sum(-2)).clamp_min(1e-12)
+        probs.append(gauss_hermite_sigmoid(mu, var, n_points).mean(1))
+        if return_moments:
+            mus.append(mu)
+            vars_.append(var)
+    p = torch.cat(probs, -1)
+    if return_moments:
+        return p, torch.cat(mus, -1), torch.cat(vars_, -1)
+    return p
+
+
+# -------------------------------------------------------------------------------- VI
+
+
+@dataclass
+class VIState:
+    """Variational factors of a batch of inducing-point nodes.
+
+    Attributes:
+        data: the tensors given to :meth:`VINodes.init` (x, y, mask, z, zmask, s, l).
+        eta: ``[V, M]`` natural parameter Σ̃⁻¹μ̃; ``prec`` ``[V, M, M]`` = Σ̃⁻¹ (= −2H).
+        c: ``[V, n]`` PG tilts of q(ω_i) = PG(1, c_i).
+        objective: ``[V]`` the ELBO of each node.
+    """
+
+    data: tuple
+    eta: torch.Tensor
+    prec: torch.Tensor
+    c: torch.Tensor
+    objective: torch.Tensor
+
+
+@dataclass
+class VITerms:
+    """Kernel quantities of the inducing-point node (§3.3 notation)."""
+
+    Kmm: torch.Tensor  # [V, M, M] with jitter (identity on padded inducing points)
+    chol_Kmm: torch.Tensor
+    A: torch.Tensor  # [V, n, M] = K_nm K_mm⁻¹ (zero rows on padded points)
+    Ktilde: torch.Tensor  # [V, n] = K_ii − (A K_mn)_ii
+    kappa: torch.Tensor  # [V, n] = y − ½ (0 on padding)
+    mask: torch.Tensor  # [V, n] float
+
+
+def vi_terms(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    mask: torch.Tensor,
+    z: torch.Tensor,
+    zmask: torch.Tensor,
+    outputscale: torch.Tensor,
+    lengthscale: torch.Tensor,
+    jitter: float = 1e-2,
+) -> VITerms:
+    """K_mm, A = K_nm K_mm⁻¹ and K̃ for normalised inputs ``x`` and inducing inputs ``z``."""
+    x, z = normalize(x), normalize(z)
+    m = mask.to(x.dtype)
+    zm = zmask.to(x.dtype)
+    Kmm = _masked_gram(rbf_kernel(z, z, outputscale, lengthscale), zmask.bool(), jitter)
+    chol = safe_cholesky(Kmm)
+    Knm = rbf_kernel(x, z, outputscale, lengthscale) * m.unsqueeze(-1) * zm.unsqueeze(-2)
+    A = torch.cholesky_solve(Knm.transpose(-1, -2), chol).transpose(-1, -2)
+    Ktilde = ((outputscale.unsqueeze(-1) - (A * Knm).sum(-1)) * m).clamp_min(0)
+    kappa = (y.to(x.dtype) - 0.5) * m
+    return VITerms(Kmm, chol, A, Ktilde, kappa, m)
+
+
+def q_moments(eta: torch.Tensor, prec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """μ̃ = Λ⁻¹η and Σ̃ = Λ⁻¹ from the natural parameters (Λ = Σ̃⁻¹)."""
+    chol = safe_cholesky(prec)
+    Sigma = torch.cholesky_inverse(chol)
+    mu = torch.cholesky_solve(eta.unsqueeze(-1), chol).squeeze(-1)
+    return mu, Sigma
+
+
+def _second_moment(t: VITerms, mu: torch.Tensor, Sigma: torch.Tensor) -> tuple:
+    Amu = (t.A @ mu.unsqueeze(-1)).squeeze(-1)
+    ASA = ((t.A @ Sigma) * t.A).sum(-1)
+    return Amu, ASA
+
+
+def vi_elbo(
+    t: VITerms,
+    mu: torch.Tensor,
+    Sigma: torch.Tensor,
+    c: torch.Tensor,
+    code_elbo: bool = False,
+) -> torch.Tensor:
+    """The node ELBO (§3.3, with its constants, so it is a true lower bound on log p(y)).
+
+    L = Σ_i [κ_i(Aμ̃)_i − ½θ_i(K̃_ii + (AΣ̃Aᵀ)_ii + (Aμ̃)_i²) + ½θ_i c_i² − log cosh(c_i/2) − log 2]
+        − KL(N(μ̃, Σ̃) ‖ N(0, K_mm)),   θ_i = tanh(c_i/2)/(2c_i).
+
+    ``code_elbo=True`` flips the signs of θ(AΣ̃Aᵀ)_ii and θ(Aμ̃)_i², as the official code
+    does (spec §3.8; only for reproducing its hyper-parameter gradients).
+    """
+    Amu, ASA = _second_moment(t, mu, Sigma)
+    theta = pg_mean(c)
+    if code_elbo:
+        quad = t.Ktilde - ASA - Amu.pow(2)
+    else:
+        quad = t.Ktilde + ASA + Amu.pow(2)
+    data = (
+        t.kappa * Amu
+        - 0.5 * theta * quad
+        + 0.5 * theta * c.pow(2)
+        - log_cosh(c / 2)
+        - math.log(2.0)
+    ) * t.mask
+    M = mu.shape[-1]
+    Kinv_S = torch.cholesky_solve(Sigma, t.chol_Kmm)
+    Kinv_mu = torch.cholesky_solve(mu.unsqueeze(-1), t.chol_Kmm).squeeze(-1)
+    logdet_K = 2 * t.chol_Kmm.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+    logdet_S = 2 * safe_cholesky(Sigma).diagonal(dim1=-2, dim2=-1).log().sum(-1)
+    kl = 0.5 * (
+        Kinv_S.diagonal(dim1=-2, dim2=-1).sum(-1) + (mu * Kinv_mu).sum(-1) - M + logdet_K - logdet_S
+    )
+    return data.sum(-1) - kl
+
+
+class VINodes(Engine):
+    """Inducing-point PG-GP nodes with closed-form updates (spec §3.3), batched over nodes.
+
+    ``init(x, y, mask, z, zmask, outputscale, lengthscale)``; a step is (1) the exact
+    maximiser c_i = √(K̃_ii + (AΣ̃Aᵀ)_ii + (Aμ̃)_i²) then (2) the natural-parameter update
+    η ← (1−ρ)η + ρAᵀκ, Λ ← (1−ρ)Λ + ρ(K_mm⁻¹ + AᵀΘA) (full batch, so n/|B| = 1). With
+    ρ = ``natural_lr`` = 1 each update is the exact coordinate optimum, so the ELBO never
+    decreases. The code's default ρ = 0.1 (paper 0.05) is for mini-batch SGD with DKL.
+    """
+
+    maximize = True
+
+    def __init__(self, jitter: float = 1e-2, natural_lr: float = 1.0, code_elbo: bool = False):
+        if not 0 < natural_lr <= 1:
+            raise ValueError(f"natural_lr must be in (0, 1], got {natural_lr}")
+        self.jitter = jitter
+        self.natural_lr = natural_lr
+        self.code_elbo = code_elbo
+
+    def terms(self, state_or_data) -> VITerms:
+        data = state_or_data.data if isinstance(state_or_data, VIState) else state_or_data
+        return vi_terms(*data, jitter=self.jitter)
+
+    def init(self, x, y, mask, z, zmask, outputscale, lengthscale) -> VIState:
+        """η = 0, Λ = I (H = −½I), c = 1 (spec §3.3)."""
+        check_node_data(x, y, mask)
+        if z.ndim != 3 or z.shape[0] != x.shape[0] or z.shape[-1] != x.shape[-1]:
+            raise ValueError(f"z must be [V, M, D] matching x, got {tuple(z.shape)}")
+        if not torch.isfinite(z).all():
+            raise ValueError("z contains NaN or inf")
+        data = (x, y, mask, z, zmask, outputscale, lengthscale)
+        t = self.terms(data)
+        eta, prec, c = self.initial_factors(z.shape[0], z.shape[1], x)
+        mu, Sigma = q_moments(eta, prec)
+        return VIState(data, eta, prec, c, vi_elbo(t, mu, Sigma, c, self.code_elbo))
+
+    @staticmethod
+    def initial_factors(V: int, M: int, like: torch.Tensor):
+        """η = 0, Λ = I, c = 1 (``like`` gives dtype, device and the number of points)."""
+        eta = like.new_zeros(V, M)
+        prec = torch.eye(M, dtype=like.dtype, device=like.device).expand(V, M, M).clone()
+        return eta, prec, like.new_ones(V, like.shape[1])
+
+    def update_c(self, t: VITerms, mu, Sigma) -> torch.Tensor:
+        Amu, ASA = _second_moment(t, mu, Sigma)
+        return (t.Ktilde + ASA + Amu.pow(2)).clamp_min(0).sqrt()
+
+    def update_q(self, t: VITerms, c, eta, prec) -> tuple[torch.Tensor, torch.Tensor]:
+        theta = pg_mean(c) * t.mask
+        Kinv = torch.cholesky_inverse(t.chol_Kmm)
+        target_prec = Kinv + t.A.transpose(-1, -2) @ (theta.unsqueeze(-1) * t.A)
+        target_eta = (t.A.transpose(-1, -2) @ t.kappa.unsqueeze(-1)).squeeze(-1)
+        rho = self.natural_lr
+        prec = (1 - rho) * prec + rho * target_prec
+        prec = 0.5 * (prec + prec.transpose(-1, -2))
+        return (1 - rho) * eta + rho * target_eta, prec
+
+    def step(self, state: VIState) -> VIState:
+        return self.step_terms(state, self.terms(state))
+
+    def step_terms(self, state: VIState, t: VITerms) -> VIState:
+        """:meth:`step` with the kernel terms of ``state.data`` already computed."""
+        mu, Sigma = q_moments(state.eta, state.prec)
+        c = self.update_c(t, mu, Sigma)
+        eta, prec = self.update_q(t, c, state.eta, state.prec)
+        mu, Sigma = q_moments(eta, prec)
+        return VIState(state.data, eta, prec, c, vi_elbo(t, mu, Sigma, c, self.code_elbo))
+
+    def guide(self, state: VIState) -> Callable[..., None]:
+        """Pyro guide of :func:`vi_node_model`: f̄ ~ q, f | f̄ ~ p(f | f̄), ω ~ PG(1, c)."""
+        t = self.terms(state)
+        mu, Sigma = q_moments(state.eta, state.prec)
+        c = state.c
+
+        def guide(x, y, mask, z, zmask, outputscale, lengthscale):
+            with pyro.plate("nodes", x.shape[0], dim=-2):
+                fbar = pyro.sample(
+                    "fbar", dist.MultivariateNormal(mu.unsqueeze(-2), Sigma.unsqueeze(-3))
+                )
+                _f_and_omega(t, fbar, c, guide=True)
+
+        return guide
+
+    def predict(
+        self, state: VIState, x_star: torch.Tensor, n_points: int = 20, return_moments=False
+    ):
+        """p(y_v = 1 | x*) = GH-E[σ], μ* = k*ᵀK⁻¹μ̃, σ*² = k** − k*ᵀK⁻¹k* + k*ᵀK⁻¹Σ̃K⁻¹k*."""
+        x, y, mask, z, zmask, s, ls = state.data
+        if x_star.ndim == 2:
+            x_star = x_star.unsqueeze(0).expand(x.shape[0], -1, -1)
+        t = self.terms(state)
+        mu, Sigma = q_moments(state.eta, state.prec)
+        mean, var = vi_predictive_moments(t, mu, Sigma, z, zmask, s, ls, x_star)
+        p = gauss_hermite_sigmoid(mean, var, n_points)
+        return (p, mean, var) if return_moments else p
+
+
+def vi_predictive_moments(t, mu, Sigma, z, zmask, s, ls, x_star):
+    """Predictive mean and variance ``[V, N]`` of the inducing-point node (§3.3)."""
+    zn, xs = normalize(z), normalize(x_star)
+    Kms = rbf_kernel(zn, xs, s, ls) * zmask.to(xs.dtype).unsqueeze(-1)
+    a = torch.cholesky_solve(Kms, t.chol_Kmm)  # [V, M, N]
+    mean = (a * mu.unsqueeze(-1)).sum(-2)
+    var = s.unsqueeze(-1) - (Kms * a).sum(-2) + (a * (Sigma @ a)).sum(-2)
+    return mean, var.clamp_min(1e-12)
+
+
+# -------------------------------------------------------------- Pyro model of a VI node
+
+
+def _f_and_omega(t: VITerms, fbar: torch.Tensor, c: torch.Tensor | None, guide: bool) -> None:
+    """Sites shared by the model and guide of a node: f_i | f̄ and ω_i (and y in the model).
+
+    Called inside the ``nodes`` plate (dim −2)."""
+    fbar = fbar.squeeze(-2)
+    loc = (t.A @ fbar.unsqueeze(-1)).squeeze(-1)
+    scale = t.Ktilde.clamp_min(1e-10).sqrt()
+    mask = t.mask.bool()
+    with pyro.plate("points", t.A.shape[1], dim=-1):
+        with pyro.poutine.mask(mask=mask):
+            f = pyro.sample("f", dist.Normal(loc, scale))
+            tilt = c if guide else torch.zeros_like(t.kappa)
+            omega = pyro.sample("omega", PolyaGamma(tilt))
+            if not guide:
+                # p(y, ω | f) = ½ exp(κf − ωf²/2) PG(ω | 1, 0)   (augmented likelihood, §2)
+                pyro.factor("y", t.kappa * f - omega * f.pow(2) / 2 - math.log(2.0))
+
+
+def vi_node_model(x, y, mask, z, zmask, outputscale, lengthscale, jitter: float = 1e-2) -> None:
+    """Generative model of a batch of inducing-point nodes (sites fbar, f, omega, y).
+
+    f̄_v ~ N(0, K_mm); f_vi | f̄_v ~ N(A f̄, K̃_ii) (the SVGP conditional; only its marginals
+    enter the likelihood); ω_vi ~ PG(1, 0); y_vi enters through the augmented factor
+    ½ exp(κf − ωf²/2), whose ω-marginal is σ(f)^y(1−σ(f))^{1−y}.
+    """
+    t = vi_terms(x, y, mask, z, zmask, outputscale, lengthscale, jitter)
+    M = z.shape[1]
+    zero = x.new_zeros(x.shape[0], M)
+    with pyro.plate("nodes", x.shape[0], dim=-2):
+        fbar = pyro.sample("fbar", dist.MultivariateNormal(zero.unsqueeze(-2), t.Kmm.unsqueeze(-3)))
+    _f_and_omega(t, fbar, None, guide=False)
