@@ -1,6 +1,14 @@
 """The evaluation protocol and result tables."""
 
-from probfsl.evaluation.protocol import EvalResult, accuracy_ci, evaluate
+from probfsl.evaluation.protocol import EvalResult, accuracy_ci, evaluate, score_batches
 from probfsl.evaluation.tables import markdown_table, text_table, write_results
 
-__all__ = ["EvalResult", "accuracy_ci", "evaluate", "markdown_table", "text_table", "write_results"]
+__all__ = [
+    "EvalResult",
+    "accuracy_ci",
+    "evaluate",
+    "score_batches",
+    "markdown_table",
+    "text_table",
+    "write_results",
+]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -46,6 +47,44 @@ def accuracy_ci(per_task: np.ndarray) -> tuple[float, float]:
     return 100 * per_task.mean(), 100 * 1.96 * std / np.sqrt(per_task.size)
 
 
+def score_batches(
+    predict: Callable[[int, int], torch.Tensor],
+    labels: torch.Tensor,
+    batch_size: int = 1000,
+    progress: bool = False,
+) -> EvalResult:
+    """Accuracy of ``predict(start, stop) -> [B, Q]`` predictions against ``labels`` [T, Q].
+
+    The tasks are scored in batches of ``batch_size``; the timing covers ``predict`` only.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    n_tasks = labels.shape[0]
+    per_task, seconds = [], 0.0
+    bar = tqdm(total=n_tasks, unit="task", disable=not progress, leave=False)
+    for start in range(0, n_tasks, batch_size):
+        stop = min(start + batch_size, n_tasks)
+        tic = time.perf_counter()
+        predicted = predict(start, stop)
+        if predicted.device.type == "cuda":
+            torch.cuda.synchronize(predicted.device)
+        seconds += time.perf_counter() - tic
+        correct = predicted == labels[start:stop].to(predicted.device)
+        per_task.append(correct.double().mean(-1).cpu().numpy())
+        bar.update(stop - start)
+    bar.close()
+    per_task = np.concatenate(per_task)
+    acc, ci = accuracy_ci(per_task)
+    return EvalResult(
+        accuracy=acc,
+        ci95=ci,
+        seconds=seconds,
+        tasks_per_second=len(per_task) / max(seconds, 1e-9),
+        n_tasks=len(per_task),
+        per_task_accuracy=per_task,
+    )
+
+
 def evaluate(
     estimator: FewShotClassifier,
     episodes: Episodes,
@@ -59,31 +98,8 @@ def evaluate(
     Timing covers the estimator's work on the batches (moving each batch to
     ``device`` included), not the sampling of the tasks.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
-    per_task = []
-    seconds = 0.0
-    starts = range(0, len(episodes), batch_size)
-    bar = tqdm(total=len(episodes), unit="task", disable=not progress, leave=False)
-    for start in starts:
-        batch = episodes[start : start + batch_size]
-        tic = time.perf_counter()
-        batch = batch.to(device, dtype)
-        predicted = estimator.predict(batch)
-        if predicted.device.type == "cuda":
-            torch.cuda.synchronize(predicted.device)
-        seconds += time.perf_counter() - tic
-        correct = (predicted == batch.query_labels.to(predicted.device)).double().mean(-1)
-        per_task.append(correct.cpu().numpy())
-        bar.update(len(batch))
-    bar.close()
-    per_task = np.concatenate(per_task)
-    acc, ci = accuracy_ci(per_task)
-    return EvalResult(
-        accuracy=acc,
-        ci95=ci,
-        seconds=seconds,
-        tasks_per_second=len(per_task) / max(seconds, 1e-9),
-        n_tasks=len(per_task),
-        per_task_accuracy=per_task,
-    )
+
+    def predict(start: int, stop: int) -> torch.Tensor:
+        return estimator.predict(episodes[start:stop].to(device, dtype))
+
+    return score_batches(predict, episodes.query_labels, batch_size, progress)
