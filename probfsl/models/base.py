@@ -59,6 +59,34 @@ class FewShotClassifier(ABC):
         return f"{type(self).__name__}({params})"
 
 
+class BaseMeanCentering:
+    """Mixin for estimators that centre features on the base-class mean (SimpleShot).
+
+    The estimator sets ``self.center``; ``fit_base`` stores ``base_mean_`` (the mean
+    of all base features) and :meth:`centring_mean` returns it, or ``None`` when
+    ``center`` is off.
+    """
+
+    center: bool = True
+
+    @property
+    def needs_base(self) -> bool:
+        return self.center
+
+    def fit_base(self, features: torch.Tensor, labels: torch.Tensor) -> Self:
+        check_base(features, labels)
+        self.base_mean_ = features.mean(0)
+        return self
+
+    def centring_mean(self) -> torch.Tensor | None:
+        """The base mean to subtract, ``None`` without centring; ``ValueError`` if not fitted."""
+        if not self.center:
+            return None
+        if getattr(self, "base_mean_", None) is None:
+            raise ValueError("center=True needs base features: call fit_base first")
+        return self.base_mean_
+
+
 def check_base(features: torch.Tensor, labels: torch.Tensor, min_classes: int = 1) -> None:
     """``ValueError`` unless base ``features`` [N, D] and ``labels`` [N] are usable."""
     if features is None or features.ndim != 2 or features.shape[0] == 0:

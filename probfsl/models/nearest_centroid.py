@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Self
-
 import torch
 
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
 from probfsl.inference.kmeans import class_means, one_hot_support
-from probfsl.models.base import FewShotClassifier, check_base, check_episodes
+from probfsl.models.base import BaseMeanCentering, FewShotClassifier, check_episodes
 
 
-class NearestCentroid(FewShotClassifier):
+class NearestCentroid(BaseMeanCentering, FewShotClassifier):
     """Inductive baseline: similarity of each query to the mean of each class's support.
 
     Features are centred on the base-class mean (when ``center``) and L2-normalised;
@@ -36,20 +34,9 @@ class NearestCentroid(FewShotClassifier):
         self.prototype = prototype
         self.temperature = temperature
 
-    @property
-    def needs_base(self) -> bool:
-        return self.center
-
-    def fit_base(self, features: torch.Tensor, labels: torch.Tensor) -> Self:
-        check_base(features, labels)
-        self.base_mean_ = features.mean(0)
-        return self
-
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
         check_episodes(episodes)
-        mean = getattr(self, "base_mean_", None) if self.center else None
-        if self.center and mean is None:
-            raise ValueError("center=True needs base features: call fit_base first")
+        mean = self.centring_mean()
         support = center_and_normalize(episodes.support, mean)
         query = center_and_normalize(episodes.query, mean)
         labels = one_hot_support(episodes.support_labels, episodes.way, support.dtype)

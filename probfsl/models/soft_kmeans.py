@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Self
-
 import torch
 
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
 from probfsl.inference.kmeans import soft_kmeans
-from probfsl.models.base import FewShotClassifier, check_base, check_episodes
+from probfsl.models.base import BaseMeanCentering, FewShotClassifier, check_episodes
 
 
-class SoftKMeans(FewShotClassifier):
+class SoftKMeans(BaseMeanCentering, FewShotClassifier):
     """Soft k-means on centred, L2-normalised features, seeded by the support means.
 
     Args:
@@ -28,20 +26,9 @@ class SoftKMeans(FewShotClassifier):
         self.n_iter = n_iter
         self.center = center
 
-    @property
-    def needs_base(self) -> bool:
-        return self.center
-
-    def fit_base(self, features: torch.Tensor, labels: torch.Tensor) -> Self:
-        check_base(features, labels)
-        self.base_mean_ = features.mean(0)
-        return self
-
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
         check_episodes(episodes)
-        mean = getattr(self, "base_mean_", None) if self.center else None
-        if self.center and mean is None:
-            raise ValueError("center=True needs base features: call fit_base first")
+        mean = self.centring_mean()
         p = soft_kmeans(
             center_and_normalize(episodes.support, mean),
             episodes.support_labels,
