@@ -119,12 +119,13 @@ def run_zero_shot(
     dtype: torch.dtype,
     batch_size: int = 1000,
     progress: bool = False,
+    params: dict | None = None,
 ) -> dict:
     """Zero-shot protocol (EM-Dirichlet): probabilities over all classes, matched clusters."""
     from probfsl.data import sample_zero_shot_tasks
     from probfsl.models.em_dirichlet import evaluate_zero_shot, zero_shot_probabilities
 
-    estimator = make_estimator(method)
+    estimator = make_estimator(method, **(params or {}))
     if not hasattr(estimator, "predict_zero_shot"):
         raise ValueError(f"--zero-shot is not available for method {method!r}")
     zs = sample_zero_shot_tasks(fs, tasks, min_classes, max_classes, query, seed)
@@ -140,12 +141,56 @@ def run_zero_shot(
         "tasks": result.n_tasks,
         "seed": seed,
         "dtype": str(dtype).removeprefix("torch."),
+        "params": params or {},
         **{k: v for k, v in result.summary().items() if k != "n_tasks"},
     }
 
 
+def _print_tuning(result) -> None:
+    rows = result.table_rows()
+    print(
+        f"{result.method}: {len(rows)} candidates on base-class episodes, "
+        f"criterion {result.criterion}, {result.seconds:.1f} s"
+    )
+    print(text_table(rows, list(rows[0])))
+    print(f"chosen: {result.best}")
+
+
+def _tune(args: argparse.Namespace, fs: FeatureSet):
+    from probfsl.tuning import tune
+
+    return tune(
+        args.method,
+        fs,
+        None,
+        args.way,
+        args.shot,
+        args.query,
+        args.balance,
+        args.alpha,
+        n_episodes=args.episodes,
+        seed=args.seed,
+        criterion=getattr(args, "criterion", "accuracy"),
+        fixed=parse_params(args.param),
+    )
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    fs = _load(args)
+    result = _tune(args, fs)
+    _print_tuning(result)
+    if args.out:
+        write_results(result.table_rows(), args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     fs = _load(args)
+    if args.preset == "auto":
+        result = _tune(args, fs)
+        _print_tuning(result)
+        args.preset, args.param = None, [f"{k}={v!r}" for k, v in result.best.items()]
     if args.zero_shot:
         row = run_zero_shot(
             args.method,
@@ -158,6 +203,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             DTYPES[args.dtype],
             args.batch_size,
             progress=sys.stderr.isatty(),
+            params=parse_params(args.param),
         )
         print(text_table([row]))
         if args.out:
@@ -250,6 +296,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="probfsl", description="Bayesian few-shot learning on pre-extracted features."
     )
+    parser.add_argument(
+        "--threads",
+        type=_positive(int),
+        default=None,
+        help="torch CPU threads (1 is often fastest on a busy machine)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("datasets", help="list the built-in data sets").set_defaults(func=cmd_datasets)
@@ -297,7 +349,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="explicit task file (.npz of row indices) instead of sampling",
     )
-    run.add_argument("--preset", metavar="NAME", help="a published setting of the method")
+    run.add_argument(
+        "--preset",
+        metavar="NAME",
+        help="a published setting of the method, or 'auto' (tuned on base-class episodes)",
+    )
+    run.add_argument(
+        "--episodes",
+        type=_positive(int),
+        default=300,
+        help="base-class episodes per candidate with --preset auto",
+    )
     run.add_argument(
         "--param",
         action="append",
@@ -314,6 +376,29 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-classes", type=_positive(int), default=10)
     run.add_argument("--out", metavar="FILE", help="write the result as .json or .csv")
     run.set_defaults(func=cmd_run)
+
+    tune = sub.add_parser(
+        "tune", help="choose a method's hyperparameters on episodes of the base classes"
+    )
+    tune.add_argument("--method", required=True, metavar="NAME")
+    tsource = tune.add_mutually_exclusive_group(required=True)
+    tsource.add_argument("--dataset", choices=list(DATASETS), metavar="NAME")
+    tsource.add_argument("--features", metavar="PATH")
+    tune.add_argument("--way", type=_positive(int), default=5)
+    tune.add_argument("--shot", type=_positive(int), default=1)
+    tune.add_argument("--query", type=_positive(int), default=75)
+    tune.add_argument("--balance", choices=["balanced", "dirichlet"], default="balanced")
+    tune.add_argument("--alpha", type=_positive(float), default=2.0)
+    tune.add_argument(
+        "--episodes", type=_positive(int), default=300, help="base-class episodes per candidate"
+    )
+    tune.add_argument("--criterion", choices=["accuracy", "objective"], default="accuracy")
+    tune.add_argument(
+        "--param", action="append", metavar="KEY=VALUE", help="a fixed hyperparameter (repeatable)"
+    )
+    tune.add_argument("--seed", type=int, default=0)
+    tune.add_argument("--out", metavar="FILE", help="write the candidates as .json or .csv")
+    tune.set_defaults(func=cmd_tune)
 
     select = sub.add_parser(
         "select", help="rank backbones (feature files of the same samples) by Bayesian evidence"
@@ -352,6 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     try:
         return args.func(args)
     except (ValueError, OSError) as err:

@@ -99,3 +99,70 @@ def test_datasets_lists_builtins(capsys):
     assert main(["datasets"]) == 0
     out = capsys.readouterr().out
     assert "omniglot" in out and "wordnet" in out
+
+
+def test_params_and_presets_reach_the_estimator(tmp_path):
+    out = tmp_path / "r.json"
+    argv = [
+        "run",
+        "--method",
+        "bavardage",
+        "--dataset",
+        "omniglot",
+        "--tasks",
+        "20",
+        "--preset",
+        "mini-unbalanced",
+        "--param",
+        "whitening='global'",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["preset"] == "mini-unbalanced" and result["params"] == {"whitening": "global"}
+    a = tmp_path / "a.json"
+    b = tmp_path / "b.json"
+    base = ["run", "--method", "soft-kmeans", "--dataset", "omniglot", "--tasks", "50"]
+    assert main([*base, "--param", "temperature=1", "--out", str(a)]) == 0
+    assert main([*base, "--param", "temperature=100", "--out", str(b)]) == 0
+    assert json.loads(a.read_text())["accuracy"] != json.loads(b.read_text())["accuracy"]
+
+
+def test_unknown_hyperparameter_and_preset_are_one_line_errors(capsys):
+    base = ["run", "--method", "bavardage", "--dataset", "omniglot", "--tasks", "5"]
+    assert main([*base, "--param", "nope=1"]) == 2
+    assert "unknown hyperparameter" in capsys.readouterr().err
+    assert main([*base, "--preset", "imagenet"]) == 2
+    assert "unknown preset" in capsys.readouterr().err
+
+
+def test_zero_shot_run_uses_the_class_embeddings(tmp_path):
+    out = tmp_path / "z.json"
+    argv = [
+        "--threads",
+        "1",
+        "run",
+        "--method",
+        "em-dirichlet",
+        "--dataset",
+        "wordnet",
+        "--zero-shot",
+        "--tasks",
+        "10",
+        "--param",
+        "hard=True",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["shot"] == 0 and result["tasks"] == 10 and result["params"] == {"hard": True}
+    assert main(["run", "--method", "em-dirichlet", "--dataset", "omniglot", "--zero-shot"]) == 2
+
+
+def test_tune_prints_candidates_and_choice(capsys):
+    argv = ["tune", "--method", "soft-kmeans", "--dataset", "omniglot", "--episodes", "20"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "chosen: {'temperature'" in out and "base-class episodes" in out

@@ -112,8 +112,7 @@ def probabilities_from_embeddings(
     _check_classes(k, "class_embeddings (rows)")
     if embeddings.shape[-1] != d:
         raise ValueError(
-            f"class_embeddings width {d} does not match the embeddings width "
-            f"{embeddings.shape[-1]}"
+            f"class_embeddings width {d} does not match the embeddings width {embeddings.shape[-1]}"
         )
     if class_embeddings.ndim > 2 and class_embeddings.shape[:-2] != embeddings.shape[:-2]:
         raise ValueError(

@@ -18,7 +18,6 @@ The closed-form mathematics (MM-quadratic Dirichlet step, Algorithm 2) lives in
 
 from __future__ import annotations
 
-import time
 from typing import Self
 
 import numpy as np
@@ -418,36 +417,15 @@ def evaluate_zero_shot(
     (baselines included). Timing covers ``predict_zero_shot`` (matching included), not the
     computation of the probabilities. Returns :class:`probfsl.evaluation.protocol.EvalResult`.
     """
-    from tqdm.auto import tqdm
+    from probfsl.evaluation.protocol import score_batches
 
-    from probfsl.evaluation.protocol import EvalResult, accuracy_ci
-
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
     if query_labels.shape != probs.shape[:2]:
         raise ValueError(
             f"query_labels must be [T, Q]={tuple(probs.shape[:2])}, got {tuple(query_labels.shape)}"
         )
-    per_task, seconds = [], 0.0
-    bar = tqdm(total=probs.shape[0], unit="task", disable=not progress, leave=False)
-    for start in range(0, probs.shape[0], batch_size):
-        batch = probs[start : start + batch_size]
-        tic = time.perf_counter()
-        predicted = estimator.predict_zero_shot(batch)
-        if predicted.device.type == "cuda":
-            torch.cuda.synchronize(predicted.device)
-        seconds += time.perf_counter() - tic
-        labels = query_labels[start : start + batch_size].to(predicted.device)
-        per_task.append((predicted == labels).double().mean(-1).cpu().numpy())
-        bar.update(batch.shape[0])
-    bar.close()
-    per_task = np.concatenate(per_task)
-    acc, ci = accuracy_ci(per_task)
-    return EvalResult(
-        accuracy=acc,
-        ci95=ci,
-        seconds=seconds,
-        tasks_per_second=len(per_task) / max(seconds, 1e-9),
-        n_tasks=len(per_task),
-        per_task_accuracy=per_task,
+    return score_batches(
+        lambda start, stop: estimator.predict_zero_shot(probs[start:stop]),
+        query_labels,
+        batch_size,
+        progress,
     )

@@ -1,0 +1,388 @@
+"""EM-Dirichlet: the spec's verification checklist (em_dirichlet.md §6) and conformance."""
+
+import itertools
+import math
+from dataclasses import replace
+from functools import partial
+
+import numpy as np
+import pyro
+import pytest
+import torch
+
+from probfsl.inference.base import run
+from probfsl.inference.dirichlet_mm import (
+    BOUNDED_MM,
+    REFERENCE_MM,
+    EMDirichletEngine,
+    curvature,
+    dirichlet_nll,
+    mm_dirichlet_fit,
+    mm_dirichlet_step,
+)
+from probfsl.models.em_dirichlet import EMDirichlet, em_dirichlet_model, match_clusters
+from probfsl.testing import ConformanceCase, check_engine
+
+F64 = torch.float64
+
+
+def dirichlet_mixture(n_tasks, k, n_query, present, n_shot=0, diag=8.0, off=0.5, seed=0):
+    """Synthetic tasks (spec §6.8): class c ~ Dir(alpha_c), alpha_cc = diag, others off."""
+    g = torch.Generator().manual_seed(seed)
+    alpha = torch.full((k, k), off, dtype=F64)
+    alpha.fill_diagonal_(diag)
+    torch.manual_seed(seed)
+    query, labels, support, support_labels = [], [], [], []
+    for _ in range(n_tasks):
+        classes = torch.randperm(k, generator=g)[:present]
+        y = classes[torch.randint(present, (n_query,), generator=g)]
+        query.append(torch.distributions.Dirichlet(alpha[y]).sample())
+        labels.append(y)
+        if n_shot:
+            ys = torch.arange(k).repeat(n_shot)
+            support.append(torch.distributions.Dirichlet(alpha[ys]).sample())
+            support_labels.append(ys)
+    out = torch.stack(query), torch.stack(labels)
+    if n_shot:
+        out += (torch.stack(support), torch.stack(support_labels))
+    return out
+
+
+def minka_fit(log_x_mean, n_iter=5000):
+    """Independent Dirichlet MLE: Minka (2000) fixed point alpha <- invdigamma(psi(sum) + s)."""
+    s = log_x_mean.double()
+    alpha = torch.ones_like(s)
+    for _ in range(n_iter):
+        y = torch.special.digamma(alpha.sum(-1, keepdim=True)) + s
+        # invdigamma by Newton from Minka's initialisation
+        a = torch.where(
+            y >= -2.22, torch.exp(y) + 0.5, -1 / (y - torch.special.digamma(torch.ones(())))
+        )
+        for _ in range(8):
+            a = a - (torch.special.digamma(a) - y) / torch.special.polygamma(1, a)
+        if torch.allclose(a, alpha, rtol=1e-15, atol=0):
+            return a
+        alpha = a
+    return alpha
+
+
+# -- Algorithm 1 -------------------------------------------------------------------------
+
+
+def test_curvature_limit_and_series_branch():
+    """c(0) = pi^2/6, continuity at 0, and the series agrees with the direct formula at 0.1."""
+    t = torch.tensor([0.0, 1e-12, 1e-6], dtype=F64)
+    torch.testing.assert_close(curvature(t), torch.full_like(t, math.pi**2 / 6), rtol=1e-5, atol=0)
+    u = torch.linspace(0.02, 0.05, 8, dtype=F64)
+    direct = 2 * (u * torch.special.digamma(u + 1) - torch.lgamma(u + 1)) / u.square()
+    torch.testing.assert_close(curvature(u), direct, rtol=5e-12, atol=0)
+    assert (curvature(torch.logspace(-8, 3, 50, dtype=F64)) > 0).all()
+
+
+def test_mm_root_solves_quadratic():
+    """alpha_new is the positive root of c a^2 + b a = 1 (spec §6.3), with b of either sign."""
+    g = torch.Generator().manual_seed(0)
+    beta = torch.rand(50, 6, generator=g, dtype=F64) * 20 + 1e-3
+    stat = torch.log(torch.distributions.Dirichlet(torch.ones(6, dtype=F64)).sample((50,)))
+    stat[:25] -= 30  # b > 0 branch (tiny roots)
+    new = mm_dirichlet_step(beta, stat)
+    c = curvature(beta)
+    b = torch.special.digamma(beta + 1) - torch.special.digamma(beta.sum(-1, keepdim=True))
+    b = b - c * beta - stat
+    assert (new > 0).all() and (b > 0).any() and (b < 0).any()
+    torch.testing.assert_close(c * new**2 + b * new, torch.ones_like(new), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("k,conc", [(5, 10.0), (10, 2.0), (30, 0.5)])
+def test_mm_step_never_increases_the_weighted_nll(k, conc):
+    """Spec §6.1: F_k never increases over the MM-quadratic iterations (float64)."""
+    g = torch.Generator().manual_seed(k)
+    true = torch.rand(k, generator=g, dtype=F64) * conc + 0.2
+    torch.manual_seed(k)
+    x = torch.distributions.Dirichlet(true).sample((300,))
+    w = torch.rand(300, generator=g, dtype=F64)
+    stat = (w[:, None] * x.log()).sum(0, keepdim=True) / w.sum()
+    alpha = torch.ones(1, k, dtype=F64)
+    values = [dirichlet_nll(alpha, stat).item()]
+    for _ in range(300):
+        alpha = mm_dirichlet_step(alpha, stat)
+        values.append(dirichlet_nll(alpha, stat).item())
+    diffs = np.diff(values)
+    assert diffs.max() <= 1e-12 * max(1.0, abs(values[0])), diffs.max()
+    assert values[-1] < values[0] - 1e-3
+
+
+@pytest.mark.parametrize("k,scale,iters", [(5, 10.0, 4000), (10, 3.0, 1500), (50, 0.55, 400)])
+def test_mm_fit_is_the_dirichlet_mle(k, scale, iters):
+    """Spec §6.2: MM from alpha = 1 matches an independent Minka fit to 1e-10 (n = 2000)."""
+    g = torch.Generator().manual_seed(k)
+    true = torch.rand(k, generator=g, dtype=F64) * scale + 0.1
+    torch.manual_seed(k)
+    x = torch.distributions.Dirichlet(true).sample((2000,))
+    stat = x.log().mean(0, keepdim=True)
+    alpha, n_iter = mm_dirichlet_fit(torch.ones(1, k, dtype=F64), stat, max_iter=iters, tol=1e-26)
+    reference = minka_fit(stat)
+    torch.testing.assert_close(alpha, reference, rtol=1e-10, atol=0)
+    assert ((alpha - true).abs() / true).max() < 0.15  # and the MLE is near the truth
+    assert n_iter.item() <= iters
+
+
+def test_mm_fit_converges_per_row():
+    """Rows stop independently: a fast row does not run as long as a slow one."""
+    torch.manual_seed(0)
+    slow = torch.distributions.Dirichlet(torch.full((5,), 9.0, dtype=F64)).sample((500,))
+    fast = torch.distributions.Dirichlet(torch.full((5,), 0.3, dtype=F64)).sample((500,))
+    stat = torch.stack([slow.log().mean(0), fast.clamp_min(1e-300).log().mean(0)])
+    both, iters = mm_dirichlet_fit(torch.ones(2, 5, dtype=F64), stat, max_iter=1000)
+    alone, _ = mm_dirichlet_fit(torch.ones(1, 5, dtype=F64), stat[1:], max_iter=1000)
+    assert iters[1] < iters[0]
+    torch.testing.assert_close(both[1:], alone, rtol=0, atol=0)
+
+
+# -- Algorithm 2: block steps ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hard", [False, True])
+@pytest.mark.parametrize("coef", [0.0, 1.0, None])
+def test_objective_never_increases_after_any_block(hard, coef):
+    """Spec §6.4: J non-increasing after each alpha step and each R step (float64)."""
+    query, _ = dirichlet_mixture(3, 10, 40, present=3, seed=1)
+    engine = EMDirichletEngine(lambda_coef=coef, hard=hard, mm_max_iter=300)
+    state = engine.init(query)
+    values = [state.objective]
+    for _ in range(6):
+        state = engine.update_alpha(state)
+        values.append(state.objective)
+        state = engine.update_assignments(state)
+        values.append(state.objective)
+    trace = torch.stack(values)
+    worst = (trace[1:] - trace[:-1]).max().item()
+    assert worst <= 1e-9 * trace.abs().max().item(), worst
+    assert (trace[-1] < trace[0]).all()
+
+
+@pytest.mark.parametrize("hard", [False, True])
+@pytest.mark.parametrize("cap", [1, 3])
+def test_bounded_inner_loop_still_never_increases_the_objective(hard, cap):
+    """Default mode: a few MM iterations per alpha step is an inexact block step, J monotone."""
+    query, _, support, labels = dirichlet_mixture(3, 8, 40, present=3, n_shot=1, seed=9)
+    engine = EMDirichletEngine(hard=hard, mm_max_iter=cap)
+    state = engine.init(query, support, labels)
+    values = [state.objective]
+    for _ in range(8):
+        state = engine.update_alpha(state)
+        assert (state.mm_iters <= cap).all()
+        values.append(state.objective)
+        state = engine.update_assignments(state)
+        values.append(state.objective)
+    trace = torch.stack(values)
+    worst = (trace[1:] - trace[:-1]).max().item()
+    assert worst <= 1e-9 * trace.abs().max().item(), worst
+    assert (trace[-1] < trace[0]).all()
+
+
+def test_capped_fit_is_repeated_mm_steps_and_resumes_from_its_warm_start():
+    """max_iter = m is m MM steps; two capped calls equal one call with twice the cap."""
+    g = torch.Generator().manual_seed(10)
+    stat = torch.log(torch.distributions.Dirichlet(torch.full((6,), 4.0, dtype=F64)).sample((3,)))
+    stat = stat + 0.05 * torch.randn(3, 6, generator=g, dtype=F64).abs().neg()
+    alpha = torch.ones(3, 6, dtype=F64)
+    steps = alpha
+    for _ in range(7):
+        steps = mm_dirichlet_step(steps, stat)
+    fit, iters = mm_dirichlet_fit(alpha, stat, max_iter=7, tol=0.0, check_every=1)
+    torch.testing.assert_close(fit, steps, rtol=0, atol=0)
+    assert (iters == 7).all()
+    twice, _ = mm_dirichlet_fit(fit, stat, max_iter=7, tol=0.0, check_every=1)
+    once, _ = mm_dirichlet_fit(alpha, stat, max_iter=14, tol=0.0, check_every=1)
+    torch.testing.assert_close(twice, once, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("hard", [False, True])
+def test_default_bounded_mode_agrees_with_the_reference_loop(hard):
+    """Zero-shot default (BOUNDED_MM: 20 inner its, check every one) and reference agree.
+
+    Hard: identical predictions; soft: the fixed points reached differ slightly, so at
+    least 95 % of the predictions agree and both recover the mixture.
+    """
+    query, labels = dirichlet_mixture(4, 10, 60, present=3, seed=11)
+    fast = EMDirichlet(hard=hard, n_iter=10)
+    reference = EMDirichlet(hard=hard, n_iter=10, **REFERENCE_MM)
+    predicted, expected = fast.predict_zero_shot(query), reference.predict_zero_shot(query)
+    agreement = (predicted == expected).double().mean()
+    assert agreement == 1.0 if hard else agreement >= 0.95
+    assert (predicted == labels).double().mean() >= 0.9
+    assert (expected == labels).double().mean() >= 0.9
+    assert fast.state_.mm_iters.max() <= 20 and reference.state_.mm_iters.max() > 20
+
+
+def test_estimator_inner_loop_defaults_per_mode():
+    """Bounded loop by default in zero-shot, the reference loop in few-shot; overridable."""
+    query, _, support, labels = dirichlet_mixture(2, 5, 20, present=3, n_shot=2, seed=12)
+    est = EMDirichlet(n_iter=2)
+    assert est.mm_options(zero_shot=True) == BOUNDED_MM
+    assert est.mm_options(zero_shot=False) == REFERENCE_MM
+    assert EMDirichlet(**REFERENCE_MM).mm_options(zero_shot=True) == REFERENCE_MM
+    est.fit_probabilities(query)
+    assert est.state_.mm_iters.max() <= BOUNDED_MM["mm_max_iter"]
+    few = EMDirichlet(n_iter=2).fit_probabilities(query, support, labels)
+    engine = EMDirichletEngine(**REFERENCE_MM)
+    free, _ = run(engine, engine.init(query, support, labels), 2)
+    torch.testing.assert_close(few.alpha, free.alpha, rtol=0, atol=0)
+
+
+def test_lambda_equal_to_query_size_is_the_em_e_step():
+    """Spec §6.5: with lambda = |Q| and no support, R = pi_k Dir(x|a_k) / sum_j pi_j Dir(x|a_j)."""
+    query, _ = dirichlet_mixture(2, 6, 30, present=3, seed=2)
+    engine = EMDirichletEngine(lambda_coef=1.0)
+    state = engine.update_alpha(engine.init(query))
+    pi = state.r.mean(1)
+    new = engine.update_assignments(state)
+    dens = (
+        torch.distributions.Dirichlet(state.alpha.unsqueeze(1)).log_prob(query.unsqueeze(2)).exp()
+    )
+    expected = pi.unsqueeze(1) * dens
+    expected = expected / expected.sum(-1, keepdim=True)
+    torch.testing.assert_close(new.r, expected, rtol=1e-9, atol=1e-12)
+
+
+def test_permutation_invariance():
+    """Spec §6.6: permuting queries permutes R; relabelling classes permutes every output."""
+    query, _, support, labels = dirichlet_mixture(2, 6, 30, present=3, n_shot=1, seed=3)
+    engine = EMDirichletEngine(mm_max_iter=200)
+    base, _ = run(engine, engine.init(query, support, labels), 4)
+    order = torch.randperm(30, generator=torch.Generator().manual_seed(0))
+    moved, _ = run(engine, engine.init(query[:, order], support, labels), 4)
+    torch.testing.assert_close(moved.query_r, base.query_r[:, order], rtol=1e-7, atol=1e-10)
+    perm = torch.tensor([3, 0, 5, 1, 4, 2])
+    inverse = torch.argsort(perm)
+    relabelled, _ = run(
+        engine, engine.init(query[..., perm], support[..., perm], inverse[labels]), 4
+    )
+    torch.testing.assert_close(relabelled.query_r, base.query_r[..., perm], rtol=1e-7, atol=1e-10)
+    torch.testing.assert_close(
+        relabelled.alpha, base.alpha[:, perm][:, :, perm], rtol=1e-7, atol=1e-10
+    )
+    assert torch.equal(relabelled.query_r.argmax(-1), inverse[base.query_r.argmax(-1)])
+
+
+def test_recovers_synthetic_dirichlet_mixtures():
+    """Spec §6.8: K=20, 4 present classes, alpha_kk = 8 / 0.5, |Q|=75, informative start.
+
+    The code's lambda; the loops are shortened (8 outer, 100 inner iterations) to keep the
+    test fast (the full 20 x 1000 reach the same purity on these tasks).
+    """
+    query, labels = dirichlet_mixture(8, 20, 75, present=4, seed=4)
+    est = EMDirichlet(n_iter=8, mm_max_iter=100)
+    predicted = est.predict_zero_shot(query)
+    clusters = est.state_.query_r.argmax(-1)
+    purity = []
+    for c, y in zip(clusters, labels, strict=True):
+        counts = torch.zeros(20, 20)
+        counts.index_put_((c, y), torch.ones(75), accumulate=True)
+        purity.append(counts.max(1).values.sum().item() / 75)
+    assert np.mean(purity) >= 0.95
+    assert (predicted == labels).double().mean() >= 0.9
+
+
+def test_few_shot_support_rows_stay_at_their_labels():
+    query, _, support, labels = dirichlet_mixture(2, 5, 20, present=3, n_shot=2, seed=5)
+    engine = EMDirichletEngine(mm_max_iter=100)
+    state, _ = run(engine, engine.init(query, support, labels), 3)
+    onehot = torch.nn.functional.one_hot(labels, 5).double()
+    assert torch.equal(state.r[:, : support.shape[1]], onehot)
+
+
+def test_class_without_query_mass_fits_its_support():
+    """Spec §6.10: zero query responsibility for k -> alpha_k is the MLE of k's support."""
+    query, _, support, labels = dirichlet_mixture(1, 4, 30, present=3, n_shot=60, seed=6)
+    engine = EMDirichletEngine(mm_max_iter=5000, mm_tol=1e-28)
+    state = engine.init(query, support, labels)
+    r = state.r.clone()
+    r[:, support.shape[1] :, 2] = 0
+    r[:, support.shape[1] :] /= r[:, support.shape[1] :].sum(-1, keepdim=True)
+    state = engine.update_alpha(replace(state, r=r))
+    mle = minka_fit(support[0, labels[0] == 2].log().mean(0, keepdim=True))
+    torch.testing.assert_close(state.alpha[0, 2:3], mle, rtol=1e-9, atol=0)
+
+
+def test_empty_class_keeps_alpha_and_never_gives_nan():
+    """Spec §6.11: a class with zero weight keeps its alpha; no NaN anywhere."""
+    query, _ = dirichlet_mixture(2, 8, 30, present=2, seed=7)
+    engine = EMDirichletEngine(hard=True, mm_max_iter=200)
+    state = engine.init(query)
+    onehot = torch.nn.functional.one_hot(query.argmax(-1), 8).double()
+    state = replace(state, r=onehot, alpha=state.alpha * 1.7)
+    empty = onehot.sum(1) == 0
+    assert empty.any()
+    new = engine.update_alpha(state)
+    torch.testing.assert_close(new.alpha[empty], state.alpha[empty], rtol=0, atol=0)
+    assert (new.mm_iters[empty] == 0).all()
+    final, trace = run(engine, new, 10)
+    assert torch.isfinite(final.alpha).all() and torch.isfinite(trace).all()
+    assert torch.isfinite(final.r).all()
+
+
+# -- Pyro: the objective is the model's negative ELBO -----------------------------------
+
+
+def _case(hard=False, coef=1.0, n_shot=1):
+    query, _, support, labels = dirichlet_mixture(3, 5, 12, present=3, n_shot=max(n_shot, 1))
+    if n_shot == 0:
+        support, labels = support[:, :0], labels[:, :0]
+    return ConformanceCase(
+        make_engine=lambda: EMDirichletEngine(lambda_coef=coef, hard=hard, mm_max_iter=50),
+        model=partial(em_dirichlet_model, lambda_coef=coef),
+        data=(query, support, labels),
+        n_steps=4,
+        particles=200,
+        repeats=5,
+    )
+
+
+@pytest.mark.parametrize(
+    "hard,coef,n_shot", [(False, 1.0, 1), (False, 2.0, 0), (True, 1.0, 1), (False, 0.0, 0)]
+)
+def test_engine_passes_conformance(hard, coef, n_shot):
+    """Monotone J, batched = single, float32 ~ float64, Trace_ELBO = -J (spec §2)."""
+    check_engine(_case(hard, coef, n_shot))
+
+
+@pytest.mark.parametrize("n_shot", [0, 2])
+def test_objective_equals_enumerated_negative_elbo(n_shot):
+    """Spec §6.7: J equals Pyro's TraceEnum_ELBO loss (exact enumeration over c_n)."""
+    case = _case(coef=3.0, n_shot=n_shot)
+    engine = case.make_engine()
+    state, _ = run(engine, engine.init(*case.data), 3)
+    elbo = pyro.infer.TraceEnum_ELBO(max_plate_nesting=2)
+    loss = elbo.loss(case.model, pyro.infer.config_enumerate(engine.guide(state)), *case.data)
+    assert loss == pytest.approx(state.objective.sum().item(), rel=1e-9)
+
+
+# -- zero-shot matching -------------------------------------------------------------------
+
+
+def test_hungarian_matching_is_the_best_injective_assignment():
+    """Spec §6.9: injective map; accuracy equals the brute-force best assignment."""
+    g = torch.Generator().manual_seed(8)
+    k = 5
+    for _ in range(5):
+        probs = torch.softmax(3 * torch.randn(1, 25, k, generator=g, dtype=F64), -1)
+        clusters = torch.randint(0, 4, (1, 25), generator=g)
+        matched = match_clusters(clusters, probs)
+        used = clusters.unique()
+        classes = [matched[0, clusters[0] == c][0].item() for c in used]
+        assert len(set(classes)) == len(classes)
+        for c in used:  # every member of a cluster gets the same class
+            assert matched[0, clusters[0] == c].unique().numel() == 1
+        means = torch.stack([probs[0, clusters[0] == c].mean(0) for c in used])
+        best = max(
+            itertools.permutations(range(k), len(used)),
+            key=lambda p: sum(means[i, p[i]].item() for i in range(len(used))),
+        )
+        assert classes == list(best)
+    # Table 6 mode: argmax of the cluster mean, classes may repeat
+    probs = torch.tensor([[[0.9, 0.1], [0.8, 0.2], [0.7, 0.3]]], dtype=F64)
+    clusters = torch.tensor([[0, 1, 1]])
+    assert match_clusters(clusters, probs, "argmax").tolist() == [[0, 0, 0]]
+    assert match_clusters(clusters, probs, "hungarian").tolist() == [[0, 1, 1]]
