@@ -236,6 +236,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.threads is None:
+        # 64-d tasks are small: one thread avoids oversubscribing a busy machine
+        torch.set_num_threads(1)
     fs = load_dataset("omniglot")
     settings = [(shot, balance) for balance in ("balanced", "dirichlet") for shot in (1, 5)]
     rows = []

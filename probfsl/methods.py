@@ -45,7 +45,7 @@ METHODS: dict[str, MethodInfo] = {
             "gp-tree",
             "probfsl.models.gptree:GPTreeFewShot",
             "Pólya-Gamma GP classifiers in a class tree (Achituve et al., ICML 2021)",
-            demo_tasks=50,
+            demo_tasks=30,
         ),
         MethodInfo(
             "evidence-lssvm",
@@ -61,7 +61,7 @@ METHODS: dict[str, MethodInfo] = {
             "em-dirichlet",
             "probfsl.models.em_dirichlet:EMDirichlet",
             "transductive Dirichlet mixture on the probability simplex (Martin et al., CVPR 2024)",
-            demo_tasks=200,
+            demo_tasks=40,
         ),
     ]
 }
