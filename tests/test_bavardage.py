@@ -11,12 +11,14 @@ from probfsl.data.tasks import Episodes
 from probfsl.inference.kmeans import soft_kmeans
 from probfsl.inference.plda import (
     centroid_projection,
+    centroid_projection_gram,
     global_whitening,
     shrunk_centroids,
     task_span_whitening,
     within_class_scatter,
 )
-from probfsl.models.bavardage import PRESETS, Bavardage
+from probfsl.inference.vb_mixture import fit_bavardage_vb
+from probfsl.models.bavardage import PRESETS, Bavardage, _centred_grams
 
 F64 = torch.float64
 
@@ -309,3 +311,63 @@ def test_bad_input_raises_value_error():
         Bavardage(whitening="pca").fit_base(base, labels)
     with pytest.raises(ValueError, match="NaN"):
         est.predict_proba(_with(ep, query=ep.query * math.nan))
+
+
+# ---------------------------------------------------------------------- Gram fast path
+def test_whitened_gram_and_gram_projection_equal_the_d_wide_forms():
+    base, labels, _ = _world(dim=10)
+    s_w = within_class_scatter(base, labels)
+    scales = global_whitening(s_w).scales.sort().values
+    x = torch.randn(3, 7, 10, dtype=F64)
+    resp = torch.softmax(torch.randn(3, 7, 4, dtype=F64), -1)
+    for s_max in (None, scales[2].item()):  # full metric, then the low-rank form
+        w = global_whitening(s_w, s_max=s_max)
+        assert (w.low_rank() is None) == (s_max is None)
+        y = w.transform(x)
+        torch.testing.assert_close(w.gram(x), y @ y.transpose(1, 2))
+        # same projection up to the sign of each eigenvector: compare u u^T
+        u = centroid_projection(x, resp, 10.0, metric=w)
+        u_gram = centroid_projection_gram(y @ y.transpose(1, 2), resp, 10.0)
+        assert u_gram.shape == (3, 7, 3)
+        torch.testing.assert_close(u_gram @ u_gram.transpose(1, 2), u @ u.transpose(1, 2))
+
+
+def _reference_global(est, ep):
+    """The D-wide global-whitening pipeline (centred, normalised rows; metric G)."""
+    mean = est.base_mean_.to(ep.support)
+    s, q = center_and_normalize(ep.support, mean), center_and_normalize(ep.query, mean)
+    resp = soft_kmeans(s, ep.support_labels, q, ep.way, est.temperature_km, est.n_km)
+    engine = est._engine(ep.way, est.whitening_.to(s), "adaptive")
+    return fit_bavardage_vb(engine, s, ep.support_labels, q, resp, est.n_vb).state.query_resp
+
+
+@pytest.mark.parametrize("offset", [0.0, 50.0])
+def test_gram_fast_path_predicts_as_the_d_wide_pipeline(offset):
+    base, labels, episodes = _world()
+    ep = episodes(4)
+    # a large common offset makes the raw-row Gram expansion lose bits: explicit centring
+    ep = _with(ep, support=ep.support + offset, query=ep.query + offset)
+    est = _fit(base + offset, labels, s_max=2.0, whitening="global")
+    assert est.whitening_.low_rank() is not None
+    fast = _centred_grams(ep, est.base_mean_, est.whitening_)
+    assert (fast is None) == (offset > 0)
+    p = est.predict_proba(ep)
+    torch.testing.assert_close(p, _reference_global(est, ep), atol=1e-9, rtol=0)
+    ep32 = ep.to(dtype=torch.float32)
+    p32 = est.predict_proba(ep32)
+    torch.testing.assert_close(p32, _reference_global(est, ep32), atol=1e-4, rtol=0)
+
+
+def test_cheap_finiteness_check_catches_inf_but_not_large_finite_values():
+    base, labels, episodes = _world()
+    est = _fit(base, labels, whitening="global")
+    ep = episodes(2)
+    bad = ep.support.clone()
+    bad[1, 0, 3] = -math.inf
+    with pytest.raises(ValueError, match="NaN or inf"):
+        est.predict_proba(_with(ep, support=bad))
+    # finite entries whose float32 sum overflows are accepted
+    big = ep.to(dtype=torch.float32)
+    big = _with(big, query=torch.full_like(big.query, 3e38))
+    assert not torch.isfinite(big.query.sum())
+    est.predict_proba(big)

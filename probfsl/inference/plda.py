@@ -13,7 +13,9 @@ it differs from the paper.
   (spec §3.3, eq. 7), returned as a :class:`GlobalWhitening` that can whiten rows or
   apply the whitened metric ``G = W W^T`` lazily (the fast path).
 * :func:`centroid_projection`: the adaptive projection onto the (K-1)-dim subspace of
-  the shrunk soft centroids (spec §3.5, eq. 8-9).
+  the shrunk soft centroids (spec §3.5, eq. 8-9); :func:`centroid_projection_gram` is
+  the same projection from the task's whitened [N, N] Gram matrix
+  (:meth:`GlobalWhitening.gram`), the fast path that never forms D-wide products.
 
 All functions take a leading task dimension where tasks are involved and follow the
 dtype and device of their input.
@@ -142,6 +144,42 @@ class GlobalWhitening:
                 return self.s_max**2 * v + ((v @ r_u) * (s2[free] - self.s_max**2)) @ r_u.T
         return ((v @ r) * s2) @ r.T
 
+    def low_rank(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(R_u, c)`` with G = s_max^2 I + R_u diag(c) R_u^T, c = s_u^2 - s_max^2, over the
+        unclamped directions u, when at least one scale is clamped; else None.
+
+        Callers that need the Euclidean Gram matrix anyway (soft k-means) then pay one
+        product with the n_free < D columns of R_u instead of one with the D x D W.
+        """
+        if self.s_max is None or math.isinf(self.s_max):
+            return None
+        free = self.scales < self.s_max
+        if bool(free.all()):
+            return None
+        return self.rotation[:, free], self.scales[free].square() - self.s_max**2
+
+    def gram(self, x: torch.Tensor, euclidean: torch.Tensor | None = None) -> torch.Tensor:
+        """Whitened Gram matrices ``x G x^T`` [T, N, N] of the rows of x [T, N, D].
+
+        With some scales clamped this is s_max^2 x x^T + (x R_u) diag(c) (x R_u)^T
+        (:meth:`low_rank`; one thin pass over x; ``euclidean`` = x x^T when the caller
+        already has it); otherwise (x W)(x W)^T.
+        """
+        low_rank = self.low_rank()
+        if low_rank is None:
+            z = x @ self.matrix.to(x)
+            return z @ z.transpose(1, 2)
+        if euclidean is None:
+            euclidean = x @ x.transpose(1, 2)
+        r_u, c = low_rank
+        return self.gram_low_rank(euclidean, x @ r_u.to(x), c.to(x))
+
+    def gram_low_rank(
+        self, euclidean: torch.Tensor, coords: torch.Tensor, c: torch.Tensor
+    ) -> torch.Tensor:
+        """``s_max^2 K + coords diag(c) coords^T`` from K = x x^T and coords = x R_u."""
+        return ((coords * c) @ coords.transpose(1, 2)).add_(euclidean, alpha=self.s_max**2)
+
 
 def global_whitening(scatter: torch.Tensor, s_max: float | None = None) -> GlobalWhitening:
     """The paper-mode whitening of spec §3.3: one eigendecomposition of S_w in D dimensions."""
@@ -245,3 +283,21 @@ def centroid_projection(
     floor = h[:, -1:].clamp_min(torch.finfo(x.dtype).tiny) * torch.finfo(x.dtype).eps
     coeff = v * h.clamp_min(floor).rsqrt().unsqueeze(1)  # [T, K-1, K-1]
     return x @ g_diff.transpose(1, 2) @ coeff
+
+
+def centroid_projection_gram(
+    gram: torch.Tensor, resp: torch.Tensor, gamma: float = 10.0
+) -> torch.Tensor:
+    """:func:`centroid_projection` from the whitened Gram matrices ``gram`` [T, N, N].
+
+    The shrunk centroids are c' = A y with A_kn = o_nk / (gamma + N_k), so the differences
+    are Delta = B y (B = A_{2..K} - A_1), their Gram matrix is H = B K B^T and the
+    projection is u = K B^T V h^{-1/2} (K = y y^T): the same u as
+    :func:`centroid_projection` without any D-wide product (spec §3.5, eq. 8-9).
+    """
+    a = resp.transpose(1, 2) / (gamma + resp.sum(1)).unsqueeze(-1)  # [T, K, N]
+    b = a[:, 1:] - a[:, :1]  # [T, K-1, N]
+    kb = (b @ gram).transpose(1, 2)  # K B^T [T, N, K-1] (K symmetric)
+    h, v = torch.linalg.eigh(b @ kb)
+    floor = h[:, -1:].clamp_min(torch.finfo(gram.dtype).tiny) * torch.finfo(gram.dtype).eps
+    return kb @ (v * h.clamp_min(floor).rsqrt().unsqueeze(1))

@@ -21,6 +21,10 @@ initial responsibility tensor. What u is depends on ``projection``:
   every M step (BAVARDAGE, spec §3.8). The ELBO is then not monotone, since u changes.
 * ``"identity"``: u = x (VB in the full feature space, the "no PLDA" ablation; also the
   mode for data that already are the reduced u).
+* ``"adaptive_gram"``: ``"adaptive"`` where the data rows are the rows of each task's
+  whitened Gram matrix (support = K[:, :S], query = K[:, S:], K [T, N, N]); every
+  projection then works on [N, N] matrices only
+  (:func:`~probfsl.inference.plda.centroid_projection_gram`), the fast path of spec §8.
 
 ``init`` computes the projection and performs the M step; ``step`` performs the E step,
 (re)projects (adaptive mode) and the M step, so n_vb iterations of the reference loop
@@ -38,9 +42,14 @@ import pyro.distributions as dist
 import torch
 
 from probfsl.inference.base import Engine
-from probfsl.inference.plda import GlobalWhitening, centroid_projection
+from probfsl.inference.kmeans import softmax_last
+from probfsl.inference.plda import (
+    GlobalWhitening,
+    centroid_projection,
+    centroid_projection_gram,
+)
 
-PROJECTIONS = ("adaptive", "frozen", "identity")
+PROJECTIONS = ("adaptive", "frozen", "identity", "adaptive_gram")
 LOG_2PI = math.log(2 * math.pi)
 
 
@@ -90,7 +99,8 @@ class BavardageVB(Engine):
         balanced: π fixed uniform (the code's balanced mode: no α, no digamma term).
         count_support: the paper's α_k = α_o + N_k (support counted; the support labels are
             then draws of π too). Default False: the code's α_k = α_o + N_k - L.
-        projection: ``"adaptive"``, ``"frozen"`` or ``"identity"`` (module docstring).
+        projection: ``"adaptive"``, ``"frozen"``, ``"identity"`` or ``"adaptive_gram"``
+            (module docstring).
         metric: when x are not whitened rows but rows whose whitened metric is given by a
             :class:`~probfsl.inference.plda.GlobalWhitening` (the fast global mode).
     """
@@ -174,6 +184,8 @@ class BavardageVB(Engine):
         return self.m_step(state)
 
     def _project(self, x: torch.Tensor, resp: torch.Tensor) -> torch.Tensor:
+        if self.projection == "adaptive_gram":
+            return centroid_projection_gram(x, resp, self.gamma)
         return centroid_projection(x, resp, self.gamma, self.metric)
 
     # ------------------------------------------------------------------ updates
@@ -184,7 +196,7 @@ class BavardageVB(Engine):
         :meth:`m_step` separately to see the ELBO after each update).
         """
         state = replace(state, resp=self._update_resp(state))
-        if self.projection == "adaptive":
+        if self.projection in ("adaptive", "adaptive_gram"):
             state = replace(state, u=self._project(state.x, state.resp))
         return self.m_step(state)
 
@@ -227,7 +239,7 @@ class BavardageVB(Engine):
     def _update_resp(self, state: VBMixtureState) -> torch.Tensor:
         n_s = state.n_support
         log_rho = self.log_rho(state)[:, n_s:]
-        return torch.cat([state.resp[:, :n_s], torch.softmax(log_rho, -1)], 1)
+        return torch.cat([state.resp[:, :n_s], softmax_last(log_rho)], 1)
 
     def e_step(self, state: VBMixtureState) -> VBMixtureState:
         """Spec §3.7: o_n = softmax(ln ρ_n) for the queries; the support rows stay one-hot.

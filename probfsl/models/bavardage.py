@@ -31,7 +31,7 @@ import torch
 
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
-from probfsl.inference.kmeans import soft_kmeans
+from probfsl.inference.kmeans import soft_kmeans_gram
 from probfsl.inference.plda import (
     GlobalWhitening,
     global_whitening,
@@ -40,6 +40,70 @@ from probfsl.inference.plda import (
 )
 from probfsl.inference.vb_mixture import BavardageVB, VBMixtureState, fit_bavardage_vb
 from probfsl.models.base import FewShotClassifier, check_base, check_episodes
+
+
+def _assemble(ss: torch.Tensor, qs: torch.Tensor, qq: torch.Tensor) -> torch.Tensor:
+    """The [T, S + Q, S + Q] matrix with blocks [[ss, qs^T], [qs, qq]]."""
+    return torch.cat([torch.cat([ss, qs.transpose(1, 2)], 2), torch.cat([qs, qq], 2)], 1)
+
+
+def _centre_gram(raw: torch.Tensor, dots: torch.Tensor, m_sq: torch.Tensor) -> torch.Tensor:
+    """(a - m).(b - m) = a.b - a.m - b.m + m.m from raw = a.b and dots = a.m."""
+    return raw - dots.unsqueeze(-1) - dots.unsqueeze(1) + m_sq
+
+
+def _centred_grams(
+    episodes: Episodes, mean: torch.Tensor, metric: GlobalWhitening | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Centred Gram matrices straight from the raw rows, with no centred copy.
+
+    Returns ``(E, K)``: E = (x - m)(x - m)^T [T, N, N] and, for a ``metric`` with a low-rank
+    form G = s_max^2 I + R_u diag(c) R_u^T (c < 0), K = (x - m) G (x - m)^T
+    = s_max^2 E - (x - m) V V^T (x - m)^T with V = R_u diag(sqrt(-c)); K is None without
+    ``metric``. Every D-wide product is one Gram block or one thin product with [m, V];
+    centring uses (a - m).(b - m) = a.b - a.m - b.m + m.m. The expansion loses about
+    log2(||a||^2 / ||a - m||^2) bits, so None is returned (the caller centres explicitly)
+    when some row would lose more than 4 bits.
+    """
+    s, q = episodes.support, episodes.query
+    low_rank = None if metric is None else metric.low_rank()
+    if low_rank is None:
+        thin = mean.unsqueeze(-1)
+    else:
+        v = low_rank[0] * (-low_rank[1]).sqrt()
+        thin = torch.cat([mean.unsqueeze(-1), v], 1)
+    cs, cq = s @ thin, q @ thin  # [T, S, 1 + r], [T, Q, 1 + r]
+    raw = _assemble(s @ s.transpose(1, 2), q @ s.transpose(1, 2), q @ q.transpose(1, 2))
+    gram = _centre_gram(raw, torch.cat([cs[..., 0], cq[..., 0]], 1), mean.square().sum())
+    if bool((gram.diagonal(dim1=1, dim2=2) * 16 < raw.diagonal(dim1=1, dim2=2)).any()):
+        return None
+    if low_rank is None:
+        return gram, None
+    ls, lq = cs[..., 1:], cq[..., 1:]
+    raw = _assemble(ls @ ls.transpose(1, 2), lq @ ls.transpose(1, 2), lq @ lq.transpose(1, 2))
+    mv = mean @ v
+    low = _centre_gram(raw, torch.cat([ls @ mv, lq @ mv], 1), mv.square().sum())
+    k = low.neg_().add_(gram, alpha=metric.s_max**2)
+    # the low-rank form's own terms are of size s_max^2 E; its centring may add 4 bits more
+    scale = gram.diagonal(dim1=1, dim2=2) * metric.s_max**2
+    if bool((scale * 16 < raw.diagonal(dim1=1, dim2=2)).any()):
+        return None
+    return gram, k
+
+
+def _centred_rows(episodes: Episodes, mean: torch.Tensor) -> torch.Tensor:
+    """Support and query rows minus the base mean in one new [T, S + Q, D] tensor.
+
+    The subtraction writes straight into the concatenated buffer (one pass, no
+    intermediate copies); the L2 normalisation of spec §3.1 ("E") is left to the caller,
+    which applies it to the Gram matrices (or in place).
+    """
+    s, q = episodes.support, episodes.query
+    n_s = s.shape[1]
+    x = s.new_empty(s.shape[0], n_s + q.shape[1], s.shape[2])
+    torch.sub(s, mean, out=x[:, :n_s])
+    torch.sub(q, mean, out=x[:, n_s:])
+    return x
 
 
 def _mu_of(labels_onehot: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
@@ -269,29 +333,42 @@ class Bavardage(FewShotClassifier):
         self._require_base()
         check_episodes(episodes, dim=self.base_mean_.shape[0])
         way, n_s = episodes.way, episodes.support.shape[1]
+        labels = episodes.support_labels
+        # MESV "M": centre on the base mean; "E" (unit rows) is applied to the Gram matrices:
+        # soft k-means, the global whitening (metric G = W W^T) and the centroid projection
+        # only need inner products between a task's points (spec §8).
         mean = self.base_mean_.to(episodes.support)
-        support = center_and_normalize(episodes.support, mean)
-        query = center_and_normalize(episodes.query, mean)
-        resp = soft_kmeans(
-            support, episodes.support_labels, query, way, self.temperature_km, int(self.n_km)
-        )
+        global_mode = self.mode == "bavardage" and self.whitening == "global"
+        metric = self.whitening_.to(mean) if global_mode else None
+        grams = None
+        if self.mode == "soft_kmeans" or (global_mode and metric.low_rank() is not None):
+            grams = _centred_grams(episodes, mean, metric)
+        if grams is None:
+            x = _centred_rows(episodes, mean)
+            gram = x @ x.transpose(1, 2)  # [T, N, N]
+            k = metric.gram(x, euclidean=gram) if global_mode else None
+        else:
+            gram, k = grams
+        inv_norm = gram.diagonal(dim1=1, dim2=2).sqrt().clamp_min(1e-12).reciprocal()
+        outer = inv_norm.unsqueeze(-1) * inv_norm.unsqueeze(1)
+        resp = soft_kmeans_gram(gram * outer, labels, way, self.temperature_km, int(self.n_km))
         self.init_resp_ = resp
         if self.mode == "soft_kmeans":
             self.state_, self.elbo_trace_ = None, None
             return resp[:, n_s:]
-        if self.mode == "vb":
-            engine = self._engine(way, None, "identity")
-        elif self.whitening == "global":
-            engine = self._engine(way, self.whitening_.to(support), "adaptive")
+        if global_mode:
+            k = k.mul_(outer)
+            support, query = k[:, :n_s], k[:, n_s:]
+            engine = self._engine(way, None, "adaptive_gram")
         else:
-            y = task_span_whitening(
-                torch.cat([support, query], 1), self.precision_.to(support), self.s_max
-            )
-            support, query = y[:, :n_s], y[:, n_s:]
-            engine = self._engine(way, None, "adaptive")
-        fit = fit_bavardage_vb(
-            engine, support, episodes.support_labels, query, resp, int(self.n_vb)
-        )
+            x = x.mul_(inv_norm.unsqueeze(-1))
+            if self.mode == "vb":
+                engine = self._engine(way, None, "identity")
+            else:
+                x = task_span_whitening(x, self.precision_.to(x), self.s_max)
+                engine = self._engine(way, None, "adaptive")
+            support, query = x[:, :n_s], x[:, n_s:]
+        fit = fit_bavardage_vb(engine, support, labels, query, resp, int(self.n_vb))
         self.state_, self.elbo_trace_ = fit.state, fit.elbo_trace
         return fit.state.query_resp
 
