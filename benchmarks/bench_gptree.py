@@ -215,7 +215,8 @@ def worker(name, args, queue):
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     method = make(name, args)
     rows, seen = [], []
-    max_stages = args.gpc_stages + 1 if name == "sk-gpc" else len(stages)
+    limit = {"sk-gpc": args.gpc_stages, "gpytorch-svgp": args.svgp_stages}.get(name)
+    max_stages = len(stages) if limit is None else min(len(stages), limit + 1)
     for s, (classes, idx) in enumerate(stages[:max_stages]):
         tic = time.perf_counter()
         method.stage(s, X[idx], y[idx])
@@ -262,7 +263,9 @@ def main():
     ap.add_argument("--gpc-stages", type=int, default=10, help="novel stages run for sk-gpc")
     ap.add_argument("--svgp-inducing", type=int, default=64)
     ap.add_argument("--svgp-steps", type=int, default=200)
+    ap.add_argument("--svgp-stages", type=int, default=10, help="novel stages run for SVGP")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--note", default="", help="free text added to the results header")
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 stages, small settings")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args()
@@ -276,7 +279,11 @@ def main():
     results = {}
     bar = tqdm(
         total=sum(
-            len(stages) if m != "sk-gpc" else min(len(stages), args.gpc_stages + 1) for m in methods
+            min(
+                len(stages),
+                {"sk-gpc": args.gpc_stages, "gpytorch-svgp": args.svgp_stages}.get(m, 10**9) + 1,
+            )
+            for m in methods
         ),
         unit="stage",
     )
@@ -310,9 +317,10 @@ def write(results, args, source, n_stages):
         f"Data: {source}; seed {args.seed}; stage 1 = 136 base classes, then 10-way 5-shot "
         f"stages; GP-Tree chains {args.chains}, sweeps {args.sweeps}, VI iterations "
         f"{args.vi_iter}, dtype {args.dtype}; sk-gpc: {args.gpc_per_class} samples/class, "
-        f"fixed kernel; SVGP: {args.svgp_inducing} inducing, {args.svgp_steps} Adam steps; "
+        f"fixed kernel, {args.gpc_stages} novel stages; SVGP: {args.svgp_inducing} inducing, "
+        f"{args.svgp_steps} Adam steps, {args.svgp_stages} novel stages; "
         f"torch threads {args.threads}. Timings on a shared, loaded 2-core machine: "
-        "compare ratios.",
+        "compare ratios." + (f" {args.note}" if args.note else ""),
         "",
         "## Accuracy (%) after each stage",
         "",

@@ -94,7 +94,12 @@ def test_two_classes_equal_a_binary_pg_gp():
     Xs = torch.as_tensor(_blobs(n_classes=2, n_per=3, seed=9)[0])
     proba = model.predict_proba(Xs)
     node = model.base_groups_[0].state  # the node's data (rows sorted within class)
-    eng = gpn.GibbsNodes(n_chains=4, generator=torch.Generator().manual_seed(5))
+    eng = gpn.GibbsNodes(
+        n_chains=4,
+        outputscale=model.gibbs_outputscale,
+        lengthscale=model.gibbs_lengthscale,
+        generator=torch.Generator().manual_seed(5),
+    )
     st = eng.fit(node.x, node.kappa + 0.5, node.mask, 3)
     assert sorted(node.x.shape) == [1, 6, 12] and int((node.kappa > 0).sum()) == 6
     torch.testing.assert_close(proba[:, 1], gpn.gibbs_predict(st, Xs)[0])

@@ -397,9 +397,18 @@ class GPTree:
             inducing inputs on the base stage, §3.3) or ``"gibbs"`` (exact-kernel Gibbs nodes
             with fixed scales on the base stage, §3.2). Novel stages always use Gibbs.
         n_chains, n_sweeps: Gibbs chains per node and sweeps (code: 30 and 10).
-        gibbs_outputscale, gibbs_lengthscale: fixed Gibbs kernel (code: 8 and 1).
+        gibbs_outputscale, gibbs_lengthscale: fixed Gibbs kernel (code: 8 and 1). Default
+            outputscale 64 here: on the same base-stage validation split (Gibbs base nodes,
+            4 chains × 5 sweeps) held-out accuracy is 57.8 % with 8 and 60.2 % with 64.
         n_inducing: inducing points / stored exemplars per class, m_c (code: 5).
-        vi_outputscale, vi_lengthscale: initial VI kernel (code: 4 and 1; lengthscale ≥ 1e-2).
+        vi_outputscale, vi_lengthscale: initial VI kernel (lengthscale ≥ 1e-2). The official
+            code starts at outputscale 4, lengthscale 1; the default outputscale here is 128,
+            chosen on a validation split of the Omniglot base-stage *training* data (136
+            classes, 10 train / 5 held-out per class, VI 3 iterations, m_c = 5): held-out
+            accuracy 53.4 / 59.4 / 60.7 / 61.3 / 62.2 / 59.4 % for outputscale
+            4 / 16 / 32 / 64 / 128 / 512. On fixed (non-DKL) features a larger prior
+            variance means weaker shrinkage of each node's f; the ELBO's Adam steps move the
+            scale too little in a few iterations to find this by themselves.
         vi_iter: VI iterations, each = closed-form c and q(f̄) updates + one Adam step on the
             hyper-parameters (and X̄) with the loss Σ_v −L_v/n_v (§3.4).
         vi_lr: Adam learning rate for the hyper-parameters and X̄.
@@ -424,10 +433,10 @@ class GPTree:
         inference: str = "vi",
         n_chains: int = 30,
         n_sweeps: int = 10,
-        gibbs_outputscale: float = 8.0,
+        gibbs_outputscale: float = 64.0,
         gibbs_lengthscale: float = 1.0,
         n_inducing: int = 5,
-        vi_outputscale: float = 4.0,
+        vi_outputscale: float = 128.0,
         vi_lengthscale: float = 1.0,
         vi_iter: int = 30,
         vi_lr: float = 0.05,
