@@ -45,7 +45,7 @@ from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
 from probfsl.inference import gp_nodes as gpn
 from probfsl.inference.polya_gamma import PolyaGamma
-from probfsl.models.base import FewShotClassifier, check_base, check_episodes
+from probfsl.models.base import BaseMeanCentering, FewShotClassifier, check_episodes
 
 # =============================================================================== the tree
 
@@ -819,7 +819,7 @@ def _with_omega(state: gpn.GibbsState, omega: torch.Tensor) -> gpn.GibbsState:
 # ===================================================================== few-shot episodes
 
 
-class GPTreeFewShot(FewShotClassifier):
+class GPTreeFewShot(BaseMeanCentering, FewShotClassifier):
     """GP-Tree on each few-shot task's support (``probfsl run --method gp-tree``).
 
     Per task: the class tree by exact 2-means on the task's L2-normalised support means,
@@ -858,20 +858,9 @@ class GPTreeFewShot(FewShotClassifier):
         self.seed = seed
         self.max_nodes = max_nodes
 
-    @property
-    def needs_base(self) -> bool:
-        return self.center
-
-    def fit_base(self, features: torch.Tensor, labels: torch.Tensor) -> Self:
-        check_base(features, labels)
-        self.base_mean_ = features.mean(0)
-        return self
-
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
         check_episodes(episodes)
-        mean = getattr(self, "base_mean_", None) if self.center else None
-        if self.center and mean is None:
-            raise ValueError("center=True needs base features: call fit_base first")
+        mean = self.centring_mean()
         if episodes.way < 2:
             raise ValueError(f"GP-Tree needs at least 2 classes per task, got way={episodes.way}")
         support = center_and_normalize(episodes.support, mean)
