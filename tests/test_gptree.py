@@ -213,7 +213,14 @@ def test_arviz_export_and_rhat_warning():
         warnings.simplefilter("ignore", RuntimeWarning)
         dt = model.to_datatree(X[:4])
     post = dt.posterior.to_dataset()
-    assert post["class_prob"].shape == (4, 7, 4, 3)
+    # 6 sweeps: the starting state is dropped by default, so 6 draws remain
+    assert post["class_prob"].shape == (4, 6, 4, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        shorter = model.to_datatree(X[:4], burn_in=3)
+    assert shorter.posterior["class_prob"].shape == (4, 4, 4, 3)
+    with pytest.raises(ValueError, match="burn_in"):
+        model.to_datatree(X[:4], burn_in=7)
     assert {"f_base0", "f_base1"} <= set(post.data_vars)
     np.testing.assert_allclose(post["class_prob"].values.sum(-1), 1.0, atol=1e-6)
     rhat, ess = model.diagnostics(dt)

@@ -400,6 +400,9 @@ class GPTree:
         gibbs_outputscale, gibbs_lengthscale: fixed Gibbs kernel (code: 8 and 1). Default
             outputscale 64 here: on the same base-stage validation split (Gibbs base nodes,
             4 chains × 5 sweeps) held-out accuracy is 57.8 % with 8 and 60.2 % with 64.
+            The larger scale mixes more slowly: on Omniglot novel stages the maximum R-hat
+            after burn-in was 1.11 with 200 sweeps at 64 against 1.03 at 8, so use 8 (and
+            more sweeps) when the posterior intervals matter more than accuracy.
         n_inducing: inducing points / stored exemplars per class, m_c (code: 5).
         vi_outputscale, vi_lengthscale: initial VI kernel (lengthscale ≥ 1e-2). The official
             code starts at outputscale 4, lengthscale 1; the default outputscale here is 128,
@@ -707,11 +710,15 @@ class GPTree:
         return labels[proba.argmax(-1)]
 
     # ------------------------------------------------------------------ diagnostics
-    def to_datatree(self, X, rhat_threshold: float = 1.01):
+    def to_datatree(self, X, rhat_threshold: float = 1.01, burn_in: int = 1):
         """ArviZ export of the latest Gibbs stage (needs ``record=True``).
 
+        The first ``burn_in`` recorded states are dropped: state 0 is the sampler's
+        starting point (a prior draw), so the default keeps the states after sweeps 1..n.
+
         posterior: ``f_<node>`` [chain, draw, point] — the Gibbs draws of each latest-stage
-        Gibbs node's latent f at its training points (draw = sweep), and ``class_prob``
+        Gibbs node's latent f at its training points (draw d = state after sweep
+        d + burn_in), and ``class_prob``
         [chain, draw, x, class] — the predictive class probabilities at ``X`` given each
         chain's ω after each sweep (base VI nodes are deterministic). sample_stats:
         ``log_marginal`` (sum over those nodes of log p(y | ω)). attrs: ``elbo_trace``
@@ -726,22 +733,24 @@ class GPTree:
         X = torch.as_tensor(X).to(self.dtype).to(self.inducing_.device)
         posterior, dims = {}, {}
         n_draws = len(groups[0].state.omega_trace)
+        if not 0 <= burn_in < n_draws:
+            raise ValueError(f"burn_in must lie in 0..{n_draws - 1}, got {burn_in}")
         log_marg = 0.0
         for g in groups:
             tree_name = "root" if g is self.root_ else ("novel" if self.root_ else "base")
             st = g.state
-            f = torch.stack(st.f_trace, 1)  # [V, draw, S, n]
+            f = torch.stack(st.f_trace[burn_in:], 1)  # [V, draw, S, n]
             for i, v in enumerate(g.node_ids):
                 name = f"f_{tree_name}{v}"
                 n_v = int(st.mask[i].sum())
                 posterior[name] = f[i, :, :, :n_v].transpose(0, 1)
                 dims[name] = [f"point_{tree_name}{v}"]
             lm = []
-            for w in st.omega_trace:
+            for w in st.omega_trace[burn_in:]:
                 lm.append(gpn.augmented_log_marginal(_with_omega(st, w)).sum(0))
             log_marg = log_marg + torch.stack(lm, 1)  # [S, draw]
         probs = []
-        for d in range(n_draws):
+        for d in range(burn_in, n_draws):
             probs.append(self._chainwise_proba(X, d))
         posterior["class_prob"] = torch.stack(probs, 1)  # [S, draw, N, C]
         dims["class_prob"] = ["x", "class"]
