@@ -205,29 +205,25 @@ def cmd_run(args: argparse.Namespace) -> int:
             progress=sys.stderr.isatty(),
             params=parse_params(args.param),
         )
-        print(text_table([row]))
-        if args.out:
-            write_results([row], args.out)
-            print(f"wrote {args.out}")
-        return 0
-    row = run_setting(
-        args.method,
-        fs,
-        args.way,
-        args.shot,
-        args.query,
-        args.balance,
-        args.alpha,
-        args.tasks,
-        args.seed,
-        _device(args.device),
-        DTYPES[args.dtype],
-        progress=sys.stderr.isatty(),
-        task_file=args.task_file,
-        batch_size=args.batch_size,
-        preset=args.preset,
-        params=parse_params(args.param),
-    )
+    else:
+        row = run_setting(
+            args.method,
+            fs,
+            args.way,
+            args.shot,
+            args.query,
+            args.balance,
+            args.alpha,
+            args.tasks,
+            args.seed,
+            _device(args.device),
+            DTYPES[args.dtype],
+            progress=sys.stderr.isatty(),
+            task_file=args.task_file,
+            batch_size=args.batch_size,
+            preset=args.preset,
+            params=parse_params(args.param),
+        )
     print(text_table([row]))
     if args.out:
         write_results([row], args.out)
