@@ -39,7 +39,7 @@ import pyro.distributions as dist
 import torch
 from pyro.ops.indexing import Vindex
 
-from probfsl.inference.base import Engine
+from probfsl.inference.base import Engine, check_task_tensors
 
 #: added to the probabilities before taking logs (official code; no renormalisation)
 EPS = 1e-15
@@ -345,21 +345,7 @@ class EMDirichletEngine(Engine):
         if support is None:
             return
         check_probabilities(support, "support", ndim=3, allow_empty=True)
-        if support.shape[0] != query.shape[0] or support.shape[2] != query.shape[2]:
-            raise ValueError(
-                f"support {tuple(support.shape)} and query {tuple(query.shape)} disagree in "
-                "tasks or number of classes"
-            )
-        if support_labels.shape != support.shape[:2]:
-            raise ValueError(
-                f"support_labels must be [B, S]={tuple(support.shape[:2])}, "
-                f"got {tuple(support_labels.shape)}"
-            )
-        if support_labels.is_floating_point():
-            raise ValueError("support_labels must be an integer tensor")
-        k = query.shape[-1]
-        if support_labels.numel() and (support_labels.min() < 0 or support_labels.max() >= k):
-            raise ValueError(f"support_labels must lie in 0..{k - 1}")
+        check_task_tensors(support, support_labels, query, query.shape[-1])
 
     def init(
         self,

@@ -41,7 +41,7 @@ import pyro
 import pyro.distributions as dist
 import torch
 
-from probfsl.inference.base import Engine
+from probfsl.inference.base import Engine, check_task_tensors
 from probfsl.inference.kmeans import softmax_last
 from probfsl.inference.plda import (
     GlobalWhitening,
@@ -133,25 +133,7 @@ class BavardageVB(Engine):
 
     # ------------------------------------------------------------------ data and init
     def _check(self, support, support_labels, query, resp) -> None:
-        if support.ndim != 3 or query.ndim != 3:
-            raise ValueError(
-                f"support and query must be [T, n, D], got {tuple(support.shape)} "
-                f"and {tuple(query.shape)}"
-            )
-        if query.shape[0] != support.shape[0] or query.shape[2] != support.shape[2]:
-            raise ValueError(
-                f"query {tuple(query.shape)} must match support {tuple(support.shape)} "
-                "in tasks and width"
-            )
-        if support_labels.shape != support.shape[:2]:
-            raise ValueError(
-                f"support_labels must be {tuple(support.shape[:2])}, "
-                f"got {tuple(support_labels.shape)}"
-            )
-        if support_labels.numel() and (
-            support_labels.min() < 0 or support_labels.max() >= self.way
-        ):
-            raise ValueError(f"support_labels must lie in 0..{self.way - 1}")
+        check_task_tensors(support, support_labels, query, self.way)
         n = support.shape[1] + query.shape[1]
         if resp is not None and resp.shape != (support.shape[0], n, self.way):
             raise ValueError(

@@ -15,6 +15,7 @@ import torch
 
 from probfsl.data.featureset import FeatureSet
 from probfsl.data.tasks import Episodes
+from probfsl.inference.base import check_task_tensors
 
 
 class FewShotClassifier(ABC):
@@ -106,25 +107,9 @@ def check_base(features: torch.Tensor, labels: torch.Tensor, min_classes: int = 
 def check_episodes(episodes: Episodes, dim: int | None = None) -> None:
     """``ValueError`` unless the episode tensors are consistent (and ``dim`` wide)."""
     s, q = episodes.support, episodes.query
-    if s.ndim != 3 or q.ndim != 3:
-        raise ValueError(
-            f"support and query must be [T, n, D], got {tuple(s.shape)} and {tuple(q.shape)}"
-        )
-    if s.shape[0] != q.shape[0] or s.shape[2] != q.shape[2]:
-        raise ValueError(
-            f"support {tuple(s.shape)} and query {tuple(q.shape)} disagree in tasks or width"
-        )
+    check_task_tensors(s, episodes.support_labels, q, episodes.way)
     if dim is not None and s.shape[2] != dim:
         raise ValueError(f"query/support width {s.shape[2]} does not match the base width {dim}")
-    if episodes.support_labels.shape != s.shape[:2]:
-        raise ValueError(
-            f"support_labels must be [T, n_support]={tuple(s.shape[:2])}, "
-            f"got {tuple(episodes.support_labels.shape)}"
-        )
-    way = episodes.way
-    lab = episodes.support_labels
-    if lab.numel() and (lab.min() < 0 or lab.max() >= way):
-        raise ValueError(f"support_labels must lie in 0..{way - 1}")
     if not (all_finite(s) and all_finite(q)):
         raise ValueError("support or query features contain NaN or inf")
 
