@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -139,3 +141,15 @@ def test_zero_shot_tasks(synthetic):
         assert zs.query_index[t].unique().numel() == 40
     with pytest.raises(ValueError, match="min_classes"):
         sample_zero_shot_tasks(synthetic, 2, min_classes=3, max_classes=99)
+
+
+def test_points_is_a_view_of_one_buffer_and_survives_slicing_and_casting(synthetic):
+    ep = sample_episodes(synthetic, 6, way=3, shot=2, n_query=9, seed=1)
+    for batch in (ep, ep[2:5], ep[4], ep.to(dtype=torch.float64)):
+        points = batch.points()
+        assert points.data_ptr() == batch.support.data_ptr()  # no copy
+        assert torch.equal(points, torch.cat([batch.support, batch.query], 1))
+    # support and query from separate buffers: a concatenated copy, same values
+    apart = dataclasses.replace(ep, support=ep.support.clone(), query=ep.query.clone())
+    assert apart.points().data_ptr() != apart.support.data_ptr()
+    assert torch.equal(apart.points(), ep.points())

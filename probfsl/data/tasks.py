@@ -62,12 +62,35 @@ class Episodes:
             index = slice(index, index + 1)
         return replace(self, **{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
+    def points(self) -> torch.Tensor:
+        """Support then query rows of each task, ``[T, K*L + Q, D]``.
+
+        A view without a copy when ``support`` and ``query`` are adjacent slices of one
+        buffer (as :func:`episodes_from_indices` and :meth:`to` lay them out), so that a
+        method can take every Gram matrix in one batched product; otherwise a new tensor.
+        """
+        s, q = self.support, self.query
+        n_s = s.shape[1]
+        adjacent = (
+            s.dtype == q.dtype
+            and s.device == q.device
+            and s.stride() == q.stride()
+            and s.stride(2) == 1
+            and s.stride(0) == (n_s + q.shape[1]) * s.stride(1)
+            and q.data_ptr() == s.data_ptr() + n_s * s.stride(1) * s.element_size()
+        )
+        if adjacent:
+            return s.as_strided((s.shape[0], n_s + q.shape[1], s.shape[2]), s.stride())
+        return torch.cat([s, q], 1)
+
     def to(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None):
-        """Move every tensor to ``device``; cast the feature tensors to ``dtype``."""
+        """Move every tensor to ``device``; cast the feature tensors to ``dtype``.
+
+        Support and query stay adjacent slices of one buffer (see :meth:`points`).
+        """
         moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)}
-        if dtype is not None:
-            moved["support"] = moved["support"].to(dtype)
-            moved["query"] = moved["query"].to(dtype)
+        points = self.points().to(device, dtype)
+        moved["support"], moved["query"] = points.split([self.support.shape[1], self.n_query], 1)
         return replace(self, **moved)
 
 
@@ -219,10 +242,13 @@ def episodes_from_indices(
         first = support[:, :way]
         classes = fs.labels[first]
     feats = torch.as_tensor(fs.features)
+    # one [T, S + Q, D] buffer: support and query are adjacent views (Episodes.points)
+    points = feats[torch.as_tensor(np.concatenate([support, query], 1))].to(dtype)
+    support_rows, query_rows = points.split([support.shape[1], query.shape[1]], 1)
     return Episodes(
-        support=feats[torch.as_tensor(support)].to(dtype),
+        support=support_rows,
         support_labels=torch.as_tensor(indices["support_labels"], dtype=torch.long),
-        query=feats[torch.as_tensor(query)].to(dtype),
+        query=query_rows,
         query_labels=torch.as_tensor(indices["query_labels"], dtype=torch.long),
         classes=torch.as_tensor(classes, dtype=torch.long),
         support_index=torch.as_tensor(support, dtype=torch.long),

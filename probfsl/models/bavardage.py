@@ -42,11 +42,6 @@ from probfsl.inference.vb_mixture import BavardageVB, VBMixtureState, fit_bavard
 from probfsl.models.base import FewShotClassifier, check_base, check_episodes
 
 
-def _assemble(ss: torch.Tensor, qs: torch.Tensor, qq: torch.Tensor) -> torch.Tensor:
-    """The [T, S + Q, S + Q] matrix with blocks [[ss, qs^T], [qs, qq]]."""
-    return torch.cat([torch.cat([ss, qs.transpose(1, 2)], 2), torch.cat([qs, qq], 2)], 1)
-
-
 def _centre_gram(raw: torch.Tensor, dots: torch.Tensor, m_sq: torch.Tensor) -> torch.Tensor:
     """(a - m).(b - m) = a.b - a.m - b.m + m.m from raw = a.b and dots = a.m."""
     return raw - dots.unsqueeze(-1) - dots.unsqueeze(1) + m_sq
@@ -60,29 +55,29 @@ def _centred_grams(
     Returns ``(E, K)``: E = (x - m)(x - m)^T [T, N, N] and, for a ``metric`` with a low-rank
     form G = s_max^2 I + R_u diag(c) R_u^T (c < 0), K = (x - m) G (x - m)^T
     = s_max^2 E - (x - m) V V^T (x - m)^T with V = R_u diag(sqrt(-c)); K is None without
-    ``metric``. Every D-wide product is one Gram block or one thin product with [m, V];
+    ``metric``. The D-wide work is one batched Gram product of the task's rows
+    (:meth:`Episodes.points`, no copy) and one thin product with [m, V];
     centring uses (a - m).(b - m) = a.b - a.m - b.m + m.m. The expansion loses about
     log2(||a||^2 / ||a - m||^2) bits, so None is returned (the caller centres explicitly)
     when some row would lose more than 4 bits.
     """
-    s, q = episodes.support, episodes.query
+    x = episodes.points()
     low_rank = None if metric is None else metric.low_rank()
     if low_rank is None:
         thin = mean.unsqueeze(-1)
     else:
         v = low_rank[0] * (-low_rank[1]).sqrt()
         thin = torch.cat([mean.unsqueeze(-1), v], 1)
-    cs, cq = s @ thin, q @ thin  # [T, S, 1 + r], [T, Q, 1 + r]
-    raw = _assemble(s @ s.transpose(1, 2), q @ s.transpose(1, 2), q @ q.transpose(1, 2))
-    gram = _centre_gram(raw, torch.cat([cs[..., 0], cq[..., 0]], 1), mean.square().sum())
+    c = (x.reshape(-1, x.shape[-1]) @ thin).view(*x.shape[:2], -1)  # [T, N, 1 + r]
+    raw = x @ x.transpose(1, 2)
+    gram = _centre_gram(raw, c[..., 0], mean.square().sum())
     if bool((gram.diagonal(dim1=1, dim2=2) * 16 < raw.diagonal(dim1=1, dim2=2)).any()):
         return None
     if low_rank is None:
         return gram, None
-    ls, lq = cs[..., 1:], cq[..., 1:]
-    raw = _assemble(ls @ ls.transpose(1, 2), lq @ ls.transpose(1, 2), lq @ lq.transpose(1, 2))
+    low = c[..., 1:]
     mv = mean @ v
-    low = _centre_gram(raw, torch.cat([ls @ mv, lq @ mv], 1), mv.square().sum())
+    low = _centre_gram(low @ low.transpose(1, 2), low @ mv, mv.square().sum())
     k = low.neg_().add_(gram, alpha=metric.s_max**2)
     # the low-rank form's own terms are of size s_max^2 E; its centring may add 4 bits more
     scale = gram.diagonal(dim1=1, dim2=2) * metric.s_max**2
@@ -94,16 +89,10 @@ def _centred_grams(
 def _centred_rows(episodes: Episodes, mean: torch.Tensor) -> torch.Tensor:
     """Support and query rows minus the base mean in one new [T, S + Q, D] tensor.
 
-    The subtraction writes straight into the concatenated buffer (one pass, no
-    intermediate copies); the L2 normalisation of spec §3.1 ("E") is left to the caller,
-    which applies it to the Gram matrices (or in place).
+    The L2 normalisation of spec §3.1 ("E") is left to the caller, which applies it to
+    the Gram matrices (or in place).
     """
-    s, q = episodes.support, episodes.query
-    n_s = s.shape[1]
-    x = s.new_empty(s.shape[0], n_s + q.shape[1], s.shape[2])
-    torch.sub(s, mean, out=x[:, :n_s])
-    torch.sub(q, mean, out=x[:, n_s:])
-    return x
+    return episodes.points() - mean
 
 
 def _mu_of(labels_onehot: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
-from probfsl.inference.kmeans import soft_kmeans
+from probfsl.inference.kmeans import soft_kmeans_gram
 from probfsl.models.base import BaseMeanCentering, FewShotClassifier, check_episodes
 
 
@@ -29,10 +29,10 @@ class SoftKMeans(BaseMeanCentering, FewShotClassifier):
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
         check_episodes(episodes)
         mean = self.centring_mean()
-        p = soft_kmeans(
-            center_and_normalize(episodes.support, mean),
+        x = center_and_normalize(episodes.points(), mean)
+        p = soft_kmeans_gram(
+            x @ x.transpose(1, 2),
             episodes.support_labels,
-            center_and_normalize(episodes.query, mean),
             episodes.way,
             self.temperature,
             self.n_iter,
