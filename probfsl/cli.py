@@ -156,9 +156,25 @@ def _print_tuning(result) -> None:
     print(f"chosen: {result.best}")
 
 
-def _tune(args: argparse.Namespace, fs: FeatureSet):
-    from probfsl.tuning import tune
+#: methods whose ``probfsl run --features`` uses ``--preset auto`` unless told otherwise
+AUTO_BY_DEFAULT = ("bavardage", "em-dirichlet", "gp-tree")
 
+
+def _tune(args: argparse.Namespace, fs: FeatureSet):
+    from probfsl.tuning import tune, tune_zero_shot
+
+    if getattr(args, "zero_shot", False):
+        return tune_zero_shot(
+            args.method,
+            fs,
+            None,
+            args.min_classes,
+            args.max_classes,
+            args.query,
+            n_tasks=args.episodes,
+            seed=args.seed,
+            fixed=parse_params(args.param),
+        )
     return tune(
         args.method,
         fs,
@@ -187,6 +203,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     fs = _load(args)
+    if args.preset is None and args.features and not args.param:
+        if args.method in AUTO_BY_DEFAULT:
+            print(f"{args.method}: --preset auto (the default for your own features)")
+            args.preset = "auto"
     if args.preset == "auto":
         result = _tune(args, fs)
         _print_tuning(result)
@@ -351,13 +371,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--preset",
         metavar="NAME",
-        help="a published setting of the method, or 'auto' (tuned on base-class episodes)",
+        help="a published setting of the method, or 'auto' (tuned on base-class episodes; "
+        f"the default of {', '.join(AUTO_BY_DEFAULT)} on --features without --param)",
     )
     run.add_argument(
         "--episodes",
         type=_positive(int),
         default=300,
-        help="base-class episodes per candidate with --preset auto",
+        help="base-class episodes (zero-shot: tasks) per candidate with --preset auto",
     )
     run.add_argument(
         "--param",
@@ -392,6 +413,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--episodes", type=_positive(int), default=300, help="base-class episodes per candidate"
     )
     tune.add_argument("--criterion", choices=["accuracy", "objective"], default="accuracy")
+    tune.add_argument(
+        "--zero-shot",
+        action="store_true",
+        help="tune for zero-shot tasks (em-dirichlet) drawn from the base classes only",
+    )
+    tune.add_argument("--min-classes", type=_positive(int), default=3)
+    tune.add_argument("--max-classes", type=_positive(int), default=10)
     tune.add_argument(
         "--param", action="append", metavar="KEY=VALUE", help="a fixed hyperparameter (repeatable)"
     )

@@ -77,7 +77,9 @@ def method_info(name: str) -> MethodInfo:
 def make_estimator(name: str, preset: str | None = None, **params) -> FewShotClassifier:
     """A new estimator of method ``name`` with hyperparameters ``params``.
 
-    ``preset`` names a published setting of methods that define ``from_preset``.
+    ``preset`` names a published setting of methods that define ``from_preset``, or is
+    ``"auto"``: a :class:`probfsl.tuning.AutoPreset` that tunes the method on base-class
+    episodes of each task shape it meets (``params`` then stay fixed during the search).
     """
     cls = method_info(name).load()
     accepted = inspect.signature(cls.__init__).parameters
@@ -87,6 +89,11 @@ def make_estimator(name: str, preset: str | None = None, **params) -> FewShotCla
         raise ValueError(f"{name}: unknown hyperparameter(s) {unknown}; accepted: {choices}")
     if preset is None:
         return cls(**params)
+    if preset == "auto":
+        from probfsl.tuning import AutoPreset, search_space
+
+        search_space(name)  # ValueError for a method without a search space
+        return AutoPreset(name, fixed=params)
     if not hasattr(cls, "from_preset"):
         raise ValueError(f"method {name!r} has no presets")
     return cls.from_preset(preset, **params)

@@ -11,7 +11,12 @@ hundred episodes per candidate cost seconds.
 The search is a coarse grid followed by one refinement around the best candidate
 (geometric midpoints towards each neighbour of every numeric hyperparameter).
 Candidates are ranked by base-episode accuracy, or by the per-task ELBO / log
-evidence where the estimator offers ``episode_objective(episodes) -> [T]``.
+evidence where the estimator offers ``episode_objective(episodes) -> [T]``. Estimators
+with ``with_params`` (BAVARDAGE) fit their base statistics once for all candidates.
+
+Zero-shot (:func:`tune_zero_shot`): candidates are judged on zero-shot tasks drawn from
+the base classes only. :class:`AutoPreset` is ``preset="auto"`` as an estimator: it tunes
+for each task shape it meets, on the base features given to ``fit_base``.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import itertools
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Self
 
 import numpy as np
 import torch
@@ -28,16 +34,21 @@ from probfsl.data.featureset import FeatureSet
 from probfsl.data.tasks import Episodes, sample_episodes
 from probfsl.evaluation.protocol import accuracy_ci
 from probfsl.methods import make_estimator
+from probfsl.models.base import FewShotClassifier, check_base
 
 CRITERIA = ("accuracy", "objective")
 
 #: coarse search spaces per method (the refinement adds midpoints around the best)
 SEARCH_SPACES: dict[str, dict[str, list]] = {
     "soft-kmeans": {"temperature": [1.0, 3.0, 10.0, 30.0, 100.0]},
+    # in the units of scale="relative" (the published presets map to T_vb 0.07-0.08 and
+    # s_max 0.65-1.9 there); the balanced model is a candidate on any tasks; T_km stays
+    # at 10 (little effect in the paper's Fig. 5)
     "bavardage": {
-        "temperature_km": [10.0, 50.0],
-        "temperature_vb": [4.0, 16.0, 50.0],
-        "s_max": [1.0, 2.0, 5.0],
+        "scale": ["relative"],
+        "temperature_vb": [0.1, 0.3, 1.0, 3.0],
+        "s_max": [0.25, 0.5, 1.0, 2.0],
+        "balanced": [False, True],
     },
     "em-dirichlet": {"lambda_coef": [0.0, 1.0, 4.0, 8.0], "temperature": [10.0, 30.0]},
     "gp-tree": {"outputscale": [1.0, 4.0, 8.0, 16.0], "lengthscale": [0.5, 1.0, 2.0]},
@@ -121,16 +132,26 @@ def _refinements(space: Mapping[str, Sequence], best: dict) -> list[dict]:
     return out
 
 
-def _score(
-    method: str,
-    params: dict,
-    fs: FeatureSet,
-    episodes: Episodes,
-    criterion: str,
-    fixed: Mapping,
-) -> dict:
+class _Candidates:
+    """Fitted estimators of one method for each candidate, sharing base statistics when the
+    estimator offers ``with_params`` (the base fit is then paid once)."""
+
+    def __init__(self, method: str, fs: FeatureSet, fixed: Mapping) -> None:
+        self.method, self.fs, self.fixed = method, fs, dict(fixed)
+        self.shared = None
+
+    def fitted(self, params: dict):
+        if self.shared is None:
+            model = make_estimator(self.method, **self.fixed, **params).fit_featureset(self.fs)
+            if hasattr(model, "with_params"):
+                self.shared = model
+            return model
+        return self.shared.with_params(**params)
+
+
+def _score(candidates: _Candidates, params: dict, episodes: Episodes, criterion: str) -> dict:
     tic = time.perf_counter()
-    model = make_estimator(method, **fixed, **params).fit_featureset(fs)
+    model = candidates.fitted(params)
     proba = model.predict_proba(episodes)
     hits = (proba.argmax(-1) == episodes.query_labels).double().mean(-1).numpy()
     accuracy, ci95 = accuracy_ci(hits)
@@ -138,9 +159,50 @@ def _score(
     if hasattr(model, "episode_objective"):
         row["objective"] = float(torch.as_tensor(model.episode_objective(episodes)).mean())
     elif criterion == "objective":
-        raise ValueError(f"method {method!r} has no episode objective; use criterion='accuracy'")
+        raise ValueError(
+            f"method {candidates.method!r} has no episode objective; use criterion='accuracy'"
+        )
     row["seconds"] = time.perf_counter() - tic
     return row
+
+
+def _checked(
+    method: str, space: Mapping[str, Sequence] | None, criterion: str
+) -> Mapping[str, Sequence]:
+    if criterion not in CRITERIA:
+        raise ValueError(f"criterion must be one of {CRITERIA}, got {criterion!r}")
+    space = search_space(method) if space is None else space
+    if not space:
+        raise ValueError("the search space is empty")
+    return space
+
+
+def _search(
+    method: str,
+    space: Mapping[str, Sequence] | None,
+    criterion: str,
+    refine: bool,
+    fixed: Mapping | None,
+    score,
+) -> TuneResult:
+    """Coarse grid, then one refinement around the best; ``score(params) -> row``."""
+    space = _checked(method, space, criterion)
+    tic = time.perf_counter()
+    trace = [score(p) for p in _grid(space)]
+
+    def best_of(rows):
+        return max(rows, key=lambda r: r[criterion])["params"]
+
+    if refine:
+        seen = [r["params"] for r in trace]
+        trace += [score(p) for p in _refinements(space, best_of(trace)) if p not in seen]
+    return TuneResult(
+        method=method,
+        best={**(fixed or {}), **best_of(trace)},
+        criterion=criterion,
+        trace=trace,
+        seconds=time.perf_counter() - tic,
+    )
 
 
 def tune(
@@ -172,28 +234,151 @@ def tune(
         refine: add one refinement round around the best coarse candidate.
         fixed: hyperparameters passed unchanged to every candidate.
     """
-    if criterion not in CRITERIA:
-        raise ValueError(f"criterion must be one of {CRITERIA}, got {criterion!r}")
-    space = search_space(method) if space is None else space
-    if not space:
-        raise ValueError("the search space is empty")
-    tic = time.perf_counter()
+    space = _checked(method, space, criterion)  # before any sampling
     view = base_episode_split(fs, seed)
     episodes = sample_episodes(view, n_episodes, way, shot, n_query, balance, alpha, seed)
-    fixed = dict(fixed or {})
-    trace = [_score(method, p, view, episodes, criterion, fixed) for p in _grid(space)]
-
-    def best_of(rows):
-        return max(rows, key=lambda r: r[criterion])["params"]
-
-    if refine:
-        seen = [r["params"] for r in trace]
-        extra = [p for p in _refinements(space, best_of(trace)) if p not in seen]
-        trace += [_score(method, p, view, episodes, criterion, fixed) for p in extra]
-    return TuneResult(
-        method=method,
-        best={**fixed, **best_of(trace)},
-        criterion=criterion,
-        trace=trace,
-        seconds=time.perf_counter() - tic,
+    candidates = _Candidates(method, view, fixed or {})
+    return _search(
+        method,
+        space,
+        criterion,
+        refine,
+        fixed,
+        lambda params: _score(candidates, params, episodes, criterion),
     )
+
+
+def base_classes_only(fs: FeatureSet) -> FeatureSet:
+    """``fs`` with every non-base row unlabelled (-1): zero-shot tasks then draw only
+    base classes; class embeddings of all classes stay (they are names, not labels)."""
+    if fs.classes_in("base").size < 2:
+        raise ValueError(f"{fs.name}: zero-shot tuning needs at least 2 base classes")
+    return FeatureSet(
+        features=fs.features,
+        labels=np.where(fs.split == "base", fs.labels, -1),
+        class_names=fs.class_names,
+        split=fs.split,
+        class_features=fs.class_features,
+        name=f"{fs.name}[base classes]",
+    )
+
+
+def tune_zero_shot(
+    method: str,
+    fs: FeatureSet,
+    space: Mapping[str, Sequence] | None = None,
+    min_classes: int = 3,
+    max_classes: int = 10,
+    n_query: int = 75,
+    n_tasks: int = 300,
+    seed: int = 0,
+    refine: bool = True,
+    fixed: Mapping | None = None,
+) -> TuneResult:
+    """Choose a zero-shot method's hyperparameters on zero-shot tasks of the base classes.
+
+    The tasks follow the target protocol (``min_classes``..``max_classes`` classes, Q
+    queries, probabilities over every class embedding) but draw their classes and
+    queries from the base classes only (:func:`base_classes_only`); ranked by accuracy
+    after cluster-to-class matching. ``temperature`` (of the probabilities) may be tuned.
+    """
+    from probfsl.data.tasks import sample_zero_shot_tasks
+    from probfsl.models.em_dirichlet import zero_shot_probabilities
+
+    space = _checked(method, space, "accuracy")
+    view = base_classes_only(fs)
+    max_classes = min(max_classes, view.classes_in("base").size)
+    tasks = sample_zero_shot_tasks(
+        view, n_tasks, min(min_classes, max_classes), max_classes, n_query, seed
+    )
+    fixed = dict(fixed or {})
+
+    def score(params: dict) -> dict:
+        tic = time.perf_counter()
+        model = make_estimator(method, **fixed, **params)
+        if not hasattr(model, "predict_zero_shot"):
+            raise ValueError(f"method {method!r} has no zero-shot mode")
+        probs = zero_shot_probabilities(view, tasks, model.temperature)
+        hits = (model.predict_zero_shot(probs) == tasks.query_labels).double().mean(-1)
+        accuracy, ci95 = accuracy_ci(hits.numpy())
+        return {
+            "params": params,
+            "accuracy": accuracy,
+            "ci95": ci95,
+            "seconds": time.perf_counter() - tic,
+        }
+
+    return _search(method, space, "accuracy", refine, fixed, score)
+
+
+class AutoPreset(FewShotClassifier):
+    """``preset="auto"``: ``method`` with hyperparameters tuned on base-class episodes.
+
+    At the first task batch of each shape (way, shot, queries) it runs :func:`tune` on
+    the base features given to :meth:`fit_base` with that shape and ``balance``, keeps
+    the result in ``tuning_`` and predicts with the chosen estimator. Novel classes and
+    query labels are never read.
+    """
+
+    needs_base = True
+
+    def __init__(
+        self,
+        method: str,
+        balance: str = "dirichlet",
+        alpha: float = 2.0,
+        n_episodes: int = 300,
+        seed: int = 0,
+        criterion: str = "accuracy",
+        fixed: Mapping | None = None,
+    ) -> None:
+        self.method = method
+        self.balance = balance
+        self.alpha = alpha
+        self.n_episodes = n_episodes
+        self.seed = seed
+        self.criterion = criterion
+        self.fixed = dict(fixed or {})
+
+    @property
+    def transductive(self) -> bool:
+        from probfsl.methods import method_info
+
+        return method_info(self.method).load().transductive
+
+    def fit_base(self, features: torch.Tensor, labels: torch.Tensor) -> Self:
+        check_base(features, labels, min_classes=4)
+        labels_np = labels.cpu().numpy()
+        self.base_ = FeatureSet(
+            features=features.detach().cpu().double().numpy(),
+            labels=labels_np,
+            class_names=[str(c) for c in range(int(labels_np.max()) + 1)],
+            split=np.full(labels_np.shape, "base"),
+            name="base features",
+        )
+        self.tuning_, self.estimators_ = {}, {}
+        return self
+
+    def predict_proba(self, episodes: Episodes) -> torch.Tensor:
+        if getattr(self, "base_", None) is None:
+            raise ValueError("base features missing: call fit_base(features, labels) first")
+        shape = (episodes.way, episodes.shot, episodes.n_query)
+        if shape not in self.estimators_:
+            result = tune(
+                self.method,
+                self.base_,
+                way=shape[0],
+                shot=shape[1],
+                n_query=shape[2],
+                balance=self.balance,
+                alpha=self.alpha,
+                n_episodes=self.n_episodes,
+                seed=self.seed,
+                criterion=self.criterion,
+                fixed=self.fixed,
+            )
+            self.tuning_[shape] = result
+            self.estimators_[shape] = make_estimator(self.method, **result.best).fit_featureset(
+                self.base_, episodes.support.dtype
+            )
+        return self.estimators_[shape].predict_proba(episodes)

@@ -257,13 +257,11 @@ def test_soft_kmeans_mode_is_the_shared_initialiser_and_vb_mode_runs_in_full_spa
 
 
 def test_presets_and_balanced_model():
-    assert set(PRESETS) == {
-        "mini-balanced",
-        "mini-unbalanced",
-        "tiered-balanced",
-        "tiered-unbalanced",
-        "cub",
-    }
+    published = {"mini-balanced", "mini-unbalanced", "tiered-balanced", "tiered-unbalanced", "cub"}
+    assert set(PRESETS) == published | {f"{name}-relative" for name in published}
+    # relative presets: T_vb / images per class, s_max * sqrt(n w / D) (spec §3.2)
+    assert PRESETS["mini-unbalanced-relative"]["temperature_vb"] == round(50 / 600, 4)
+    assert PRESETS["cub-relative"]["s_max"] == round(5 * (60 * 0.45 / 512) ** 0.5, 3)
     est = Bavardage.from_preset("tiered-unbalanced")
     assert (est.temperature_km, est.temperature_vb, est.s_max) == (100.0, 100.0, 1.0)
     assert Bavardage.from_preset("cub").get_params()["temperature_vb"] == 4.0
@@ -371,3 +369,40 @@ def test_cheap_finiteness_check_catches_inf_but_not_large_finite_values():
     big = _with(big, query=torch.full_like(big.query, 3e38))
     assert not torch.isfinite(big.query.sum())
     est.predict_proba(big)
+
+
+def test_relative_scale_is_invariant_to_images_per_base_class_and_code_scale_is_not():
+    """Duplicating every base image doubles the code's S_w (spec §3.2): in relative units
+    the clamp and the precision follow it and the responsibilities do not change (up to
+    the fixed 1e-6 ridge of S_w, which does not double)."""
+    base, labels, episodes = _world()
+    twice = torch.cat([base, base]), torch.cat([labels, labels])
+    ep = episodes(4, spread_novel=0.3)  # overlapping classes: soft responsibilities
+    kw = dict(s_max=0.8, temperature_vb=0.3, scale="relative", whitening="global")
+    once_rel, twice_rel = _fit(base, labels, **kw), _fit(*twice, **kw)
+    assert 0 < once_rel.clamped_fraction_ < 1
+    assert twice_rel.temperature_vb_ == pytest.approx(2 * once_rel.temperature_vb_, rel=1e-4)
+    assert twice_rel.s_max_ == pytest.approx(once_rel.s_max_ / 2**0.5, rel=1e-4)
+    torch.testing.assert_close(
+        once_rel.predict_proba(ep), twice_rel.predict_proba(ep), atol=1e-4, rtol=0
+    )
+    code = dict(s_max=once_rel.s_max_, temperature_vb=once_rel.temperature_vb_, whitening="global")
+    once_code, twice_code = _fit(base, labels, **code), _fit(*twice, **code)
+    torch.testing.assert_close(once_code.predict_proba(ep), once_rel.predict_proba(ep))
+    assert (once_code.predict_proba(ep) - twice_code.predict_proba(ep)).abs().max() > 1e-3
+
+
+def test_with_params_reuses_the_base_statistics_and_equals_a_fresh_fit():
+    base, labels, episodes = _world()
+    ep = episodes(3)
+    fitted = _fit(base, labels, whitening="global")
+    for params in (dict(s_max=2.0, temperature_vb=9.0), dict(scale="relative", s_max=1.0)):
+        copy = fitted.with_params(**params)
+        assert copy.scatter_eigen_ is fitted.scatter_eigen_
+        fresh = _fit(base, labels, whitening="global", **params)
+        torch.testing.assert_close(copy.predict_proba(ep), fresh.predict_proba(ep))
+    assert fitted.s_max == 5.0  # the original is untouched
+    with pytest.raises(ValueError, match="unknown"):
+        fitted.with_params(temprature=1.0)
+    with pytest.raises(ValueError, match="scatter"):
+        fitted.with_params(scatter="paper")

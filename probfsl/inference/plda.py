@@ -181,13 +181,20 @@ class GlobalWhitening:
         return ((coords * c) @ coords.transpose(1, 2)).add_(euclidean, alpha=self.s_max**2)
 
 
-def global_whitening(scatter: torch.Tensor, s_max: float | None = None) -> GlobalWhitening:
-    """The paper-mode whitening of spec §3.3: one eigendecomposition of S_w in D dimensions."""
+def global_whitening(
+    scatter: torch.Tensor,
+    s_max: float | None = None,
+    eigen: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> GlobalWhitening:
+    """The paper-mode whitening of spec §3.3: one eigendecomposition of S_w in D dimensions.
+
+    ``eigen``: ``torch.linalg.eigh(scatter)`` when already known (reused across s_max).
+    """
     if scatter.ndim != 2 or scatter.shape[0] != scatter.shape[1]:
         raise ValueError(f"scatter must be a square [D, D] matrix, got {tuple(scatter.shape)}")
     if s_max is not None and not s_max > 0:
         raise ValueError(f"s_max must be positive (or None for no clamping), got {s_max}")
-    eigenvalues, rotation = torch.linalg.eigh(scatter)
+    eigenvalues, rotation = torch.linalg.eigh(scatter) if eigen is None else eigen
     return GlobalWhitening(rotation, _scale(eigenvalues, s_max), s_max)
 
 

@@ -23,6 +23,8 @@ initialisation (§3.4), then n_vb x (PLDA projection, M step, E step) (§3.8).
 
 from __future__ import annotations
 
+import copy
+import inspect
 from typing import Self
 
 import pyro
@@ -181,6 +183,42 @@ PRESETS: dict[str, dict] = {
     "cub": dict(temperature_km=10.0, temperature_vb=4.0, s_max=5.0),
 }
 
+#: Where the published values were tuned: (images per base class, feature dimension):
+#: mini-ImageNet 600 (WRN-28-10, 640-d), tiered-ImageNet 448,695 / 351 (WRN, 640-d), CUB
+#: about 60 (ResNet-18, 512-d); these are the factors of spec §3.2.
+PUBLISHED_SCALE: dict[str, tuple[float, int]] = {
+    "mini": (600.0, 640),
+    "tiered": (1278.0, 640),
+    "cub": (60.0, 512),
+}
+
+#: Assumed mean squared distance of a unit-norm base feature to its class mean (w of
+#: :meth:`Bavardage.fit_base`); it is 0.40-0.47 on the shipped and shared feature sets.
+ASSUMED_WITHIN = 0.45
+
+
+def relative_values(name: str) -> dict:
+    """A published preset re-expressed in the units of ``scale="relative"``.
+
+    With the code's S_w (spec §3.2), S_w ~ n Sigma_w for n images per base class and
+    Sigma_w the per-image within-class covariance of the unit-norm features, whose trace
+    is w. So the code's whitened within-class variance is ~1/n per direction and the
+    relative precision is T_vb / n; the RMS whitening scale is sqrt(D / (n w)) and the
+    relative clamp is s_max / that scale. w is not published: :data:`ASSUMED_WITHIN`.
+    """
+    n, dim = PUBLISHED_SCALE[name.split("-")[0]]
+    values = PRESETS[name]
+    return {
+        **values,
+        "temperature_vb": round(values["temperature_vb"] / n, 4),
+        "s_max": round(values["s_max"] * (n * ASSUMED_WITHIN / dim) ** 0.5, 3),
+        "scale": "relative",
+    }
+
+
+PRESETS.update({f"{name}-relative": relative_values(name) for name in list(PRESETS)})
+SCALES = ("code", "relative")
+
 WHITENINGS = ("task_span", "global")
 MODES = ("bavardage", "vb", "soft_kmeans")
 
@@ -209,8 +247,18 @@ class Bavardage(FewShotClassifier):
             preprocessed feature space, no PLDA) or ``"soft_kmeans"`` (ablation: the
             initialisation only).
         scatter: S_w normalisation, ``"code"`` (default) or ``"paper"`` (eq. 6).
+        scale: the units of ``s_max`` and ``temperature_vb``. ``"code"`` (default): those
+            of the reference code, in which the published values were tuned; they depend
+            on the images per base class and the feature dimension (spec §3.2, §3.10
+            item 3). ``"relative"``: units that mean the same on any data. The clamp is
+            s_max times the RMS whitening scale sqrt(D / tr S_w), and the precision is
+            T_vb times the whitened within-class precision tr S_w / w, with
+            w = tr Sigma_w the mean squared distance of a base feature to its class
+            mean (so T_vb = 1 matches the spread of a base class). The ``*-relative``
+            presets map the published values (:func:`relative_values`).
 
-    Fitted attributes: ``base_mean_``, ``scatter_``, ``precision_``, ``whitening_``
+    Fitted attributes: ``base_mean_``, ``scatter_``, ``precision_``, ``whitening_``,
+    ``s_max_`` and ``temperature_vb_`` (the values used, in the code's units),
     (a :class:`~probfsl.inference.plda.GlobalWhitening`), and after ``predict_proba``
     the last batch's ``state_`` (variational factors), ``init_resp_`` and
     ``elbo_trace_`` ([n_vb + 1, T]: the ELBO after each M step and after the final E step,
@@ -235,6 +283,7 @@ class Bavardage(FewShotClassifier):
         whitening: str = "task_span",
         mode: str = "bavardage",
         scatter: str = "code",
+        scale: str = "code",
     ) -> None:
         self.temperature_km = temperature_km
         self.temperature_vb = temperature_vb
@@ -249,6 +298,7 @@ class Bavardage(FewShotClassifier):
         self.whitening = whitening
         self.mode = mode
         self.scatter = scatter
+        self.scale = scale
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> Bavardage:
@@ -260,6 +310,8 @@ class Bavardage(FewShotClassifier):
     def _check_params(self) -> None:
         if self.whitening not in WHITENINGS:
             raise ValueError(f"whitening must be one of {WHITENINGS}, got {self.whitening!r}")
+        if self.scale not in SCALES:
+            raise ValueError(f"scale must be one of {SCALES}, got {self.scale!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.s_max is not None and not self.s_max > 0:
@@ -284,11 +336,56 @@ class Bavardage(FewShotClassifier):
         x = features.detach().to(torch.float64)
         self.base_mean_ = x.mean(0)
         x = center_and_normalize(x, self.base_mean_)
-        self.scatter_ = within_class_scatter(x, labels.to(x.device), normalization=self.scatter)
+        labels = labels.to(x.device)
+        self.scatter_ = within_class_scatter(x, labels, normalization=self.scatter)
         chol = torch.linalg.cholesky(self.scatter_)
         self.precision_ = torch.cholesky_inverse(chol)
-        self.whitening_ = global_whitening(self.scatter_, self.s_max)
+        self.scatter_eigen_ = torch.linalg.eigh(self.scatter_)
+        onehot = torch.nn.functional.one_hot(labels.unique(return_inverse=True)[1]).to(x)
+        class_means = (onehot.T @ x) / onehot.sum(0).unsqueeze(-1)
+        self.within_ = float((x - onehot @ class_means).square().sum(-1).mean())
+        self._apply_hyperparameters()
         return self
+
+    def _apply_hyperparameters(self) -> None:
+        """Set s_max_, temperature_vb_ (code units) and whitening_ from the base statistics."""
+        self.s_max_, self.temperature_vb_ = self.s_max, self.temperature_vb
+        if self.scale == "relative":
+            trace = float(self.scatter_.trace())
+            self.temperature_vb_ = self.temperature_vb * trace / self.within_
+            if self.s_max is not None:
+                self.s_max_ = self.s_max * (self.scatter_.shape[0] / trace) ** 0.5
+        self.whitening_ = global_whitening(self.scatter_, self.s_max_, self.scatter_eigen_)
+
+    def with_params(self, **params) -> Self:
+        """A copy with hyperparameters ``params`` that shares the fitted base statistics.
+
+        The base mean, S_w and its eigendecomposition do not depend on the hyperparameters
+        (``scatter`` aside), so a search over candidates (:mod:`probfsl.tuning`) fits them once.
+        """
+        unknown = sorted(set(params) - set(inspect.signature(type(self)).parameters))
+        if unknown:
+            raise ValueError(f"unknown hyperparameter(s) {unknown}")
+        if "scatter" in params and params["scatter"] != self.scatter:
+            raise ValueError("with_params cannot change scatter: call fit_base again")
+        new = copy.copy(self)
+        for key, value in params.items():
+            setattr(new, key, value)
+        new._check_params()
+        if getattr(self, "base_mean_", None) is not None:
+            new._apply_hyperparameters()
+        return new
+
+    def episode_objective(self, episodes: Episodes) -> torch.Tensor:
+        """Per-task ELBO [T] after :meth:`predict_proba` (spec §3.9), for model selection.
+
+        ELBOs under different T_vb or s_max are of different data (u changes with the
+        whitening); :mod:`probfsl.tuning` reports how well this ranks candidates.
+        """
+        self.predict_proba(episodes)
+        if self.elbo_trace_ is None:
+            raise ValueError("mode='soft_kmeans' has no ELBO")
+        return self.elbo_trace_[-1]
 
     @property
     def clamped_fraction_(self) -> float:
@@ -306,7 +403,7 @@ class Bavardage(FewShotClassifier):
     def _engine(self, way: int, metric: GlobalWhitening | None, projection: str) -> BavardageVB:
         return BavardageVB(
             way,
-            tau=self.temperature_vb,
+            tau=self.temperature_vb_,
             alpha0=self.alpha0,
             beta0=self.beta0,
             gamma=self.gamma,
@@ -354,7 +451,7 @@ class Bavardage(FewShotClassifier):
             if self.mode == "vb":
                 engine = self._engine(way, None, "identity")
             else:
-                x = task_span_whitening(x, self.precision_.to(x), self.s_max)
+                x = task_span_whitening(x, self.precision_.to(x), self.s_max_)
                 engine = self._engine(way, None, "adaptive")
             support, query = x[:, :n_s], x[:, n_s:]
         fit = fit_bavardage_vb(engine, support, labels, query, resp, int(self.n_vb))
@@ -373,7 +470,7 @@ class Bavardage(FewShotClassifier):
             raise ValueError(f"n_draws must be positive, got {n_draws}")
         sel = slice(None) if tasks is None else tasks
         mean, beta = state.mean[sel], state.beta[sel]
-        sd = (beta * self.temperature_vb).rsqrt().unsqueeze(-1).expand_as(mean)
+        sd = (beta * self.temperature_vb_).rsqrt().unsqueeze(-1).expand_as(mean)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             draws = {"mu": torch.distributions.Normal(mean, sd).sample((n_draws,))}
@@ -403,7 +500,7 @@ class Bavardage(FewShotClassifier):
             dims={k: v for k, v in dims.items() if k in draws},
             attrs={
                 "method": "BAVARDAGE",
-                "tau": self.temperature_vb,
+                "tau": self.temperature_vb_,
                 "elbo_final_mean": float(self.elbo_trace_[-1].mean()),
             },
         )
