@@ -11,7 +11,8 @@ hundred episodes per candidate cost seconds.
 The search is a coarse grid followed by one refinement around the best candidate
 (geometric midpoints towards each neighbour of every numeric hyperparameter).
 Candidates are ranked by base-episode accuracy, or by the per-task ELBO / log
-evidence where the estimator offers ``episode_objective(episodes) -> [T]``. Estimators
+evidence where the estimator offers ``episode_objective_`` ([T], of its last
+``predict_proba``). Estimators
 with ``with_params`` (BAVARDAGE) fit their base statistics once for all candidates.
 
 Zero-shot (:func:`tune_zero_shot`): candidates are judged on zero-shot tasks drawn from
@@ -45,9 +46,10 @@ SEARCH_SPACES: dict[str, dict[str, list]] = {
     # s_max 0.65-1.9 there); the balanced model is a candidate on any tasks; T_km stays
     # at 10 (little effect in the paper's Fig. 5)
     "bavardage": {
+        "whitening": ["global"],
         "scale": ["relative"],
-        "temperature_vb": [0.1, 0.3, 1.0, 3.0],
-        "s_max": [0.25, 0.5, 1.0, 2.0],
+        "temperature_vb": [0.03, 0.1, 0.3, 1.0, 3.0],
+        "s_max": [0.25, 0.5, 1.0, 2.0, 4.0],
         "balanced": [False, True],
     },
     "em-dirichlet": {"lambda_coef": [0.0, 1.0, 4.0, 8.0], "temperature": [10.0, 30.0]},
@@ -156,8 +158,8 @@ def _score(candidates: _Candidates, params: dict, episodes: Episodes, criterion:
     hits = (proba.argmax(-1) == episodes.query_labels).double().mean(-1).numpy()
     accuracy, ci95 = accuracy_ci(hits)
     row = {"params": params, "accuracy": accuracy, "ci95": ci95}
-    if hasattr(model, "episode_objective"):
-        row["objective"] = float(torch.as_tensor(model.episode_objective(episodes)).mean())
+    if hasattr(type(model), "episode_objective_"):
+        row["objective"] = float(torch.as_tensor(model.episode_objective_).mean())
     elif criterion == "objective":
         raise ValueError(
             f"method {candidates.method!r} has no episode objective; use criterion='accuracy'"

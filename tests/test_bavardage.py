@@ -401,6 +401,12 @@ def test_with_params_reuses_the_base_statistics_and_equals_a_fresh_fit():
         assert copy.scatter_eigen_ is fitted.scatter_eigen_
         fresh = _fit(base, labels, whitening="global", **params)
         torch.testing.assert_close(copy.predict_proba(ep), fresh.predict_proba(ep))
+    # a new batch replaces the shared rotated rows (no stale cache)
+    other = episodes(2)
+    torch.testing.assert_close(
+        fitted.with_params(s_max=3.0).predict_proba(other),
+        _fit(base, labels, whitening="global", s_max=3.0).predict_proba(other),
+    )
     assert fitted.s_max == 5.0  # the original is untouched
     with pytest.raises(ValueError, match="unknown"):
         fitted.with_params(temprature=1.0)

@@ -344,6 +344,7 @@ class Bavardage(FewShotClassifier):
         onehot = torch.nn.functional.one_hot(labels.unique(return_inverse=True)[1]).to(x)
         class_means = (onehot.T @ x) / onehot.sum(0).unsqueeze(-1)
         self.within_ = float((x - onehot @ class_means).square().sum(-1).mean())
+        self._search_cache = None  # shared by with_params copies (see _rotated_grams)
         self._apply_hyperparameters()
         return self
 
@@ -357,17 +358,40 @@ class Bavardage(FewShotClassifier):
                 self.s_max_ = self.s_max * (self.scatter_.shape[0] / trace) ** 0.5
         self.whitening_ = global_whitening(self.scatter_, self.s_max_, self.scatter_eigen_)
 
+    def _rotated_grams(
+        self, episodes: Episodes, mean: torch.Tensor, metric: GlobalWhitening
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """E and K = Z diag(s^2) Z^T from the rotated rows Z = (x - m) R, which do not depend
+        on s_max: kept for the last batch so that candidates of a search share them."""
+        cache = self._search_cache
+        # the cache holds the batch's tensors, so identity means the same (unmodified) data
+        if cache.get("support") is not episodes.support or cache.get("query") is not episodes.query:
+            cache.clear()
+            centred = episodes.points() - mean
+            cache.update(
+                support=episodes.support,
+                query=episodes.query,
+                gram=centred @ centred.transpose(1, 2),
+                rotated=centred @ metric.rotation,
+            )
+        z = cache["rotated"]
+        return cache["gram"], (z * metric.scales.square()) @ z.transpose(1, 2)
+
     def with_params(self, **params) -> Self:
         """A copy with hyperparameters ``params`` that shares the fitted base statistics.
 
         The base mean, S_w and its eigendecomposition do not depend on the hyperparameters
-        (``scatter`` aside), so a search over candidates (:mod:`probfsl.tuning`) fits them once.
+        (``scatter`` aside), so a search over candidates (:mod:`probfsl.tuning`) fits them once;
+        in global whitening the copies also share the last batch's rows rotated into the
+        eigenbasis of S_w, so that each further candidate costs an N x N product per task.
         """
         unknown = sorted(set(params) - set(inspect.signature(type(self)).parameters))
         if unknown:
             raise ValueError(f"unknown hyperparameter(s) {unknown}")
         if "scatter" in params and params["scatter"] != self.scatter:
             raise ValueError("with_params cannot change scatter: call fit_base again")
+        if getattr(self, "_search_cache", None) is None:
+            self._search_cache = {}
         new = copy.copy(self)
         for key, value in params.items():
             setattr(new, key, value)
@@ -376,15 +400,15 @@ class Bavardage(FewShotClassifier):
             new._apply_hyperparameters()
         return new
 
-    def episode_objective(self, episodes: Episodes) -> torch.Tensor:
-        """Per-task ELBO [T] after :meth:`predict_proba` (spec §3.9), for model selection.
+    @property
+    def episode_objective_(self) -> torch.Tensor:
+        """Per-task ELBO [T] of the last :meth:`predict_proba` (spec §3.9), for model selection.
 
         ELBOs under different T_vb or s_max are of different data (u changes with the
         whitening); :mod:`probfsl.tuning` reports how well this ranks candidates.
         """
-        self.predict_proba(episodes)
-        if self.elbo_trace_ is None:
-            raise ValueError("mode='soft_kmeans' has no ELBO")
+        if getattr(self, "elbo_trace_", None) is None:
+            raise ValueError("no ELBO: call predict_proba first (and mode != 'soft_kmeans')")
         return self.elbo_trace_[-1]
 
     @property
@@ -427,7 +451,9 @@ class Bavardage(FewShotClassifier):
         global_mode = self.mode == "bavardage" and self.whitening == "global"
         metric = self.whitening_.to(mean) if global_mode else None
         grams = None
-        if self.mode == "soft_kmeans" or (global_mode and metric.low_rank() is not None):
+        if global_mode and getattr(self, "_search_cache", None) is not None:
+            grams = self._rotated_grams(episodes, mean, metric)
+        elif self.mode == "soft_kmeans" or (global_mode and metric.low_rank() is not None):
             grams = _centred_grams(episodes, mean, metric)
         if grams is None:
             x = _centred_rows(episodes, mean)
