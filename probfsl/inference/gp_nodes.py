@@ -240,19 +240,20 @@ class GibbsNodes:
         return state
 
     def sample_f(self, state: GibbsState) -> torch.Tensor:
-        """One draw of f | ω, y for every node and chain (Matheron's rule, no K⁻¹)."""
+        """One draw of f | ω, y for every node and chain (Matheron's rule, no K⁻¹).
+
+        Chains are rows of ``[V, S, n]`` matrices, so K and L_K act by one GEMM per node
+        (x ↦ x Kᵀ) rather than S broadcast matrix-vector products.
+        """
         K, kappa, omega = state.K, state.kappa, state.omega
         V, S, n = omega.shape
-        Kb = K.unsqueeze(1)
         eps = self._randn((V, S, n), omega)
-        g = (K @ kappa.unsqueeze(-1)).squeeze(-1).unsqueeze(1) + (
-            state.chol_K.unsqueeze(1) @ eps.unsqueeze(-1)
-        ).squeeze(-1)
+        Kk = (K @ kappa.unsqueeze(-1)).squeeze(-1)  # [V, n]
+        g = Kk.unsqueeze(1) + eps @ state.chol_K.transpose(-1, -2)  # g ~ N(Kκ, K)
         sw = omega.sqrt()
-        chol_B = _chol_B(K, sw)
         r = sw * g + self._randn((V, S, n), omega)
-        v = torch.cholesky_solve(r.unsqueeze(-1), chol_B).squeeze(-1)
-        return g - (Kb @ (sw * v).unsqueeze(-1)).squeeze(-1)
+        v = _solve_B(K, sw, r)
+        return g - (sw * v) @ K  # K symmetric: rows (K Ω^½ v)ᵀ
 
     def step(self, state: GibbsState) -> GibbsState:
         """One sweep: f | ω, then ω | f ~ PG(1, f)."""
@@ -277,16 +278,35 @@ class GibbsNodes:
 
 def _chol_B(K: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
     """Cholesky of B = I + Ω^½ K Ω^½ for ``K [V, n, n]`` and ``sw = √ω [V, S, n]``."""
-    B = sw.unsqueeze(-1) * K.unsqueeze(1) * sw.unsqueeze(-2)
-    B = B + torch.eye(B.shape[-1], dtype=B.dtype, device=B.device)
+    B = K.unsqueeze(1) * sw.unsqueeze(-1)
+    B.mul_(sw.unsqueeze(-2))
+    B.diagonal(dim1=-2, dim2=-1).add_(1.0)
     return safe_cholesky(B)
+
+
+def _solve_B(K: torch.Tensor, sw: torch.Tensor, r: torch.Tensor, max_elems: int = 2**25):
+    """B⁻¹r for every node and chain (``r [V, S, n]``), B = I + Ω^½KΩ^½ per chain.
+
+    B is formed and factorised for blocks of chains holding at most ``max_elems`` matrix
+    entries (memory bound for many chains on large nodes; results do not depend on it).
+    """
+    V, S, n = sw.shape
+    step = max(1, max_elems // max(1, V * n * n))
+    if step >= S:
+        return torch.cholesky_solve(r.unsqueeze(-1), _chol_B(K, sw)).squeeze(-1)
+    out = torch.empty_like(r)
+    for a in range(0, S, step):
+        b = slice(a, a + step)
+        chol = _chol_B(K, sw[:, b])
+        out[:, b] = torch.cholesky_solve(r[:, b].unsqueeze(-1), chol).squeeze(-1)
+    return out
 
 
 def _posterior_mean_f(K: torch.Tensor, kappa: torch.Tensor, sw: torch.Tensor, chol_B):
     """m_f = Σκ = Kκ − KΩ^½B⁻¹Ω^½Kκ, ``[V, S, n]``."""
     Kk = (K @ kappa.unsqueeze(-1)).squeeze(-1).unsqueeze(1)
     v = torch.cholesky_solve((sw * Kk).unsqueeze(-1), chol_B).squeeze(-1)
-    return Kk - (K.unsqueeze(1) @ (sw * v).unsqueeze(-1)).squeeze(-1)
+    return Kk - (sw * v) @ K
 
 
 def augmented_log_marginal(state: GibbsState) -> torch.Tensor:
@@ -356,14 +376,18 @@ class VIState:
         data: the tensors given to :meth:`VINodes.init` (x, y, mask, z, zmask, s, l).
         eta: ``[V, M]`` natural parameter Σ̃⁻¹μ̃; ``prec`` ``[V, M, M]`` = Σ̃⁻¹ (= −2H).
         c: ``[V, n]`` PG tilts of q(ω_i) = PG(1, c_i).
-        objective: ``[V]`` the ELBO of each node.
+        objective: ``[V]`` the ELBO of each node (None when a step was asked not to
+            compute it).
+        moments: (μ̃, Σ̃, chol Σ̃⁻¹) of (η, Λ), cached by :meth:`VINodes.step_terms` so
+            the next step does not factorise Λ again; None until computed.
     """
 
     data: tuple
     eta: torch.Tensor
     prec: torch.Tensor
     c: torch.Tensor
-    objective: torch.Tensor
+    objective: torch.Tensor | None
+    moments: tuple | None = None
 
 
 @dataclass
@@ -403,10 +427,16 @@ def vi_terms(
 
 def q_moments(eta: torch.Tensor, prec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """μ̃ = Λ⁻¹η and Σ̃ = Λ⁻¹ from the natural parameters (Λ = Σ̃⁻¹)."""
+    mu, Sigma, _ = _q_factors(eta, prec)
+    return mu, Sigma
+
+
+def _q_factors(eta: torch.Tensor, prec: torch.Tensor):
+    """(μ̃, Σ̃, chol Λ): :func:`q_moments` plus the Cholesky factor of Λ = Σ̃⁻¹."""
     chol = safe_cholesky(prec)
     Sigma = torch.cholesky_inverse(chol)
     mu = torch.cholesky_solve(eta.unsqueeze(-1), chol).squeeze(-1)
-    return mu, Sigma
+    return mu, Sigma, chol
 
 
 def _second_moment(t: VITerms, mu: torch.Tensor, Sigma: torch.Tensor) -> tuple:
@@ -421,6 +451,7 @@ def vi_elbo(
     Sigma: torch.Tensor,
     c: torch.Tensor,
     code_elbo: bool = False,
+    chol_prec: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The node ELBO (§3.3, with its constants, so it is a true lower bound on log p(y)).
 
@@ -429,6 +460,8 @@ def vi_elbo(
 
     ``code_elbo=True`` flips the signs of θ(AΣ̃Aᵀ)_ii and θ(Aμ̃)_i², as the official code
     does (spec §3.8; only for reproducing its hyper-parameter gradients).
+    ``chol_prec`` (the Cholesky factor of Σ̃⁻¹, when known) gives log|Σ̃| = −log|Σ̃⁻¹|
+    without factorising Σ̃.
     """
     Amu, ASA = _second_moment(t, mu, Sigma)
     theta = pg_mean(c)
@@ -447,7 +480,10 @@ def vi_elbo(
     Kinv_S = torch.cholesky_solve(Sigma, t.chol_Kmm)
     Kinv_mu = torch.cholesky_solve(mu.unsqueeze(-1), t.chol_Kmm).squeeze(-1)
     logdet_K = 2 * t.chol_Kmm.diagonal(dim1=-2, dim2=-1).log().sum(-1)
-    logdet_S = 2 * safe_cholesky(Sigma).diagonal(dim1=-2, dim2=-1).log().sum(-1)
+    if chol_prec is None:
+        logdet_S = 2 * safe_cholesky(Sigma).diagonal(dim1=-2, dim2=-1).log().sum(-1)
+    else:
+        logdet_S = -2 * chol_prec.diagonal(dim1=-2, dim2=-1).log().sum(-1)
     kl = 0.5 * (
         Kinv_S.diagonal(dim1=-2, dim2=-1).sum(-1) + (mu * Kinv_mu).sum(-1) - M + logdet_K - logdet_S
     )
@@ -514,13 +550,19 @@ class VINodes(Engine):
     def step(self, state: VIState) -> VIState:
         return self.step_terms(state, self.terms(state))
 
-    def step_terms(self, state: VIState, t: VITerms) -> VIState:
-        """:meth:`step` with the kernel terms of ``state.data`` already computed."""
-        mu, Sigma = q_moments(state.eta, state.prec)
+    def step_terms(self, state: VIState, t: VITerms, objective: bool = True) -> VIState:
+        """:meth:`step` with the kernel terms of ``state.data`` already computed.
+
+        The moments of the new q(f̄) are cached in the returned state; ``objective=False``
+        skips the ELBO (for a caller that evaluates it itself, e.g. with gradients).
+        """
+        mu, Sigma, _ = state.moments or _q_factors(state.eta, state.prec)
         c = self.update_c(t, mu, Sigma)
         eta, prec = self.update_q(t, c, state.eta, state.prec)
-        mu, Sigma = q_moments(eta, prec)
-        return VIState(state.data, eta, prec, c, vi_elbo(t, mu, Sigma, c, self.code_elbo))
+        moments = _q_factors(eta, prec)
+        mu, Sigma, chol = moments
+        elbo = vi_elbo(t, mu, Sigma, c, self.code_elbo, chol) if objective else None
+        return VIState(state.data, eta, prec, c, elbo, moments)
 
     def guide(self, state: VIState) -> Callable[..., None]:
         """Pyro guide of :func:`vi_node_model`: f̄ ~ q, f | f̄ ~ p(f | f̄), ω ~ PG(1, c)."""

@@ -271,8 +271,14 @@ def gptree_model(
 # ================================================================= node groups (batching)
 
 
-def group_by_size(sizes: list[int], waste: float = 2.0) -> list[list[int]]:
-    """Groups of node indices of similar size (padded cost ≤ ``waste`` × actual cost)."""
+def group_by_size(sizes: list[int], waste: float = 1.25) -> list[list[int]]:
+    """Groups of node indices of similar size (padded cost ≤ ``waste`` × actual cost).
+
+    Cost is n³ per node (Cholesky / n·M² products). Groups are batched, so fewer groups
+    mean fewer kernel launches, but padding is paid in flops: on the 136-class Omniglot
+    tree ``waste`` = 2 gives 8 groups and 1.75× the unpadded flops, 1.25 gives ~14
+    groups and ~1.04× (the launch overhead of a group is milliseconds).
+    """
     order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
     groups: list[list[int]] = []
     for i in order:
@@ -413,7 +419,12 @@ class GPTree:
             variance means weaker shrinkage of each node's f; the ELBO's Adam steps move the
             scale too little in a few iterations to find this by themselves.
         vi_iter: VI iterations, each = closed-form c and q(f̄) updates + one Adam step on the
-            hyper-parameters (and X̄) with the loss Σ_v −L_v/n_v (§3.4).
+            hyper-parameters (and X̄) with the loss Σ_v −L_v/n_v (§3.4). Default 3, an
+            early stop chosen on the same base-stage validation split (outputscale 128,
+            m_c = 5): held-out accuracy 62.2 / 61.5 / 61.8 / 59.7 % after 3 / 5 / 10 / 30
+            iterations (61.3 % after 10 with ``vi_lr=0``, i.e. closed-form updates only). On
+            fixed features the ELBO-optimal kernel and X̄ do not classify better than the
+            validated prior, and each iteration costs O(Σ_v n_v M_v²).
         vi_lr: Adam learning rate for the hyper-parameters and X̄.
         learn_inducing: learn X̄ (True) or keep the k-means initialisation.
         natural_lr: ρ of the natural-parameter update (1 = exact optimum, full batch).
@@ -441,7 +452,7 @@ class GPTree:
         n_inducing: int = 5,
         vi_outputscale: float = 128.0,
         vi_lengthscale: float = 1.0,
-        vi_iter: int = 30,
+        vi_iter: int = 3,
         vi_lr: float = 0.05,
         learn_inducing: bool = True,
         natural_lr: float = 1.0,
@@ -601,10 +612,11 @@ class GPTree:
         opt = torch.optim.Adam(params, lr=self.vi_lr)
         trace = []
         for it in range(self.vi_iter + 1):
-            loss = 0.0
+            learn = it < self.vi_iter
             total = 0.0
+            if learn:
+                opt.zero_grad()
             for k in range(len(groups)):
-                learn = it < self.vi_iter
                 data = group_data(k, detach=not learn)
                 with torch.set_grad_enabled(learn):
                     t = gpn.vi_terms(*data, jitter=engine.jitter)
@@ -613,19 +625,20 @@ class GPTree:
                     st = gpn.VIState(
                         data, *engine.initial_factors(t.A.shape[0], t.A.shape[-1], t.A), None
                     )
-                with torch.no_grad():
+                with torch.no_grad():  # closed-form c then q(f̄), §3.3 1–2
                     td = gpn.VITerms(*(v.detach() for v in vars(t).values()))
-                    st = engine.step_terms(st, td)  # closed-form c then q(f̄), §3.3 1–2
+                    st = engine.step_terms(st, td, objective=not learn)
+                if learn:  # §3.3 step 3: gradient of −Σ_v L_v/n_v at the new (c, q)
+                    mu, Sigma, chol = st.moments
+                    elbo = gpn.vi_elbo(t, mu, Sigma, st.c, self.code_elbo, chol)
+                    # one backward per group: the gradients add up over groups (shared X̄)
+                    # exactly as for the summed loss, and each group's graph is freed at once
+                    (-elbo / groups[k][5]).sum().backward()
+                    st.objective = elbo.detach()
                 states[k] = st
                 total += float(st.objective.sum())
-                if learn:  # §3.3 step 3: gradient of −Σ_v L_v/n_v at the new (c, q)
-                    mu, Sigma = gpn.q_moments(st.eta, st.prec)
-                    elbo = gpn.vi_elbo(t, mu, Sigma, st.c, self.code_elbo)
-                    loss = loss + (-elbo / groups[k][5]).sum()
             trace.append(total)
-            if it < self.vi_iter:
-                opt.zero_grad()
-                loss.backward()
+            if learn:
                 opt.step()
         self.inducing_ = Z.detach().clone()
         for k in range(len(groups)):  # the state's data: final hyper-parameters, no graph
@@ -862,7 +875,6 @@ class GPTreeFewShot(BaseMeanCentering, FewShotClassifier):
         self.n_sweeps = n_sweeps
         self.outputscale = outputscale
         self.lengthscale = lengthscale
-        self.center = center
         self.pg_sampler = pg_sampler
         self.seed = seed
         self.max_nodes = max_nodes
