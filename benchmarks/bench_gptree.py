@@ -314,9 +314,15 @@ def main():
     write(results, args, source, len(stages))
 
 
+def _portable(path) -> str:
+    """A path relative to the repository root (no machine-specific prefix in results)."""
+    return os.path.relpath(Path(path).resolve(), HERE.parent)
+
+
 def write(results, args, source, n_stages, quiet=False):
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    meta = {k: (_portable(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    source = _portable(source)
     meta["data"] = source
     (args.out / "gptree.json").write_text(
         json.dumps({"config": meta, "results": results}, indent=1)
