@@ -29,6 +29,11 @@ from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
 ORDER = ["bavardage", "em_dirichlet", "gptree", "evidence", "auto"]
+#: the options of each benchmark's full run (the README's tables); --quick overrides sizes
+FULL_ARGS = {
+    "bavardage": ["--threads", "1", "--target-check", "--throughput-check", "3"],
+    "gptree": ["--chains", "10"],
+}
 README = HERE.parent / "README.md"
 MARKERS = ("<!-- results:start -->", "<!-- results:end -->")
 
@@ -147,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         for name in tqdm(args.only, unit="benchmark"):
             cmd = [sys.executable, str(HERE / f"bench_{name}.py"), "--out", str(args.out)]
+            cmd += FULL_ARGS.get(name, [])
             if args.quick:
                 cmd.append("--quick")
             if args.data_dir is not None:
