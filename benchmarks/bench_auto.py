@@ -89,7 +89,6 @@ def bavardage_rows(fs, name, shot, balance, n_tasks, n_episodes, seed) -> list[d
         balance=balance,
         n_episodes=n_episodes,
         seed=seed,
-        fixed={"whitening": "global"},
     )
     by_objective = max(result.trace, key=lambda r: r["objective"])["params"]
     rho = spearmanr([r["accuracy"] for r in result.trace], [r["objective"] for r in result.trace])
@@ -106,7 +105,7 @@ def bavardage_rows(fs, name, shot, balance, n_tasks, n_episodes, seed) -> list[d
     run(
         "bavardage",
         "auto (ELBO criterion)",
-        make_estimator("bavardage", whitening="global", **by_objective),
+        make_estimator("bavardage", **by_objective),
         chosen=by_objective,
     )
     return rows
