@@ -26,17 +26,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from bench_bavardage import load_sets, machine  # a sibling script
 from scipy.stats import spearmanr
 from tqdm.auto import tqdm
 
 from probfsl.data import sample_zero_shot_tasks
-from probfsl.data.featureset import FeatureSet
 from probfsl.data.tasks import sample_episodes
 from probfsl.evaluation.protocol import accuracy_ci, evaluate
 from probfsl.methods import make_estimator
@@ -45,24 +44,6 @@ from probfsl.tuning import tune, tune_zero_shot
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_DATA = (HERE.parent.parent / "shared" / "data").resolve()
-
-
-def load_sets(data_dir: Path, names: list[str]) -> dict[str, FeatureSet]:
-    from bench_bavardage import load_sets as load
-
-    return load(data_dir, names)
-
-
-def novel_classes_only(fs: FeatureSet) -> FeatureSet:
-    """``fs`` with the base rows unlabelled: zero-shot tasks then draw novel classes only."""
-    return FeatureSet(
-        features=fs.features,
-        labels=np.where(fs.split == "novel", fs.labels, -1),
-        class_names=fs.class_names,
-        split=fs.split,
-        class_features=fs.class_features,
-        name=f"{fs.name}[novel classes]",
-    )
 
 
 def _row(**fields) -> dict:
@@ -118,7 +99,7 @@ def zero_shot_rows(fs, n_tasks, n_candidate_tasks, seed) -> list[dict]:
         zero_shot_probabilities,
     )
 
-    novel = novel_classes_only(fs)
+    novel = fs.labelled_only("novel")
     tasks = sample_zero_shot_tasks(novel, n_tasks, 3, 10, 75, seed)
     setting = dict(dataset=fs.name, shot=0, balance="zero-shot (novel classes)")
     rows = []
@@ -336,14 +317,7 @@ def main(argv: list[str] | None = None) -> dict:
         seed=args.seed,
         date=time.strftime("%Y-%m-%d"),
         rows=rows,
-        machine=dict(
-            platform=platform.platform(),
-            torch=torch.__version__,
-            threads=torch.get_num_threads(),
-            cpus=os.cpu_count(),
-            loadavg_before=load_before,
-            loadavg_after=os.getloadavg(),
-        ),
+        machine=machine(load_before),
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "auto.json").write_text(json.dumps(results, indent=1, default=str))

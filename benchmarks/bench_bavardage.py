@@ -97,6 +97,18 @@ def evaluate_bgm(episodes: Episodes, base_mean: torch.Tensor) -> EvalResult:
     return EvalResult(acc, ci, seconds, n / seconds, n, per_task)
 
 
+def machine(load_before: tuple) -> dict:
+    """What a timing depends on: platform, torch, threads, CPUs and the load around it."""
+    return dict(
+        platform=platform.platform(),
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        cpus=os.cpu_count(),
+        loadavg_before=load_before,
+        loadavg_after=os.getloadavg(),
+    )
+
+
 def paired_throughput(sets: dict, preset: str, n_tasks: int, bgm_tasks: int, rounds: int) -> list:
     """Per-task throughput of BAVARDAGE global against BGM, 5-way 1-shot Dirichlet tasks:
     the two alternate for ``rounds`` rounds on the same tasks and each keeps its fastest
@@ -284,14 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
         clamped_fraction=clamped,
         target_10k_1shot_1280_global=target,
         paired_throughput=paired,
-        machine=dict(
-            platform=platform.platform(),
-            torch=torch.__version__,
-            threads=torch.get_num_threads(),
-            cpus=os.cpu_count(),
-            loadavg_before=load_before,
-            loadavg_after=os.getloadavg(),
-        ),
+        machine=machine(load_before),
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"bavardage{args.tag}.json").write_text(json.dumps(results, indent=2))

@@ -144,7 +144,8 @@ class _Candidates:
 
     def fitted(self, params: dict):
         if self.shared is None:
-            model = make_estimator(self.method, **self.fixed, **params).fit_featureset(self.fs)
+            model = make_estimator(self.method, **{**self.fixed, **params})
+            model = model.fit_featureset(self.fs)
             if hasattr(model, "with_params"):
                 self.shared = model
             return model
@@ -255,14 +256,7 @@ def base_classes_only(fs: FeatureSet) -> FeatureSet:
     base classes; class embeddings of all classes stay (they are names, not labels)."""
     if fs.classes_in("base").size < 2:
         raise ValueError(f"{fs.name}: zero-shot tuning needs at least 2 base classes")
-    return FeatureSet(
-        features=fs.features,
-        labels=np.where(fs.split == "base", fs.labels, -1),
-        class_names=fs.class_names,
-        split=fs.split,
-        class_features=fs.class_features,
-        name=f"{fs.name}[base classes]",
-    )
+    return fs.labelled_only("base")
 
 
 def tune_zero_shot(
@@ -297,7 +291,7 @@ def tune_zero_shot(
 
     def score(params: dict) -> dict:
         tic = time.perf_counter()
-        model = make_estimator(method, **fixed, **params)
+        model = make_estimator(method, **{**fixed, **params})
         if not hasattr(model, "predict_zero_shot"):
             raise ValueError(f"method {method!r} has no zero-shot mode")
         probs = zero_shot_probabilities(view, tasks, model.temperature)

@@ -77,6 +77,18 @@ class FeatureSet:
         """Indices of the labelled rows in ``split``."""
         return np.flatnonzero((self.split == split) & (self.labels >= 0))
 
+    def labelled_only(self, split: str) -> FeatureSet:
+        """The same rows with every label outside ``split`` set to -1 (unlabelled), e.g.
+        so that zero-shot tasks, which draw from all labelled classes, draw from one split."""
+        return FeatureSet(
+            features=self.features,
+            labels=np.where(self.split == split, self.labels, -1),
+            class_names=self.class_names,
+            split=self.split,
+            class_features=self.class_features,
+            name=f"{self.name}[{split} classes]",
+        )
+
     def base(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """Base-class features and labels as tensors; a ``ValueError`` if there are none."""
         idx = self.rows("base")
