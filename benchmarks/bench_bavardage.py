@@ -296,6 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
         clamped_fraction=clamped,
         target_10k_1shot_1280_global=target,
         paired_throughput=paired,
+        tag=args.tag,
         machine=machine(load_before),
     )
     args.out.mkdir(parents=True, exist_ok=True)
@@ -313,11 +314,12 @@ def markdown(results: dict) -> str:
     """A compact table first (one line per data set and setting), then every row."""
     rows = results["rows"]
     m = results["machine"]
+    tag = results.get("tag")
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["dataset"], r["shot"], r["balance"]), []).append(r)
     lines = [
-        "# BAVARDAGE benchmark",
+        "# BAVARDAGE benchmark" + (f" ({tag.strip('_')} run)" if tag else ""),
         "",
         f"Preset `{results['preset']}` {results['preset_values']} unless named; 5-way, 75 "
         f"queries, seed {results['seed']}; accuracy ± 95% CI (%). `× BGM` = BAVARDAGE "
@@ -366,6 +368,8 @@ def markdown(results: dict) -> str:
             f"fit_base), {target['accuracy']:.2f} ± {target['ci95']:.2f} %.",
         ]
     lines += [
+        "",
+        "<!-- headline end -->",
         "",
         "## Every row",
         "",

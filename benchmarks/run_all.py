@@ -35,6 +35,8 @@ FULL_ARGS = {
     "gptree": ["--chains", "10"],
 }
 README = HERE.parent / "README.md"
+#: further result files (from separately run commands) whose headline the README shows
+README_EXTRA = {"bavardage": ["bavardage_throughput"]}
 MARKERS = ("<!-- results:start -->", "<!-- results:end -->")
 
 
@@ -97,14 +99,20 @@ def write_csv(out: Path, names: list[str]) -> list[Path]:
     return written
 
 
+HEADLINE_END = "<!-- headline end -->"
+
+
 def headline(text: str) -> str:
-    """The title and the first part of a results file: up to its first ``##`` section,
-    or through that section when the first part holds no table."""
+    """What the README shows of a results file: up to its ``<!-- headline end -->``
+    marker if it has one, else through its first table."""
     lines = text.strip().split("\n")
-    sections = [i for i, line in enumerate(lines) if line.startswith("## ")]
-    end = sections[0] if sections else len(lines)
-    if not any(line.startswith("|") for line in lines[:end]) and len(sections) > 1:
-        end = sections[1]
+    if HEADLINE_END in lines:
+        end = lines.index(HEADLINE_END)
+    else:
+        first = next((i for i, line in enumerate(lines) if line.startswith("|")), len(lines))
+        end = next(
+            (i for i in range(first, len(lines)) if not lines[i].startswith("|")), len(lines)
+        )
     return "\n".join("##" + line if line.startswith("#") else line for line in lines[:end])
 
 
@@ -117,10 +125,11 @@ def readme_section(out: Path, names: list[str]) -> str:
         "ratios are measured in one run.",
     ]
     for name in names:
-        path = out / f"{name}.md"
-        if path.exists():
-            rel = path.relative_to(HERE.parent).as_posix()
-            parts += ["", headline(path.read_text()), "", f"Full tables: [`{rel}`]({rel})."]
+        for stem in [name, *README_EXTRA.get(name, [])]:
+            path = out / f"{stem}.md"
+            if path.exists():
+                rel = path.relative_to(HERE.parent).as_posix()
+                parts += ["", headline(path.read_text()), "", f"Full tables: [`{rel}`]({rel})."]
     return "\n".join(parts + ["", MARKERS[1]])
 
 
