@@ -379,7 +379,7 @@ def to_markdown(r: dict, names: list[str]) -> str:
             lines.append(
                 f"| {m} | {n} | {acc(f'1-shot/{n}/{m}')} | {acc(k5)} | {fs[k5]['tasks_per_second']:.0f} |"
             )
-    lines.append("")
+    lines += ["", "<!-- headline end -->", ""]
     lines += [
         "## Per-task agreement (support evidence vs query accuracy of the evidence LS-SVM)",
         "",
