@@ -112,7 +112,10 @@ def machine(load_before: tuple) -> dict:
 def paired_throughput(sets: dict, preset: str, n_tasks: int, bgm_tasks: int, rounds: int) -> list:
     """Per-task throughput of BAVARDAGE global against BGM, 5-way 1-shot Dirichlet tasks:
     the two alternate for ``rounds`` rounds on the same tasks and each keeps its fastest
-    round, so that a shared machine's load hits both alike."""
+    round, so that a shared machine's load hits both alike. BGM runs with one BLAS
+    thread and with torch's thread count, and keeps its faster setting."""
+    from threadpoolctl import threadpool_limits
+
     out = []
     for name, fs in sets.items():
         episodes = sample_episodes(fs, n_tasks, 5, 1, 75, balance="dirichlet", seed=0)
@@ -122,7 +125,10 @@ def paired_throughput(sets: dict, preset: str, n_tasks: int, bgm_tasks: int, rou
         ours, theirs = [], []
         for _ in range(rounds):
             ours.append(evaluate(est, episodes).seconds / n_tasks)
-            theirs.append(evaluate_bgm(episodes[:bgm_tasks], base_mean).seconds / bgm_tasks)
+            for blas_threads in sorted({1, torch.get_num_threads()}):
+                with threadpool_limits(blas_threads):
+                    res = evaluate_bgm(episodes[:bgm_tasks], base_mean)
+                theirs.append(res.seconds / bgm_tasks)
         out.append(
             dict(
                 dataset=name,
@@ -349,7 +355,8 @@ def markdown(results: dict) -> str:
             "",
             f"Paired throughput (5-way 1-shot Dirichlet; {paired[0]['tasks']} tasks for "
             f"BAVARDAGE global, {paired[0]['bgm_tasks']} for BGM, alternating "
-            f"{paired[0]['rounds']} rounds, fastest round of each):",
+            f"{paired[0]['rounds']} rounds, fastest round of each; BGM also with one BLAS "
+            "thread, keeping its faster setting):",
             "",
             "| data | BAVARDAGE global tasks/s | BGM tasks/s | × BGM |",
             "|---|---|---|---|",
