@@ -216,7 +216,7 @@ def test_well_separated_clusters_are_recovered_with_exact_query_counts():
     base, labels, episodes = _world(spread=6.0, noise=0.05)
     counts = (9, 0, 5)
     ep = episodes(5, counts=counts, spread_novel=6.0)
-    est = _fit(base, labels, temperature_vb=10.0)
+    est = _fit(base, labels, temperature_vb=10.0, trace_elbo=True)
     assert (est.predict(ep) == ep.query_labels).all()
     alpha = est.state_.alpha
     torch.testing.assert_close(
@@ -224,6 +224,11 @@ def test_well_separated_clusters_are_recovered_with_exact_query_counts():
     )
     assert est.elbo_trace_.shape == (est.n_vb + 1, 5)
     assert torch.isfinite(est.elbo_trace_).all()
+    # without the trace: the same fit, and the final ELBO alone
+    untraced = _fit(base, labels, temperature_vb=10.0)
+    torch.testing.assert_close(untraced.predict_proba(ep), est.predict_proba(ep))
+    assert untraced.elbo_trace_ is None
+    torch.testing.assert_close(untraced.episode_objective_, est.elbo_trace_[-1])
 
 
 def test_plda_beats_soft_kmeans_on_anisotropic_tasks():

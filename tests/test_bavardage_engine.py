@@ -50,7 +50,7 @@ def test_engine_conformance(variant):
 class _WrongMean(BavardageVB):
     """An M step that forgets the prior on the centroids: not coordinate ascent."""
 
-    def m_step(self, state):
+    def m_step(self, state, objective=True):
         state = super().m_step(state)
         counts = state.resp.sum(1, keepdim=True).transpose(1, 2)
         new = replace(state, mean=state.resp.transpose(1, 2) @ state.u / counts)

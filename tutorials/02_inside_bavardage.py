@@ -138,18 +138,18 @@ plt.show()
 # %% [markdown]
 # ## The ELBO, iteration by iteration
 #
-# `elbo_trace_` holds the evidence lower bound after each M step and after the final E
-# step ([n_vb + 1, T]). The projection u is refitted before every M step, so each value
-# is a bound for a slightly different data set and the trace need not increase
-# monotonically; it settles within a few iterations. On the right, the query accuracy
-# when the loop stops after n_vb iterations (iteration 0 is the soft k-means
-# initialisation), on 300 tasks. Most of the gain comes in the first two iterations;
-# longer runs lose some of it on these tasks, which is why the published setting
-# stops after n_vb = 5 rather than at convergence.
+# With `trace_elbo=True`, `elbo_trace_` holds the evidence lower bound after each M
+# step and after the final E step ([n_vb + 1, T]). The projection u is refitted before
+# every M step, so each value is a bound for a slightly different data set and the
+# trace need not increase monotonically; it settles within a few iterations. On the
+# right, the query accuracy when the loop stops after n_vb iterations (iteration 0 is
+# the soft k-means initialisation), on 300 tasks. Most of the gain comes in the first
+# two iterations; longer runs lose some of it on these tasks, which is why the
+# published setting stops after n_vb = 5 rather than at convergence.
 
 # %%
 many = sample_episodes(fs, 300, way=5, shot=1, n_query=40, balance="dirichlet", seed=1)
-long_run = Bavardage(n_vb=10).fit_featureset(fs)
+long_run = Bavardage(n_vb=10, trace_elbo=True).fit_featureset(fs)
 long_run.predict_proba(many)
 trace = long_run.elbo_trace_.double().numpy() / (5 + 40)  # per sample
 change = trace - trace[-1]

@@ -44,9 +44,9 @@ from probfsl.inference.vb_mixture import BavardageVB, VBMixtureState, fit_bavard
 from probfsl.models.base import FewShotClassifier, check_base, check_episodes
 
 
-def _centre_gram(raw: torch.Tensor, dots: torch.Tensor, m_sq: torch.Tensor) -> torch.Tensor:
-    """(a - m).(b - m) = a.b - a.m - b.m + m.m from raw = a.b and dots = a.m."""
-    return raw - dots.unsqueeze(-1) - dots.unsqueeze(1) + m_sq
+def _centre_gram_(raw: torch.Tensor, dots: torch.Tensor, m_sq: torch.Tensor) -> torch.Tensor:
+    """(a - m).(b - m) = a.b - a.m - b.m + m.m from raw = a.b and dots = a.m, in place."""
+    return raw.sub_(dots.unsqueeze(-1)).sub_(dots.unsqueeze(1)).add_(m_sq)
 
 
 def _centred_grams(
@@ -71,19 +71,20 @@ def _centred_grams(
         v = low_rank[0] * (-low_rank[1]).sqrt()
         thin = torch.cat([mean.unsqueeze(-1), v], 1)
     c = (x.reshape(-1, x.shape[-1]) @ thin).view(*x.shape[:2], -1)  # [T, N, 1 + r]
-    raw = x @ x.transpose(1, 2)
-    gram = _centre_gram(raw, c[..., 0], mean.square().sum())
-    if bool((gram.diagonal(dim1=1, dim2=2) * 16 < raw.diagonal(dim1=1, dim2=2)).any()):
+    gram = x @ x.transpose(1, 2)
+    raw_sq = gram.diagonal(dim1=1, dim2=2).clone()  # ||a||^2, for the precision check
+    gram = _centre_gram_(gram, c[..., 0], mean.square().sum())
+    if bool((gram.diagonal(dim1=1, dim2=2) * 16 < raw_sq).any()):
         return None
     if low_rank is None:
         return gram, None
     low = c[..., 1:]
     mv = mean @ v
-    low = _centre_gram(low @ low.transpose(1, 2), low @ mv, mv.square().sum())
+    low = _centre_gram_(low @ low.transpose(1, 2), low @ mv, mv.square().sum())
     k = low.neg_().add_(gram, alpha=metric.s_max**2)
     # the low-rank form's own terms are of size s_max^2 E; its centring may add 4 bits more
     scale = gram.diagonal(dim1=1, dim2=2) * metric.s_max**2
-    if bool((scale * 16 < raw.diagonal(dim1=1, dim2=2)).any()):
+    if bool((scale * 16 < raw_sq).any()):
         return None
     return gram, k
 
@@ -256,13 +257,16 @@ class Bavardage(FewShotClassifier):
             w = tr Sigma_w the mean squared distance of a base feature to its class
             mean (so T_vb = 1 matches the spread of a base class). The ``*-relative``
             presets map the published values (:func:`relative_values`).
+        trace_elbo: keep the ELBO after every VB update in ``elbo_trace_`` (a diagnostic;
+            the final ELBO is always in ``state_.objective``).
 
     Fitted attributes: ``base_mean_``, ``scatter_``, ``precision_``, ``whitening_``,
     ``s_max_`` and ``temperature_vb_`` (the values used, in the code's units),
     (a :class:`~probfsl.inference.plda.GlobalWhitening`), and after ``predict_proba``
-    the last batch's ``state_`` (variational factors), ``init_resp_`` and
-    ``elbo_trace_`` ([n_vb + 1, T]: the ELBO after each M step and after the final E step,
-    each under that iteration's projection).
+    the last batch's ``state_`` (variational factors; ``state_.objective`` is the final
+    ELBO), ``init_resp_`` and, with ``trace_elbo``, ``elbo_trace_`` ([n_vb + 1, T]: the
+    ELBO after each M step and after the final E step, each under that iteration's
+    projection; None otherwise).
     """
 
     transductive = True
@@ -284,6 +288,7 @@ class Bavardage(FewShotClassifier):
         mode: str = "bavardage",
         scatter: str = "code",
         scale: str = "code",
+        trace_elbo: bool = False,
     ) -> None:
         self.temperature_km = temperature_km
         self.temperature_vb = temperature_vb
@@ -299,6 +304,7 @@ class Bavardage(FewShotClassifier):
         self.mode = mode
         self.scatter = scatter
         self.scale = scale
+        self.trace_elbo = trace_elbo
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> Bavardage:
@@ -407,9 +413,9 @@ class Bavardage(FewShotClassifier):
         ELBOs under different T_vb or s_max are of different data (u changes with the
         whitening); :mod:`probfsl.tuning` reports how well this ranks candidates.
         """
-        if getattr(self, "elbo_trace_", None) is None:
+        if getattr(self, "state_", None) is None:
             raise ValueError("no ELBO: call predict_proba first (and mode != 'soft_kmeans')")
-        return self.elbo_trace_[-1]
+        return self.state_.objective
 
     @property
     def clamped_fraction_(self) -> float:
@@ -480,7 +486,9 @@ class Bavardage(FewShotClassifier):
                 x = task_span_whitening(x, self.precision_.to(x), self.s_max_)
                 engine = self._engine(way, None, "adaptive")
             support, query = x[:, :n_s], x[:, n_s:]
-        fit = fit_bavardage_vb(engine, support, labels, query, resp, int(self.n_vb))
+        fit = fit_bavardage_vb(
+            engine, support, labels, query, resp, int(self.n_vb), trace=self.trace_elbo
+        )
         self.state_, self.elbo_trace_ = fit.state, fit.elbo_trace
         return fit.state.query_resp
 
@@ -510,7 +518,8 @@ class Bavardage(FewShotClassifier):
     def to_datatree(self, n_draws: int = 200, seed: int = 0, tasks: slice | None = None):
         """Per-task posteriors of π, the centroids μ and the query labels z as a DataTree.
 
-        The ELBO trace of the fit is in ``elbo_trace_``; R-hat is meaningless for these
+        The ELBO trace of the fit is in ``elbo_trace_`` (``trace_elbo=True``); R-hat is
+        meaningless for these
         independent draws from closed-form factors (spec §2).
         """
         from probfsl.diagnostics.arviz import to_datatree
@@ -527,6 +536,6 @@ class Bavardage(FewShotClassifier):
             attrs={
                 "method": "BAVARDAGE",
                 "tau": self.temperature_vb_,
-                "elbo_final_mean": float(self.elbo_trace_[-1].mean()),
+                "elbo_final_mean": float(self.state_.objective.mean()),
             },
         )
