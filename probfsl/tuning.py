@@ -12,8 +12,8 @@ The search is a coarse grid followed by one refinement around the best candidate
 (geometric midpoints towards each neighbour of every numeric hyperparameter).
 Candidates are ranked by base-episode accuracy, or by the per-task ELBO / log
 evidence where the estimator offers ``episode_objective_`` ([T], of its last
-``predict_proba``). Estimators
-with ``with_params`` (BAVARDAGE) fit their base statistics once for all candidates.
+``predict_proba``). Estimators with ``with_params`` (BAVARDAGE) fit their base
+statistics once for all candidates.
 
 Zero-shot (:func:`tune_zero_shot`): candidates are judged on zero-shot tasks drawn from
 the base classes only. :class:`AutoPreset` is ``preset="auto"`` as an estimator: it tunes

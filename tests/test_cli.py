@@ -166,3 +166,23 @@ def test_tune_prints_candidates_and_choice(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "chosen: {'temperature'" in out and "base-class episodes" in out
+
+
+def test_auto_is_the_default_on_user_features_and_zero_shot_tuning_runs(tmp_path, capsys):
+    fs = make_featureset(n_base=10, n_novel=6, per_class=25)
+    path = tmp_path / "mine.npz"
+    np.savez(path, features=fs.features, labels=fs.labels, split=fs.split)
+    args = ["run", "--method", "bavardage", "--features", str(path), "--tasks", "10"]
+    assert main([*args, "--query", "20", "--episodes", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "--preset auto (the default for your own features)" in out
+    assert "temperature_vb" in out  # the search trace is printed
+    # an explicit --param opts out of the search
+    assert main([*args, "--query", "20", "--param", "whitening='global'"]) == 0
+    assert "preset auto" not in capsys.readouterr().out
+    rc = main(
+        ["tune", "--method", "em-dirichlet", "--dataset", "wordnet", "--zero-shot"]
+        + ["--episodes", "5", "--max-classes", "4", "--query", "20"]
+    )
+    assert rc == 0
+    assert "n_iter" in capsys.readouterr().out

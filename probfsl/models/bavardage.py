@@ -204,8 +204,9 @@ def relative_values(name: str) -> dict:
     With the code's S_w (spec §3.2), S_w ~ n Sigma_w for n images per base class and
     Sigma_w the per-image within-class covariance of the unit-norm features, whose trace
     is w. So the code's whitened within-class variance is ~1/n per direction and the
-    relative precision is T_vb / n; the RMS whitening scale is sqrt(D / (n w)) and the
-    relative clamp is s_max / that scale. w is not published: :data:`ASSUMED_WITHIN`.
+    relative precision is T_vb / n; the whitening scale of an average direction is
+    sqrt(D / tr S_w) ~ sqrt(D / (n w)) and the relative clamp is s_max / that scale.
+    w is not published: :data:`ASSUMED_WITHIN`.
     """
     n, dim = PUBLISHED_SCALE[name.split("-")[0]]
     values = PRESETS[name]
@@ -252,10 +253,10 @@ class Bavardage(FewShotClassifier):
             of the reference code, in which the published values were tuned; they depend
             on the images per base class and the feature dimension (spec §3.2, §3.10
             item 3). ``"relative"``: units that mean the same on any data. The clamp is
-            s_max times the RMS whitening scale sqrt(D / tr S_w), and the precision is
-            T_vb times the whitened within-class precision tr S_w / w, with
-            w = tr Sigma_w the mean squared distance of a base feature to its class
-            mean (so T_vb = 1 matches the spread of a base class). The ``*-relative``
+            s_max times the whitening scale of an average direction, sqrt(D / tr S_w),
+            and the precision is T_vb times the whitened within-class precision
+            tr S_w / w, with w = tr Sigma_w the mean squared distance of a base feature
+            to its class mean (so T_vb = 1 matches the spread of a base class). The ``*-relative``
             presets map the published values (:func:`relative_values`).
         trace_elbo: keep the ELBO after every VB update in ``elbo_trace_`` (a diagnostic;
             the final ELBO is always in ``state_.objective``).
