@@ -31,12 +31,10 @@ HERE = Path(__file__).resolve().parent
 ORDER = ["bavardage", "em_dirichlet", "gptree", "evidence", "auto"]
 #: the options of each benchmark's full run (the README's tables); --quick overrides sizes
 FULL_ARGS = {
-    "bavardage": ["--threads", "1", "--target-check", "--throughput-check", "3"],
+    "bavardage": ["--threads", "2", "--target-check", "--throughput-check", "3"],
     "gptree": ["--chains", "10"],
 }
 README = HERE.parent / "README.md"
-#: further result files (from separately run commands) whose headline the README shows
-README_EXTRA = {"bavardage": ["bavardage_throughput"]}
 MARKERS = ("<!-- results:start -->", "<!-- results:end -->")
 
 
@@ -125,11 +123,10 @@ def readme_section(out: Path, names: list[str]) -> str:
         "ratios are measured in one run.",
     ]
     for name in names:
-        for stem in [name, *README_EXTRA.get(name, [])]:
-            path = out / f"{stem}.md"
-            if path.exists():
-                rel = path.relative_to(HERE.parent).as_posix()
-                parts += ["", headline(path.read_text()), "", f"Full tables: [`{rel}`]({rel})."]
+        path = out / f"{name}.md"
+        if path.exists():
+            rel = path.relative_to(HERE.parent).as_posix()
+            parts += ["", headline(path.read_text()), "", f"Full tables: [`{rel}`]({rel})."]
     return "\n".join(parts + ["", MARKERS[1]])
 
 
