@@ -89,15 +89,6 @@ def _centred_grams(
     return gram, k
 
 
-def _centred_rows(episodes: Episodes, mean: torch.Tensor) -> torch.Tensor:
-    """Support and query rows minus the base mean in one new [T, S + Q, D] tensor.
-
-    The L2 normalisation of spec §3.1 ("E") is left to the caller, which applies it to
-    the Gram matrices (or in place).
-    """
-    return episodes.points() - mean
-
-
 def _mu_of(labels_onehot: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
     """Rows μ_{z_n}: ``[..., T, n, K] @ [..., T, K, d] -> [..., T, n, d]``."""
     return labels_onehot @ mu
@@ -463,7 +454,7 @@ class Bavardage(FewShotClassifier):
         elif self.mode == "soft_kmeans" or (global_mode and metric.low_rank() is not None):
             grams = _centred_grams(episodes, mean, metric)
         if grams is None:
-            x = _centred_rows(episodes, mean)
+            x = episodes.points() - mean  # MESV 'M'; 'E' is applied below
             gram = x @ x.transpose(1, 2)  # [T, N, N]
             k = metric.gram(x, euclidean=gram) if global_mode else None
         else:
