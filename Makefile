@@ -3,8 +3,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
+# CPU-only torch: make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
+
 $(VENV)/.core: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
+	$(if $(TORCH_INDEX),$(PIP) torch --index-url $(TORCH_INDEX))
 	$(PIP) -e .
 	touch $@
 
@@ -19,6 +23,19 @@ demo: $(VENV)/.core
 test: $(VENV)/.dev
 	$(VENV)/bin/ruff check probfsl tests benchmarks
 	$(PY) -m pytest -q
+
+# Tutorials: execute tutorials/NN_*.py into tutorials/NN_*.ipynb (with outputs).
+# Docs: build the site into site/ (mkdocs.yml); broken references fail the build.
+.PHONY: notebooks docs
+notebooks: $(VENV)/.dev
+	OMP_NUM_THREADS=1 $(PY) tools/notebooks.py
+
+$(VENV)/.docs: $(VENV)/.dev
+	$(PIP) -e ".[dev,docs]"
+	touch $@
+
+docs: $(VENV)/.docs
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check probfsl tests benchmarks

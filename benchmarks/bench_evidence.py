@@ -191,7 +191,7 @@ def main() -> None:
             ev = []
             for start in range(0, len(eps), 500):
                 scorer.predict_proba(eps[start : start + 500])
-                ev.append(scorer.log_evidence_.sum(-1).numpy())
+                ev.append(scorer.last_log_evidence_.sum(-1).numpy())
             evid[n] = np.concatenate(ev)
         per_task_tau[f"{shot}-shot"] = rank_agreement(accs, evid, names)
     stages.update()

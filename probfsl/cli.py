@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import inspect
+import math
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
+import probfsl
 from probfsl.data import (
     DATASETS,
     FeatureSet,
@@ -19,7 +23,9 @@ from probfsl.data import (
     sample_episodes,
 )
 from probfsl.evaluation import evaluate, text_table, write_results
-from probfsl.methods import METHODS, make_estimator, parse_params
+from probfsl.fileio import check_writable
+from probfsl.methods import METHODS, make_estimator, method_info, parse_params
+from probfsl.temperature import TemperatureScaled
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -27,8 +33,8 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 def _positive(kind: type):
     def parse(text: str):
         value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"must be a finite positive number, got {text}")
         return value
 
     return parse
@@ -36,14 +42,70 @@ def _positive(kind: type):
 
 def _load(args: argparse.Namespace) -> FeatureSet:
     if args.features:
-        return load_features(args.features)
+        return load_features(args.features, allow_pickle=getattr(args, "allow_pickle", False))
     return load_dataset(args.dataset)
 
 
+def _note(message: str) -> None:
+    """A one-line notice on stderr (stdout keeps the results)."""
+    print(f"probfsl: note: {message}", file=sys.stderr)
+
+
 def _device(name: str) -> torch.device:
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine")
-    return torch.device(name)
+    """``--device``: cpu, cuda, cuda:N or mps, and only when this machine has it."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(
+            f"--device {name!r} is not a device; use cpu, cuda, cuda:N or mps"
+        ) from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+    elif device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"--device {name}: MPS (Apple GPU) is not available on this machine")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {name!r}: unsupported device type; use cpu, cuda or mps")
+    return device
+
+
+def _versions() -> dict:
+    return {"probfsl_version": probfsl.__version__, "torch_version": torch.__version__}
+
+
+#: why a method cannot run without base-class rows (methods whose only use of the base
+#: classes is centring run with ``center=False`` instead)
+NEEDS_BASE = {
+    "bavardage": "its PLDA projection and whitening come from the base classes' scatter",
+    "slem": "its negative exemplars are the base-class features",
+}
+
+
+def _without_base(method: str, fs: FeatureSet, preset: str | None, params: dict) -> dict:
+    """``params`` for a run on ``fs``: unchanged when ``fs`` has base classes; without them,
+    centring turned off (with a notice) for methods that can run so, else a ``ValueError``
+    saying what is missing."""
+    if fs.classes_in("base").size:
+        return params
+    if not make_estimator(method, preset, **params).needs_base:
+        return params
+    cls = method_info(method).load()
+    if "center" not in params and "center" in inspect.signature(cls.__init__).parameters:
+        unc = {**params, "center": False}
+        if not make_estimator(method, preset, **unc).needs_base:
+            _note(f"{fs.name} has no base-class rows: {method} runs without centring")
+            return unc
+    reason = NEEDS_BASE.get(method, "center=True needs the base-class mean")
+    raise ValueError(
+        f"{method} needs base-class rows (split 'base') and {fs.name} has none: {reason}; "
+        "extract base images with 'probfsl extract --split base' (or --base-dir) and "
+        "'probfsl merge'"
+    )
 
 
 def run_setting(
@@ -63,18 +125,34 @@ def run_setting(
     batch_size: int = 1000,
     preset: str | None = None,
     params: dict | None = None,
+    calibrate: str = "none",
 ) -> dict:
-    """Evaluate ``method`` on one task setting; returns the row of the results table."""
+    """Evaluate ``method`` on one task setting; returns the row of the results table.
+
+    ``calibrate="temperature"`` tempers the query probabilities by one temperature
+    fitted on base-class episodes of the same setting (:mod:`probfsl.temperature`).
+    """
     estimator = make_estimator(method, preset, **(params or {}))
+    if calibrate == "temperature":
+        estimator = TemperatureScaled(estimator, balance=balance, alpha=alpha, seed=seed)
     estimator.fit_featureset(fs, dtype)
     if task_file:
         episodes = episodes_from_indices(fs, load_task_file(task_file), dtype)
     else:
         episodes = sample_episodes(fs, tasks, way, shot, query, balance, alpha, seed, dtype=dtype)
+    if calibrate == "temperature":  # fitted before the timed run
+        estimator.fit_shape(episodes.way, episodes.shot, episodes.n_query, dtype)
     result = evaluate(estimator, episodes, batch_size, progress, device, dtype)
+    calibration = {"calibrate": calibrate}
+    if calibrate == "temperature":
+        shape = (episodes.way, episodes.shot, episodes.n_query)
+        calibration["temperature"] = estimator.temperature_[shape]
+        if shape in estimator.notes_:
+            _note(f"--calibrate temperature: {estimator.notes_[shape]}")
     return {
         "method": method,
         "dataset": fs.name,
+        **_versions(),
         "way": episodes.way,
         "shot": episodes.shot,
         "query": episodes.n_query,
@@ -86,6 +164,7 @@ def run_setting(
         "dtype": str(dtype).removeprefix("torch."),
         "preset": preset,
         "params": params or {},
+        **calibration,
         **{k: v for k, v in result.summary().items() if k != "n_tasks"},
     }
 
@@ -120,6 +199,8 @@ def run_zero_shot(
     batch_size: int = 1000,
     progress: bool = False,
     params: dict | None = None,
+    device: torch.device | None = None,
+    preset: str | None = None,
 ) -> dict:
     """Zero-shot protocol (EM-Dirichlet): probabilities over all classes, matched clusters."""
     from probfsl.data import sample_zero_shot_tasks
@@ -129,56 +210,64 @@ def run_zero_shot(
     if not hasattr(estimator, "predict_zero_shot"):
         raise ValueError(f"--zero-shot is not available for method {method!r}")
     zs = sample_zero_shot_tasks(fs, tasks, min_classes, max_classes, query, seed)
-    probs = zero_shot_probabilities(fs, zs, estimator.temperature, dtype)
+    device = torch.device("cpu") if device is None else device
+    probs = zero_shot_probabilities(fs, zs, estimator.temperature, dtype).to(device)
     result = evaluate_zero_shot(estimator, probs, zs.query_labels, batch_size, progress)
     return {
         "method": method,
         "dataset": fs.name,
+        **_versions(),
         "way": f"{min_classes}-{max_classes}",
         "shot": 0,
         "query": query,
         "balance": "natural",
         "tasks": result.n_tasks,
         "seed": seed,
+        "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
+        "preset": preset,
         "params": params or {},
         **{k: v for k, v in result.summary().items() if k != "n_tasks"},
     }
 
 
-def _print_tuning(result) -> None:
+def _print_tuning(result, choice=None) -> None:
+    """The search trace, then what is used: the search's best, or ``choice``'s fallback."""
     rows = result.table_rows()
     print(
         f"{result.method}: {len(rows)} candidates on base-class episodes, "
         f"criterion {result.criterion}, {result.seconds:.1f} s"
     )
     print(text_table(rows, list(rows[0])))
-    print(f"chosen: {result.best}")
+    if choice is None or choice.params == result.best:
+        print(f"chosen: {result.best}")
+    else:
+        preset = f"preset {choice.preset!r} with " if choice.preset else ""
+        print(f"chosen: {preset}{choice.params} (kept over the search's best {result.best})")
 
 
 #: methods whose ``probfsl run --features`` uses ``--preset auto`` unless told otherwise
 AUTO_BY_DEFAULT = ("bavardage", "em-dirichlet", "gp-tree")
 
 
-def _tune(args: argparse.Namespace, fs: FeatureSet):
-    from probfsl.tuning import tune, tune_zero_shot
+def _auto(args: argparse.Namespace, fs: FeatureSet, fixed: dict):
+    """``--preset auto`` / ``probfsl tune``: the search on base classes, or its fallback."""
+    from probfsl.tuning import auto_preset, auto_preset_zero_shot
 
     if getattr(args, "zero_shot", False):
-        return tune_zero_shot(
+        return auto_preset_zero_shot(
             args.method,
             fs,
-            None,
             args.min_classes,
             args.max_classes,
             args.query,
             n_tasks=args.episodes,
             seed=args.seed,
-            fixed=parse_params(args.param),
+            fixed=fixed,
         )
-    return tune(
+    return auto_preset(
         args.method,
         fs,
-        None,
         args.way,
         args.shot,
         args.query,
@@ -187,30 +276,77 @@ def _tune(args: argparse.Namespace, fs: FeatureSet):
         n_episodes=args.episodes,
         seed=args.seed,
         criterion=getattr(args, "criterion", "accuracy"),
-        fixed=parse_params(args.param),
+        fixed=fixed,
     )
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    fs = _load(args)
-    result = _tune(args, fs)
-    _print_tuning(result)
     if args.out:
-        write_results(result.table_rows(), args.out)
+        check_writable(args.out, (".json", ".csv"))
+    fixed = parse_params(args.param)
+    from probfsl.tuning import search_space
+
+    search_space(args.method)
+    make_estimator(args.method, **fixed)  # bad hyperparameters fail before loading
+    fs = _load(args)
+    choice = _auto(args, fs, fixed)
+    if choice.result is None:
+        raise ValueError(f"cannot tune {args.method} on {fs.name}: {choice.reason}")
+    if choice.note:
+        _note(choice.note)
+    _print_tuning(choice.result, choice)
+    if args.out:
+        write_results(choice.result.table_rows(), args.out)
         print(f"wrote {args.out}")
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    fs = _load(args)
-    if args.preset is None and args.features and not args.param:
+    # everything that can be checked without the data is checked first
+    if args.out:
+        check_writable(args.out, (".json", ".csv"))
+    device = _device(args.device)
+    params = parse_params(args.param)
+    if args.task_file and not Path(args.task_file).is_file():
+        raise ValueError(f"--task-file: file not found: {args.task_file}")
+    preset = args.preset
+    if preset is None and args.features and not args.param:
         if args.method in AUTO_BY_DEFAULT:
             print(f"{args.method}: --preset auto (the default for your own features)")
-            args.preset = "auto"
-    if args.preset == "auto":
-        result = _tune(args, fs)
-        _print_tuning(result)
-        args.preset, args.param = None, [f"{k}={v!r}" for k, v in result.best.items()]
+            preset = "auto"
+    if args.zero_shot and preset not in (None, "auto"):
+        raise ValueError("--zero-shot takes no named --preset (only auto)")
+    if args.zero_shot and args.calibrate == "temperature":
+        raise ValueError("--calibrate temperature applies to few-shot runs, not --zero-shot")
+    calibrate = args.calibrate or ("temperature" if preset == "auto" else "none")
+    # unknown or invalid hyperparameters and presets fail before loading
+    make_estimator(args.method, None if preset == "auto" or args.zero_shot else preset, **params)
+    if preset == "auto":
+        make_estimator(args.method, "auto", **params)  # a method without a search space
+    fs = _load(args)
+    if calibrate == "temperature" and fs.classes_in("base").size == 0:
+        if args.calibrate == "temperature":
+            raise ValueError(f"--calibrate temperature needs base classes; {fs.name} has none")
+        calibrate = "none"  # the default with --preset auto: nothing to fit it on
+    if args.task_file and preset == "auto" and not args.zero_shot:
+        # tune for the task file's shape, not the --way/--shot/--query defaults
+        indices = load_task_file(args.task_file)
+        args.way = int(indices["support_labels"].max()) + 1
+        args.shot = indices["support"].shape[1] // args.way
+        args.query = indices["query"].shape[1]
+    auto_note = None
+    if not args.zero_shot:
+        params = _without_base(args.method, fs, None if preset == "auto" else preset, params)
+    if preset == "auto":
+        choice = _auto(args, fs, params)
+        if choice.result is not None:
+            _print_tuning(choice.result, choice)
+        if choice.note:
+            _note(f"--preset auto: {choice.note}")
+        auto_note = choice.describe()
+        run_preset, params = choice.preset, choice.params
+    else:
+        run_preset = preset
     if args.zero_shot:
         row = run_zero_shot(
             args.method,
@@ -223,7 +359,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             DTYPES[args.dtype],
             args.batch_size,
             progress=sys.stderr.isatty(),
-            params=parse_params(args.param),
+            params=params,
+            device=device,
+            preset=preset,
         )
     else:
         row = run_setting(
@@ -236,14 +374,18 @@ def cmd_run(args: argparse.Namespace) -> int:
             args.alpha,
             args.tasks,
             args.seed,
-            _device(args.device),
+            device,
             DTYPES[args.dtype],
             progress=sys.stderr.isatty(),
             task_file=args.task_file,
             batch_size=args.batch_size,
-            preset=args.preset,
-            params=parse_params(args.param),
+            preset=run_preset,
+            params=params,
+            calibrate=calibrate,
         )
+    if preset == "auto":
+        row["preset"] = "auto" if run_preset is None else f"auto ({run_preset})"
+        row["auto"] = auto_note
     print(text_table([row]))
     if args.out:
         write_results([row], args.out)
@@ -252,6 +394,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.out:
+        check_writable(args.out, (".json", ".csv"))
     if args.threads is None:
         # 64-d tasks are small: one thread avoids oversubscribing a busy machine
         torch.set_num_threads(1)
@@ -281,7 +425,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print("probfsl demo: built-in Omniglot (PCA-64), 5-way, 75 queries, seed 0\n")
     print(
         text_table(
-            rows, ["method", "shot", "balance", "tasks", "accuracy", "ci95", "tasks_per_second"]
+            rows,
+            [
+                "method",
+                "shot",
+                "balance",
+                "tasks",
+                "accuracy",
+                "ci95",
+                "ece",
+                "nll",
+                "brier",
+                "tasks_per_second",
+            ],
         )
     )
     print(f"\n{len(rows)} runs in {time.perf_counter() - tic:.1f} s")
@@ -294,14 +450,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_select(args: argparse.Namespace) -> int:
     from probfsl.models.evidence import select_main
 
-    return select_main(args.features, split=args.split)
+    return select_main(args.features, split=args.split, allow_pickle=args.allow_pickle)
 
 
 def cmd_extract(args: argparse.Namespace) -> int:
     from probfsl.data.extract import extract_main
 
-    extract_main(args.images, args.backbone, args.out, args.image_size, args.batch_size, args.split)
+    extract_main(
+        args.images,
+        args.backbone,
+        args.out,
+        args.image_size,
+        args.batch_size,
+        args.split,
+        base_dir=args.base_dir,
+    )
     return 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from probfsl.data.loaders import merge_main
+
+    merge_main(args.files, args.out)
+    return 0
+
+
+ALLOW_PICKLE_HELP = "load .pkl feature files (unpickling runs code from the file: trusted only)"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -314,6 +488,11 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="probfsl", description="Bayesian few-shot learning on pre-extracted features."
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"probfsl {probfsl.__version__} (torch {torch.__version__})",
     )
     parser.add_argument(
         "--threads",
@@ -348,6 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument(
         "--features", metavar="PATH", help=".npz with features, labels, split (or .pt / .pkl)"
     )
+    run.add_argument("--allow-pickle", action="store_true", help=ALLOW_PICKLE_HELP)
     run.add_argument("--way", type=_positive(int), default=5)
     run.add_argument("--shot", type=_positive(int), default=1)
     run.add_argument("--query", type=_positive(int), default=75, help="queries per task in all")
@@ -360,7 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--tasks", type=_positive(int), default=1000)
     run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--device", default="cpu")
+    run.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     run.add_argument("--dtype", choices=list(DTYPES), default="float32")
     run.add_argument("--batch-size", type=_positive(int), default=1000)
     run.add_argument(
@@ -387,6 +567,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a hyperparameter of the method (repeatable), e.g. whitening=global",
     )
     run.add_argument(
+        "--calibrate",
+        choices=["none", "temperature"],
+        default=None,
+        help="temper the query probabilities by one temperature fitted on base-class "
+        "episodes (accuracy unchanged); default: temperature with --preset auto, else none",
+    )
+    run.add_argument(
         "--zero-shot",
         action="store_true",
         help="zero-shot tasks (em-dirichlet): 3-10 classes from all classes, "
@@ -404,6 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
     tsource = tune.add_mutually_exclusive_group(required=True)
     tsource.add_argument("--dataset", choices=list(DATASETS), metavar="NAME")
     tsource.add_argument("--features", metavar="PATH")
+    tune.add_argument("--allow-pickle", action="store_true", help=ALLOW_PICKLE_HELP)
     tune.add_argument("--way", type=_positive(int), default=5)
     tune.add_argument("--shot", type=_positive(int), default=1)
     tune.add_argument("--query", type=_positive(int), default=75)
@@ -438,6 +626,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="two or more .npz feature files with the same rows and labels",
     )
     select.add_argument("--split", default=None, help="use only the rows of this split")
+    select.add_argument("--allow-pickle", action="store_true", help=ALLOW_PICKLE_HELP)
     select.set_defaults(func=cmd_select)
 
     extract = sub.add_parser(
@@ -457,8 +646,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="resize images to this size (default: the backbone's own)",
     )
     extract.add_argument("--batch-size", type=_positive(int), default=64)
-    extract.add_argument("--split", default="novel", help="value of the split field")
+    extract.add_argument(
+        "--split",
+        choices=["novel", "base"],
+        default="novel",
+        help="mark the classes of IMAGES as novel (default) or base classes",
+    )
+    extract.add_argument(
+        "--base-dir",
+        metavar="BASE_IMAGES",
+        help="also extract this folder or .zip as the base classes, into the same file",
+    )
     extract.set_defaults(func=cmd_extract)
+
+    merge = sub.add_parser(
+        "merge",
+        help="one feature file from several (e.g. a base and a novel extraction); "
+        "the classes of different files stay distinct",
+    )
+    merge.add_argument("files", nargs="+", metavar="FILE.npz")
+    merge.add_argument("--out", required=True, metavar="FILE.npz")
+    merge.set_defaults(func=cmd_merge)
     return parser
 
 
@@ -468,8 +676,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         return args.func(args)
-    except (ValueError, OSError) as err:
-        print(f"probfsl: error: {err}", file=sys.stderr)
+    except (ValueError, TypeError, OSError) as err:
+        message = " ".join(str(err).split()) or type(err).__name__
+        print(f"probfsl: error: {message}", file=sys.stderr)
+        return 2
+    except (torch.OutOfMemoryError, MemoryError):
+        print("probfsl: error: out of memory: try a smaller --batch-size", file=sys.stderr)
         return 2
 
 

@@ -42,6 +42,11 @@ METHODS: dict[str, MethodInfo] = {
             "transductive VB Gaussian mixture with adaptive PLDA (Hu et al., AISTATS 2023)",
         ),
         MethodInfo(
+            "vmp-gmm",
+            "probfsl.models.vmp_gmm:VMPGaussianMixture",
+            "VB mixture with per-class diagonal Gamma precision, derived by VMP (issue 15)",
+        ),
+        MethodInfo(
             "gp-tree",
             "probfsl.models.gptree:GPTreeFewShot",
             "Pólya-Gamma GP classifiers in a class tree (Achituve et al., ICML 2021)",

@@ -35,7 +35,8 @@ from probfsl.data.featureset import FeatureSet
 from probfsl.data.tasks import Episodes, sample_episodes
 from probfsl.evaluation.protocol import accuracy_ci
 from probfsl.methods import make_estimator
-from probfsl.models.base import FewShotClassifier, check_base
+from probfsl.models.base import FewShotClassifier
+from probfsl.validation import check_base, check_count
 
 CRITERIA = ("accuracy", "objective")
 
@@ -175,6 +176,14 @@ def _score(candidates: _Candidates, params: dict, episodes: Episodes, criterion:
     return row
 
 
+def _check_data(fs: FeatureSet, n_episodes: int, seed: int) -> None:
+    """``TypeError``/``ValueError`` naming the argument, before any sampling."""
+    if not isinstance(fs, FeatureSet):
+        raise TypeError(f"fs must be a FeatureSet, got {type(fs).__name__}")
+    check_count("n_episodes", n_episodes)
+    check_count("seed", seed, low=0)
+
+
 def _checked(
     method: str, space: Mapping[str, Sequence] | None, criterion: str
 ) -> Mapping[str, Sequence]:
@@ -244,6 +253,7 @@ def tune(
         fixed: hyperparameters passed unchanged to every candidate.
     """
     space = _checked(method, space, criterion)  # before any sampling
+    _check_data(fs, n_episodes, seed)
     view = base_episode_split(fs, seed)
     episodes = sample_episodes(view, n_episodes, way, shot, n_query, balance, alpha, seed)
     candidates = _Candidates(method, view, fixed or {})
@@ -288,6 +298,7 @@ def tune_zero_shot(
     from probfsl.models.em_dirichlet import zero_shot_probabilities
 
     space = _checked(method, space, "accuracy")
+    _check_data(fs, n_tasks, seed)
     view = base_classes_only(fs)
     max_classes = min(max_classes, view.classes_in("base").size)
     tasks = sample_zero_shot_tasks(
@@ -313,13 +324,196 @@ def tune_zero_shot(
     return _search(method, space, "accuracy", refine, fixed, score)
 
 
+#: what ``preset="auto"`` uses when the base classes cannot form base episodes:
+#: BAVARDAGE's published presets in scale-relative units (they mean the same on any
+#: data), by task balance; every other method keeps its defaults
+FALLBACK_PRESETS: dict[str, dict[str, str]] = {
+    "bavardage": {"balanced": "mini-balanced-relative", "dirichlet": "mini-unbalanced-relative"},
+}
+
+
+@dataclass
+class AutoChoice:
+    """What ``preset="auto"`` chose: a search result, or a documented fallback.
+
+    Attributes:
+        params: the hyperparameters to run with.
+        preset: a named preset to apply under ``params`` (fallback only), else ``None``.
+        result: the search (``None`` when the fallback was used).
+        note: one line saying what was used when it differs from the plain search on
+            the target task shape ("" otherwise).
+        reason: why no search ran (fallback only).
+    """
+
+    params: dict
+    preset: str | None = None
+    result: TuneResult | None = None
+    note: str = ""
+    reason: str = ""
+
+    def describe(self) -> str:
+        """One line for result files: how the hyperparameters were chosen."""
+        if self.result is None:
+            return self.note
+        return self.note or "tuned on base episodes of the target task shape"
+
+
+def _class_sizes(fs: FeatureSet, split: str) -> np.ndarray:
+    rows = fs.rows(split)
+    return np.unique(fs.labels[rows], return_counts=True)[1]
+
+
+def base_episode_shape(
+    fs: FeatureSet,
+    way: int,
+    shot: int,
+    n_query: int,
+    balance: str = "balanced",
+    seed: int = 0,
+) -> tuple[int, int, int] | None:
+    """The (way, shot, queries) of the base episodes :func:`tune` can draw from ``fs``.
+
+    The target shape when the base classes allow it. Otherwise (half of the base
+    classes play the novel classes, :func:`base_episode_split`) the largest smaller
+    shape: way = min(way, base classes // 2), shot = min(shot, smallest class - 1),
+    queries per class capped by the samples left (balanced) or the total capped by the
+    smallest classes (Dirichlet). ``None`` when not even 2-way 1-shot base episodes
+    fit (fewer than 4 base classes, or classes of one sample).
+    """
+    if fs.classes_in("base").size < 4:
+        return None
+    sizes = _class_sizes(base_episode_split(fs, seed), "novel")
+    w = min(way, sizes.size)
+    s = min(shot, int(sizes.min()) - 1)
+    if w < 2 or s < 1:
+        return None
+    if balance == "balanced":
+        per_class = min(max(n_query // way, 1), int(sizes.min()) - s)
+        q = w * per_class
+    else:
+        room = int(np.sort(sizes)[:w].sum()) - w * s
+        q = min(max(round(n_query * w / way), 1), room)
+    return w, s, q
+
+
+def auto_preset(
+    method: str,
+    fs: FeatureSet,
+    way: int = 5,
+    shot: int = 1,
+    n_query: int = 75,
+    balance: str = "balanced",
+    alpha: float = 2.0,
+    n_episodes: int = 300,
+    seed: int = 0,
+    criterion: str = "accuracy",
+    fixed: Mapping | None = None,
+) -> AutoChoice:
+    """``preset="auto"``: :func:`tune` on base episodes, with a documented fallback.
+
+    1. When the base classes can form episodes of the target shape, the search runs on
+       them (``note`` is empty).
+    2. When they cannot (say 5 base classes for 5-way tasks: 2 play the novel classes),
+       the search runs on the largest smaller shape (:func:`base_episode_shape`) and
+       ``note`` names it.
+    3. When not even 2-way 1-shot base episodes fit (fewer than 4 base classes, none at
+       all, or one-sample classes), no search runs: :data:`FALLBACK_PRESETS` (BAVARDAGE:
+       the scale-relative mini-ImageNet preset for the balance) or the method's
+       defaults, named in ``note``.
+
+    On smaller episodes the search may not tell candidates apart (2-way tasks are easy)
+    while its choice transfers badly to the target shape, so in case 2 the reference of
+    case 3 (:data:`FALLBACK_PRESETS` or the defaults) is scored on the same base
+    episodes and kept unless the best candidate beats it by more than the candidate's
+    95% interval (accuracy).
+
+    ``fixed`` hyperparameters are kept in every case. Novel classes are never read.
+    """
+    _checked(method, None, criterion)  # ValueError for a method without a search space
+    _check_data(fs, n_episodes, seed)
+    fixed = dict(fixed or {})
+    n_base = int(fs.classes_in("base").size)
+    shape = base_episode_shape(fs, way, shot, n_query, balance, seed)
+    preset = FALLBACK_PRESETS.get(method, {}).get(balance)
+    used = f"preset {preset!r}" if preset else "the method's defaults"
+    if shape is None:
+        if n_base < 4:
+            why = f"{n_base} base classes, tuning needs 4 (half of them play novel classes)"
+        else:
+            why = "the base classes hold a single sample each"
+        return AutoChoice(
+            params=fixed,
+            preset=preset,
+            note=f"no base episodes possible: {why}; using {used}",
+            reason=f"no base episodes possible: {why}",
+        )
+    result = tune(
+        method, fs, None, *shape, balance, alpha, n_episodes, seed, criterion, True, fixed
+    )
+    if shape == (way, shot, n_query):
+        return AutoChoice(params=result.best, result=result)
+    w, s, q = shape
+    note = (
+        f"tuned on {w}-way {s}-shot {q}-query base episodes (the {n_base} base classes "
+        f"cannot form {way}-way {shot}-shot {n_query}-query ones)"
+    )
+    view = base_episode_split(fs, seed)
+    episodes = sample_episodes(view, n_episodes, *shape, balance, alpha, seed)  # tune's
+    reference = make_estimator(method, preset, **fixed).fit_featureset(view)
+    hits = (reference.predict(episodes) == episodes.query_labels).double().mean(-1)
+    reference_accuracy = accuracy_ci(hits.numpy())[0]
+    best = max(result.trace, key=lambda row: row[criterion])
+    if best["accuracy"] - best["ci95"] <= reference_accuracy:
+        note += (
+            f"; no candidate beat {used} there ({reference_accuracy:.1f}%) by more than its "
+            f"95% interval: using {used}"
+        )
+        return AutoChoice(params=fixed, preset=preset, result=result, note=note)
+    return AutoChoice(params=result.best, result=result, note=note)
+
+
+def auto_preset_zero_shot(
+    method: str,
+    fs: FeatureSet,
+    min_classes: int = 3,
+    max_classes: int = 10,
+    n_query: int = 75,
+    n_tasks: int = 300,
+    seed: int = 0,
+    fixed: Mapping | None = None,
+) -> AutoChoice:
+    """Zero-shot ``preset="auto"``: :func:`tune_zero_shot` on tasks of the base classes,
+    with fewer classes or queries per task when the base classes are too few or too
+    small, and the method's defaults when fewer than 2 base classes exist."""
+    search_space(method)
+    _check_data(fs, n_tasks, seed)
+    fixed = dict(fixed or {})
+    sizes = _class_sizes(fs, "base")
+    hi = min(max_classes, sizes.size)
+    lo = min(min_classes, hi)
+    if lo < 2:
+        reason = f"no zero-shot base tasks possible: {sizes.size} base classes, tuning needs 2"
+        return AutoChoice(params=fixed, note=f"{reason}; using the defaults", reason=reason)
+    q = min(n_query, int(np.sort(sizes)[:lo].sum()))
+    result = tune_zero_shot(method, fs, None, lo, hi, q, n_tasks, seed, True, fixed)
+    note = ""
+    if (lo, hi, q) != (min_classes, max_classes, n_query):
+        note = (
+            f"tuned on zero-shot base tasks of {lo}-{hi} classes and {q} queries "
+            f"({sizes.size} base classes)"
+        )
+    return AutoChoice(params=result.best, result=result, note=note)
+
+
 class AutoPreset(FewShotClassifier):
     """``preset="auto"``: ``method`` with hyperparameters tuned on base-class episodes.
 
-    At the first task batch of each shape (way, shot, queries) it runs :func:`tune` on
-    the base features given to :meth:`fit_base` with that shape and ``balance``, keeps
-    the result in ``tuning_`` and predicts with the chosen estimator. Novel classes and
-    query labels are never read.
+    At the first task batch of each shape (way, shot, queries) it runs :func:`auto_preset`
+    on the base features given to :meth:`fit_base` with that shape and ``balance``
+    (a search on base episodes, or its documented fallback when the base classes are too
+    few), keeps the choice in ``choices_`` and the search in ``tuning_`` (``None`` for a
+    fallback), and predicts with the chosen estimator. Novel classes and query labels
+    are never read.
     """
 
     needs_base = True
@@ -349,7 +543,7 @@ class AutoPreset(FewShotClassifier):
         return method_info(self.method).load().transductive
 
     def fit_base(self, features: torch.Tensor, labels: torch.Tensor) -> Self:
-        check_base(features, labels, min_classes=4)
+        check_base(features, labels)
         labels_np = labels.cpu().numpy()
         self.base_ = FeatureSet(
             features=features.detach().cpu().double().numpy(),
@@ -358,7 +552,7 @@ class AutoPreset(FewShotClassifier):
             split=np.full(labels_np.shape, "base"),
             name="base features",
         )
-        self.tuning_, self.estimators_ = {}, {}
+        self.tuning_, self.choices_, self.estimators_ = {}, {}, {}
         return self
 
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
@@ -366,12 +560,10 @@ class AutoPreset(FewShotClassifier):
             raise ValueError("base features missing: call fit_base(features, labels) first")
         shape = (episodes.way, episodes.shot, episodes.n_query)
         if shape not in self.estimators_:
-            result = tune(
+            choice = auto_preset(
                 self.method,
                 self.base_,
-                way=shape[0],
-                shot=shape[1],
-                n_query=shape[2],
+                *shape,
                 balance=self.balance,
                 alpha=self.alpha,
                 n_episodes=self.n_episodes,
@@ -379,8 +571,7 @@ class AutoPreset(FewShotClassifier):
                 criterion=self.criterion,
                 fixed=self.fixed,
             )
-            self.tuning_[shape] = result
-            self.estimators_[shape] = make_estimator(self.method, **result.best).fit_featureset(
-                self.base_, episodes.support.dtype
-            )
+            self.choices_[shape], self.tuning_[shape] = choice, choice.result
+            estimator = make_estimator(self.method, choice.preset, **choice.params)
+            self.estimators_[shape] = estimator.fit_featureset(self.base_, episodes.support.dtype)
         return self.estimators_[shape].predict_proba(episodes)

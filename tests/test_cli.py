@@ -3,6 +3,7 @@ import json
 import numpy as np
 import torch
 
+import probfsl
 from probfsl.cli import main
 from tests.conftest import make_featureset
 
@@ -186,3 +187,211 @@ def test_auto_is_the_default_on_user_features_and_zero_shot_tuning_runs(tmp_path
     )
     assert rc == 0
     assert "n_iter" in capsys.readouterr().out
+
+
+def _run(argv, capsys):
+    """``main(argv)`` in-process: (exit code, stdout, stderr); argparse exits count too."""
+    try:
+        rc = main(argv)
+    except SystemExit as exit_:
+        rc = exit_.code
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def _one_line_error(rc, err, *fragments):
+    assert rc == 2, err
+    assert err.startswith("probfsl: error:") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def _save(path, fs, rows=None, **extra):
+    rows = np.arange(len(fs.labels)) if rows is None else rows
+    np.savez(
+        path, features=fs.features[rows], labels=fs.labels[rows], split=fs.split[rows], **extra
+    )
+    return str(path)
+
+
+def test_version(capsys):
+    rc, out, _ = _run(["--version"], capsys)
+    assert rc == 0 and out.startswith("probfsl 0.1.0") and torch.__version__ in out
+
+
+def test_bad_arguments_fail_before_loading_and_leave_out_alone(tmp_path, capsys, monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the data were loaded before the arguments were checked")
+
+    monkeypatch.setattr("probfsl.cli.load_dataset", no_loading)
+    out = tmp_path / "r.json"
+    out.write_text("previous result\n")
+    base = ["run", "--method", "soft-kmeans", "--dataset", "omniglot", "--tasks", "5"]
+    cases = [
+        (["--device", "warp-drive"], "'warp-drive' is not a device"),
+        (["--device", "cuda:99"], "--device cuda:99"),
+        (["--out", str(tmp_path / "x.txt")], "must end in .json or .csv"),
+        (["--out", str(tmp_path)], "must end in .json or .csv"),
+        (["--param", "temperature=abc"], "temperature"),
+        (["--param", "temperature"], "KEY=VALUE"),
+        (["--param", "nope=1"], "unknown hyperparameter"),
+        (["--task-file", str(tmp_path / "none.npz")], "--task-file"),
+        (["--preset", "cub"], "no presets"),
+    ]
+    if not torch.backends.mps.is_available():
+        cases.append((["--device", "mps"], "MPS"))
+    for extra, fragment in cases:
+        rc, _, err = _run([*base, "--out", str(out), *extra], capsys)  # the last --out wins
+        _one_line_error(rc, err, fragment)
+        assert out.read_text() == "previous result\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
+
+
+def test_errors_inside_a_run_are_one_line_and_keep_the_old_result(tmp_path, capsys, monkeypatch):
+    from probfsl.models.soft_kmeans import SoftKMeans
+
+    out = tmp_path / "r.json"
+    out.write_text("previous result\n")
+    argv = ["run", "--method", "soft-kmeans", "--dataset", "omniglot", "--tasks", "5"]
+    for error in (TypeError("bad type\n  deep inside"), ValueError("bad value")):
+
+        def broken(self, episodes, error=error):
+            raise error
+
+        monkeypatch.setattr(SoftKMeans, "predict_proba", broken)
+        rc, _, err = _run([*argv, "--out", str(out)], capsys)
+        _one_line_error(rc, err, str(error).split()[0])
+        assert out.read_text() == "previous result\n"
+
+
+def test_result_files_record_versions_device_dtype_and_preset(tmp_path, capsys):
+    few = tmp_path / "few.json"
+    argv = ["run", "--method", "nearest-centroid", "--dataset", "omniglot", "--tasks", "5"]
+    assert _run([*argv, "--dtype", "float64", "--out", str(few)], capsys)[0] == 0
+    zero = tmp_path / "zero.csv"
+    argv = ["run", "--method", "em-dirichlet", "--dataset", "wordnet", "--zero-shot"]
+    argv += ["--tasks", "3", "--query", "20", "--param", "n_iter=2", "--out", str(zero)]
+    assert _run(argv, capsys)[0] == 0
+    import csv
+
+    for row in (json.loads(few.read_text()), next(csv.DictReader(zero.open()))):
+        assert row["probfsl_version"] == probfsl.__version__
+        assert row["torch_version"] == torch.__version__
+        assert row["device"] == "cpu" and "preset" in row
+    assert json.loads(few.read_text())["dtype"] == "float64"
+
+
+def test_task_files_of_any_integer_width(tmp_path, capsys):
+    from probfsl.data import load_dataset, sample_task_indices
+
+    idx = sample_task_indices(load_dataset("omniglot"), 20, way=5, shot=1, n_query=15, seed=4)
+    results = []
+    for dtype in (np.int16, np.int32, np.int64):
+        path = tmp_path / f"tasks_{np.dtype(dtype).name}.npz"
+        np.savez(path, **{k: v.astype(dtype) for k, v in idx.items()})
+        out = tmp_path / f"{np.dtype(dtype).name}.json"
+        argv = ["run", "--method", "soft-kmeans", "--dataset", "omniglot"]
+        rc, _, err = _run([*argv, "--task-file", str(path), "--out", str(out)], capsys)
+        assert rc == 0, err
+        results.append(json.loads(out.read_text()))
+    assert results[0]["tasks"] == 20 and results[0]["balance"] == "file"
+    assert results[0]["accuracy"] == results[1]["accuracy"] == results[2]["accuracy"]
+
+
+def test_features_without_base_classes(tmp_path, capsys):
+    """Centring methods run without centring (one notice); the others say what is missing."""
+    fs = make_featureset(n_base=4, n_novel=6, per_class=12, dim=4)
+    path = _save(tmp_path / "novel.npz", fs, fs.rows("novel"))
+    argv = ["run", "--features", path, "--tasks", "4", "--query", "10", "--episodes", "3"]
+    for method in ("nearest-centroid", "soft-kmeans", "evidence-lssvm", "gp-tree"):
+        out = tmp_path / f"{method}.json"
+        rc, _, err = _run([*argv, "--method", method, "--out", str(out)], capsys)
+        assert rc == 0, err
+        assert f"no base-class rows: {method} runs without centring" in err
+        result = json.loads(out.read_text())
+        assert result["params"]["center"] is False and 0 <= result["accuracy"] <= 100
+    rc, _, err = _run([*argv, "--method", "em-dirichlet", "--param", "n_iter=2"], capsys)
+    assert rc == 0 and "runs without centring" in err
+    for method in ("bavardage", "slem"):
+        rc, _, err = _run([*argv, "--method", method], capsys)
+        _one_line_error(rc, err, f"{method} needs base-class rows", "--split base")
+    rc, _, err = _run([*argv, "--method", "soft-kmeans", "--param", "center=True"], capsys)
+    _one_line_error(rc, err, "center=True needs the base-class mean")
+
+
+def test_preset_auto_with_few_base_classes_says_what_it_used(tmp_path, capsys):
+    fs = make_featureset(n_base=5, n_novel=6, per_class=12, dim=4)
+    path = _save(tmp_path / "five.npz", fs)
+    out = tmp_path / "r.json"
+    argv = ["run", "--method", "bavardage", "--features", path, "--tasks", "4", "--query", "10"]
+    rc, stdout, err = _run([*argv, "--episodes", "3", "--out", str(out)], capsys)
+    assert rc == 0, err
+    assert "tuned on 2-way 1-shot 4-query base episodes" in err and "chosen:" in stdout
+    result = json.loads(out.read_text())
+    assert result["preset"] == "auto" and "2-way" in result["auto"]
+    three = _save(tmp_path / "three.npz", make_featureset(n_base=3, n_novel=6, per_class=12))
+    argv[4] = three
+    rc, _, err = _run([*argv, "--balance", "dirichlet", "--out", str(out)], capsys)
+    assert rc == 0, err
+    assert "using preset 'mini-unbalanced-relative'" in err
+    result = json.loads(out.read_text())
+    assert result["preset"] == "auto (mini-unbalanced-relative)"
+
+
+def test_pickles_need_allow_pickle(tmp_path, capsys):
+    import pickle
+
+    fs = make_featureset(n_base=0, n_novel=6, per_class=10, dim=4)
+    with open(tmp_path / "f.pkl", "wb") as fh:
+        pickle.dump({c: fs.features[fs.labels == c] for c in range(6)}, fh)
+    argv = ["run", "--method", "nearest-centroid", "--features", str(tmp_path / "f.pkl")]
+    argv += ["--tasks", "3", "--query", "10"]
+    rc, _, err = _run(argv, capsys)
+    _one_line_error(rc, err, "runs whatever code", "--allow-pickle")
+    assert _run([*argv, "--allow-pickle"], capsys)[0] == 0
+    rc, _, err = _run(["select", "--features", str(tmp_path / "f.pkl")], capsys)
+    _one_line_error(rc, err, "--allow-pickle")
+
+
+def test_merge_base_and_novel_files_then_run(tmp_path, capsys):
+    fs = make_featureset(n_base=6, n_novel=6, per_class=12, dim=4)
+    base, novel = fs.rows("base"), fs.rows("novel")
+    np.savez(  # as 'probfsl extract --split base' writes: labels from 0, names
+        tmp_path / "base.npz",
+        features=fs.features[base],
+        labels=fs.labels[base],
+        split=fs.split[base],
+        class_names=np.array([f"c{c}" for c in range(6)]),
+    )
+    np.savez(
+        tmp_path / "novel.npz",
+        features=fs.features[novel],
+        labels=fs.labels[novel] - 6,
+        split=fs.split[novel],
+        class_names=np.array([f"c{c}" for c in range(6)]),  # the same names: told apart
+    )
+    out = tmp_path / "all.npz"
+    rc, stdout, err = _run(
+        ["merge", str(tmp_path / "base.npz"), str(tmp_path / "novel.npz"), "--out", str(out)],
+        capsys,
+    )
+    assert rc == 0, err
+    assert "6 base and 6 novel classes" in stdout and "'c0 (base)'" in err and "(12 classes)" in err
+    from probfsl.data import load_npz
+
+    merged = load_npz(out)
+    np.testing.assert_array_equal(merged.labels, fs.labels)
+    assert len(set(merged.class_names)) == 12
+    argv = ["run", "--method", "bavardage", "--features", str(out), "--tasks", "3"]
+    assert _run([*argv, "--query", "10", "--param", "whitening='global'"], capsys)[0] == 0
+    # bad merges: nothing written
+    rc, _, err = _run(
+        ["merge", str(tmp_path / "base.npz"), "--out", str(tmp_path / "x.csv")], capsys
+    )
+    _one_line_error(rc, err, "must end in .npz")
+    rc, _, err = _run(
+        ["merge", str(tmp_path / "none.npz"), "--out", str(tmp_path / "y.npz")], capsys
+    )
+    _one_line_error(rc, err, "not found")
+    assert not (tmp_path / "y.npz").exists() and not (tmp_path / "x.csv").exists()

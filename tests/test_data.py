@@ -90,6 +90,9 @@ def test_missing_and_unreadable_files(tmp_path):
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
     with pytest.raises(ValueError, match="junk.npz"):
         load_features(tmp_path / "junk.npz")
+    (tmp_path / "torn.npz").write_bytes(b"PK\x03\x04 a zip cut short")
+    with pytest.raises(ValueError, match="torn.npz: not a readable .npz file"):
+        load_features(tmp_path / "torn.npz")
     (tmp_path / "f.csv").write_text("1,2")
     with pytest.raises(ValueError, match="unknown feature file type"):
         load_features(tmp_path / "f.csv")
@@ -102,7 +105,7 @@ def test_pickled_class_dictionaries(tmp_path):
     for name, obj in (("novel.plk", novel), ("base.plk", base)):
         with open(tmp_path / name, "wb") as fh:
             pickle.dump(obj, fh)
-    fs = load_pickle(tmp_path / "novel.plk", base=tmp_path / "base.plk")
+    fs = load_pickle(tmp_path / "novel.plk", base=tmp_path / "base.plk", allow_pickle=True)
     assert fs.class_names == ["b0", "b1", "n0", "n1", "n2"]
     assert list(fs.classes_in("base")) == [0, 1] and list(fs.classes_in("novel")) == [2, 3, 4]
     np.testing.assert_allclose(fs.features[fs.labels == 3], novel["n1"], rtol=1e-6)
@@ -112,7 +115,7 @@ def test_pickle_with_ragged_widths_is_rejected(tmp_path):
     with open(tmp_path / "x.pkl", "wb") as fh:
         pickle.dump({"a": np.zeros((2, 3)), "b": np.zeros((2, 4))}, fh)
     with pytest.raises(ValueError, match="different feature widths"):
-        load_pickle(tmp_path / "x.pkl")
+        load_pickle(tmp_path / "x.pkl", allow_pickle=True)
 
 
 def test_torch_files(tmp_path, synthetic):
@@ -144,3 +147,90 @@ def test_base_tensors_require_base_rows(synthetic):
     )
     with pytest.raises(ValueError, match="no base-class rows"):
         no_base.base()
+
+
+class _RunsCode:
+    """Unpickling this object calls ``touch`` on a marker file: what pickle allows."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import pathlib
+
+        return (pathlib.Path.touch, (pathlib.Path(self.marker),))
+
+
+def test_pickles_are_refused_unless_allowed_and_nothing_runs(tmp_path):
+    marker = tmp_path / "ran"
+    with open(tmp_path / "evil.pkl", "wb") as fh:
+        pickle.dump(_RunsCode(marker), fh)
+    for load in (
+        lambda: load_pickle(tmp_path / "evil.pkl"),
+        lambda: load_pickle(tmp_path / "none.pkl", base=tmp_path / "evil.pkl"),
+        lambda: load_features(tmp_path / "evil.pkl"),
+    ):
+        with pytest.raises(ValueError, match="runs whatever code") as err:
+            load()
+        assert "allow_pickle=True" in str(err.value) and ".pkl:" in str(err.value)
+    assert not marker.exists()
+    # allowed: the file is unpickled (and here its code runs), then rejected for its content
+    with pytest.raises(ValueError, match="class: features"):
+        load_features(tmp_path / "evil.pkl", allow_pickle=True)
+    assert marker.exists()
+    (tmp_path / "junk.pkl").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="not a readable pickle"):
+        load_features(tmp_path / "junk.pkl", allow_pickle=True)
+
+
+def _fields(fs, rows):
+    return dict(
+        features=fs.features[rows],
+        labels=np.unique(fs.labels[rows], return_inverse=True)[1],
+        class_names=np.array(fs.class_names)[np.unique(fs.labels[rows])],
+    )
+
+
+def test_merge_keeps_classes_of_different_files_apart(tmp_path, synthetic):
+    from probfsl.data.loaders import merge_fields
+
+    base_rows, novel_rows = synthetic.rows("base"), synthetic.rows("novel")
+    base = {**_fields(synthetic, base_rows), "split": np.full(base_rows.size, "base")}
+    novel = _fields(synthetic, novel_rows)  # no split field: novel
+    fields, notes = merge_fields([base, novel], ["b.npz", "n.npz"])
+    assert notes == []
+    fs = FeatureSet(
+        fields["features"], fields["labels"], list(fields["class_names"]), fields["split"]
+    )
+    # label 0 of each file became two classes, names kept, rows in file order
+    assert fs.class_names == synthetic.class_names
+    np.testing.assert_array_equal(fs.labels, synthetic.labels)
+    np.testing.assert_array_equal(fs.split, synthetic.split)
+    np.testing.assert_array_equal(fs.features, synthetic.features)
+    # the same class name in both files: two classes, names told apart
+    clash = {**novel, "class_names": np.array([f"class{c}" for c in range(8)])}
+    fields, notes = merge_fields([base, clash], ["dir/b.npz", "n.npz"])
+    names = list(fields["class_names"])
+    assert len(set(names)) == len(names) == 14 and "class0 (b)" in names and "class0 (n)" in names
+    assert len(notes) == 1 and "'class0 (b)'" in notes[0] and "(12 classes)" in notes[0]
+    with pytest.raises(ValueError, match="different feature widths"):
+        merge_fields([base, {**novel, "features": novel["features"][:, :3]}], ["b.npz", "n.npz"])
+
+
+def test_save_features_is_atomic_and_refuses_other_suffixes(tmp_path, synthetic, monkeypatch):
+    from probfsl.data.loaders import save_features
+
+    out = tmp_path / "f.npz"
+    fields = dict(features=synthetic.features, labels=synthetic.labels, split=synthetic.split)
+    save_features(fields, out)
+    before = out.read_bytes()
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # the process is stopped in the middle of the save
+
+    monkeypatch.setattr(np, "savez_compressed", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save_features(fields, out)
+    assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["f.npz"]
+    with pytest.raises(ValueError, match=r"must end in \.npz"):
+        save_features(fields, tmp_path / "f.txt")

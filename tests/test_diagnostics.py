@@ -43,3 +43,33 @@ def test_draws_from_guide_names_missing_sites():
     engine = NormalGammaVB()
     with pytest.raises(ValueError, match="'sigma'"):
         draws_from_guide(engine.guide(engine.init(x)), (x,), ["sigma"], num_samples=2)
+
+
+def _tree():
+    rng = np.random.default_rng(0)
+    return to_datatree({"mu": rng.normal(size=(2, 50, 3))}, dims={"mu": ["task"]})
+
+
+def test_plots_go_through_arviz_plots():
+    pytest.importorskip("arviz_plots")
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from probfsl.diagnostics import plot_ess, plot_forest, plot_rank, plot_trace
+
+    tree = _tree()
+    for plot in (plot_forest, plot_trace, plot_ess, plot_rank):
+        collection = plot(tree, var_names=["mu"])
+        assert type(collection).__name__ == "PlotCollection"
+    plt.close("all")
+
+
+def test_plots_without_arviz_plots_say_how_to_install(monkeypatch):
+    import sys
+
+    from probfsl.diagnostics import plot_forest
+
+    monkeypatch.setitem(sys.modules, "arviz_plots", None)  # import arviz_plots fails
+    with pytest.raises(ImportError, match=r"'plots' extra.*\.\[plots\]"):
+        plot_forest(_tree())

@@ -55,3 +55,27 @@ def test_tables_and_files(tmp_path):
     assert (tmp_path / "r.csv").read_text().splitlines()[0] == "method,accuracy,ci95"
     with pytest.raises(ValueError, match=".json or .csv"):
         write_results(rows, tmp_path / "r.txt")
+
+
+def test_write_results_is_atomic_and_checks_the_name_first(tmp_path, monkeypatch):
+    out = tmp_path / "r.json"
+    write_results([{"accuracy": 1.0}], out)
+    before = out.read_text()
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # stopped while writing
+
+    import probfsl.fileio
+
+    monkeypatch.setattr(probfsl.fileio.Path, "write_text", killed)
+    with pytest.raises(KeyboardInterrupt):
+        write_results([{"accuracy": 2.0}], out)
+    monkeypatch.undo()
+    assert out.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["r.json"]
+    for bad in ("r.txt", "r", "sub"):
+        (tmp_path / "sub").mkdir(exist_ok=True)
+        with pytest.raises(ValueError, match="--out"):
+            write_results([{"accuracy": 2.0}], tmp_path / bad)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "sub"]
+    write_results([{"a": 1}, {"a": 2, "b": 3}], tmp_path / "deep" / "R.CSV")
+    assert (tmp_path / "deep" / "R.CSV").read_text().splitlines() == ["a,b", "1,", "2,3"]

@@ -287,7 +287,10 @@ def test_estimator_fit_predict_and_multilabel():
     x, _, labels = _problem(90, 15, k=3, seed=5)
     model = EvidenceLSSVM(lambda_mode="per_class").fit(x.numpy(), labels.numpy())
     assert model.coef_.shape == (3, 15) and model.log_evidence_.shape == (3,)
-    assert (model.predict(x) == labels.numpy()).mean() > 0.9
+    assert (model.predict(x.numpy()) == labels.numpy()).mean() > 0.9
+    # predict returns the type it was given: NumPy in, NumPy out; tensor in, tensor out
+    assert isinstance(model.predict(x.numpy()), np.ndarray)
+    assert torch.equal(model.predict(x), torch.as_tensor(model.predict(x.numpy())))
     proba = model.predict_proba(x)
     torch.testing.assert_close(proba.sum(-1), torch.ones(90, dtype=F64))
     assert model.total_log_evidence_ == pytest.approx(model.log_evidence_.sum().item())
@@ -336,7 +339,7 @@ def test_episodic_path_matches_single_task_fit():
     proba = model.predict_proba(eps)
     assert proba.shape == (6, 15, 5)
     assert torch.isfinite(proba).all()
-    lam_batch = model.lambda_.clone()
+    lam_batch = model.last_lambda_.clone()
     single = EvidenceLSSVM().fit_base(*fs.base(F64))
     single.fit(eps.support[2], eps.support_labels[2])
     torch.testing.assert_close(single.lambda_, lam_batch[2], rtol=1e-6, atol=0)

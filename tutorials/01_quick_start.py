@@ -131,5 +131,17 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
+# **Reading the diagram.** A point above the diagonal means the method is right more
+# often than its probabilities say (under-confident); below, less often
+# (over-confident). Accuracy and calibration are separate properties: two methods with
+# the same accuracy can be far apart here, and a temperature that sharpens or flattens
+# the probabilities moves a curve without changing any argmax, hence without changing
+# the accuracy. Here the methods are not calibrated out of the box: GP-Tree and SLEM
+# lie above the diagonal, soft k-means and EM-Dirichlet below it, and evidence-lssvm's
+# one-vs-rest regression outputs, normalised, give low confidences whatever the
+# accuracy. `probfsl.evaluation.calibration` measures this (expected calibration
+# error, negative log-likelihood, Brier score) and fits such a temperature on
+# base-class episodes.
+#
 # The same comparison from the command line: `probfsl demo`, or one method at a time,
 # `probfsl run --method soft-kmeans --dataset omniglot --shot 1 --balance dirichlet`.

@@ -30,8 +30,10 @@
 # novel classes so far, and fits a new root that separates "base" (represented by a few
 # stored inducing points per base class) from "novel".
 #
-# Everything below runs on the built-in Omniglot features (EfficientNet-Lite0, PCA-64)
-# in a few seconds: 30 base classes, then three stages of 5-way 5-shot novel classes.
+# Everything below runs on the built-in Omniglot features (EfficientNet-Lite0, PCA-64):
+# 30 base classes, then three stages of 5-way 5-shot novel classes. It takes a few
+# minutes on one CPU core, almost all of it in the long Gibbs chains that the
+# convergence diagnostics at the end ask for.
 
 # %%
 import matplotlib.pyplot as plt
@@ -80,10 +82,12 @@ for s, classes in enumerate(stages):
 #
 # `fit` is the base stage (here variational inference with 10 iterations, which also
 # learns each node's kernel scales and 5 inducing points per class); `partial_fit`
-# adds a novel stage with Gibbs nodes (4 chains × 100 sweeps, kernel outputscale 8 as
+# adds a novel stage with Gibbs nodes (8 chains × 800 sweeps, kernel outputscale 8 as
 # in the paper's code; probfsl's default of 64 is a wider prior on f, whose chains mix
-# more slowly). `record=True` keeps the Gibbs draws of the latest stage for the ArviZ
-# diagnostics below.
+# more slowly). probfsl's defaults (30 chains × 10 sweeps, as the paper's code) aim at
+# *predictions*, which average over chains; the long chains here are for the
+# convergence diagnostics below, which need many draws per chain. `record=True` keeps
+# the Gibbs draws of the latest stage for those diagnostics.
 #
 # The baseline is the nearest class mean (SimpleShot; Wang et al. 2019): features
 # centred on the stage-1 training mean and L2-normalised, each query assigned to the
@@ -93,8 +97,8 @@ for s, classes in enumerate(stages):
 model = GPTree(
     inference="vi",
     vi_iter=10,
-    n_chains=4,
-    n_sweeps=100,
+    n_chains=8,
+    n_sweeps=800,
     gibbs_outputscale=8.0,
     record=True,
     seed=0,
@@ -226,7 +230,8 @@ for s in range(len(stages)):
 ax.invert_yaxis()
 ax.set_ylabel("depth in the tree")
 ax.set_title("GP-Tree after stage 4: frozen base tree (left), novel tree (right)")
-ax.legend(loc="lower right", fontsize=8)
+# outside the axes, right of the tree, so that it covers no leaf
+ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1), fontsize=8, title="leaf added at")
 fig.tight_layout()
 plt.show()
 
@@ -236,17 +241,32 @@ plt.show()
 # `to_datatree(X)` exports the latest stage's Gibbs draws as an `xarray.DataTree`:
 # `f_<tree><node>` holds the draws of f at the node's training points (dimensions
 # chain × draw × point) and `class_prob` the predictive class probabilities at `X` for
-# each chain and sweep. `to_datatree(X, burn_in=10)` drops the sampler's starting
-# state (f⁰ ~ N(0, K), a draw from the *prior*) and the first sweeps as burn-in before
-# ArviZ computes R-hat and the effective sample size (the rank-normalised split R-hat
-# of Vehtari et al., 2021, via `probfsl.diagnostics.summary`); it warns when an R-hat
-# is above 1.01. Below, the trace plot shows every sweep, burn-in included.
+# each chain and sweep. `to_datatree(X, burn_in=200)` drops the sampler's starting
+# state (f⁰ ~ N(0, K), a draw from the *prior*) and the first 200 sweeps as burn-in
+# before ArviZ computes R-hat and the effective sample size (ESS), and warns when an
+# R-hat is above 1.01. Here we export every state once, for the trace plot, and slice
+# the burn-in off that tree (`isel`), which is the same as exporting twice and faster.
+#
+# **What R-hat says.** The rank-normalised split R-hat (Vehtari, Gelman, Simpson,
+# Carpenter & Bürkner, "Rank-normalization, folding, and localization: an improved
+# R-hat", Bayesian Analysis 2021) splits every chain in two halves and compares the
+# spread *between* the half-chains with the spread *within* them. Chains that all sample
+# the same distribution give R-hat ≈ 1; chains stuck in different regions, or still
+# drifting, give R-hat > 1. The recommended threshold is 1.01, together with a bulk ESS
+# above 100 per variable (400 with four chains) before intervals are quoted. It is a
+# statement about the *sampler*, not about the model: a large R-hat asks for more
+# sweeps or more chains, and never by itself says that the predictions are wrong.
+#
+# The full export below keeps every recorded state, burn-in included, so it disables
+# the warning (`rhat_threshold=inf`): its R-hat would only measure how far the prior
+# start lies from the posterior, which we already know.
 
 # %%
 seen_test = rows_of(seen, test)
-burn = 10
-dt = model.to_datatree(X[seen_test[::5]], burn_in=0)  # every recorded state, for the plot
-kept = model.to_datatree(X[seen_test[::5]], burn_in=burn)
+burn = 200
+# every recorded state (for the trace plot), then the draws after burn-in
+dt = model.to_datatree(X[seen_test[::5]], burn_in=0, rhat_threshold=float("inf"))
+kept = dt.isel(draw=slice(burn, None), missing_dims="ignore")  # = to_datatree(X, burn_in=burn)
 print(sorted(kept["posterior"].data_vars))
 node = "f_novel0"  # the root of the novel subtree: which group of novel classes
 table = summary(kept, var_names=[node], kind="diagnostics", round_to="none")
@@ -254,45 +274,48 @@ print(table.head(6).round(3))
 print(f"{node}: R-hat max {table['r_hat'].max():.3f}, bulk ESS min {table['ess_bulk'].min():.0f}")
 
 # %% [markdown]
-# Left: the four chains of f at three training points of the novel tree's root, with
-# the burn-in shaded; after a couple of sweeps the chains forget their prior start
+# Left: four of the eight chains of f at three training points of the novel tree's
+# root, with the burn-in shaded; after a few sweeps the chains forget their prior start
 # and mix over the same range. Right: R-hat against bulk ESS for every point of every
-# Gibbs node of the last stage (4 chains × 91 kept draws = 364 draws);
-# values near 1 with well over 100 effective draws are trustworthy. Most latent
-# values pass R-hat < 1.03; the few with R-hat up to 1.06 and ESS below 100 ask for
-# more sweeps or chains before their posterior intervals are quoted.
+# Gibbs node of the last stage, after burn-in (8 chains × 601 states, those after
+# sweeps 200 to 800); the dashed and dotted lines are the thresholds above.
 
 # %%
 fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [1.4, 1]})
 f = dt["posterior"][node].values  # [chain, draw, point]
 draws = np.arange(f.shape[1])
 for j, point in enumerate((0, f.shape[2] // 2, f.shape[2] - 1)):
-    for chain in range(f.shape[0]):
+    for chain in range(4):
         ax.plot(
             draws,
             f[chain, :, point],
             color=f"C{j}",
-            alpha=0.75,
-            lw=1,
+            alpha=0.6,
+            lw=0.6,
             label=f"point {point}" if chain == 0 else None,
         )
 ax.axvspan(0, burn - 0.5, color="0.9", zorder=0, label="burn-in")
 ax.set_xlabel("Gibbs sweep (draw)")
 ax.set_ylabel(f"f at a training point ({node})")
-ax.set_title("Gibbs chains of the novel tree's root node (4 chains per point)")
+ax.set_title("Gibbs chains of the novel tree's root node (4 of 8 chains per point)")
 ax.legend(fontsize=8, ncol=2)
 
 variables = [v for v in kept["posterior"].data_vars if v.startswith("f_")]
 diag = summary(kept, var_names=variables, kind="diagnostics", round_to="none")
 ax2.scatter(diag["r_hat"], diag["ess_bulk"], s=6, alpha=0.5)
 ax2.axvline(1.01, color="red", ls="--", lw=1, label="R-hat 1.01")
-ax2.axhline(100, color="0.3", ls=":", lw=1, label="ESS 100")
+ax2.axhline(400, color="0.3", ls=":", lw=1, label="ESS 400")
 ax2.set_xlabel("R-hat (rank-normalised, split)")
 ax2.set_ylabel("bulk ESS")
 ax2.set_title(f"All {len(diag)} latent f values of stage 4")
 ax2.legend(fontsize=8)
 fig.tight_layout()
 plt.show()
+print(
+    f"latent f: R-hat max {diag['r_hat'].max():.3f}, "
+    f"{(diag['r_hat'] > 1.01).sum()} of {len(diag)} above 1.01; "
+    f"bulk ESS min {diag['ess_bulk'].min():.0f}"
+)
 
 # %% [markdown]
 # The predictive probabilities can be checked the same way: `class_prob` has one
@@ -303,7 +326,21 @@ plt.show()
 # %%
 rhat, ess = model.diagnostics(kept)
 p_rhat = rhat["class_prob"].values  # [test image, class]
+p_ess = ess["class_prob"].values
 print(
     f"class_prob R-hat: median {np.nanmedian(p_rhat):.3f}, "
-    f"95th percentile {np.nanpercentile(p_rhat, 95):.3f}"
+    f"95th percentile {np.nanpercentile(p_rhat, 95):.3f}, max {np.nanmax(p_rhat):.3f}; "
+    f"bulk ESS min {np.nanmin(p_ess):.0f}"
 )
+
+# %% [markdown]
+# **Verdict.** With 8 chains × 800 sweeps and 200 sweeps of burn-in, every R-hat printed
+# above is below 1.01 and every bulk ESS far above 400: the chains agree, and the
+# posterior of each latent f and each predictive probability can be summarised from
+# them. A quick run with 4 chains × 100 sweeps and 10 sweeps of burn-in gives R-hat up
+# to about 1.10 on this same stage, and `to_datatree` warns: the chains have not yet
+# explored the same region long enough. The remedy is the one taken here (longer
+# chains, more of them, a longer burn-in), not a higher threshold. Predictions are less
+# demanding than intervals, since they average the class probabilities over all chains
+# and draws; probfsl's defaults (30 chains × 10 sweeps) follow the paper's code and aim
+# at accuracy, not at quotable intervals.

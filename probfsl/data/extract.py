@@ -26,6 +26,7 @@ average-pool it spatially into a 1280-d vector.
 from __future__ import annotations
 
 import io
+import sys
 import zipfile
 from collections.abc import Iterator, Sequence
 from functools import lru_cache
@@ -46,7 +47,7 @@ BACKBONES: dict[str, tuple[str, str, int]] = {
 def _require_vision(module: str) -> None:
     raise ValueError(
         f"the image backbones need the package '{module}': install the vision extra "
-        "(pip install 'probfsl[vision]')"
+        'from a clone of probfsl: pip install -c constraints.txt -e ".[vision]"'
     )
 
 
@@ -222,11 +223,11 @@ def select_rows(fields: dict[str, np.ndarray], keep: np.ndarray) -> dict[str, np
 
 
 def save_npz(fields: dict[str, np.ndarray], out: str | Path) -> Path:
-    """Write an extraction result as an uncompressed-pickle-free ``.npz``."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(out, **fields)
-    return out
+    """Write an extraction result as a compressed, pickle-free ``.npz``, atomically
+    (:func:`probfsl.data.loaders.save_features`)."""
+    from probfsl.data.loaders import save_features
+
+    return save_features(fields, out)
 
 
 def extract_main(
@@ -236,9 +237,37 @@ def extract_main(
     image_size: int | None = None,
     batch_size: int = 64,
     split: str = "novel",
+    base_dir: str | Path | None = None,
 ) -> None:
-    """``probfsl extract IMAGES --backbone NAME --out FILE.npz``: extract and save."""
-    fields = extract_features(images, backbone, image_size, batch_size, split)
+    """``probfsl extract IMAGES [--base-dir BASE_IMAGES] --backbone NAME --out FILE.npz``.
+
+    Extracts ``images`` with ``split`` (default ``"novel"``); with ``base_dir``, also
+    the images of ``base_dir`` as base classes, and writes both in one file
+    (:func:`probfsl.data.loaders.merge_fields`: the classes of the two folders stay
+    distinct). ``out`` is checked before any image is read.
+    """
+    from probfsl.data.loaders import merge_fields
+    from probfsl.fileio import check_writable
+
+    check_writable(out, (".npz",))
+    if split not in ("base", "novel"):
+        raise ValueError(f"split must be 'base' or 'novel', got {split!r}")
+    list_images(images)  # a bad folder is reported before the backbone loads
+    if base_dir is not None:
+        if split == "base":
+            raise ValueError("--base-dir gives the base classes: IMAGES must then be novel")
+        list_images(base_dir)
+        base = extract_features(base_dir, backbone, image_size, batch_size, "base")
+        novel = extract_features(images, backbone, image_size, batch_size, split)
+        fields, notes = merge_fields([base, novel], [str(base_dir), str(images)])
+        for note in notes:
+            print(f"probfsl: note: {note}", file=sys.stderr)
+    else:
+        fields = extract_features(images, backbone, image_size, batch_size, split)
     path = save_npz(fields, out)
     n, d = fields["features"].shape
-    print(f"{n} images, {len(fields['class_names'])} classes, {d}-d features -> {path}")
+    n_base = len(np.unique(fields["labels"][fields["split"] == "base"]))
+    print(
+        f"{n} images, {len(fields['class_names'])} classes ({n_base} base), "
+        f"{d}-d features -> {path}"
+    )

@@ -8,6 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from probfsl.validation import as_label_array, check_float_dtype
+
 SPLITS = ("base", "novel")
 
 
@@ -27,6 +29,12 @@ class FeatureSet:
             text embeddings of class descriptions, used for zero-shot).
         name: a short name for tables.
         metadata: free-form extra per-row or per-set fields from the file.
+
+    Construction validates every field (:func:`validate_features`): ``TypeError`` for
+    non-numeric features or non-integer labels (strings), ``ValueError`` naming the
+    field for a shape that does not fit, NaN/inf, labels below -1 or fractional
+    labels (``0.5`` is rejected, never truncated; whole-number floats such as ``1.0``
+    are accepted as integers).
     """
 
     features: np.ndarray
@@ -38,9 +46,24 @@ class FeatureSet:
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.features = np.asarray(self.features)
-        self.labels = np.asarray(self.labels).astype(np.int64)
-        self.split = np.asarray(self.split).astype(str)
+        if not isinstance(self.name, str):
+            raise TypeError(f"FeatureSet name must be a string, got {type(self.name).__name__}")
+        self.features = _as_array(self.features, f"{self.name}: 'features'")
+        self.labels = as_label_array(
+            _as_array(self.labels, f"{self.name}: 'labels'"), f"{self.name}: 'labels'"
+        )
+        split = _as_array(self.split, f"{self.name}: 'split'")
+        if split.dtype.kind not in "US" and not (
+            split.dtype.kind == "O" and all(isinstance(v, str) for v in split.ravel())
+        ):
+            raise TypeError(f"{self.name}: 'split' must hold strings, got {split.dtype}")
+        self.split = split.astype(str)
+        if isinstance(self.class_names, (str, bytes)) or not hasattr(self.class_names, "__len__"):
+            raise TypeError(
+                f"{self.name}: class_names must be a list of names, "
+                f"got {type(self.class_names).__name__}"
+            )
+        self.class_names = [str(c) for c in self.class_names]
         validate_features(self.features, self.labels, self.split, source=self.name)
         n_classes = int(self.labels.max()) + 1 if (self.labels >= 0).any() else 0
         if len(self.class_names) < n_classes:
@@ -49,7 +72,11 @@ class FeatureSet:
                 f"go up to {n_classes - 1}"
             )
         if self.class_features is not None:
-            self.class_features = np.asarray(self.class_features)
+            self.class_features = _as_array(self.class_features, f"{self.name}: class_features")
+            if self.class_features.dtype.kind not in "iuf":
+                raise TypeError(
+                    f"{self.name}: class_features must be numeric, got {self.class_features.dtype}"
+                )
             if self.class_features.ndim != 2 or self.class_features.shape[0] != len(
                 self.class_names
             ):
@@ -91,6 +118,7 @@ class FeatureSet:
 
     def base(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """Base-class features and labels as tensors; a ``ValueError`` if there are none."""
+        check_float_dtype("dtype", dtype)
         idx = self.rows("base")
         if idx.size == 0:
             raise ValueError(f"{self.name}: no base-class rows (split == 'base')")
@@ -107,14 +135,26 @@ class FeatureSet:
         )
 
 
+def _as_array(x: object, name: str) -> np.ndarray:
+    """``x`` (array, tensor, list) as a NumPy array; ``TypeError`` for other objects."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy()
+    if isinstance(x, (np.ndarray, list, tuple)):
+        return np.asarray(x)
+    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+
+
 def validate_features(
     features: np.ndarray, labels: np.ndarray, split: np.ndarray, source: str
 ) -> None:
-    """Raise ``ValueError`` naming ``source`` and the field when the arrays do not fit."""
+    """Raise ``ValueError`` naming ``source`` and the field when the arrays do not fit
+    (``TypeError`` for features that are not real numbers)."""
+    if features.dtype.kind not in "iuf":
+        raise TypeError(f"{source}: 'features' must be real numbers, got {features.dtype}")
     if features.ndim != 2:
         raise ValueError(f"{source}: 'features' must be 2-D [N, D], got shape {features.shape}")
-    if not np.issubdtype(features.dtype, np.number):
-        raise ValueError(f"{source}: 'features' must be numeric, got {features.dtype}")
+    if features.shape[0] == 0 or features.shape[1] == 0:
+        raise ValueError(f"{source}: 'features' is empty (shape {features.shape})")
     if labels.ndim != 1 or labels.shape[0] != features.shape[0]:
         raise ValueError(
             f"{source}: 'labels' must be 1-D with one entry per feature row "

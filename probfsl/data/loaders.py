@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import pickle
+import sys
+import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 
 from probfsl.data.featureset import FeatureSet, validate_features
+from probfsl.fileio import atomic_path, check_writable
 
 
 def _require_file(path: str | Path) -> Path:
@@ -108,7 +111,7 @@ def load_npz(
     try:
         with np.load(path, allow_pickle=False) as npz:
             fields = {k: npz[k] for k in npz.files}
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
         raise ValueError(f"{path}: not a readable .npz file ({err})") from err
     return from_arrays(fields, str(path), name=name, base_classes=base_classes)
 
@@ -148,13 +151,27 @@ def _from_class_dicts(splits: Mapping[str, Mapping], source: str, name: str | No
     )
 
 
+PICKLE_REFUSED = (
+    "refusing to load a pickle file: unpickling runs whatever code the file holds. "
+    "Load it only if you trust its source, with allow_pickle=True (command line: "
+    "--allow-pickle), or convert it to .npz"
+)
+
+
 def load_pickle(
-    novel: str | Path, base: str | Path | None = None, name: str | None = None
+    novel: str | Path,
+    base: str | Path | None = None,
+    name: str | None = None,
+    allow_pickle: bool = False,
 ) -> FeatureSet:
     """Load pickled ``{class: features}`` dictionaries (novel file, optional base file).
 
-    Pickle runs code from the file: load only files you trust.
+    Pickle runs code from the file, so it is refused unless ``allow_pickle=True``: load
+    only files you trust.
     """
+    for path in (novel, base):
+        if path is not None and not allow_pickle:
+            raise ValueError(f"{path}: {PICKLE_REFUSED}")
     splits = {}
     for split_name, path in (("base", base), ("novel", novel)):
         if path is None:
@@ -163,7 +180,7 @@ def load_pickle(
         try:
             with path.open("rb") as fh:
                 splits[split_name] = pickle.load(fh)
-        except (pickle.UnpicklingError, EOFError) as err:
+        except Exception as err:  # unpickling raises many unrelated types
             raise ValueError(f"{path}: not a readable pickle file ({err})") from err
     return _from_class_dicts(splits, str(novel), name)
 
@@ -186,13 +203,125 @@ def load_torch(path: str | Path, name: str | None = None) -> FeatureSet:
     return _from_class_dicts({"novel": obj}, str(path), name)
 
 
-def load_features(path: str | Path, name: str | None = None) -> FeatureSet:
-    """Load a feature file by its suffix: ``.npz``, ``.pt``/``.pth`` or ``.pkl``/``.plk``."""
+def load_features(
+    path: str | Path, name: str | None = None, allow_pickle: bool = False
+) -> FeatureSet:
+    """Load a feature file by its suffix: ``.npz``, ``.pt``/``.pth`` or ``.pkl``/``.plk``.
+
+    Pickle files are refused unless ``allow_pickle=True`` (see :func:`load_pickle`).
+    """
     suffix = Path(path).suffix.lower()
     if suffix == ".npz":
         return load_npz(path, name=name)
     if suffix in (".pt", ".pth"):
         return load_torch(path, name=name)
     if suffix in (".pkl", ".plk", ".pickle"):
-        return load_pickle(path, name=name)
+        return load_pickle(path, name=name, allow_pickle=allow_pickle)
     raise ValueError(f"{path}: unknown feature file type {suffix!r} (use .npz, .pt or .pkl)")
+
+
+def merge_fields(
+    parts: Sequence[Mapping[str, np.ndarray]], sources: Sequence[str]
+) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Stack feature-file fields into one, each part's classes kept distinct.
+
+    Part ``i``'s labels are shifted by the number of classes of the parts before it,
+    so class 0 of a base file and class 0 of a novel file stay two classes; every row
+    keeps its ``split`` (rows of a part without ``split`` are novel) and unlabelled
+    rows stay -1. Class names are kept; a name found in several parts becomes
+    ``"name (source stem)"`` in each. ``filename`` and ``class_text_features`` are kept
+    when every part has them.
+
+    Returns:
+        The fields of the merged ``.npz`` and a list of notes (one line on renamed classes).
+    """
+    if len(parts) != len(sources) or not parts:
+        raise ValueError("merge needs at least one feature file")
+    sets = [from_arrays(p, src) for p, src in zip(parts, sources, strict=True)]
+    widths = {fs.dim for fs in sets}
+    if len(widths) != 1:
+        found = ", ".join(f"{src}: {fs.dim}" for fs, src in zip(sets, sources, strict=True))
+        raise ValueError(f"feature files have different feature widths ({found})")
+    names = [list(fs.class_names) for fs in sets]
+    counts: dict[str, int] = {}
+    for part in names:
+        for n in set(part):
+            counts[n] = counts.get(n, 0) + 1
+    renamed = []
+    for part, src in zip(names, sources, strict=True):
+        stem = Path(src).stem
+        for c, n in enumerate(part):
+            if counts[n] > 1:
+                part[c] = f"{n} ({stem})"
+                renamed.append(repr(part[c]))
+    notes = []
+    if renamed:
+        more = f", ... ({len(renamed)} classes)" if len(renamed) > 4 else ""
+        notes.append(
+            "class names found in several files now end in the file's name: "
+            + ", ".join(renamed[:4])
+            + more
+        )
+    offsets = np.cumsum([0] + [len(p) for p in names[:-1]])
+    labels = [
+        np.where(fs.labels >= 0, fs.labels + off, -1) for fs, off in zip(sets, offsets, strict=True)
+    ]
+    fields = {
+        "features": np.concatenate([fs.features.astype(np.float32) for fs in sets]),
+        "labels": np.concatenate(labels).astype(np.int64),
+        "split": np.concatenate([fs.split for fs in sets]),
+        "class_names": np.array([n for part in names for n in part]),
+    }
+    if all("filename" in p for p in parts):
+        fields["filename"] = np.concatenate([np.asarray(p["filename"]) for p in parts])
+    if all(fs.class_features is not None for fs in sets):
+        if len({fs.class_features.shape[1] for fs in sets}) == 1:
+            fields["class_text_features"] = np.concatenate([fs.class_features for fs in sets])
+    return fields, notes
+
+
+def save_features(fields: Mapping[str, np.ndarray], out: str | Path) -> Path:
+    """Write feature-file fields as a compressed ``.npz`` without pickled objects, atomically
+    (a temporary file in the same folder, then ``os.replace``)."""
+    out = check_writable(out, (".npz",))
+    arrays = {k: np.asarray(v) for k, v in fields.items()}
+    for key, value in arrays.items():
+        if value.dtype == object:
+            raise ValueError(
+                f"field {key!r} holds Python objects; it cannot be saved without pickle"
+            )
+    with atomic_path(out) as tmp:
+        np.savez_compressed(tmp, **arrays)
+    return out
+
+
+def merge_main(paths: Sequence[str | Path], out: str | Path) -> None:
+    """``probfsl merge A.npz B.npz ... --out ALL.npz``: one feature file from several."""
+    check_writable(out, (".npz",))
+    for p in paths:
+        if Path(p).suffix.lower() != ".npz":
+            raise ValueError(f"merge reads .npz feature files, got {str(p)!r}")
+    parts = []
+    for p in paths:
+        path = _require_file(p)
+        try:
+            with np.load(path, allow_pickle=False) as npz:
+                parts.append({k: npz[k] for k in npz.files})
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+            raise ValueError(f"{path}: not a readable .npz file ({err})") from err
+    fields, notes = merge_fields(parts, [str(p) for p in paths])
+    for note in notes:
+        print(f"probfsl: note: {note}", file=sys.stderr)
+    save_features(fields, out)
+    split = fields["split"]
+    n_base = np.unique(fields["labels"][(split == "base") & (fields["labels"] >= 0)]).size
+    n_novel = np.unique(fields["labels"][(split == "novel") & (fields["labels"] >= 0)]).size
+    print(
+        f"{len(fields['labels'])} rows, {n_base} base and {n_novel} novel classes, "
+        f"{fields['features'].shape[1]}-d features -> {out}"
+    )
+    if n_base == 0:
+        print(
+            "probfsl: note: no base-class rows; extract base images with --split base",
+            file=sys.stderr,
+        )

@@ -15,12 +15,16 @@ EM-Dirichlet (Martin et al., CVPR 2024) classifies class-probability vectors
 :func:`to_simplex` dispatches on whichever is given. Every function raises
 ``ValueError`` naming the argument for NaN/inf, negative entries, rows that do not
 sum to one, fewer than two classes, or a class-embedding count or width that does
-not match, before any computation.
+not match, and ``TypeError`` for a non-tensor or a dtype other than float32/float64
+(float16 logs and digammas of the Dirichlet fit overflow: all-NaN output), before any
+computation.
 """
 
 from __future__ import annotations
 
 import torch
+
+from probfsl.validation import FLOAT_DTYPES, check_hyperparameter
 
 #: default tolerance on |sum_k x_nk - 1|
 SUM_TOL = 1e-4
@@ -28,9 +32,12 @@ SUM_TOL = 1e-4
 
 def _check_tensor(x, name: str, ndim: int | None, min_ndim: int = 2) -> None:
     if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+        raise TypeError(
+            f"{name} must be a torch.Tensor, got {type(x).__name__} "
+            "(convert NumPy arrays with torch.from_numpy)"
+        )
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32 or float64, got {x.dtype}")
     if ndim is not None and x.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
     if x.ndim < min_ndim:
@@ -86,8 +93,22 @@ def probabilities_from_logits(logits: torch.Tensor, temperature: float = 1.0) ->
 
 
 def _check_temperature(temperature: float) -> None:
-    if not (isinstance(temperature, int | float) and 0 < temperature < float("inf")):
-        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    check_hyperparameter("temperature", temperature, positive=True)
+
+
+def softmax_cosine(
+    embeddings: torch.Tensor, class_embeddings: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """softmax_k(T cos(e_n, t_k)) without input checks (the engine of
+    :func:`probfsl.data.simplex.probabilities_from_embeddings`).
+
+    An all-zero row on either side has cosine 0 with everything (``normalize`` leaves it
+    zero): estimators use this for prototypes that may vanish in degenerate tasks (a
+    class whose normalised support rows cancel, D = 1), which gives them logit 0.
+    """
+    e = torch.nn.functional.normalize(embeddings, dim=-1)
+    t = torch.nn.functional.normalize(class_embeddings.to(e), dim=-1)
+    return torch.softmax(temperature * (e @ t.transpose(-1, -2)), -1)
 
 
 def probabilities_from_embeddings(
@@ -123,9 +144,7 @@ def probabilities_from_embeddings(
     _check_finite(class_embeddings, "class_embeddings")
     if (class_embeddings.norm(dim=-1) == 0).any():
         raise ValueError("class_embeddings has an all-zero row (no direction for a class)")
-    e = torch.nn.functional.normalize(embeddings, dim=-1)
-    t = torch.nn.functional.normalize(class_embeddings.to(e), dim=-1)
-    return torch.softmax(temperature * (e @ t.transpose(-1, -2)), -1)
+    return softmax_cosine(embeddings, class_embeddings, temperature)
 
 
 def to_simplex(

@@ -2,16 +2,34 @@
 
 Task ``t`` of a run with seed ``s`` is drawn from ``numpy.random.default_rng([s, t])``,
 so the first tasks of a run do not depend on how many tasks are asked for.
+
+Every entry point checks its arguments through :mod:`probfsl.validation` before
+sampling or gathering anything: ``TypeError`` for a wrong type, ``ValueError`` naming
+the argument for an impossible value.
 """
 
 from __future__ import annotations
 
+import os
+import zipfile
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from probfsl.data.featureset import FeatureSet
+from probfsl.fileio import atomic_path
+from probfsl.validation import (
+    FLOAT_DTYPES,
+    as_index_array,
+    as_label_array,
+    check_choice,
+    check_count,
+    check_float_dtype,
+    check_hyperparameter,
+)
 
 BALANCES = ("balanced", "dirichlet")
 
@@ -27,6 +45,15 @@ class Episodes:
         query_labels: ``[T, Q]`` task-local labels (for scoring only).
         classes: ``[T, K]`` data-set label of each task-local class.
         support_index, query_index: ``[T, K*L]``, ``[T, Q]`` rows of the source FeatureSet.
+
+    Construction checks types (cheap, no pass over the values): NumPy arrays are
+    converted to tensors (no copy); ``support`` and ``query`` must be ``[T, n, D]``
+    float32 or float64 tensors of one dtype (``TypeError`` otherwise, e.g. float64
+    support with float32 queries); label and index fields must be integer tensors (any
+    width: int32 labels are converted to ``torch.long``). Agreement of shapes and
+    devices, finite values, labels in range and a support sample for every class are
+    checked by each method's ``predict_proba``
+    (:func:`probfsl.validation.check_episodes`), with a ``ValueError`` naming the field.
     """
 
     support: torch.Tensor
@@ -36,6 +63,39 @@ class Episodes:
     classes: torch.Tensor
     support_index: torch.Tensor
     query_index: torch.Tensor
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, np.ndarray):
+                value = torch.from_numpy(np.ascontiguousarray(value))
+                setattr(self, f.name, value)
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"Episodes.{f.name} must be a torch.Tensor or numpy.ndarray, "
+                    f"got {type(value).__name__}"
+                )
+        s, q = self.support, self.query
+        for name, x in (("support", s), ("query", q)):
+            if x.dtype not in FLOAT_DTYPES:
+                raise TypeError(f"Episodes.{name} must be float32 or float64, got {x.dtype}")
+            if x.ndim != 3:
+                raise ValueError(f"Episodes.{name} must be [T, n, D], got shape {tuple(x.shape)}")
+        if s.dtype != q.dtype:
+            raise TypeError(
+                f"Episodes.support ({s.dtype}) and Episodes.query ({q.dtype}) must have one "
+                "dtype; cast both with episodes.to(dtype=...)"
+            )
+        for name in ("support_labels", "query_labels", "classes", "support_index", "query_index"):
+            x = getattr(self, name)
+            if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+                raise TypeError(f"Episodes.{name} must be an integer tensor, got {x.dtype}")
+            if x.dtype != torch.long:
+                setattr(self, name, x.long())
+        if self.classes.ndim != 2:
+            raise ValueError(
+                f"Episodes.classes must be [T, way], got shape {tuple(self.classes.shape)}"
+            )
 
     @property
     def n_tasks(self) -> int:
@@ -58,7 +118,10 @@ class Episodes:
 
     def __getitem__(self, index: slice | int) -> Episodes:
         """Tasks ``index`` (an int keeps a batch dimension of one)."""
-        if isinstance(index, int):
+        if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
+            if not -self.n_tasks <= index < self.n_tasks:
+                raise IndexError(f"task {index} out of range for {self.n_tasks} tasks")
+            index = int(index) % self.n_tasks
             index = slice(index, index + 1)
         return replace(self, **{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
@@ -88,6 +151,8 @@ class Episodes:
 
         Support and query stay adjacent slices of one buffer (see :meth:`points`).
         """
+        if dtype is not None:
+            check_float_dtype("dtype", dtype)
         moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)}
         points = self.points().to(device, dtype)
         moved["support"], moved["query"] = points.split([self.support.shape[1], self.n_query], 1)
@@ -123,17 +188,25 @@ def dirichlet_query_counts(
     return counts
 
 
+def _check_sampling_args(
+    n_tasks: Any, way: Any, shot: Any, n_query: Any, balance: Any, alpha: Any, seed: Any, start: Any
+) -> tuple[int, int, int, int, int, int]:
+    """The integer arguments of the few-shot samplers, checked before any sampling."""
+    check_choice("balance", balance, BALANCES)
+    check_hyperparameter("alpha", alpha, positive=True)
+    return (
+        check_count("n_tasks", n_tasks),
+        check_count("way", way, low=2),
+        check_count("shot", shot),
+        check_count("n_query", n_query),
+        check_count("seed", seed, low=0),
+        check_count("start", start, low=0),
+    )
+
+
 def _check_task_size(
     fs: FeatureSet, classes: np.ndarray, way: int, shot: int, n_query: int, balance: str
 ) -> np.ndarray:
-    if balance not in BALANCES:
-        raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
-    if way < 2:
-        raise ValueError(f"way must be at least 2, got {way}")
-    if shot < 1:
-        raise ValueError(f"shot must be at least 1, got {shot}")
-    if n_query < 1:
-        raise ValueError(f"query must be at least 1, got {n_query}")
     if classes.size < way:
         raise ValueError(
             f"{fs.name}: asked for {way}-way tasks but there are only {classes.size} novel classes"
@@ -177,12 +250,16 @@ def sample_task_indices(
     """Row indices of tasks ``start .. start+n_tasks-1`` drawn from the novel classes.
 
     Returns ``support``, ``support_labels``, ``query``, ``query_labels`` and
-    ``classes`` arrays in the layout of the protocol's task files.
+    ``classes`` arrays in the layout of the protocol's task files. ``ValueError``
+    (``TypeError`` for a wrong type) before any sampling for counts that are not
+    integers (n_tasks, shot, n_query >= 1, way >= 2, seed, start >= 0), an unknown
+    ``balance``, an ``alpha`` that is not finite and positive, or tasks the novel
+    classes cannot hold.
     """
-    if n_tasks < 1:
-        raise ValueError(f"tasks must be at least 1, got {n_tasks}")
-    if alpha <= 0:
-        raise ValueError(f"alpha must be positive, got {alpha}")
+    _check_featureset(fs)
+    n_tasks, way, shot, n_query, seed, start = _check_sampling_args(
+        n_tasks, way, shot, n_query, balance, alpha, seed, start
+    )
     novel_rows = fs.rows("novel")
     classes = fs.classes_in("novel")
     sizes = _check_task_size(fs, classes, way, shot, n_query, balance)
@@ -223,36 +300,91 @@ def sample_task_indices(
     return out
 
 
-def episodes_from_indices(
-    fs: FeatureSet, indices: dict[str, np.ndarray], dtype: torch.dtype = torch.float32
-) -> Episodes:
-    """Gather the features of task indices (sampled, or read from a task file)."""
+def _check_featureset(fs: Any) -> None:
+    if not isinstance(fs, FeatureSet):
+        raise TypeError(f"fs must be a FeatureSet, got {type(fs).__name__}")
+
+
+def check_task_indices(indices: Any, n_rows: int) -> dict[str, np.ndarray]:
+    """Task indices (sampled, or read from a task file) as int64 arrays, checked.
+
+    ``support`` [T, S] and ``query`` [T, Q] are rows in ``0..n_rows-1`` (integers of any
+    width: int16/int32 task files are cast to int64); ``support_labels`` [T, S] and
+    ``query_labels`` [T, Q] are task-local labels in ``0..way-1`` with ``way`` >= 2;
+    the optional ``classes`` is [T, way]. ``TypeError`` for float or string arrays,
+    ``ValueError`` for a missing field, a shape that does not fit or a value out of range.
+    """
+    if not isinstance(indices, (dict, np.lib.npyio.NpzFile)) and not hasattr(indices, "keys"):
+        raise TypeError(f"task indices must be a dict of arrays, got {type(indices).__name__}")
     for key in ("support", "support_labels", "query", "query_labels"):
         if key not in indices:
             raise ValueError(f"task indices: missing field {key!r}")
+    out = dict(indices)
+    for key in ("support", "query"):
+        out[key] = as_index_array(indices[key], f"task indices: {key!r}", n_rows, ndim=2)
+    support, query = out["support"], out["query"]
+    if support.shape[0] != query.shape[0]:
+        raise ValueError(
+            f"task indices: 'support' {support.shape} and 'query' {query.shape} hold "
+            "different numbers of tasks"
+        )
+    for key, ref in (("support_labels", support), ("query_labels", query)):
+        labels = as_label_array(indices[key], f"task indices: {key!r}")
+        if labels.shape != ref.shape:
+            raise ValueError(
+                f"task indices: {key!r} must have the shape of "
+                f"{key.removesuffix('_labels')!r} {ref.shape}, got {labels.shape}"
+            )
+        out[key] = labels
+    way = int(out["support_labels"].max()) + 1
+    if way < 2:
+        raise ValueError(f"task indices: tasks need at least 2 classes, got way={way}")
+    for key in ("support_labels", "query_labels"):
+        if out[key].min() < 0 or out[key].max() >= way:
+            raise ValueError(f"task indices: {key!r} must lie in 0..{way - 1}")
+    if "classes" in indices:
+        classes = as_label_array(indices["classes"], "task indices: 'classes'")
+        if classes.shape != (support.shape[0], way):
+            raise ValueError(
+                f"task indices: 'classes' must be [T, way]={(support.shape[0], way)}, "
+                f"got {classes.shape}"
+            )
+        out["classes"] = classes
+    return out
+
+
+def episodes_from_indices(
+    fs: FeatureSet, indices: dict[str, np.ndarray], dtype: torch.dtype = torch.float32
+) -> Episodes:
+    """Gather the features of task indices (sampled, or read from a task file).
+
+    ``indices`` is checked by :func:`check_task_indices`. Without ``classes``, the
+    data-set class of task-local class k is the label of its first support row.
+    """
+    _check_featureset(fs)
+    check_float_dtype("dtype", dtype)
+    indices = check_task_indices(indices, len(fs.labels))
     support, query = indices["support"], indices["query"]
-    n = len(fs.labels)
-    for key, idx in (("support", support), ("query", query)):
-        if idx.ndim != 2 or idx.min() < 0 or idx.max() >= n:
-            raise ValueError(f"task indices: {key!r} must be [T, n] rows in 0..{n - 1}")
-    way = int(indices["support_labels"].max()) + 1
+    support_labels = indices["support_labels"]
+    way = int(support_labels.max()) + 1
     if "classes" in indices:
         classes = indices["classes"]
     else:
-        first = support[:, :way]
-        classes = fs.labels[first]
+        # first support position of each class (argmax of a boolean finds the first True)
+        first = (support_labels[:, None, :] == np.arange(way)[None, :, None]).argmax(-1)
+        classes = fs.labels[np.take_along_axis(support, first, 1)]
     feats = torch.as_tensor(fs.features)
     # one [T, S + Q, D] buffer: support and query are adjacent views (Episodes.points)
     points = feats[torch.as_tensor(np.concatenate([support, query], 1))].to(dtype)
     support_rows, query_rows = points.split([support.shape[1], query.shape[1]], 1)
     return Episodes(
         support=support_rows,
-        support_labels=torch.as_tensor(indices["support_labels"], dtype=torch.long),
+        support_labels=torch.as_tensor(support_labels),
         query=query_rows,
-        query_labels=torch.as_tensor(indices["query_labels"], dtype=torch.long),
-        classes=torch.as_tensor(classes, dtype=torch.long),
-        support_index=torch.as_tensor(support, dtype=torch.long),
-        query_index=torch.as_tensor(query, dtype=torch.long),
+        query_labels=torch.as_tensor(indices["query_labels"]),
+        classes=torch.as_tensor(classes),
+        support_index=torch.as_tensor(support),
+        query_index=torch.as_tensor(query),
     )
 
 
@@ -274,6 +406,7 @@ def sample_episodes(
     per-class counts from a symmetric Dirichlet(alpha) with Q fixed
     (:func:`dirichlet_query_counts`).
     """
+    check_float_dtype("dtype", dtype)
     indices = sample_task_indices(fs, n_tasks, way, shot, n_query, balance, alpha, seed, start)
     return episodes_from_indices(fs, indices, dtype)
 
@@ -308,7 +441,16 @@ def sample_zero_shot_tasks(
     start: int = 0,
 ) -> ZeroShotTasks:
     """Zero-shot tasks: k ~ U{min..max} classes from all labelled classes, Q queries
-    drawn uniformly without replacement from their pooled samples."""
+    drawn uniformly without replacement from their pooled samples.
+
+    ``ValueError`` (``TypeError`` for a wrong type) before any sampling for counts that
+    are not integers (n_tasks, n_query >= 1, seed, start >= 0) or a class range outside
+    ``2 <= min_classes <= max_classes <= classes available``."""
+    _check_featureset(fs)
+    n_tasks, n_query = check_count("n_tasks", n_tasks), check_count("n_query", n_query)
+    seed, start = check_count("seed", seed, low=0), check_count("start", start, low=0)
+    min_classes = check_count("min_classes", min_classes, low=2)
+    max_classes = check_count("max_classes", max_classes, low=2)
     labelled = np.flatnonzero(fs.labels >= 0)
     classes = np.unique(fs.labels[labelled])
     if not 2 <= min_classes <= max_classes <= classes.size:
@@ -339,15 +481,51 @@ def sample_zero_shot_tasks(
     )
 
 
-def save_task_file(path, indices: dict[str, np.ndarray]) -> None:
-    """Write task indices as the protocol's explicit task file (``.npz``)."""
-    np.savez(path, **{k: np.asarray(v) for k, v in indices.items()})
+TASK_FIELDS = ("support", "support_labels", "query", "query_labels", "classes")
 
 
-def load_task_file(path) -> dict[str, np.ndarray]:
-    """Read an explicit task file written by :func:`save_task_file` or another harness."""
+def save_task_file(path: str | os.PathLike, indices: dict[str, np.ndarray]) -> Path:
+    """Write task indices as the protocol's explicit task file (``.npz``); returns its path.
+
+    As :func:`numpy.savez`, ``.npz`` is appended to a path without it. The indices are
+    checked first (:func:`check_task_indices`, rows not bounded) and written atomically
+    (:func:`probfsl.fileio.atomic_path`): a failure leaves an existing file as it was.
+    """
+    if not isinstance(indices, dict):
+        raise TypeError(f"indices must be a dict of arrays, got {type(indices).__name__}")
+    checked = check_task_indices(indices, np.iinfo(np.int64).max)
+    path = Path(path)
+    if path.suffix != ".npz":
+        path = path.with_name(path.name + ".npz")
+    arrays = {k: np.asarray(v) for k, v in indices.items()}
+    arrays.update({k: checked[k] for k in TASK_FIELDS if k in checked})
+    with atomic_path(path) as tmp:
+        np.savez(tmp, **arrays)
+    return path
+
+
+def load_task_file(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Read an explicit task file written by :func:`save_task_file` or another harness.
+
+    Index and label fields come back as int64 whatever width the file stores (int16 and
+    int32 files are common); ``ValueError`` naming the file for a missing or unreadable
+    file, ``TypeError`` for non-integer index fields. Row ranges are checked against the
+    features by :func:`episodes_from_indices`.
+    """
     try:
         with np.load(path, allow_pickle=False) as npz:
-            return {k: npz[k] for k in npz.files}
-    except (OSError, ValueError) as err:
+            fields_ = {k: npz[k] for k in npz.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
         raise ValueError(f"{path}: not a readable task file ({err})") from err
+    for key in ("support", "support_labels", "query", "query_labels"):
+        if key not in fields_:
+            raise ValueError(f"{path}: task file has no field {key!r} (found {sorted(fields_)})")
+    for key in TASK_FIELDS:
+        if key in fields_:
+            values = fields_[key]
+            if values.dtype.kind not in "iu":
+                raise TypeError(
+                    f"{path}: task file field {key!r} must hold integers, got {values.dtype}"
+                )
+            fields_[key] = values.astype(np.int64)
+    return fields_

@@ -1,5 +1,14 @@
-"""Diagnostics: ArviZ export and summaries (ArviZ is imported lazily)."""
+"""Diagnostics: ArviZ export, summaries and figures (ArviZ is imported lazily)."""
 
 from probfsl.diagnostics.arviz import draws_from_guide, summary, to_datatree
+from probfsl.diagnostics.plots import plot_ess, plot_forest, plot_rank, plot_trace
 
-__all__ = ["draws_from_guide", "summary", "to_datatree"]
+__all__ = [
+    "draws_from_guide",
+    "plot_ess",
+    "plot_forest",
+    "plot_rank",
+    "plot_trace",
+    "summary",
+    "to_datatree",
+]

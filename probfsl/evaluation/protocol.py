@@ -1,4 +1,5 @@
-"""The few-shot evaluation protocol: accuracy over tasks with a 95% confidence interval."""
+"""The few-shot evaluation protocol: accuracy over tasks with a 95% confidence interval,
+and the calibration of the query probabilities (:mod:`probfsl.evaluation.calibration`)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,18 @@ import torch
 from tqdm.auto import tqdm
 
 from probfsl.data.tasks import Episodes
+from probfsl.evaluation.calibration import METRICS, calibration_per_task, mean_ci
 from probfsl.models.base import FewShotClassifier
 
 
 @dataclass
 class EvalResult:
-    """Mean query accuracy over tasks, its 95% interval (both in percent) and speed."""
+    """Mean query accuracy over tasks, its 95% interval (both in percent) and speed.
+
+    When the scored predictions were probabilities, ``calibration`` maps each metric
+    of :data:`probfsl.evaluation.calibration.METRICS` (ECE, adaptive ECE, NLL, Brier)
+    to its mean over tasks and 95% half-width; it is empty for hard labels.
+    """
 
     accuracy: float
     ci95: float
@@ -24,15 +31,26 @@ class EvalResult:
     tasks_per_second: float
     n_tasks: int
     per_task_accuracy: np.ndarray = field(repr=False)
+    calibration: dict[str, tuple[float, float]] = field(default_factory=dict)
+    per_task_calibration: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
     def summary(self) -> dict:
-        """The JSON-friendly fields (without the per-task accuracies)."""
+        """The JSON-friendly fields (without per-task values); calibration metrics flat,
+        as ``ece`` and ``ece_ci95`` and so on."""
         out = asdict(self)
-        out.pop("per_task_accuracy")
+        for key in ("per_task_accuracy", "calibration", "per_task_calibration"):
+            out.pop(key)
+        for name, (mean, ci) in self.calibration.items():
+            out[name], out[f"{name}_ci95"] = mean, ci
         return out
 
     def __str__(self) -> str:
-        return f"{self.accuracy:.2f} ± {self.ci95:.2f} %  ({self.tasks_per_second:.0f} tasks/s)"
+        text = f"{self.accuracy:.2f} ± {self.ci95:.2f} %"
+        if self.calibration:
+            text += "  " + "  ".join(
+                f"{name} {mean:.3f} ± {ci:.3f}" for name, (mean, ci) in self.calibration.items()
+            )
+        return text + f"  ({self.tasks_per_second:.0f} tasks/s)"
 
 
 def accuracy_ci(per_task: np.ndarray) -> tuple[float, float]:
@@ -53,14 +71,16 @@ def score_batches(
     batch_size: int = 1000,
     progress: bool = False,
 ) -> EvalResult:
-    """Accuracy of ``predict(start, stop) -> [B, Q]`` predictions against ``labels`` [T, Q].
+    """Accuracy of ``predict(start, stop)`` against ``labels`` [T, Q].
 
+    ``predict`` returns hard labels ``[B, Q]`` or class probabilities ``[B, Q, K]``;
+    probabilities are also scored for calibration (ECE, adaptive ECE, NLL, Brier).
     The tasks are scored in batches of ``batch_size``; the timing covers ``predict`` only.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     n_tasks = labels.shape[0]
-    per_task, seconds = [], 0.0
+    per_task, seconds, calibration = [], 0.0, {name: [] for name in METRICS}
     bar = tqdm(total=n_tasks, unit="task", disable=not progress, leave=False)
     for start in range(0, n_tasks, batch_size):
         stop = min(start + batch_size, n_tasks)
@@ -69,12 +89,18 @@ def score_batches(
         if predicted.device.type == "cuda":
             torch.cuda.synchronize(predicted.device)
         seconds += time.perf_counter() - tic
-        correct = predicted == labels[start:stop].to(predicted.device)
+        batch_labels = labels[start:stop].to(predicted.device)
+        if predicted.ndim == 3:
+            for name, values in calibration_per_task(predicted, batch_labels).items():
+                calibration[name].append(values.double().cpu().numpy())
+            predicted = predicted.argmax(-1)
+        correct = predicted == batch_labels
         per_task.append(correct.double().mean(-1).cpu().numpy())
         bar.update(stop - start)
     bar.close()
     per_task = np.concatenate(per_task)
     acc, ci = accuracy_ci(per_task)
+    per_task_calibration = {k: np.concatenate(v) for k, v in calibration.items() if v}
     return EvalResult(
         accuracy=acc,
         ci95=ci,
@@ -82,6 +108,8 @@ def score_batches(
         tasks_per_second=len(per_task) / max(seconds, 1e-9),
         n_tasks=len(per_task),
         per_task_accuracy=per_task,
+        calibration={k: mean_ci(v) for k, v in per_task_calibration.items()},
+        per_task_calibration=per_task_calibration,
     )
 
 
@@ -93,13 +121,14 @@ def evaluate(
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
 ) -> EvalResult:
-    """Run ``estimator`` over every task of ``episodes`` in batches and score the queries.
+    """Run ``estimator`` over every task of ``episodes`` in batches and score the queries:
+    accuracy (argmax of ``predict_proba``) and calibration of the probabilities.
 
     Timing covers the estimator's work on the batches (moving each batch to
     ``device`` included), not the sampling of the tasks.
     """
 
     def predict(start: int, stop: int) -> torch.Tensor:
-        return estimator.predict(episodes[start:stop].to(device, dtype))
+        return estimator.predict_proba(episodes[start:stop].to(device, dtype))
 
     return score_batches(predict, episodes.query_labels, batch_size, progress)

@@ -3,15 +3,36 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 from collections.abc import Sequence
 from pathlib import Path
 
-COLUMNS = ("method", "dataset", "way", "shot", "balance", "accuracy", "ci95", "tasks_per_second")
+from probfsl.fileio import atomic_write_text, check_writable
+
+COLUMNS = (
+    "method",
+    "dataset",
+    "way",
+    "shot",
+    "balance",
+    "accuracy",
+    "ci95",
+    "ece",
+    "nll",
+    "brier",
+    "tasks_per_second",
+)
 
 
-def _fmt(value) -> str:
+#: columns shown with three decimals (calibration metrics are fractions or nats)
+FINE = ("ece", "adaptive_ece", "nll", "brier", "temperature")
+
+
+def _fmt(value, column: str = "") -> str:
     if isinstance(value, float):
+        if column.removesuffix("_ci95") in FINE:
+            return f"{value:.3f}"
         return f"{value:.2f}" if abs(value) < 1e4 else f"{value:.3g}"
     return str(value)
 
@@ -20,13 +41,13 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str] = COLUMNS) -> st
     """A GitHub markdown table of ``rows`` (dicts), one column per key in ``columns``."""
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        lines.append("| " + " | ".join(_fmt(row.get(c, "")) for c in columns) + " |")
+        lines.append("| " + " | ".join(_fmt(row.get(c, ""), c) for c in columns) + " |")
     return "\n".join(lines)
 
 
 def text_table(rows: Sequence[dict], columns: Sequence[str] = COLUMNS) -> str:
     """A plain aligned table for the terminal."""
-    cells = [list(columns)] + [[_fmt(r.get(c, "")) for c in columns] for r in rows]
+    cells = [list(columns)] + [[_fmt(r.get(c, ""), c) for c in columns] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -34,17 +55,20 @@ def text_table(rows: Sequence[dict], columns: Sequence[str] = COLUMNS) -> str:
 
 
 def write_results(rows: Sequence[dict], path: str | Path) -> None:
-    """Write ``rows`` as JSON (``.json``: one object if one row, else a list) or CSV (``.csv``)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".csv":
+    """Write ``rows`` as JSON (``.json``: one object if one row, else a list) or CSV (``.csv``).
+
+    The write is atomic (:func:`probfsl.fileio.atomic_path`): a failure leaves an
+    existing file unchanged.
+    """
+    path = check_writable(path, (".json", ".csv"))
+    if path.suffix.lower() == ".csv":
         keys = list(dict.fromkeys(k for r in rows for k in r))
-        with path.open("w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=keys)
-            writer.writeheader()
-            writer.writerows(rows)
-    elif path.suffix == ".json":
-        payload = rows[0] if len(rows) == 1 else list(rows)
-        path.write_text(json.dumps(payload, indent=2) + "\n")
+        buffer = io.StringIO(newline="")
+        writer = csv.DictWriter(buffer, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+        text = buffer.getvalue()
     else:
-        raise ValueError(f"--out must end in .json or .csv, got {path}")
+        payload = rows[0] if len(rows) == 1 else list(rows)
+        text = json.dumps(payload, indent=2) + "\n"
+    atomic_write_text(path, text)

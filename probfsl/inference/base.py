@@ -52,32 +52,6 @@ class Engine(ABC):
         """A Pyro guide, with the model's signature, built from the factors in ``state``."""
 
 
-def check_task_tensors(
-    support: torch.Tensor, support_labels: torch.Tensor, query: torch.Tensor, way: int
-) -> None:
-    """``ValueError`` unless ``support`` [T, n, D], ``support_labels`` [T, n] (integers in
-    0..way-1) and ``query`` [T, Q, D] form a consistent batch of tasks."""
-    if support.ndim != 3 or query.ndim != 3:
-        raise ValueError(
-            f"support and query must be [T, n, D], got {tuple(support.shape)} "
-            f"and {tuple(query.shape)}"
-        )
-    if support.shape[0] != query.shape[0] or support.shape[2] != query.shape[2]:
-        raise ValueError(
-            f"support {tuple(support.shape)} and query {tuple(query.shape)} disagree "
-            "in tasks or width"
-        )
-    if support_labels.shape != support.shape[:2]:
-        raise ValueError(
-            f"support_labels must be [T, n_support]={tuple(support.shape[:2])}, "
-            f"got {tuple(support_labels.shape)}"
-        )
-    if support_labels.is_floating_point():
-        raise ValueError("support_labels must be an integer tensor")
-    if support_labels.numel() and (support_labels.min() < 0 or support_labels.max() >= way):
-        raise ValueError(f"support_labels must lie in 0..{way - 1}")
-
-
 def run(
     engine: Engine,
     state: Any,

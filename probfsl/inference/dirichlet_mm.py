@@ -39,7 +39,8 @@ import pyro.distributions as dist
 import torch
 from pyro.ops.indexing import Vindex
 
-from probfsl.inference.base import Engine, check_task_tensors
+from probfsl.inference.base import Engine
+from probfsl.validation import check_task_tensors
 
 #: added to the probabilities before taking logs (official code; no renormalisation)
 EPS = 1e-15
@@ -369,7 +370,7 @@ class EMDirichletEngine(Engine):
         if support is None:
             return
         check_probabilities(support, "support", ndim=3, allow_empty=True)
-        check_task_tensors(support, support_labels, query, query.shape[-1])
+        check_task_tensors(support, support_labels, query, query.shape[-1], partial_support=True)
 
     def init(
         self,

@@ -39,6 +39,7 @@ import pyro.distributions as dist
 import torch
 
 from probfsl.inference.base import Engine
+from probfsl.inference.eigh import stable_eigh
 
 LOG_2PI = math.log(2 * math.pi)
 UPDATE_VARIANTS = ("algorithm2", "eq19", "mackay")
@@ -80,8 +81,8 @@ class Spectrum:
 def _check_xy(x: torch.Tensor, y: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor) or x.ndim < 2:
         raise ValueError(f"features must be a [..., N, D] tensor, got {getattr(x, 'shape', x)}")
-    if not x.is_floating_point():
-        raise ValueError(f"features must be floating point, got {x.dtype}")
+    if x.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"features must be float32 or float64, got {x.dtype}")
     if not isinstance(y, torch.Tensor) or y.ndim != x.ndim or y.shape[:-1] != x.shape[:-1]:
         raise ValueError(
             f"targets must be [..., N, K] matching features {tuple(x.shape)}, "
@@ -122,7 +123,7 @@ def spectrum(
         x = x - x.mean(-2, keepdim=True)
         y = y - y.mean(-2, keepdim=True)
     if mode == "dual" or (mode is None and n <= d):
-        s, u = torch.linalg.eigh(x @ x.mT)  # [..., N], [..., N, N]
+        s, u = stable_eigh(x @ x.mT)  # [..., N], [..., N, N]
         s = _clean(s, rel_tol)
         keep = s > 0
         proj = (u.mT @ y) * keep.unsqueeze(-1)  # u_d^T y
@@ -133,7 +134,7 @@ def spectrum(
         e0 = (resid**2).sum(-2)
         mode = "dual"
     else:
-        s, v = torch.linalg.eigh(x.mT @ x)  # [..., D], [..., D, D]
+        s, v = stable_eigh(x.mT @ x)  # [..., D], [..., D, D]
         s = _clean(s, rel_tol)
         keep = s > 0
         h = v.mT @ (x.mT @ y)  # h_d = sigma_d u_d^T y
@@ -158,7 +159,7 @@ def spectrum_from_gram(
         raise ValueError(f"gram must be [..., N, N], got {tuple(gram.shape)}")
     _check_xy(gram, y)
     y = y.to(gram.dtype)
-    s, u = torch.linalg.eigh(gram)
+    s, u = stable_eigh(gram)
     s = _clean(s, rel_tol)
     proj = (u.mT @ y) * (s > 0).unsqueeze(-1)
     e0 = ((y - u @ proj) ** 2).sum(-2)
@@ -266,6 +267,39 @@ def posterior_mean(sp: Spectrum, lam: torch.Tensor) -> torch.Tensor:
         raise ValueError("this spectrum was built from Gram matrices: it holds no weights")
     s, lm = _sl(sp, lam)
     return sp.basis @ (sp.proj * s.sqrt() / (lm + s))
+
+
+def at_upper_limit(sp: Spectrum, res: EvidenceResult) -> torch.Tensor:
+    """``[...]`` whether every target of a batch element has its lambda at the upper bound.
+
+    There the profile evidence still rises as lambda -> infinity (e.g. one positive per
+    one-vs-rest target, N <= D: Kim et al., CVPR 2016, eq. 17 has no finite maximiser)
+    and the posterior mean is the vanishing ``X^T y / lambda`` (see :func:`decision_weights`).
+    """
+    upper = res.at_boundary & (res.lam > sp.mean_s.unsqueeze(-1))
+    return upper.all(-1)
+
+
+def decision_weights(
+    sp: Spectrum, lam: torch.Tensor, limit: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Scoring weights ``[..., D, K]``: the posterior mean m(lambda) (:func:`posterior_mean`),
+    and for batch elements with ``limit`` (``[...]`` bool) its lambda -> infinity direction
+
+        lim lambda m(lambda) / mean(s) = X^T y / mean(s) = V diag(sigma) U^T y / mean(s),
+
+    which ranks a query x by x^T X^T y_k, the inner product with the sum of the rows of
+    class k: the nearest class mean. It is computed without lambda, so it does not
+    depend on where the clamp put lambda nor on rounding of scores of size 1/lambda.
+    """
+    if sp.basis is None:
+        raise ValueError("this spectrum was built from Gram matrices: it holds no weights")
+    s, lm = _sl(sp, lam)
+    coef = s.sqrt() / (lm + s)
+    if limit is not None:
+        at_limit = s.sqrt() / sp.mean_s[..., None, None]
+        coef = torch.where(limit[..., None, None], at_limit, coef)
+    return sp.basis @ (sp.proj * coef)
 
 
 def posterior_covariance(sp: Spectrum, alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
@@ -538,6 +572,10 @@ class EvidenceEngine(Engine):
     maximize = True
 
     def __init__(self, lam_init: float = 1.0, fit_intercept: bool = False) -> None:
+        if isinstance(lam_init, bool) or not isinstance(lam_init, (int, float)):
+            raise TypeError(f"lam_init must be a real number, got {lam_init!r}")
+        if not 0 < lam_init < math.inf:
+            raise ValueError(f"lam_init must be positive and finite, got {lam_init!r}")
         self.lam_init = lam_init
         self.fit_intercept = fit_intercept
 
@@ -582,6 +620,8 @@ __all__ = [
     "EvidenceResult",
     "EvidenceState",
     "Spectrum",
+    "at_upper_limit",
+    "decision_weights",
     "em_update",
     "evidence_curve",
     "grid_search",

@@ -33,12 +33,14 @@ import torch
 
 from probfsl.inference.base import Engine
 from probfsl.inference.polya_gamma import (
+    CounterRNG,
     PolyaGamma,
+    _pg_series_draw,
     log_cosh,
     pg_mean,
     sample_pg_exact,
-    sample_pg_torch,
 )
+from probfsl.validation import check_choice, check_hyperparameter
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -144,6 +146,8 @@ class GibbsState:
             log p(y | ω, X) (a trace for diagnostics, not monotone: this is a sampler);
             None unless the engine has ``track_objective``.
         omega_trace: ``[sweeps+1, V, S, n]`` ω after each sweep when recorded, else None.
+        rng: the :class:`~probfsl.inference.polya_gamma.CounterRNG` of per-node streams
+            when :meth:`GibbsNodes.init` was given ``keys``; None: the engine's generator.
     """
 
     x: torch.Tensor
@@ -158,6 +162,7 @@ class GibbsState:
     objective: torch.Tensor | None
     f_trace: list | None = None
     omega_trace: list | None = None
+    rng: CounterRNG | None = None
 
 
 class GibbsNodes:
@@ -169,8 +174,10 @@ class GibbsNodes:
         jitter: added to the kernel diagonal (code: 1e-3).
         sampler: ``"torch"`` (on device, :func:`sample_pg_torch`) or ``"exact"``
             (``polyagamma`` on CPU).
-        generator: torch generator for the normal and Gamma draws (``"torch"`` sampler).
-        seed: seed of the NumPy generator of the ``"exact"`` sampler.
+        generator: torch generator for the normal and Gamma draws (``"torch"`` sampler),
+            used unless :meth:`init` is given per-node ``keys``.
+        seed: seed of the NumPy generator of the ``"exact"`` sampler (which draws ω on the
+            CPU from one stream, so its results depend on the batch even with ``keys``).
         record: keep f and ω after every sweep (for ArviZ diagnostics).
         track_objective: compute log p(y | ω) after every sweep (one more Cholesky per
             sweep); otherwise ``state.objective`` is None.
@@ -188,17 +195,11 @@ class GibbsNodes:
         record: bool = False,
         track_objective: bool = False,
     ) -> None:
-        if n_chains < 1:
-            raise ValueError(f"n_chains must be >= 1, got {n_chains}")
-        if outputscale <= 0 or lengthscale <= 0:
-            raise ValueError("outputscale and lengthscale must be positive")
-        if sampler not in ("torch", "exact"):
-            raise ValueError(f"sampler must be 'torch' or 'exact', got {sampler!r}")
-        self.n_chains = n_chains
-        self.outputscale = outputscale
-        self.lengthscale = lengthscale
-        self.jitter = jitter
-        self.sampler = sampler
+        self.n_chains = check_hyperparameter("n_chains", n_chains, integer=True, low=1)
+        self.outputscale = check_hyperparameter("outputscale", outputscale, positive=True)
+        self.lengthscale = check_hyperparameter("lengthscale", lengthscale, positive=True)
+        self.jitter = check_hyperparameter("jitter", jitter, nonnegative=True)
+        self.sampler = check_choice("sampler", sampler, ("torch", "exact"))
         self.generator = generator
         self._rng = np.random.default_rng(seed)
         self.record = record
@@ -208,19 +209,40 @@ class GibbsNodes:
         return augmented_log_marginal(state).mean(-1) if self.track_objective else None
 
     # -- draws
-    def _randn(self, shape, like: torch.Tensor) -> torch.Tensor:
+    def _randn(self, shape, like: torch.Tensor, rng: CounterRNG | None) -> torch.Tensor:
+        if rng is not None:
+            return rng.normal(tuple(shape), like.dtype)
         return torch.randn(shape, dtype=like.dtype, device=like.device, generator=self.generator)
 
-    def _pg(self, f: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _pg(self, f: torch.Tensor, mask: torch.Tensor, rng: CounterRNG | None) -> torch.Tensor:
         if self.sampler == "torch":
-            w = sample_pg_torch(f, generator=self.generator)
+            w = _pg_series_draw(f, 1.0, 20, self.generator if rng is None else rng)
         else:
             w = sample_pg_exact(f, random_state=self._rng)
         return w * mask.unsqueeze(-2).to(w.dtype)
 
-    def init(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> GibbsState:
-        """Kernel matrices and the code's initialisation f⁰ ~ N(0, K), ω⁰ ~ PG(1, f⁰)."""
+    def init(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        mask: torch.Tensor,
+        keys: torch.Tensor | None = None,
+    ) -> GibbsState:
+        """Kernel matrices and the code's initialisation f⁰ ~ N(0, K), ω⁰ ~ PG(1, f⁰).
+
+        ``keys [V]`` (integers) give node v its own random stream (a
+        :class:`~probfsl.inference.polya_gamma.CounterRNG`), so that its chains do not
+        depend on the other nodes of the batch (for a given padded size n); without them
+        the engine's ``generator`` draws for the whole batch.
+        """
         check_node_data(x, y, mask)
+        rng = None
+        if keys is not None:
+            if not isinstance(keys, torch.Tensor):
+                raise TypeError(f"keys must be a torch.Tensor, got {type(keys).__name__}")
+            if keys.shape != x.shape[:1] or keys.is_floating_point():
+                raise ValueError(f"keys must be integers of shape [V={x.shape[0]}]")
+            rng = CounterRNG(keys.to(x.device))
         x = normalize(x)
         mask = mask.bool()
         m = mask.to(x.dtype)
@@ -230,10 +252,10 @@ class GibbsNodes:
         K = _masked_gram(rbf_kernel(x, x, s, ls), mask, self.jitter)
         chol_K = safe_cholesky(K)
         kappa = (y.to(x.dtype) - 0.5) * m
-        eps = self._randn((V, self.n_chains, x.shape[1]), x)
+        eps = self._randn((V, self.n_chains, x.shape[1]), x, rng)
         f = (chol_K.unsqueeze(1) @ eps.unsqueeze(-1)).squeeze(-1)
-        omega = self._pg(f, mask)
-        state = GibbsState(x, mask, kappa, K, chol_K, omega, f, s, ls, None)
+        omega = self._pg(f, mask, rng)
+        state = GibbsState(x, mask, kappa, K, chol_K, omega, f, s, ls, None, rng=rng)
         state.objective = self._objective(state)
         if self.record:
             state.f_trace, state.omega_trace = [f], [omega]
@@ -247,18 +269,18 @@ class GibbsNodes:
         """
         K, kappa, omega = state.K, state.kappa, state.omega
         V, S, n = omega.shape
-        eps = self._randn((V, S, n), omega)
+        eps = self._randn((V, S, n), omega, state.rng)
         Kk = (K @ kappa.unsqueeze(-1)).squeeze(-1)  # [V, n]
         g = Kk.unsqueeze(1) + eps @ state.chol_K.transpose(-1, -2)  # g ~ N(Kκ, K)
         sw = omega.sqrt()
-        r = sw * g + self._randn((V, S, n), omega)
+        r = sw * g + self._randn((V, S, n), omega, state.rng)
         v = _solve_B(K, sw, r)
         return g - (sw * v) @ K  # K symmetric: rows (K Ω^½ v)ᵀ
 
     def step(self, state: GibbsState) -> GibbsState:
         """One sweep: f | ω, then ω | f ~ PG(1, f)."""
         f = self.sample_f(state)
-        omega = self._pg(f, state.mask)
+        omega = self._pg(f, state.mask, state.rng)
         new = replace(state, f=f, omega=omega)
         new.objective = self._objective(new)
         if self.record:
@@ -267,10 +289,17 @@ class GibbsNodes:
         return new
 
     def fit(
-        self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, n_sweeps: int = 10
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        mask: torch.Tensor,
+        n_sweeps: int = 10,
+        keys: torch.Tensor | None = None,
     ) -> GibbsState:
-        """``init`` then ``n_sweeps`` sweeps (code default 10)."""
-        state = self.init(x, y, mask)
+        """``init`` (with optional per-node stream ``keys``) then ``n_sweeps`` sweeps (code
+        default 10)."""
+        n_sweeps = check_hyperparameter("n_sweeps", n_sweeps, integer=True, nonnegative=True)
+        state = self.init(x, y, mask, keys)
         for _ in range(n_sweeps):
             state = self.step(state)
         return state

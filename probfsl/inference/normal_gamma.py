@@ -13,6 +13,7 @@ import pyro
 import pyro.distributions as dist
 import torch
 
+from probfsl.inference import expfam
 from probfsl.inference.base import Engine
 
 LOG_2PI = math.log(2 * math.pi)
@@ -55,8 +56,7 @@ class NormalMeanPosterior(Engine):
         lik = 0.5 * n * (math.log(tau) - LOG_2PI) - 0.5 * tau * sq
         p0 = self.lam0 * tau
         prior = 0.5 * (math.log(p0) - LOG_2PI) - 0.5 * p0 * ((m - self.mu0) ** 2 + 1 / p)
-        entropy = 0.5 * (1 + LOG_2PI - p.log())
-        return lik + prior + entropy
+        return lik + prior + expfam.Normal(m, p).entropy()
 
     def guide(self, state: NormalMeanState):
         def guide(x: torch.Tensor, *args, **kwargs) -> None:
@@ -127,15 +127,10 @@ class NormalGammaVB(Engine):
         prior_mu = 0.5 * (math.log(self.lam0) + e_log_tau - LOG_2PI) - 0.5 * self.lam0 * e_tau * (
             (s.mu_mean - self.mu0) ** 2 + var
         )
-        prior_tau = (
-            self.a0 * math.log(self.b0)
-            - math.lgamma(self.a0)
-            + (self.a0 - 1) * e_log_tau
-            - self.b0 * e_tau
-        )
-        h_mu = 0.5 * (1 + LOG_2PI - s.mu_precision.log())
-        a, b = s.tau_shape, s.tau_rate
-        h_tau = a - b.log() + torch.lgamma(a) + (1 - a) * torch.special.digamma(a)
+        prior = expfam.Gamma(torch.full_like(e_tau, self.a0), torch.full_like(e_tau, self.b0))
+        prior_tau = prior.expected_log_prob((e_tau, e_log_tau))
+        h_mu = expfam.Normal(s.mu_mean, s.mu_precision).entropy()
+        h_tau = expfam.Gamma(s.tau_shape, s.tau_rate).entropy()
         return lik + prior_mu + prior_tau + h_mu + h_tau
 
     def guide(self, state: NormalGammaState):

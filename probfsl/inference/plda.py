@@ -18,7 +18,10 @@ it differs from the paper.
   (:meth:`GlobalWhitening.gram`), the fast path that never forms D-wide products.
 
 All functions take a leading task dimension where tasks are involved and follow the
-dtype and device of their input.
+dtype and device of their input. Every per-task eigendecomposition goes through
+:func:`probfsl.inference.eigh.stable_eigh` (per-matrix power-of-two scaling and an
+eps-relative jitter), so that a degenerate task (identical points, D = 1, rank-deficient
+Gram matrices with denormal entries) neither raises nor changes the other tasks' results.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from probfsl.inference.eigh import stable_eigh
 
 
 def _check_scatter_input(features: torch.Tensor, labels: torch.Tensor) -> None:
@@ -240,7 +245,7 @@ def task_span_whitening(
         raise ValueError(f"precision must be [{d}, {d}], got {tuple(precision.shape)}")
     precision = precision.to(x)
     if x.shape[1] >= d:
-        a, v = torch.linalg.eigh(precision)
+        a, v = stable_eigh(precision)
         span = torch.eye(d, dtype=x.dtype, device=x.device).expand(x.shape[0], d, d)
         v = v.expand(x.shape[0], d, d)
         a = a.expand(x.shape[0], d)
@@ -248,7 +253,7 @@ def task_span_whitening(
     else:
         span, r_factor = torch.linalg.qr(x.transpose(1, 2))  # x^T = U_t R
         coords = r_factor.transpose(1, 2)  # x U_t = R^T, [T, N, N]
-        a, v = torch.linalg.eigh(span.transpose(1, 2) @ precision @ span)
+        a, v = stable_eigh(span.transpose(1, 2) @ precision @ span)
     # eigenvalues of M_t are 1/a, so s = min(a^{1/2}, s_max)
     s = a.clamp_min(0).sqrt()
     if s_max is not None and not math.isinf(s_max):
@@ -286,9 +291,8 @@ def centroid_projection(
     diff = centroids[:, 1:] - centroids[:, :1]  # [T, K-1, D]
     g_diff = diff if metric is None else metric.metric_apply(diff)
     gram = diff @ g_diff.transpose(1, 2)  # [T, K-1, K-1]
-    h, v = torch.linalg.eigh(gram)
-    floor = h[:, -1:].clamp_min(torch.finfo(x.dtype).tiny) * torch.finfo(x.dtype).eps
-    coeff = v * h.clamp_min(floor).rsqrt().unsqueeze(1)  # [T, K-1, K-1]
+    h, v = stable_eigh(gram)
+    coeff = v * _inverse_sqrt_span(h, x.shape[1]).unsqueeze(1)  # [T, K-1, K-1]
     return x @ g_diff.transpose(1, 2) @ coeff
 
 
@@ -305,6 +309,21 @@ def centroid_projection_gram(
     a = resp.transpose(1, 2) / (gamma + resp.sum(1)).unsqueeze(-1)  # [T, K, N]
     b = a[:, 1:] - a[:, :1]  # [T, K-1, N]
     kb = (b @ gram).transpose(1, 2)  # K B^T [T, N, K-1] (K symmetric)
-    h, v = torch.linalg.eigh(b @ kb)
-    floor = h[:, -1:].clamp_min(torch.finfo(gram.dtype).tiny) * torch.finfo(gram.dtype).eps
-    return kb @ (v * h.clamp_min(floor).rsqrt().unsqueeze(1))
+    h, v = stable_eigh(b @ kb)
+    return kb @ (v * _inverse_sqrt_span(h, gram.shape[1]).unsqueeze(1))
+
+
+def _inverse_sqrt_span(h: torch.Tensor, n_points: int) -> torch.Tensor:
+    """h^{-1/2} [T, K-1] over the span of the centroid differences, 0 outside it.
+
+    Eigenvalues of H = Delta Delta^T at the rounding level of its computation (below
+    N * eps * max h; exactly 0 in exact arithmetic when the K - 1 differences are
+    linearly dependent: D < K - 1, e.g. D = 1, or coinciding centroids) belong to no
+    direction of the difference span: their coordinates would be rounding noise
+    multiplied by h^{-1/2} (up to 1e6 times the data in float64, D = 1), which then
+    steers the VB iterations and makes a task's result depend on the rounding of its
+    batch. They get coordinate 0 instead (the same for every point: no effect on the
+    mixture's distances)."""
+    eps = torch.finfo(h.dtype).eps
+    cut = h[:, -1:].clamp_min(torch.finfo(h.dtype).tiny) * (eps * max(n_points, 1))
+    return torch.where(h > cut, h.clamp_min(cut).rsqrt(), torch.zeros_like(h))

@@ -23,6 +23,12 @@ Two samplers:
   moments to about 1e-6 relative for the default K = 20; only the third and higher
   cumulants of the tail (≈1 % of the mean at c = 0, less for larger |c|) are approximated,
   which is far below Monte Carlo error in the Gibbs sampler.
+
+:class:`CounterRNG` gives every row (a GP node of a task) its own reproducible stream of
+uniform, normal and Gamma draws, computed from a hash of (key, counter) in the spirit of
+counter-based generators (Salmon, Moraes, Dror & Shaw, "Parallel random numbers: as easy
+as 1, 2, 3", SC 2011). Row r's draws depend only on its key, never on which rows share
+its batch, so a task's result does not depend on the batch it is evaluated in.
 """
 
 from __future__ import annotations
@@ -39,14 +45,17 @@ _SMALL_C = 1e-2
 
 def _check_c(c: torch.Tensor, name: str = "c") -> None:
     if not isinstance(c, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(c).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(c).__name__}")
     if not torch.isfinite(c).all():
         raise ValueError(f"{name} contains NaN or inf")
 
 
 def _check_b(b: float | torch.Tensor) -> None:
-    bt = torch.as_tensor(b)
-    if not torch.isfinite(bt).all() or (bt <= 0).any():
+    if isinstance(b, torch.Tensor):
+        bad = not bool(torch.isfinite(b).all()) or bool((b <= 0).any())
+    else:
+        bad = not math.isfinite(b) or b <= 0
+    if bad:
         raise ValueError(f"b must be positive and finite, got {b}")
 
 
@@ -146,31 +155,138 @@ def _tail_sums(a: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return s1, s2
 
 
+# ------------------------------------------------------------------- counter-based draws
+
+_MASK32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B  # < 2²⁷: a 32-bit word times it fits in int64, no overflow
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """An integer hash of int64 ``x`` (taken mod 2³²) into [0, 2³²): two rounds of
+    xor-shift and multiply (T. Mueller's constant 0x45d9f3b; a bijection of 32-bit words
+    whose output bits each depend on every input bit). Exact integer arithmetic: every
+    product stays below 2⁵⁹."""
+    x = x & _MASK32
+    x ^= x >> 16
+    x *= _MIX
+    x &= _MASK32
+    x ^= x >> 16
+    x *= _MIX
+    x &= _MASK32
+    x ^= x >> 16
+    return x
+
+
+class CounterRNG:
+    """Reproducible random streams, one per row: draw j of row r is a hash of (key_r, j).
+
+    ``keys [V]`` (integers, any device) name the streams; a call asking for ``shape =
+    (V, *rest)`` draws uses the next ``prod(rest)`` counters of every stream, so row r
+    receives the same numbers whatever other rows are drawn with it. Uniforms are
+    (24 bits + ½)·2⁻²⁴ in float32 and (32 bits + ½)·2⁻³² in float64 (never 0 or 1);
+    normals by Box–Muller; Gamma(a) by Marsaglia & Tsang (ACM TOMS 2000) with a fixed
+    number of proposals (the first accepted is kept; for a ≥ 1 the acceptance rate
+    exceeds 95 %, so all ``rounds`` = 6 fail with probability below 2·10⁻⁸, and then the
+    last proposal is kept), a < 1 through Gamma(a + 1)·U^{1/a}.
+    """
+
+    def __init__(self, keys: torch.Tensor, rounds: int = 6) -> None:
+        if not isinstance(keys, torch.Tensor):
+            raise TypeError(f"keys must be a torch.Tensor, got {type(keys).__name__}")
+        if keys.ndim != 1 or keys.is_floating_point():
+            raise ValueError("keys must be a 1-D integer tensor (one key per row)")
+        keys = keys.to(torch.int64)
+        self.k1 = mix32(keys ^ 0x9E3779B9)
+        self.k2 = mix32(self.k1 + 0x7F4A7C15)
+        self.offset = 0
+        self.rounds = rounds
+
+    def bits(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """32-bit random words (int64 in [0, 2³²)) of ``shape = (V, *rest)``."""
+        n = math.prod(shape[1:])
+        ctr = torch.arange(self.offset, self.offset + n, device=self.k1.device)
+        self.offset += n
+        h = mix32(mix32(ctr.unsqueeze(0) + self.k1.unsqueeze(1)) ^ self.k2.unsqueeze(1))
+        return h.reshape(shape)
+
+    def uniform(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """U(0, 1) draws in ``dtype`` (open interval)."""
+        if dtype == torch.float64:
+            return (self.bits(shape).to(dtype) + 0.5) * 2.0**-32
+        return ((self.bits(shape) >> 8).to(dtype) + 0.5) * 2.0**-24
+
+    def normal(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """N(0, 1) draws by Box–Muller, √(−2 log u₁)·cos(2πu₂)."""
+        u1 = self.uniform(shape, dtype)
+        u2 = self.uniform(shape, dtype)
+        return (-2 * u1.log()).sqrt() * torch.cos(2 * math.pi * u2)
+
+    def exponential(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Exp(1) = Gamma(1) draws, −log u."""
+        return -self.uniform(shape, dtype).log()
+
+    def standard_gamma(self, conc: torch.Tensor) -> torch.Tensor:
+        """Gamma(conc, 1) draws of ``conc``'s shape and dtype (Marsaglia–Tsang)."""
+        shape, dtype = tuple(conc.shape), conc.dtype
+        boost = conc < 1
+        a = torch.where(boost, conc + 1, conc)
+        d = a - 1 / 3
+        cc = 1 / (9 * d).sqrt()
+        z = self.normal((shape[0], self.rounds, *shape[1:]), dtype)
+        u = self.uniform((shape[0], self.rounds, *shape[1:]), dtype)
+        d, cc = d.unsqueeze(1), cc.unsqueeze(1)
+        v = (1 + cc * z).pow(3)
+        vpos = v.clamp_min(torch.finfo(dtype).tiny)
+        ok = (v > 0) & (u.log() < 0.5 * z * z + d - d * vpos + d * vpos.log())
+        ok[:, -1] = True  # keep the last proposal when every one was rejected
+        first = ok.to(torch.int8).argmax(1, keepdim=True)
+        g = (d * vpos).gather(1, first).squeeze(1)
+        u_boost = self.uniform(shape, dtype)
+        return torch.where(boost, g * u_boost.pow(1 / conc), g)
+
+
+def _standard_gamma(conc: torch.Tensor, generator) -> torch.Tensor:
+    if isinstance(generator, CounterRNG):
+        return generator.standard_gamma(conc)
+    return torch._standard_gamma(conc, generator=generator)
+
+
 def sample_pg_torch(
     c: torch.Tensor,
     b: float = 1.0,
     n_terms: int = 20,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | CounterRNG | None = None,
 ) -> torch.Tensor:
     """Draw ω ~ PG(b, c) elementwise on ``c``'s device (truncated Gamma series + tail Gamma).
 
     ω = 1/(2π²) [Σ_{k=1}^{K} g_k/d_k + T], d_k = (k−½)² + c²/(4π²), g_k ~ Gamma(b, 1),
     and T ~ Gamma with the exact mean b·S1 and variance b·S2 of the neglected tail
     Σ_{k>K} g_k/d_k (see the module docstring for the accuracy statement).
+    ``generator`` is a ``torch.Generator`` or a :class:`CounterRNG` (whose rows are the
+    first dimension of ``c``).
     """
     _check_c(c)
     _check_b(b)
     if n_terms < 1:
         raise ValueError(f"n_terms must be >= 1, got {n_terms}")
+    return _pg_series_draw(c, b, n_terms, generator)
+
+
+def _pg_series_draw(c: torch.Tensor, b: float, n_terms: int, generator) -> torch.Tensor:
+    """:func:`sample_pg_torch` without the input checks (for samplers whose ``c`` is
+    finite by construction: no host synchronisation inside their loops)."""
     a = c.abs() / (2 * math.pi)
     k = torch.arange(1, n_terms + 1, dtype=c.dtype, device=c.device)
     d = (k - 0.5) ** 2 + (a * a).unsqueeze(-1)
-    shape = torch.full(d.shape, float(b), dtype=c.dtype, device=c.device)
-    g = torch._standard_gamma(shape, generator=generator)
+    if isinstance(generator, CounterRNG) and float(b) == 1.0:
+        g = generator.exponential(tuple(d.shape), c.dtype)
+    else:
+        shape = torch.full(d.shape, float(b), dtype=c.dtype, device=c.device)
+        g = _standard_gamma(shape, generator)
     head = (g / d).sum(-1)
     s1, s2 = _tail_sums(a, n_terms)
     conc = b * s1 * s1 / s2
-    tail = torch._standard_gamma(conc, generator=generator) * (s2 / s1)
+    tail = _standard_gamma(conc, generator) * (s2 / s1)
     return (head + tail) / (2 * math.pi**2)
 
 

@@ -41,13 +41,15 @@ import pyro
 import pyro.distributions as dist
 import torch
 
-from probfsl.inference.base import Engine, check_task_tensors
+from probfsl.inference import expfam
+from probfsl.inference.base import Engine
 from probfsl.inference.kmeans import softmax_last
 from probfsl.inference.plda import (
     GlobalWhitening,
     centroid_projection,
     centroid_projection_gram,
 )
+from probfsl.validation import check_task_tensors
 
 PROJECTIONS = ("adaptive", "frozen", "identity", "adaptive_gram")
 LOG_2PI = math.log(2 * math.pi)
@@ -241,7 +243,7 @@ class BavardageVB(Engine):
     @staticmethod
     def expected_log_pi(alpha: torch.Tensor) -> torch.Tensor:
         """⟨ln π_k⟩ = ψ(α_k) - ψ(Σ_j α_j) under Dir(α)."""
-        return torch.special.digamma(alpha) - torch.special.digamma(alpha.sum(-1, keepdim=True))
+        return expfam.Dirichlet(alpha).expected_stats()[0]
 
     def elbo(self, state: VBMixtureState) -> torch.Tensor:
         """The ELBO of spec §3.9 for a fixed u, [T] (its balanced and paper variants too)."""
@@ -270,19 +272,12 @@ class BavardageVB(Engine):
         total = total - torch.special.xlogy(q_resp, q_resp).sum((1, 2))
         if state.alpha is None:  # balanced: E ln p(z) = -ln K per query
             return total - math.log(k) * q_resp.sum((1, 2))
-        alpha = state.alpha
-        e_log_pi = self.expected_log_pi(alpha)
+        q_pi = expfam.Dirichlet(state.alpha)
+        e_log_pi = q_pi.expected_stats()[0]
         z_resp = resp if self.count_support else q_resp
         total = total + (z_resp.sum(1) * e_log_pi).sum(-1)  # line 2
-        a0 = self.alpha0
-        total = total + (  # line 3: E ln Dir(π | α_o)
-            math.lgamma(k * a0) - k * math.lgamma(a0) + (a0 - 1) * e_log_pi.sum(-1)
-        )
-        return total - (  # line 6: -E ln q(π)
-            torch.lgamma(alpha.sum(-1))
-            - torch.lgamma(alpha).sum(-1)
-            + ((alpha - 1) * e_log_pi).sum(-1)
-        )
+        # line 3 + line 6: E ln Dir(π | α_o) - E ln q(π) = -KL(q(π) ‖ Dir(α_o))
+        return total - q_pi.kl(expfam.Dirichlet(torch.full_like(state.alpha, self.alpha0)))
 
     # ------------------------------------------------------------------ guide
     def guide(self, state: VBMixtureState):

@@ -25,6 +25,7 @@ Everything is batched over leading dimensions; dtype and device follow the input
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +36,8 @@ def _check(name: str, x: torch.Tensor, ndim: int = 2) -> None:
         raise ValueError(
             f"{name} must be a tensor with at least {ndim} dims, got {getattr(x, 'shape', x)}"
         )
-    if not x.is_floating_point():
-        raise ValueError(f"{name} must be floating point, got {x.dtype}")
+    if x.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"{name} must be float32 or float64, got {x.dtype}")
     if not torch.isfinite(x).all():
         raise ValueError(f"{name} contains NaN or inf")
 
@@ -52,16 +53,30 @@ def background_statistics(negatives: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def default_lambda(negatives: torch.Tensor, rel: float = 1e-3) -> torch.Tensor:
-    """Spec default ``lambda = rel * trace(Sigma) / d`` (``[...]``)."""
+    """Spec default ``lambda = rel * trace(Sigma) / d`` (``[...]``).
+
+    When the negatives have no spread (trace 0: every negative the same vector) the
+    scale is taken from their second moment ``mean ||x||^2 / d`` instead, and from 1
+    when they are all zero, so that ``Sigma + lambda I`` stays positive definite.
+    """
+    n, d = negatives.shape[-2], negatives.shape[-1]
     xc = negatives - negatives.mean(-2, keepdim=True)
-    return rel * (xc**2).sum((-2, -1)) / (negatives.shape[-2] * negatives.shape[-1])
+    spread = (xc**2).sum((-2, -1)) / (n * d)
+    second = (negatives**2).sum((-2, -1)) / (n * d)
+    scale = torch.where(spread > 0, spread, torch.where(second > 0, second, 1.0))
+    return rel * scale
 
 
 def _lam(lam: float | torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     lam = torch.as_tensor(lam, dtype=ref.dtype, device=ref.device)
-    if bool((lam < 0).any()):
-        raise ValueError(f"lam must be non-negative, got {lam}")
+    if not bool((lam >= 0).all() & torch.isfinite(lam).all()):
+        raise ValueError(f"lam must be finite and non-negative, got {lam}")
     return lam
+
+
+def _check_theta(theta: float) -> None:
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
+        raise ValueError(f"theta must be a positive finite number, got {theta!r}")
 
 
 def slem_closed_form(
@@ -75,8 +90,7 @@ def slem_closed_form(
     ``x0 [..., P, d]`` exemplars (or class means), ``negatives [..., n, d]``.
     """
     _check("x0", x0)
-    if theta <= 0:
-        raise ValueError(f"theta must be positive, got {theta}")
+    _check_theta(theta)
     mu, sigma = background_statistics(negatives)
     lam = _lam(lam, x0)
     d = x0.shape[-1]
@@ -132,11 +146,23 @@ def factor_negatives(
         if bool((lam <= 0).any()):
             raise ValueError("the dual (Woodbury) form needs lam > 0")
         eye = torch.eye(n, dtype=xc.dtype, device=xc.device)
-        chol = torch.linalg.cholesky(xc @ xc.mT + (lam * n)[..., None, None] * eye)
+        chol = _cholesky(xc @ xc.mT + (lam * n)[..., None, None] * eye)
         return NegativeFactor(mu, lam, chol, xc, "dual")
     eye = torch.eye(d, dtype=xc.dtype, device=xc.device)
     a = xc.mT @ xc / n + lam[..., None, None] * eye
-    return NegativeFactor(mu, lam, torch.linalg.cholesky(a), None, "primal")
+    return NegativeFactor(mu, lam, _cholesky(a), None, "primal")
+
+
+def _cholesky(a: torch.Tensor) -> torch.Tensor:
+    """Cholesky factor of ``Sigma + lambda I``; a ``ValueError`` naming ``lam`` when it is
+    not positive definite (lam = 0 with a rank-deficient background)."""
+    chol, info = torch.linalg.cholesky_ex(a)
+    if bool((info != 0).any()):
+        raise ValueError(
+            "lam: Sigma + lam I of the negatives is not positive definite (lam = 0 with "
+            "rank-deficient negatives?); use lam > 0"
+        )
+    return chol
 
 
 def slem_woodbury(
@@ -144,8 +170,11 @@ def slem_woodbury(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(omega, nu)`` for many exemplars ``x0 [..., P, d]`` via Sherman-Morrison (spec §3)."""
     _check("x0", x0)
-    if theta <= 0:
-        raise ValueError(f"theta must be positive, got {theta}")
+    _check_theta(theta)
+    if x0.shape[-1] != factor.mu.shape[-1]:
+        raise ValueError(
+            f"x0 width {x0.shape[-1]} does not match the negatives' {factor.mu.shape[-1]}"
+        )
     mu = factor.mu.unsqueeze(-2)
     delta = x0 - mu
     ainv_delta = factor.solve(delta)
@@ -160,6 +189,10 @@ def slem_descriptors(
 ) -> torch.Tensor:
     """Exemplar descriptors ``A^-1 (x - mu)`` ``[..., P, d]``, L2-normalised by default."""
     _check("x", x)
+    if x.shape[-1] != factor.mu.shape[-1]:
+        raise ValueError(
+            f"x width {x.shape[-1]} does not match the negatives' {factor.mu.shape[-1]}"
+        )
     omega = factor.solve(x - factor.mu.unsqueeze(-2))
     return torch.nn.functional.normalize(omega, dim=-1) if normalize else omega
 

@@ -4,18 +4,43 @@ An estimator holds its hyperparameters from ``__init__``; ``fit_base`` learns th
 statistics a method is allowed to take from the labelled base classes (centring
 means, within-class scatter, ...); ``predict_proba`` classifies the queries of a
 batch of tasks at once. Fitted attributes end in ``_``.
+
+Input checks come from :mod:`probfsl.validation` (re-exported here as
+``check_base`` / ``check_episodes`` for the estimators): every ``fit_base`` accepts
+tensors or NumPy arrays and every ``predict_proba`` checks its episodes before
+computing.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Self
+from typing import Any, Self
 
 import torch
 
 from probfsl.data.featureset import FeatureSet
 from probfsl.data.tasks import Episodes
-from probfsl.inference.base import check_task_tensors
+from probfsl.validation import (
+    check_base,
+    check_episodes,
+    check_float_dtype,
+    check_hyperparameter,
+)
+
+__all__ = [
+    "BaseMeanCentering",
+    "FewShotClassifier",
+    "check_base",
+    "check_episodes",
+    "check_hyperparameter",
+    "check_temperature",
+]
+
+
+def check_temperature(value: Any, name: str = "temperature") -> float:
+    """A softmax (inverse) temperature: finite and positive (a negative one would invert
+    the ranking silently, NaN would make every probability NaN)."""
+    return check_hyperparameter(name, value, positive=True)
 
 
 class FewShotClassifier(ABC):
@@ -26,13 +51,17 @@ class FewShotClassifier(ABC):
     #: whether ``fit_base`` must be called before ``predict_proba``
     needs_base: bool = False
 
-    def fit_base(self, features: torch.Tensor, labels: torch.Tensor) -> Self:
-        """Learn base-class statistics from ``features`` [N, D] and ``labels`` [N]."""
+    def fit_base(self, features: Any, labels: Any) -> Self:
+        """Learn base-class statistics from ``features`` [N, D] and ``labels`` [N]
+        (tensors or NumPy arrays; checked by :func:`~probfsl.validation.check_base`)."""
         check_base(features, labels)
         return self
 
     def fit_featureset(self, fs: FeatureSet, dtype: torch.dtype = torch.float32) -> Self:
         """Learn what the method may take from a FeatureSet before any task (its base classes)."""
+        if not isinstance(fs, FeatureSet):
+            raise TypeError(f"fs must be a FeatureSet, got {type(fs).__name__}")
+        check_float_dtype("dtype", dtype)
         if self.needs_base:
             self.fit_base(*fs.base(dtype))
         return self
@@ -74,8 +103,9 @@ class BaseMeanCentering:
     def needs_base(self) -> bool:
         return self.center
 
-    def fit_base(self, features: torch.Tensor, labels: torch.Tensor) -> Self:
-        check_base(features, labels)
+    def fit_base(self, features: Any, labels: Any) -> Self:
+        """Store the mean of the base ``features`` [N, D] (tensor or NumPy array)."""
+        features, _ = check_base(features, labels)
         self.base_mean_ = features.mean(0)
         return self
 
@@ -87,38 +117,10 @@ class BaseMeanCentering:
             raise ValueError("center=True needs base features: call fit_base first")
         return self.base_mean_
 
-
-def check_base(features: torch.Tensor, labels: torch.Tensor, min_classes: int = 1) -> None:
-    """``ValueError`` unless base ``features`` [N, D] and ``labels`` [N] are usable."""
-    if features is None or features.ndim != 2 or features.shape[0] == 0:
-        shape = None if features is None else tuple(features.shape)
-        raise ValueError(f"base features must be a non-empty [N, D] tensor, got shape {shape}")
-    if labels.ndim != 1 or labels.shape[0] != features.shape[0]:
-        raise ValueError(
-            f"base labels must be [N={features.shape[0]}], got shape {tuple(labels.shape)}"
-        )
-    if not torch.isfinite(features).all():
-        raise ValueError("base features contain NaN or inf")
-    n_classes = labels.unique().numel()
-    if n_classes < min_classes:
-        raise ValueError(f"base features need at least {min_classes} classes, got {n_classes}")
-
-
-def check_episodes(episodes: Episodes, dim: int | None = None) -> None:
-    """``ValueError`` unless the episode tensors are consistent (and ``dim`` wide)."""
-    s, q = episodes.support, episodes.query
-    check_task_tensors(s, episodes.support_labels, q, episodes.way)
-    if dim is not None and s.shape[2] != dim:
-        raise ValueError(f"query/support width {s.shape[2]} does not match the base width {dim}")
-    if not (all_finite(s) and all_finite(q)):
-        raise ValueError("support or query features contain NaN or inf")
-
-
-def all_finite(x: torch.Tensor) -> bool:
-    """Whether every entry of ``x`` is finite, from one reduction in the common case.
-
-    A NaN or ±inf entry makes the sum NaN or ±inf, so a finite sum proves every entry
-    finite; only a non-finite sum (bad entries, or an overflow of finite ones) runs the
-    element-wise test. This keeps validation cheap on [T, n, 1280] task tensors.
-    """
-    return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
+    def checked_centring_mean(self, episodes: Episodes) -> torch.Tensor | None:
+        """:meth:`centring_mean` after :func:`~probfsl.validation.check_episodes` of
+        ``episodes`` (with the base width when centring, so that tasks wider or narrower
+        than the base features are a ``ValueError``, not a broadcasting error)."""
+        mean = self.centring_mean()
+        check_episodes(episodes, dim=None if mean is None else mean.shape[0])
+        return mean

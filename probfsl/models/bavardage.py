@@ -41,7 +41,15 @@ from probfsl.inference.plda import (
     within_class_scatter,
 )
 from probfsl.inference.vb_mixture import BavardageVB, VBMixtureState, fit_bavardage_vb
-from probfsl.models.base import FewShotClassifier, check_base, check_episodes
+from probfsl.models.base import FewShotClassifier
+from probfsl.validation import (
+    as_float_tensor,
+    as_label_tensor,
+    check_base,
+    check_choice,
+    check_episodes,
+    check_hyperparameter,
+)
 
 
 def _centre_gram_(raw: torch.Tensor, dots: torch.Tensor, m_sq: torch.Tensor) -> torch.Tensor:
@@ -51,17 +59,19 @@ def _centre_gram_(raw: torch.Tensor, dots: torch.Tensor, m_sq: torch.Tensor) -> 
 
 def _centred_grams(
     episodes: Episodes, mean: torch.Tensor, metric: GlobalWhitening | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Centred Gram matrices straight from the raw rows, with no centred copy.
 
-    Returns ``(E, K)``: E = (x - m)(x - m)^T [T, N, N] and, for a ``metric`` with a low-rank
-    form G = s_max^2 I + R_u diag(c) R_u^T (c < 0), K = (x - m) G (x - m)^T
+    Returns ``(E, K, bad)``: E = (x - m)(x - m)^T [T, N, N] and, for a ``metric`` with a
+    low-rank form G = s_max^2 I + R_u diag(c) R_u^T (c < 0), K = (x - m) G (x - m)^T
     = s_max^2 E - (x - m) V V^T (x - m)^T with V = R_u diag(sqrt(-c)); K is None without
     ``metric``. The D-wide work is one batched Gram product of the task's rows
     (:meth:`Episodes.points`, no copy) and one thin product with [m, V];
     centring uses (a - m).(b - m) = a.b - a.m - b.m + m.m. The expansion loses about
-    log2(||a||^2 / ||a - m||^2) bits, so None is returned (the caller centres explicitly)
-    when some row would lose more than 4 bits.
+    log2(||a||^2 / ||a - m||^2) bits, so ``bad`` [T] marks the tasks where some row would
+    lose more than 4 bits, where a product overflows (huge features) or where squared
+    norms are denormal-small (tiny features): :func:`_task_grams` recomputes those tasks
+    explicitly, task by task, so that no task's path depends on the others.
     """
     x = episodes.points()
     low_rank = None if metric is None else metric.low_rank()
@@ -74,19 +84,57 @@ def _centred_grams(
     gram = x @ x.transpose(1, 2)
     raw_sq = gram.diagonal(dim1=1, dim2=2).clone()  # ||a||^2, for the precision check
     gram = _centre_gram_(gram, c[..., 0], mean.square().sum())
-    if bool((gram.diagonal(dim1=1, dim2=2) * 16 < raw_sq).any()):
-        return None
+    # (a NaN or inf diagonal fails the comparison: overflowed products are bad too)
+    ok = (gram.diagonal(dim1=1, dim2=2) * 16 >= raw_sq) & torch.isfinite(raw_sq)
+    ok &= (raw_sq == 0) | (raw_sq >= _TINY_SQ_NORM)
     if low_rank is None:
-        return gram, None
+        return gram, None, ~ok.all(-1)
     low = c[..., 1:]
     mv = mean @ v
     low = _centre_gram_(low @ low.transpose(1, 2), low @ mv, mv.square().sum())
     k = low.neg_().add_(gram, alpha=metric.s_max**2)
     # the low-rank form's own terms are of size s_max^2 E; its centring may add 4 bits more
-    scale = gram.diagonal(dim1=1, dim2=2) * metric.s_max**2
-    if bool((scale * 16 < raw_sq).any()):
-        return None
+    ok &= gram.diagonal(dim1=1, dim2=2) * metric.s_max**2 * 16 >= raw_sq
+    bad = ~ok.all(-1) | ~torch.isfinite(k).flatten(1).all(-1)
+    return gram, k, bad
+
+
+def _task_grams(
+    episodes: Episodes, mean: torch.Tensor, metric: GlobalWhitening | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(E, K)`` of :func:`_centred_grams`, with its ``bad`` tasks recomputed from
+    explicitly centred (and, where needed, rescaled) rows (:func:`_centred_rows`)."""
+    gram, k, bad = _centred_grams(episodes, mean, metric)
+    if bool(bad.any()):
+        index = bad.nonzero().squeeze(1)
+        rows, sub = _centred_rows(episodes.points()[index], mean)
+        gram[index] = sub
+        if k is not None:
+            k[index] = metric.gram(rows, euclidean=sub)
     return gram, k
+
+
+#: squared row norms below this are rescaled before the Gram product (see _centred_rows)
+_TINY_SQ_NORM = 1e-20
+
+
+def _centred_rows(points: torch.Tensor, mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Centred rows x = points - mean [T, N, D] and their Gram matrices x x^T [T, N, N].
+
+    BAVARDAGE normalises every centred row (MESV "E"), so a row's scale is irrelevant.
+    When some squared norm overflows (features near the float range) or is so small
+    that the 1e-12 norm floor would leave the row unnormalised, every row is first
+    divided by an exact power of two that brings its largest entry into [0.5, 1):
+    exact in floating point, so other rows' (and tasks') results do not change.
+    """
+    x = points - mean
+    gram = x @ x.transpose(1, 2)
+    diag = gram.diagonal(dim1=1, dim2=2)
+    if bool((~torch.isfinite(diag) | ((diag > 0) & (diag < _TINY_SQ_NORM))).any()):
+        peak = x.abs().amax(-1, keepdim=True)
+        x = torch.ldexp(x, -torch.frexp(peak).exponent.clamp(-100, 100))
+        gram = x @ x.transpose(1, 2)
+    return x, gram
 
 
 def _mu_of(labels_onehot: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
@@ -306,34 +354,47 @@ class Bavardage(FewShotClassifier):
         return cls(**{**PRESETS[name], **overrides})
 
     def _check_params(self) -> None:
-        if self.whitening not in WHITENINGS:
-            raise ValueError(f"whitening must be one of {WHITENINGS}, got {self.whitening!r}")
-        if self.scale not in SCALES:
-            raise ValueError(f"scale must be one of {SCALES}, got {self.scale!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.s_max is not None and not self.s_max > 0:
-            raise ValueError(f"s_max must be positive or None, got {self.s_max}")
+        """``TypeError``/``ValueError`` naming the first bad hyperparameter (called by
+        ``fit_base`` and ``predict_proba`` before any computation)."""
+        check_choice("whitening", self.whitening, WHITENINGS)
+        check_choice("scale", self.scale, SCALES)
+        check_choice("mode", self.mode, MODES)
+        check_choice("scatter", self.scatter, ("code", "paper"))
+        if self.s_max is not None and not (
+            isinstance(self.s_max, float) and self.s_max == float("inf")
+        ):
+            check_hyperparameter("s_max", self.s_max, positive=True)
         for name in ("temperature_km", "temperature_vb", "alpha0", "beta0"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+            check_hyperparameter(name, getattr(self, name), positive=True)
+        if self.gamma is not None:
+            check_hyperparameter("gamma", self.gamma, nonnegative=True)
         for name in ("n_km", "n_vb"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+            check_hyperparameter(name, getattr(self, name), integer=True, low=1)
+        for name in ("balanced", "count_support", "trace_elbo"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     # ------------------------------------------------------------------ base statistics
     def fit_base(self, features: torch.Tensor, labels: torch.Tensor) -> Self:
         """Base mean (M), then S_w of the centred, L2-normalised base features (spec §3.2).
 
-        The statistics are computed and stored in float64 and cast to each batch's dtype.
+        The statistics are computed and stored in float64 (a deliberate upcast: S_w is
+        inverted and eigendecomposed once) and cast to each batch's dtype and device.
+        ``features`` and ``labels`` may be tensors or NumPy arrays.
         """
         self._check_params()
         if features is None:
-            raise ValueError("base features are missing: BAVARDAGE needs labelled base features")
+            raise TypeError("base features are missing: BAVARDAGE needs labelled base features")
         check_base(features, labels, min_classes=2)
+        features = as_float_tensor(features, "base features", ndim=2)
+        labels = as_label_tensor(labels, "base labels", n=features.shape[0])
         x = features.detach().to(torch.float64)
         self.base_mean_ = x.mean(0)
-        x = center_and_normalize(x, self.base_mean_)
+        x = x - self.base_mean_
+        # exact power-of-two row scaling first: normalize's 1e-12 norm floor would leave
+        # rows of tiny features (norm < 1e-12) unnormalised and S_w scale-dependent
+        x = torch.ldexp(x, -torch.frexp(x.abs().amax(-1, keepdim=True)).exponent.clamp(-100, 100))
+        x = center_and_normalize(x)
         labels = labels.to(x.device)
         self.scatter_ = within_class_scatter(x, labels, normalization=self.scatter)
         chol = torch.linalg.cholesky(self.scatter_)
@@ -341,7 +402,9 @@ class Bavardage(FewShotClassifier):
         self.scatter_eigen_ = torch.linalg.eigh(self.scatter_)
         onehot = torch.nn.functional.one_hot(labels.unique(return_inverse=True)[1]).to(x)
         class_means = (onehot.T @ x) / onehot.sum(0).unsqueeze(-1)
-        self.within_ = float((x - onehot @ class_means).square().sum(-1).mean())
+        # floored so that scale="relative" stays finite when every base class is one point
+        within = float((x - onehot @ class_means).square().sum(-1).mean())
+        self.within_ = max(within, torch.finfo(torch.float64).eps)
         self._search_cache = None  # shared by with_params copies (see _rotated_grams)
         self._apply_hyperparameters()
         return self
@@ -365,11 +428,11 @@ class Bavardage(FewShotClassifier):
         # the cache holds the batch's tensors, so identity means the same (unmodified) data
         if cache.get("support") is not episodes.support or cache.get("query") is not episodes.query:
             cache.clear()
-            centred = episodes.points() - mean
+            centred, gram = _centred_rows(episodes.points(), mean)
             cache.update(
                 support=episodes.support,
                 query=episodes.query,
-                gram=centred @ centred.transpose(1, 2),
+                gram=gram,
                 rotated=centred @ metric.rotation,
             )
         z = cache["rotated"]
@@ -452,10 +515,9 @@ class Bavardage(FewShotClassifier):
         if global_mode and getattr(self, "_search_cache", None) is not None:
             grams = self._rotated_grams(episodes, mean, metric)
         elif self.mode == "soft_kmeans" or (global_mode and metric.low_rank() is not None):
-            grams = _centred_grams(episodes, mean, metric)
+            grams = _task_grams(episodes, mean, metric)
         if grams is None:
-            x = episodes.points() - mean  # MESV 'M'; 'E' is applied below
-            gram = x @ x.transpose(1, 2)  # [T, N, N]
+            x, gram = _centred_rows(episodes.points(), mean)  # MESV 'M'; 'E' is applied below
             k = metric.gram(x, euclidean=gram) if global_mode else None
         else:
             gram, k = grams
@@ -492,8 +554,7 @@ class Bavardage(FewShotClassifier):
         state: VBMixtureState | None = getattr(self, "state_", None)
         if state is None:
             raise ValueError("no variational posterior: call predict_proba (mode != soft_kmeans)")
-        if n_draws < 1:
-            raise ValueError(f"n_draws must be positive, got {n_draws}")
+        check_hyperparameter("n_draws", n_draws, integer=True, low=1)
         sel = slice(None) if tasks is None else tasks
         mean, beta = state.mean[sel], state.beta[sel]
         sd = (beta * self.temperature_vb_).rsqrt().unsqueeze(-1).expand_as(mean)

@@ -27,7 +27,11 @@ import torch
 from pyro import poutine
 from pyro.distributions import constraints
 
-from probfsl.data.simplex import check_probabilities, probabilities_from_embeddings
+from probfsl.data.simplex import (
+    check_probabilities,
+    probabilities_from_embeddings,
+    softmax_cosine,
+)
 from probfsl.data.tasks import Episodes, ZeroShotTasks
 from probfsl.inference.base import run
 from probfsl.inference.dirichlet_mm import (
@@ -38,7 +42,14 @@ from probfsl.inference.dirichlet_mm import (
     default_lambda_coef,
     gather_alpha,
 )
-from probfsl.models.base import FewShotClassifier, check_base, check_episodes
+from probfsl.models.base import FewShotClassifier
+from probfsl.validation import (
+    as_float_tensor,
+    check_base,
+    check_choice,
+    check_episodes,
+    check_hyperparameter,
+)
 
 MATCHINGS = ("hungarian", "argmax")
 __all__ = [
@@ -235,14 +246,20 @@ class EMDirichlet(FewShotClassifier):
         return self.center
 
     def _validate(self) -> None:
-        if not (isinstance(self.temperature, int | float) and 0 < self.temperature < np.inf):
-            raise ValueError(
-                f"temperature must be a positive finite number, got {self.temperature}"
-            )
-        if self.n_iter is not None and self.n_iter < 1:
-            raise ValueError(f"n_iter must be at least 1, got {self.n_iter}")
-        if self.matching not in MATCHINGS:
-            raise ValueError(f"matching must be one of {MATCHINGS}, got {self.matching!r}")
+        """``TypeError``/``ValueError`` naming the first bad hyperparameter (called before
+        any computation by ``fit_base``, ``fit_probabilities`` and ``predict_*``)."""
+        check_hyperparameter("temperature", self.temperature, positive=True)
+        check_hyperparameter("k_eff", self.k_eff, integer=True, low=1)
+        for name in ("n_iter", "mm_max_iter", "mm_check_every"):
+            if getattr(self, name) is not None:
+                check_hyperparameter(name, getattr(self, name), integer=True, low=1)
+        for name in ("lambda_coef", "tol", "mm_tol"):
+            if getattr(self, name) is not None:
+                check_hyperparameter(name, getattr(self, name), nonnegative=True)
+        check_choice("matching", self.matching, MATCHINGS)
+        for name in ("hard", "center"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     def mm_options(self, zero_shot: bool) -> dict:
         """The inner-loop settings used: ``BOUNDED_MM`` (zero-shot) or ``REFERENCE_MM``
@@ -271,21 +288,23 @@ class EMDirichlet(FewShotClassifier):
         return float(self.lambda_coef)
 
     def fit_base(self, features: torch.Tensor, labels: torch.Tensor) -> Self:
-        """Store the base-class mean for ``center=True`` (nothing else is learnt)."""
+        """Store the base-class mean for ``center=True`` (nothing else is learnt).
+
+        ``features`` [N, D] and ``labels`` [N]: tensors or NumPy arrays."""
+        self._validate()
         check_base(features, labels)
-        self.base_mean_ = features.mean(0)
+        self.base_mean_ = as_float_tensor(features, "base features", ndim=2).mean(0)
         return self
 
     def set_class_features(self, class_features: torch.Tensor) -> Self:
         """Use ``class_features`` [C, D] (row c = data-set class c) as few-shot prototypes."""
-        if not isinstance(class_features, torch.Tensor):
-            class_features = torch.as_tensor(np.asarray(class_features))
-        if class_features.ndim != 2 or class_features.shape[0] < 2:
+        class_features = as_float_tensor(class_features, "class_features", ndim=2)
+        if class_features.shape[0] < 2:
             raise ValueError(
                 f"class_features must be [C >= 2, D], got shape {tuple(class_features.shape)}"
             )
-        if not torch.isfinite(class_features).all():
-            raise ValueError("class_features contains NaN or inf")
+        if bool((class_features.norm(dim=-1) == 0).any()):
+            raise ValueError("class_features has an all-zero row (no direction for a class)")
         self.class_features_ = class_features
         return self
 
@@ -313,10 +332,19 @@ class EMDirichlet(FewShotClassifier):
         return state
 
     def episode_probabilities(self, episodes: Episodes) -> tuple[torch.Tensor, torch.Tensor]:
-        """Support and query probability vectors ``[T, K*L, K]``, ``[T, Q, K]`` (see the class)."""
+        """Support and query probability vectors ``[T, K*L, K]``, ``[T, Q, K]`` (see the class).
+
+        A support prototype may vanish (its class's centred, normalised support rows
+        cancel, e.g. D = 1 or points at the base mean): it then has cosine 0 with every
+        sample (logit 0), rather than stopping the batch.
+        """
         self._validate()
-        check_episodes(episodes)
         class_features = getattr(self, "class_features_", None)
+        mean = getattr(self, "base_mean_", None) if self.center else None
+        width = None
+        if class_features is None and mean is not None:
+            width = mean.shape[0]
+        check_episodes(episodes, dim=width)
         if class_features is not None:
             if class_features.shape[1] != episodes.support.shape[-1]:
                 raise ValueError(
@@ -324,14 +352,13 @@ class EMDirichlet(FewShotClassifier):
                     f"episode feature width {episodes.support.shape[-1]}"
                 )
             cls = episodes.classes.to(class_features.device)
-            if cls.min() < 0 or cls.max() >= class_features.shape[0]:
+            if bool(cls.min() < 0) or bool(cls.max() >= class_features.shape[0]):
                 raise ValueError(
                     f"episodes.classes must index the {class_features.shape[0]} class_features"
                 )
             prototypes = class_features[cls].to(episodes.support)
             support, query = episodes.support, episodes.query
         else:
-            mean = getattr(self, "base_mean_", None) if self.center else None
             if self.center and mean is None:
                 raise ValueError("center=True needs base features: call fit_base first")
             from probfsl.data.preprocess import center_and_normalize
@@ -342,7 +369,7 @@ class EMDirichlet(FewShotClassifier):
             onehot = onehot.to(support.dtype)
             prototypes = onehot.transpose(1, 2) @ support / onehot.sum(1).unsqueeze(-1)
         both = torch.cat([support, query], 1)
-        probs = probabilities_from_embeddings(both, prototypes, self.temperature)
+        probs = softmax_cosine(both, prototypes, self.temperature)
         n_support = support.shape[1]
         return probs[:, :n_support], probs[:, n_support:]
 
@@ -358,6 +385,7 @@ class EMDirichlet(FewShotClassifier):
         queries of each task are clustered by Algorithm 2 (no support), then clusters are
         matched to classes (:func:`match_clusters`).
         """
+        self._validate()
         check_probabilities(probs, "probs", ndim=3)
         state = self.fit_probabilities(probs)
         return match_clusters(state.query_r.argmax(-1), probs, matching or self.matching)

@@ -44,8 +44,18 @@ import torch
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
 from probfsl.inference import gp_nodes as gpn
-from probfsl.inference.polya_gamma import PolyaGamma
-from probfsl.models.base import BaseMeanCentering, FewShotClassifier, check_episodes
+from probfsl.inference.polya_gamma import PolyaGamma, mix32
+from probfsl.models.base import BaseMeanCentering, FewShotClassifier
+from probfsl.validation import (
+    as_float_tensor,
+    as_label_tensor,
+    check_base,
+    check_choice,
+    check_episodes,
+    check_flag,
+    check_float_dtype,
+    check_hyperparameter,
+)
 
 # =============================================================================== the tree
 
@@ -144,7 +154,10 @@ def two_means_split(
     k-means++ with 50 restarts finds on such small sets, without its cost). Larger S:
     k-means++ with ``n_init`` restarts and ``seed`` (:func:`kmeans`; the official code uses
     sklearn ``KMeans(2, n_init=50, random_state=42)``, §3.6); cluster 1 goes right. The
-    first prototype always goes left (a pure relabelling f → −f of the node).
+    first prototype always goes left (a pure relabelling f → −f of the node). Both sides
+    are never empty: when 2-means puts every prototype in one cluster (identical
+    prototypes, e.g. identical class means or D = 1), the split is by index, the first
+    ⌊S/2⌋ left and the rest right.
     """
     S = prototypes.shape[0]
     if S < 2:
@@ -163,6 +176,8 @@ def two_means_split(
         return masks[int(np.argmin(sse))].astype(bool)
     labels, _ = kmeans(prototypes, 2, n_init=n_init, seed=seed)
     right = labels == 1
+    if right.all() or not right.any():  # one cluster only: split by index
+        return np.arange(S) >= S // 2
     return ~right if right[0] else right
 
 
@@ -176,9 +191,19 @@ def build_tree(
     """Recursive 2-means on the L2-normalised class means, breadth first (spec §3.6).
 
     ``class_means [C, D]`` are the raw (not normalised) per-class mean features, row i
-    for ``classes[i]``. Deterministic for a fixed ``seed``.
+    for ``classes[i]``. Deterministic for a fixed ``seed``. Terminates on any finite
+    input: every split has two non-empty sides (:func:`two_means_split`), so the tree
+    has exactly C − 1 internal nodes.
     """
+    class_means = np.asarray(class_means, dtype=np.float64)
     classes = tuple(int(c) for c in classes)
+    if class_means.ndim != 2 or class_means.shape[0] != len(classes) or not classes:
+        raise ValueError(
+            f"class_means must be [C={len(classes)}, D] (one row per class), "
+            f"got shape {class_means.shape}"
+        )
+    if not np.isfinite(class_means).all():
+        raise ValueError("class_means contains NaN or inf")
     if len(set(classes)) != len(classes):
         raise ValueError("classes must be distinct")
     protos = class_means / np.linalg.norm(class_means, axis=1, keepdims=True).clip(1e-12)
@@ -313,10 +338,15 @@ def _node_data(tree: Tree, node_ids: list[int], feats: dict[int, torch.Tensor]):
         ys.append(
             torch.cat(
                 [
-                    torch.full((len(feats[c]),), float(c in node.right), dtype=xs[-1].dtype)
+                    torch.full(
+                        (len(feats[c]),),
+                        float(c in node.right),
+                        dtype=xs[-1].dtype,
+                        device=xs[-1].device,
+                    )
                     for c in node.classes
                 ]
-            ).to(xs[-1].device)
+            )
         )
     n_max = max(len(x) for x in xs)
     x, mask = _pad_rows(xs, n_max)
@@ -373,21 +403,13 @@ def _predict_groups(tree: Tree, groups, x: torch.Tensor) -> torch.Tensor:
 
 
 def _check_xy(X, y, name: str = "X") -> tuple[torch.Tensor, torch.Tensor]:
-    X = torch.as_tensor(X)
-    y = torch.as_tensor(y)
-    if X.ndim != 2 or X.shape[0] == 0:
-        raise ValueError(f"{name} must be a non-empty [N, D] array, got shape {tuple(X.shape)}")
-    if y.ndim != 1 or y.shape[0] != X.shape[0]:
-        raise ValueError(f"y must be [N={X.shape[0]}], got shape {tuple(y.shape)}")
-    if not X.is_floating_point():
-        X = X.double()
-    if not torch.isfinite(X).all():
-        raise ValueError(f"{name} contains NaN or inf")
-    if y.is_floating_point():
-        if not (y == y.round()).all():
-            raise ValueError("y must hold integer class labels")
-        y = y.long()
-    if (y < 0).any():
+    """``X [N, D]`` (float32/float64, finite, non-empty) and labels ``y [N]`` (whole,
+    non-negative numbers, on ``X``'s device), checked by :mod:`probfsl.validation`."""
+    X = as_float_tensor(X, name, ndim=2)
+    y = as_label_tensor(y, "y", n=X.shape[0], device=X.device)
+    if y.ndim != 1:
+        raise ValueError(f"y must be 1-D [N={X.shape[0]}], got shape {tuple(y.shape)}")
+    if bool((y < 0).any()):
         raise ValueError("y must hold non-negative class labels")
     return X, y
 
@@ -432,8 +454,14 @@ class GPTree:
         pg_sampler: ``"torch"`` (on device) or ``"exact"`` (polyagamma, CPU).
         kmeans_n_init, seed: tree 2-means restarts and seed (code: 50, 42); ``seed`` also
             seeds the Gibbs chains (stage t uses seed + t).
-        dtype: computation dtype (float64 advised for the Gibbs inverses).
+        dtype: computation dtype, float64 by default whatever the dtype of ``X`` (float64
+            is advised for the Gibbs inverses: the fit upcasts float32 input); ``None``
+            computes in the dtype of the base stage's ``X``. :meth:`predict_proba` returns
+            probabilities in the dtype of its own ``X``.
         record: keep every Gibbs sweep of the latest stage, for :meth:`to_datatree`.
+
+    Every tensor is created on the device of the base stage's ``X``; later stages and
+    predictions move their ``X`` there.
 
     Fitted attributes: ``classes_`` (column order of ``predict_proba``: base classes
     sorted, then each stage's classes sorted), ``base_tree_``, ``base_groups_``,
@@ -460,31 +488,30 @@ class GPTree:
         pg_sampler: str = "torch",
         kmeans_n_init: int = 50,
         seed: int = 42,
-        dtype: torch.dtype = torch.float64,
+        dtype: torch.dtype | None = torch.float64,
         record: bool = False,
     ) -> None:
-        if inference not in ("vi", "gibbs"):
-            raise ValueError(f"inference must be 'vi' or 'gibbs', got {inference!r}")
-        if n_inducing < 1 or n_chains < 1 or n_sweeps < 0 or vi_iter < 0:
-            raise ValueError("n_inducing, n_chains must be >= 1 and n_sweeps, vi_iter >= 0")
-        self.inference = inference
-        self.n_chains = n_chains
-        self.n_sweeps = n_sweeps
-        self.gibbs_outputscale = gibbs_outputscale
-        self.gibbs_lengthscale = gibbs_lengthscale
-        self.n_inducing = n_inducing
-        self.vi_outputscale = vi_outputscale
-        self.vi_lengthscale = vi_lengthscale
-        self.vi_iter = vi_iter
-        self.vi_lr = vi_lr
-        self.learn_inducing = learn_inducing
-        self.natural_lr = natural_lr
-        self.code_elbo = code_elbo
-        self.pg_sampler = pg_sampler
-        self.kmeans_n_init = kmeans_n_init
-        self.seed = seed
-        self.dtype = dtype
-        self.record = record
+        hp = check_hyperparameter
+        self.inference = check_choice("inference", inference, ("vi", "gibbs"))
+        self.n_chains = hp("n_chains", n_chains, integer=True, low=1)
+        self.n_sweeps = hp("n_sweeps", n_sweeps, integer=True, nonnegative=True)
+        self.gibbs_outputscale = hp("gibbs_outputscale", gibbs_outputscale, positive=True)
+        self.gibbs_lengthscale = hp("gibbs_lengthscale", gibbs_lengthscale, positive=True)
+        self.n_inducing = hp("n_inducing", n_inducing, integer=True, low=1)
+        self.vi_outputscale = hp("vi_outputscale", vi_outputscale, positive=True)
+        self.vi_lengthscale = hp("vi_lengthscale", vi_lengthscale, low=1e-2)
+        if vi_lengthscale <= 1e-2:  # the constraint's bound, l > 1e-2
+            raise ValueError(f"vi_lengthscale must exceed 1e-2, got {vi_lengthscale!r}")
+        self.vi_iter = hp("vi_iter", vi_iter, integer=True, nonnegative=True)
+        self.vi_lr = hp("vi_lr", vi_lr, nonnegative=True)
+        self.learn_inducing = check_flag("learn_inducing", learn_inducing)
+        self.natural_lr = hp("natural_lr", natural_lr, positive=True, high=1)
+        self.code_elbo = check_flag("code_elbo", code_elbo)
+        self.pg_sampler = check_choice("pg_sampler", pg_sampler, ("torch", "exact"))
+        self.kmeans_n_init = hp("kmeans_n_init", kmeans_n_init, integer=True, low=1)
+        self.seed = hp("seed", seed, integer=True, nonnegative=True)
+        self.dtype = None if dtype is None else check_float_dtype("dtype", dtype)
+        self.record = check_flag("record", record)
 
     # ------------------------------------------------------------------ helpers
     def _gibbs_engine(self, stage: int, device) -> gpn.GibbsNodes:
@@ -510,24 +537,25 @@ class GPTree:
 
     @staticmethod
     def _by_class(X: torch.Tensor, y: torch.Tensor) -> dict[int, torch.Tensor]:
-        # deterministic order inside a class (sorted rows), so the fit ignores row order
-        out = {}
-        for c in torch.unique(y).tolist():
-            xc = X[y == c]
-            keys = xc.detach().cpu().double().numpy()
-            order = np.lexsort(keys.T[::-1])
-            out[int(c)] = xc[torch.as_tensor(order, device=X.device)]
-        return out
+        # deterministic order inside a class (sorted rows), so the fit ignores row order;
+        # the lexicographic sort runs on the host, from one copy of X and y
+        Xh, yh = X.detach().cpu().double().numpy(), y.cpu().numpy()
+        order = np.lexsort((*Xh.T[::-1], yh))  # by class, then by row
+        sorted_rows = X[torch.as_tensor(order, device=X.device)]
+        classes, counts = np.unique(yh, return_counts=True)
+        blocks = torch.split(sorted_rows, counts.tolist())
+        return {int(c): b for c, b in zip(classes, blocks, strict=True)}
 
     @staticmethod
     def _means(feats: dict[int, torch.Tensor], classes) -> np.ndarray:
-        return np.stack([feats[c].detach().cpu().double().mean(0).numpy() for c in classes])
+        means = torch.stack([feats[c].mean(0) for c in classes])
+        return means.detach().cpu().double().numpy()
 
     # ------------------------------------------------------------------ base stage
     def fit(self, X, y) -> Self:
         """Base stage: build the tree over the classes of ``y`` and fit every node."""
         X, y = _check_xy(X, y)
-        X = X.to(self.dtype)
+        X = X.to(X.dtype if self.dtype is None else self.dtype)
         classes = sorted(torch.unique(y).tolist())
         if len(classes) < 2:
             raise ValueError(f"the base stage needs at least 2 classes, got {len(classes)}")
@@ -578,7 +606,8 @@ class GPTree:
             for i, v in enumerate(ids):
                 cls = [pos[c] for c in tree.nodes[v].classes]
                 slots = torch.as_tensor(cls, device=x.device).repeat_interleave(self.n_inducing)
-                flat = slots * self.n_inducing + torch.arange(self.n_inducing).repeat(len(cls))
+                within = torch.arange(self.n_inducing, device=x.device).repeat(len(cls))
+                flat = slots * self.n_inducing + within
                 idx[i, : len(flat)] = flat
                 zmask[i, : len(flat)] = True
             kern = gpytorch.kernels.ScaleKernel(
@@ -588,11 +617,14 @@ class GPTree:
                 ),
                 batch_shape=torch.Size([len(ids)]),
             ).to(dtype=x.dtype, device=x.device)
-            kern.outputscale = torch.full((len(ids),), self.vi_outputscale, dtype=x.dtype)
-            kern.base_kernel.lengthscale = torch.full(
-                (len(ids), 1, 1), self.vi_lengthscale, dtype=x.dtype
+            kern.outputscale = torch.full(
+                (len(ids),), self.vi_outputscale, dtype=x.dtype, device=x.device
             )
-            groups.append((ids, x, yv, mask, zmask, torch.tensor(sizes)[ids].to(x)))
+            kern.base_kernel.lengthscale = torch.full(
+                (len(ids), 1, 1), self.vi_lengthscale, dtype=x.dtype, device=x.device
+            )
+            n_v = torch.tensor([sizes[v] for v in ids], dtype=x.dtype, device=x.device)
+            groups.append((ids, x, yv, mask, zmask, n_v))
             kernels.append(kern)
             zidx.append(idx)
             states.append(None)
@@ -613,7 +645,7 @@ class GPTree:
         trace = []
         for it in range(self.vi_iter + 1):
             learn = it < self.vi_iter
-            total = 0.0
+            total = Z.new_zeros(())  # the sum of node ELBOs, kept on the device
             if learn:
                 opt.zero_grad()
             for k in range(len(groups)):
@@ -636,7 +668,7 @@ class GPTree:
                     (-elbo / groups[k][5]).sum().backward()
                     st.objective = elbo.detach()
                 states[k] = st
-                total += float(st.objective.sum())
+                total = total + st.objective.detach().sum()
             trace.append(total)
             if learn:
                 opt.step()
@@ -644,7 +676,7 @@ class GPTree:
         for k in range(len(groups)):  # the state's data: final hyper-parameters, no graph
             states[k].data = group_data(k, detach=True)
         out = [VIGroup(groups[k][0], states[k], engine) for k in range(len(groups))]
-        return out, np.asarray(trace)
+        return out, torch.stack(trace).cpu().double().numpy()  # one transfer, after the loop
 
     # ------------------------------------------------------------------ novel stages
     def partial_fit(self, X, y, classes=None) -> Self:
@@ -661,9 +693,12 @@ class GPTree:
             raise ValueError(
                 f"X has {X.shape[1]} features but the model was fitted on {self.n_features_in_}"
             )
-        X = X.to(self.dtype).to(self.inducing_.device)
+        X = X.to(device=self.inducing_.device, dtype=self.inducing_.dtype)
+        y = y.to(self.inducing_.device)
         new = sorted(torch.unique(y).tolist())
         if classes is not None:
+            if isinstance(classes, (str, bytes)) or not hasattr(classes, "__iter__"):
+                raise TypeError(f"classes must be a sequence of labels, got {classes!r}")
             missing = sorted(set(int(c) for c in classes) - set(new))
             if missing:
                 raise ValueError(f"classes {missing} of this stage have no samples")
@@ -698,23 +733,30 @@ class GPTree:
         return self
 
     # ------------------------------------------------------------------ prediction
-    def predict_proba(self, X) -> torch.Tensor:
-        """Class probabilities ``[N, len(classes_)]`` (columns in ``classes_`` order)."""
+    def _check_predict_x(self, X) -> tuple[torch.Tensor, torch.dtype]:
+        """``X`` checked, on the model's device and in its computation dtype, and the
+        dtype it came in."""
         if not hasattr(self, "stage_"):
             raise ValueError("the model is not fitted: call fit first")
-        X = torch.as_tensor(X)
-        if X.ndim != 2 or X.shape[1] != self.n_features_in_:
-            raise ValueError(f"X must be [N, {self.n_features_in_}], got shape {tuple(X.shape)}")
-        if not torch.isfinite(X).all():
-            raise ValueError("X contains NaN or inf")
-        X = X.to(self.dtype).to(self.inducing_.device)
+        X = as_float_tensor(X, "X", ndim=2)
+        if X.shape[1] != self.n_features_in_:
+            raise ValueError(
+                f"X has {X.shape[1]} features but the model was fitted on {self.n_features_in_}"
+            )
+        return X.to(device=self.inducing_.device, dtype=self.inducing_.dtype), X.dtype
+
+    def predict_proba(self, X) -> torch.Tensor:
+        """Class probabilities ``[N, len(classes_)]`` (columns in ``classes_`` order), in the
+        dtype of ``X`` (computed in the model's dtype), on the model's device."""
+        X, out_dtype = self._check_predict_x(X)
         with torch.no_grad():
             base = _predict_groups(self.base_tree_, self.base_groups_, X)
             if self.root_ is None:
-                return base
+                return base.to(out_dtype)
             p_root = gpn.gibbs_predict(self.root_.state, X)[0]  # p(novel)
             novel = _predict_groups(self.novel_tree_, self.novel_groups_, X)
-            return torch.cat([(1 - p_root)[:, None] * base, p_root[:, None] * novel], 1)
+            out = torch.cat([(1 - p_root)[:, None] * base, p_root[:, None] * novel], 1)
+            return out.to(out_dtype)
 
     def predict(self, X) -> torch.Tensor:
         """Predicted class labels (values from ``classes_``)."""
@@ -740,10 +782,10 @@ class GPTree:
         """
         from probfsl.diagnostics.arviz import to_datatree
 
+        X, _ = self._check_predict_x(X)
         groups = self.last_groups_
         if not groups or groups[0].state.omega_trace is None:
             raise ValueError("no recorded Gibbs chains: fit with record=True (Gibbs nodes)")
-        X = torch.as_tensor(X).to(self.dtype).to(self.inducing_.device)
         posterior, dims = {}, {}
         n_draws = len(groups[0].state.omega_trace)
         if not 0 <= burn_in < n_draws:
@@ -849,14 +891,24 @@ class GPTreeFewShot(BaseMeanCentering, FewShotClassifier):
     tasks are sampled in one batch: node v of task t sees the task's whole support with a
     mask (its classes) and labels (1 = right subtree), so no Python loop over tasks or nodes
     runs in the sampler. Features are centred on the base mean (``center``) before the
-    kernel's L2 normalisation.
+    kernel's L2 normalisation; ``center=False`` uses them as they are (no ``fit_base``
+    needed).
+
+    Randomness: node v of a task draws from its own counter-based stream
+    (:class:`~probfsl.inference.polya_gamma.CounterRNG`) keyed by (``seed``, a hash of the
+    task's support features and labels, v), so a task's probabilities do not depend on the
+    other tasks of its batch, on the batch size or on ``max_nodes`` (with the ``"torch"``
+    PG sampler; ``"exact"`` draws ω from one NumPy stream on the CPU).
+
+    Computes in the dtype and on the device of the episodes (float32 episodes give
+    float32 chains; the tree is built on the host from the K class means of each task).
 
     Args:
         n_chains, n_sweeps: Gibbs chains per node and sweeps.
         outputscale, lengthscale: RBF kernel on normalised features (code: 8, 1).
         center: centre on the base-class mean (needs ``fit_base``).
         pg_sampler: ``"torch"`` or ``"exact"``.
-        seed: seed of the chains (task batches are sampled with a fresh generator each call).
+        seed: seed of every task's random streams.
         max_nodes: nodes per sampler batch (memory bound; larger batches are split).
     """
 
@@ -871,64 +923,90 @@ class GPTreeFewShot(BaseMeanCentering, FewShotClassifier):
         seed: int = 0,
         max_nodes: int = 2000,
     ) -> None:
-        self.n_chains = n_chains
-        self.n_sweeps = n_sweeps
-        self.outputscale = outputscale
-        self.lengthscale = lengthscale
-        self.pg_sampler = pg_sampler
-        self.seed = seed
-        self.max_nodes = max_nodes
+        hp = check_hyperparameter
+        self.n_chains = hp("n_chains", n_chains, integer=True, low=1)
+        self.n_sweeps = hp("n_sweeps", n_sweeps, integer=True, nonnegative=True)
+        self.outputscale = hp("outputscale", outputscale, positive=True)
+        self.lengthscale = hp("lengthscale", lengthscale, positive=True)
+        self.center = check_flag("center", center)
+        self.pg_sampler = check_choice("pg_sampler", pg_sampler, ("torch", "exact"))
+        self.seed = hp("seed", seed, integer=True, nonnegative=True)
+        self.max_nodes = hp("max_nodes", max_nodes, integer=True, low=1)
+
+    def fit_base(self, features, labels) -> Self:
+        """Store the mean of the base ``features [N, D]`` (tensor or NumPy array)."""
+        features, _ = check_base(features, labels)
+        self.base_mean_ = features.mean(0)
+        return self
 
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
-        check_episodes(episodes)
+        """Query class probabilities ``[T, Q, K]`` (rows sum to one), spec §3.2 and §3.5."""
         mean = self.centring_mean()
-        if episodes.way < 2:
-            raise ValueError(f"GP-Tree needs at least 2 classes per task, got way={episodes.way}")
+        check_episodes(episodes, None if mean is None else mean.shape[-1])
         support = center_and_normalize(episodes.support, mean)
         query = center_and_normalize(episodes.query, mean)
-        labels = episodes.support_labels
-        T, K = support.shape[0], episodes.way
+        labels = episodes.support_labels.long()
+        T, K, Q = support.shape[0], episodes.way, query.shape[1]
+        dev = support.device
         onehot = torch.nn.functional.one_hot(labels, K).to(support.dtype)  # [T, n, K]
-        counts = onehot.sum(1)
-        if (counts == 0).any():
-            raise ValueError("support_labels: every class of a task needs a support sample")
-        means = (onehot.transpose(1, 2) @ support) / counts.unsqueeze(-1)
-        means_np = means.detach().cpu().double().numpy()
+        means = (onehot.transpose(1, 2) @ support) / onehot.sum(1).unsqueeze(-1)
+        means_np = means.detach().cpu().double().numpy()  # one transfer: trees on the host
         trees = [build_tree(means_np[t], list(range(K))) for t in range(T)]
-        # node tables: task, class-membership and right-membership masks over the K classes
-        node_task, node_in, node_right = [], [], []
+        # node tables: task, position in its tree, class- and right-membership over K classes;
+        # path tables: each class's root-to-leaf nodes (global indices) and directions
+        node_task, node_pos, node_in, node_right = [], [], [], []
+        path_node = np.full((T, K, K - 1), -1, dtype=np.int64)  # a path has ≤ K − 1 nodes
+        path_right = np.zeros((T, K, K - 1), dtype=bool)
         for t, tree in enumerate(trees):
-            for node in tree.nodes:
+            start = len(node_task)
+            for v, node in enumerate(tree.nodes):
                 node_task.append(t)
+                node_pos.append(v)
                 node_in.append([c in node.classes for c in range(K)])
                 node_right.append([c in node.right for c in range(K)])
-        dev = support.device
+            idx, right = tree.paths()
+            path_node[t, :, : idx.shape[1]] = np.where(idx >= 0, idx + start, -1)
+            path_right[t, :, : idx.shape[1]] = right
         node_task_t = torch.as_tensor(node_task, device=dev)
         node_in_t = torch.as_tensor(node_in, device=dev)
         node_right_t = torch.as_tensor(node_right, device=dev)
-        gen = torch.Generator(device=dev).manual_seed(self.seed)
+        task_keys = _task_keys(episodes.support, labels, self.seed)
+        node_keys = mix32(task_keys[node_task_t] ^ mix32(torch.as_tensor(node_pos, device=dev)))
         engine = gpn.GibbsNodes(
             self.n_chains,
             self.outputscale,
             self.lengthscale,
             sampler=self.pg_sampler,
-            generator=gen,
             seed=self.seed,
         )
         V = len(node_task)
-        node_probs = query.new_empty(V, query.shape[1])
+        node_probs = query.new_empty(V, Q)
         for a in range(0, V, self.max_nodes):
             sl = slice(a, a + self.max_nodes)
             tt = node_task_t[sl]
             lab = labels[tt]  # [v, n]
             mask = torch.gather(node_in_t[sl], 1, lab)
             y = torch.gather(node_right_t[sl], 1, lab).to(support.dtype) * mask
-            state = engine.fit(support[tt], y, mask, self.n_sweeps)
+            state = engine.fit(support[tt], y, mask, self.n_sweeps, keys=node_keys[sl])
             node_probs[sl] = gpn.gibbs_predict(state, query[tt])
-        out = query.new_empty(T, query.shape[1], K)
-        start = 0
-        for t, tree in enumerate(trees):
-            nv = len(tree.nodes)
-            out[t] = path_probabilities(tree, node_probs[start : start + nv])
-            start += nv
+        # p(c | x) = Π_{v on c's path} p_v or 1 − p_v (§3.5), all tasks at once
+        idx = torch.as_tensor(path_node, device=dev)
+        right = torch.as_tensor(path_right, device=dev).unsqueeze(-1)
+        p = node_probs[idx.clamp_min(0)]  # [T, K, depth, Q]
+        p = torch.where(right, p, 1 - p)
+        p = torch.where((idx >= 0).unsqueeze(-1), p, torch.ones_like(p))
+        out = p.prod(2).transpose(1, 2)  # [T, Q, K]
+        if not bool(torch.isfinite(out).all()):
+            raise RuntimeError("GP-Tree produced non-finite probabilities (numerical failure)")
         return out
+
+
+def _task_keys(support: torch.Tensor, labels: torch.Tensor, seed: int) -> torch.Tensor:
+    """A 32-bit key ``[T]`` per task: a hash of ``seed`` and the task's support features
+    (rounded to float32, so float32 and float64 copies of a task agree) and labels."""
+    T = support.shape[0]
+    words = support.to(torch.float32).view(torch.int32).to(torch.int64).reshape(T, -1)
+    words = torch.cat([words, labels.to(torch.int64)], 1)
+    pos = torch.arange(words.shape[1], device=support.device)
+    h = mix32(words ^ mix32(pos)).sum(1)  # each term < 2³²: no overflow
+    return mix32(mix32(h) ^ (int(seed) & 0xFFFFFFFF))

@@ -34,11 +34,19 @@ from probfsl.inference.woodbury import (
     slem_similarity,
     slem_woodbury,
 )
-from probfsl.models.base import FewShotClassifier, check_base, check_episodes
+from probfsl.models.base import FewShotClassifier
+from probfsl.validation import as_float_tensor, check_base, check_episodes, check_hyperparameter
 
 
-def _tensor(x: Any) -> torch.Tensor:
-    return x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+def _tensor(x: Any, name: str = "x") -> torch.Tensor:
+    """``x`` as a checked float32/float64 tensor (NumPy converted; ``TypeError`` otherwise)."""
+    return as_float_tensor(x, name)
+
+
+def _check_lam(lam: Any, rel_lam: Any) -> None:
+    if lam is not None:
+        check_hyperparameter("lam", lam, nonnegative=True)
+    check_hyperparameter("rel_lam", rel_lam, positive=True)
 
 
 class SLEMEncoder:
@@ -65,7 +73,9 @@ class SLEMEncoder:
 
     def fit(self, negatives: Any) -> Self:
         """Factorise ``Sigma + lambda I`` of the negatives ``[n, d]`` once."""
-        neg = _tensor(negatives)
+        _check_lam(self.lam, self.rel_lam)
+        check_hyperparameter("theta", self.theta, positive=True)
+        neg = _tensor(negatives, "negatives")
         if neg.ndim != 2:
             raise ValueError(f"negatives must be [n, d], got shape {tuple(neg.shape)}")
         lam = default_lambda(neg, self.rel_lam) if self.lam is None else self.lam
@@ -80,11 +90,11 @@ class SLEMEncoder:
 
     def exemplars(self, x0: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """``(omega [P, d], nu [P])`` of each row of ``x0`` as a positive (Woodbury form)."""
-        return slem_woodbury(_tensor(x0), self._factor(), self.theta)
+        return slem_woodbury(_tensor(x0, "x0"), self._factor(), self.theta)
 
     def transform(self, x: Any) -> torch.Tensor:
         """Descriptors ``A^-1 (x - mu)`` (normalised when ``normalize``), ``[P, d]``."""
-        return slem_descriptors(_tensor(x), self._factor(), self.normalize)
+        return slem_descriptors(_tensor(x, "x"), self._factor(), self.normalize)
 
     def similarity(self, a: Any, b: Any | None = None) -> torch.Tensor:
         """Cosine similarity of the descriptors of ``a`` and ``b`` (default ``a``)."""
@@ -125,13 +135,25 @@ class SLEM(FewShotClassifier):
         self.normalize = normalize
         self.temperature = temperature
 
+    def _check_params(self) -> None:
+        """``TypeError``/``ValueError`` naming the first bad hyperparameter."""
+        _check_lam(self.lam, self.rel_lam)
+        check_hyperparameter("temperature", self.temperature, positive=True)
+        if not isinstance(self.normalize, bool):
+            raise TypeError(f"normalize must be True or False, got {self.normalize!r}")
+
     def _prep(self, x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
         return center_and_normalize(x, mean) if self.normalize else x - mean.to(x)
 
     def fit_base(self, features: torch.Tensor, labels: torch.Tensor) -> Self:
-        """Base mean (for centring) and the factorisation of ``Sigma_base + lambda I``."""
-        features, labels = _tensor(features), _tensor(labels)
+        """Base mean (for centring) and the factorisation of ``Sigma_base + lambda I``.
+
+        ``features`` [N, D] and ``labels`` [N]: tensors or NumPy arrays. The factor is kept
+        in the features' dtype and cast to each batch's dtype and device.
+        """
+        self._check_params()
         check_base(features, labels)
+        features = as_float_tensor(features, "base features", ndim=2)
         if features.shape[0] < 2:
             raise ValueError("base features: need at least two samples")
         self.base_mean_ = features.mean(0)
@@ -142,6 +164,8 @@ class SLEM(FewShotClassifier):
         return self
 
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
+        """``softmax(temperature * LDA scores)`` ``[T, Q, K]`` in the episodes' dtype/device."""
+        self._check_params()
         if not hasattr(self, "factor_"):
             raise ValueError("SLEM needs base features as negatives: call fit_base first")
         check_episodes(episodes, dim=self.base_mean_.shape[0])

@@ -7,15 +7,17 @@ import torch
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
 from probfsl.inference.kmeans import soft_kmeans_gram
-from probfsl.models.base import BaseMeanCentering, FewShotClassifier, check_episodes
+from probfsl.models.base import BaseMeanCentering, FewShotClassifier, check_temperature
+from probfsl.validation import check_flag, check_hyperparameter
 
 
 class SoftKMeans(BaseMeanCentering, FewShotClassifier):
     """Soft k-means on centred, L2-normalised features, seeded by the support means.
 
     Args:
-        temperature: T_km, the inverse temperature multiplying squared distances.
-        n_iter: number of passes (5 in the reference code).
+        temperature: T_km, the inverse temperature multiplying squared distances
+            (finite, positive).
+        n_iter: number of passes (5 in the reference code; a positive integer).
         center: centre the features on the base-class mean first (needs ``fit_base``).
     """
 
@@ -25,10 +27,17 @@ class SoftKMeans(BaseMeanCentering, FewShotClassifier):
         self.temperature = temperature
         self.n_iter = n_iter
         self.center = center
+        self._check_params()
+
+    def _check_params(self) -> None:
+        check_temperature(self.temperature)
+        check_flag("center", self.center)
+        self.n_iter = check_hyperparameter("n_iter", self.n_iter, integer=True, low=1)
 
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
-        check_episodes(episodes)
-        mean = self.centring_mean()
+        """Query responsibilities ``[T, Q, K]`` after ``n_iter`` soft k-means passes."""
+        self._check_params()
+        mean = self.checked_centring_mean(episodes)
         x = center_and_normalize(episodes.points(), mean)
         p = soft_kmeans_gram(
             x @ x.transpose(1, 2),

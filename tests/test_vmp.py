@@ -1,0 +1,485 @@
+"""The VMP engine derived from Pyro models: exact posteriors, agreement with the
+hand-written engines, the conformance checks, a broken update caught, and refusals."""
+
+import math
+from dataclasses import replace
+from functools import partial
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.ops.indexing import Vindex
+
+from probfsl.inference import VMP
+from probfsl.inference.base import run
+from probfsl.inference.normal_gamma import NormalGammaVB
+from probfsl.inference.vb_mixture import BavardageVB
+from probfsl.models.bavardage import bavardage_model
+from probfsl.models.normal_gamma import normal_gamma_model, normal_mean_model
+from probfsl.testing import ConformanceCase, assert_exact_evidence, check_engine
+
+F64 = torch.float64
+
+
+def _x(t=4, n=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return 1.5 + 0.7 * torch.randn(t, n, generator=g, dtype=F64)
+
+
+def _mixture_data(t=5, k=3, shot=2, q=12, d=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    means = 2.0 * torch.randn(t, k, d, generator=g, dtype=F64)
+    ys = torch.arange(k).repeat(shot).expand(t, -1)
+    yq = torch.randint(0, k, (t, q), generator=g)
+
+    def draw(y):
+        centre = means.gather(1, y.unsqueeze(-1).expand(-1, -1, d))
+        return centre + torch.randn(*y.shape, d, generator=g, dtype=F64)
+
+    return draw(ys), ys, draw(yq), yq
+
+
+def proportions_model(y, n_classes=5, alpha0=2.0):
+    """Tutorial 06's model: pi_t ~ Dir(alpha0 1), y_tn ~ Cat(pi_t), all observed."""
+    with pyro.plate("tasks", y.shape[0], dim=-1):
+        pi = pyro.sample("pi", dist.Dirichlet(torch.full((n_classes,), alpha0, dtype=F64)))
+        pyro.sample("y", dist.Categorical(pi.unsqueeze(-2)).to_event(1), obs=y)
+
+
+def gamma_mixture_model(x, labels, observed, way, alpha0=2.0, beta0=1.0, a0=2.0, b0=2.0):
+    """One mixture over support and queries: labels observed where ``observed`` (obs_mask),
+    per-class diagonal Gamma precision, Normal means with precision beta0 * tau."""
+    t, n, d = x.shape
+    with pyro.plate("tasks", t, dim=-2):
+        pi = pyro.sample("pi", dist.Dirichlet(x.new_full((1, way), alpha0)))
+        with pyro.plate("classes", way, dim=-1):
+            tau = pyro.sample("tau", dist.Gamma(x.new_full((d,), a0), b0).to_event(1))
+            mu = pyro.sample("mu", dist.Normal(x.new_zeros(d), (beta0 * tau).rsqrt()).to_event(1))
+        with pyro.plate("points", n, dim=-1):
+            z = pyro.sample("z", dist.Categorical(pi), obs=labels, obs_mask=observed)
+            loc = Vindex(mu.unsqueeze(-3))[..., z, :]
+            scale = Vindex(tau.unsqueeze(-3))[..., z, :].rsqrt()
+            pyro.sample("x", dist.Normal(loc, scale).to_event(1), obs=x)
+
+
+def _gamma_mixture_case_data(t=4, seed=0):
+    xs, ys, xq, yq = _mixture_data(t=t, seed=seed)
+    x = torch.cat([xs, xq], 1)
+    labels = torch.cat([ys, torch.zeros_like(yq)], 1)
+    observed = torch.zeros(t, x.shape[1], dtype=torch.bool)
+    observed[:, : ys.shape[1]] = True
+    return x, labels, observed
+
+
+def wishart_mixture_model(x, labels, observed, way, nu0=5.0, beta0=1.0):
+    """Full precision per class: Normal-Wishart (mu_k | Lambda_k ~ N(0, (beta0 Lambda_k)^-1))."""
+    t, n, d = x.shape
+    eye = torch.eye(d, dtype=x.dtype)
+    with pyro.plate("tasks", t, dim=-2):
+        pi = pyro.sample("pi", dist.Dirichlet(x.new_full((1, way), 2.0)))
+        with pyro.plate("classes", way, dim=-1):
+            lam = pyro.sample("lam", dist.Wishart(x.new_tensor(nu0), covariance_matrix=eye / nu0))
+            mu = pyro.sample(
+                "mu", dist.MultivariateNormal(x.new_zeros(d), precision_matrix=beta0 * lam)
+            )
+        with pyro.plate("points", n, dim=-1):
+            z = pyro.sample("z", dist.Categorical(pi), obs=labels, obs_mask=observed)
+            loc = Vindex(mu.unsqueeze(-3))[..., z, :]
+            prec = Vindex(lam.unsqueeze(-4))[..., z, :, :]
+            pyro.sample("x", dist.MultivariateNormal(loc, precision_matrix=prec), obs=x)
+
+
+def mvn_mean_model(x, m0=0.5, p0=2.0):
+    """mu ~ N(m0 1, (p0 I)^-1), x_n ~ N(mu, P^-1) with a fixed full precision P."""
+    t, n, d = x.shape
+    prec = torch.eye(d, dtype=x.dtype) * 1.5 + 0.3
+    with pyro.plate("tasks", t, dim=-1):
+        mu = pyro.sample(
+            "mu",
+            dist.MultivariateNormal(
+                x.new_full((d,), m0), precision_matrix=p0 * torch.eye(d, dtype=x.dtype)
+            ),
+        )
+        with pyro.plate("points", n, dim=-2):
+            pyro.sample(
+                "x", dist.MultivariateNormal(mu, precision_matrix=prec), obs=x.transpose(0, 1)
+            )
+
+
+# ----------------------------------------------------------------- exact posteriors
+def test_multivariate_normal_mean_exact_evidence():
+    x = torch.randn(4, 6, 3, generator=torch.Generator().manual_seed(0), dtype=F64)
+    state = VMP(mvn_mean_model, tol=0).fit(x)
+    n, d = 6, 3
+    prec = torch.eye(d, dtype=F64) * 1.5 + 0.3
+    cov = torch.kron(torch.eye(n, dtype=F64), torch.linalg.inv(prec).contiguous())
+    cov = cov + torch.kron(torch.ones(n, n, dtype=F64), torch.eye(d, dtype=F64) / 2.0)
+    mvn = torch.distributions.MultivariateNormal(torch.full((n * d,), 0.5, dtype=F64), cov)
+    exact = mvn.log_prob(x.reshape(4, -1))
+    torch.testing.assert_close(state.objective, exact, rtol=1e-10, atol=1e-10)
+    post = VMP(mvn_mean_model).posterior(state)["mu"]
+    p_n = 2.0 * torch.eye(d, dtype=F64) + n * prec
+    mean = torch.linalg.solve(p_n, 2.0 * 0.5 + prec @ x.sum(1).T).T
+    torch.testing.assert_close(post.mean, mean, rtol=1e-10, atol=1e-10)
+
+
+def _normal_mean_evidence(x, mu0, lam0, tau):
+    n = x.shape[-1]
+    cov = torch.eye(n, dtype=F64) / tau + torch.ones(n, n, dtype=F64) / (lam0 * tau)
+    return torch.distributions.MultivariateNormal(torch.full((n,), mu0, dtype=F64), cov).log_prob(x)
+
+
+def test_normal_mean_exact_evidence():
+    x, hyper = _x(), dict(mu0=0.5, lam0=2.0, tau=1.7)
+    state = VMP(partial(normal_mean_model, **hyper), tol=0).fit(x)
+    torch.testing.assert_close(
+        state.objective, _normal_mean_evidence(x, **hyper), rtol=1e-10, atol=1e-10
+    )
+    post = VMP(partial(normal_mean_model, **hyper)).posterior(state)["mu"]
+    lam_n = (hyper["lam0"] + x.shape[1]) * hyper["tau"]
+    mean = (hyper["lam0"] * hyper["mu0"] + x.sum(-1)) / (hyper["lam0"] + x.shape[1])
+    torch.testing.assert_close(post.mean, mean, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(post.scale, torch.full_like(mean, lam_n).rsqrt())
+
+
+def _dirichlet_categorical_evidence(y, k, a0):
+    counts = torch.nn.functional.one_hot(y, k).sum(1).to(F64)
+    n = y.shape[1]
+    return (
+        math.lgamma(k * a0)
+        - math.lgamma(k * a0 + n)
+        + (torch.lgamma(a0 + counts) - math.lgamma(a0)).sum(-1)
+    )
+
+
+def test_dirichlet_categorical_exact_evidence():
+    y = torch.randint(0, 5, (6, 30), generator=torch.Generator().manual_seed(0))
+    state = VMP(proportions_model).fit(y)
+    exact = _dirichlet_categorical_evidence(y, 5, 2.0)
+    torch.testing.assert_close(state.objective, exact, rtol=1e-10, atol=1e-10)
+
+
+def _gamma_precision_model(x, a0=2.0, b0=1.5, m=0.3):
+    with pyro.plate("tasks", x.shape[0], dim=-1):
+        tau = pyro.sample("tau", dist.Gamma(x.new_tensor(a0), x.new_tensor(b0)))
+        pyro.sample("x", dist.Normal(m, tau.rsqrt().unsqueeze(-1)).to_event(1), obs=x)
+
+
+def test_gamma_precision_exact_evidence():
+    x, a0, b0, m = _x(), 2.0, 1.5, 0.3
+    state = VMP(_gamma_precision_model, tol=0).fit(x)
+    n = x.shape[1]
+    a_n, b_n = a0 + n / 2, b0 + 0.5 * ((x - m) ** 2).sum(-1)
+    exact = (
+        a0 * math.log(b0)
+        - math.lgamma(a0)
+        + math.lgamma(a_n)
+        - a_n * b_n.log()
+        - 0.5 * n * math.log(2 * math.pi)
+    )
+    torch.testing.assert_close(state.objective, exact, rtol=1e-10, atol=1e-10)
+    post = VMP(_gamma_precision_model).posterior(state)["tau"]
+    torch.testing.assert_close(post.rate, b_n, rtol=1e-10, atol=1e-10)
+
+
+def _wishart_precision_model(x, nu0=5.0):
+    t, n, d = x.shape
+    scale = (torch.eye(d, dtype=x.dtype) + 0.2) / nu0
+    with pyro.plate("tasks", t, dim=-1):
+        lam = pyro.sample("lam", dist.Wishart(x.new_tensor(nu0), covariance_matrix=scale))
+        with pyro.plate("points", n, dim=-2):
+            loc = x.new_zeros(d)
+            pyro.sample(
+                "x", dist.MultivariateNormal(loc, precision_matrix=lam), obs=x.transpose(0, 1)
+            )
+
+
+@pytest.mark.filterwarnings("ignore:Singular sample")
+def test_wishart_precision_exact_evidence():
+    x = torch.randn(3, 7, 3, generator=torch.Generator().manual_seed(4), dtype=F64)
+    state = VMP(_wishart_precision_model, tol=0).fit(x)
+    n, d, nu0 = 7, 3, 5.0
+    w0 = (torch.eye(d, dtype=F64) + 0.2) / nu0
+    w_n = torch.linalg.inv(torch.linalg.inv(w0) + x.transpose(1, 2) @ x)
+    nu_n = nu0 + n
+
+    def log_z(nu, w):  # Wishart normaliser 2^{nu D/2} |W|^{nu/2} Gamma_D(nu/2)
+        nu_t = torch.as_tensor(nu / 2, dtype=F64)
+        return (
+            0.5 * nu * d * math.log(2)
+            + 0.5 * nu * torch.logdet(w)
+            + torch.special.multigammaln(nu_t, d)
+        )
+
+    exact = log_z(nu_n, w_n) - log_z(nu0, w0) - 0.5 * n * d * math.log(2 * math.pi)
+    torch.testing.assert_close(state.objective, exact, rtol=1e-10, atol=1e-10)
+
+
+# ------------------------------------------------------- the hand-written engines
+def test_normal_gamma_matches_hand_written_engine():
+    x, hyper = _x(), dict(mu0=0.5, lam0=2.0, a0=2.0, b0=1.5)
+    state = VMP(partial(normal_gamma_model, **hyper), max_iter=200, tol=0).fit(x)
+    engine = NormalGammaVB(**hyper)
+    ref, _ = run(engine, engine.init(x), 200)
+    torch.testing.assert_close(state.objective, ref.objective, rtol=1e-10, atol=1e-10)
+    post = VMP(normal_gamma_model).posterior(state)
+    torch.testing.assert_close(post["mu"].mean, ref.mu_mean, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(post["tau"].rate, ref.tau_rate, rtol=1e-9, atol=1e-9)
+
+
+def test_mixture_matches_bavardage_identity_engine():
+    xs, ys, xq, _ = _mixture_data()
+    hyper = dict(way=3, tau=1.0, alpha0=2.0, beta0=1.0)
+    engine = BavardageVB(projection="identity", **hyper)
+    ref, _ = run(engine, engine.init(xs, ys, xq), 300)
+    vmp = VMP(partial(bavardage_model, **hyper), max_iter=300, tol=0)
+    state = vmp.fit(xs, ys, xq)
+    rel = ((state.objective - ref.objective) / ref.objective).abs().max()
+    assert rel <= 1e-6
+    assert (state.q["z"][0] - ref.query_resp).abs().max() <= 1e-6
+
+
+# ------------------------------------------------------------------ conformance
+def _cases():
+    x = _x()
+    mean_h = dict(mu0=0.5, lam0=2.0, tau=1.7)
+    gamma_h = dict(mu0=0.5, lam0=2.0, a0=2.0, b0=1.5)
+    y = torch.randint(0, 5, (4, 20), generator=torch.Generator().manual_seed(3))
+    xs, ys, xq, _ = _mixture_data(t=3, q=8)
+    mix_h = dict(way=3, tau=1.0, alpha0=2.0, beta0=1.0)
+    return {
+        "normal-mean": ConformanceCase(
+            make_engine=lambda: VMP(partial(normal_mean_model, **mean_h)),
+            model=partial(normal_mean_model, **mean_h),
+            data=(x,),
+            n_steps=3,
+            exact_log_evidence=_normal_mean_evidence(x, **mean_h),
+        ),
+        "normal-gamma": ConformanceCase(
+            make_engine=lambda: VMP(partial(normal_gamma_model, **gamma_h), tol=0),
+            model=partial(normal_gamma_model, **gamma_h),
+            data=(x,),
+            n_steps=15,
+        ),
+        "proportions": ConformanceCase(
+            make_engine=lambda: VMP(proportions_model),
+            model=proportions_model,
+            data=(y,),
+            n_steps=2,
+            exact_log_evidence=_dirichlet_categorical_evidence(y, 5, 2.0),
+        ),
+        "bavardage-identity": ConformanceCase(
+            make_engine=lambda: VMP(partial(bavardage_model, **mix_h), tol=0),
+            model=partial(bavardage_model, **mix_h),
+            data=(xs, ys, xq),
+            n_steps=10,
+            max_plate_nesting=2,
+            particles=200,
+        ),
+        "wishart-mixture": ConformanceCase(
+            make_engine=lambda: VMP(partial(wishart_mixture_model, way=3), tol=0),
+            model=partial(wishart_mixture_model, way=3),
+            data=_gamma_mixture_case_data(t=3),
+            n_steps=10,
+            particles=200,
+        ),
+        "gamma-mixture": ConformanceCase(
+            make_engine=lambda: VMP(partial(gamma_mixture_model, way=3), tol=0),
+            model=partial(gamma_mixture_model, way=3),
+            data=_gamma_mixture_case_data(t=3),
+            n_steps=10,
+            particles=200,
+        ),
+    }
+
+
+@pytest.mark.filterwarnings("ignore:Singular sample")
+@pytest.mark.parametrize("name", list(_cases()))
+def test_vmp_passes_conformance(name):
+    check_engine(_cases()[name])
+
+
+class _BrokenLocMessage(VMP):
+    """The message to a Normal mean overstates the data term by 10%."""
+
+    def _message(self, plan, q, child, role, to):
+        out = super()._message(plan, q, child, role, to)
+        return [1.1 * out[0], out[1]] if role == "loc" else out
+
+
+def test_conformance_catches_a_broken_derived_update():
+    case = _cases()["normal-mean"]
+    mean_h = dict(mu0=0.5, lam0=2.0, tau=1.7)
+    broken = replace(
+        case, make_engine=lambda: _BrokenLocMessage(partial(normal_mean_model, **mean_h))
+    )
+    with pytest.raises(AssertionError):
+        assert_exact_evidence(broken)
+    with pytest.raises(AssertionError):
+        check_engine(broken)
+
+
+# ------------------------------------------------------------------ behaviour
+def test_monotone_over_50_sweeps_and_freezing():
+    x, labels, observed = _gamma_mixture_case_data(t=6, seed=1)
+    vmp = VMP(partial(gamma_mixture_model, way=3), tol=0)
+    state, trace = run(vmp, vmp.init(x, labels, observed), 50)
+    diff = trace[1:] - trace[:-1]
+    assert diff.min() >= -1e-9 * trace.abs().max()
+    # with a tolerance, frozen tasks keep their factors and their ELBO
+    vmp = VMP(partial(gamma_mixture_model, way=3), max_iter=200, tol=1e-8)
+    fitted = vmp.fit(x, labels, observed)
+    assert bool(fitted.done.all()) and fitted.n_steps < 200
+    after = vmp.step(fitted)
+    assert torch.equal(after.objective, fitted.objective)
+
+
+def test_observed_labels_stay_fixed_and_posterior_shapes():
+    x, labels, observed = _gamma_mixture_case_data(t=2)
+    vmp = VMP(partial(gamma_mixture_model, way=3))
+    state = vmp.fit(x, labels, observed)
+    post = vmp.posterior(state)
+    z = post["z"].probs
+    assert z.shape == (2, x.shape[1], 3)
+    n_s = int(observed[0].sum())
+    assert torch.equal(z[:, :n_s], torch.nn.functional.one_hot(labels[:, :n_s], 3).to(F64))
+    assert (
+        post["tau"].batch_shape == (2, 3)
+        and post["tau"].event_shape == (3,)
+        and post["pi"].event_shape == (3,)
+    )
+
+
+def test_init_from_given_responsibilities():
+    xs, ys, xq, yq = _mixture_data()
+    hyper = dict(way=3, tau=1.0, alpha0=2.0, beta0=1.0)
+    vmp = VMP(partial(bavardage_model, **hyper))
+    resp = torch.nn.functional.one_hot(yq, 3).to(F64)
+    state = vmp.init(xs, ys, xq, init_resp={"z": resp})
+    engine = BavardageVB(projection="identity", **hyper)
+    ref = engine.init(xs, ys, xq, torch.cat([torch.zeros(5, 6, 3, dtype=F64), resp], 1))
+    torch.testing.assert_close(state.objective, ref.objective, rtol=1e-12, atol=1e-10)
+    with pytest.raises(ValueError, match="init_resp"):
+        vmp.init(xs, ys, xq, init_resp={"w": resp})
+
+
+def test_float32_follows_input():
+    x = _x().float()
+    state = VMP(normal_gamma_model).fit(x)
+    assert state.objective.dtype == torch.float32
+    assert state.q["mu"][0].dtype == torch.float32
+
+
+# ------------------------------------------------------------------ refusals
+def _lognormal_scale(x):
+    with pyro.plate("tasks", x.shape[0], dim=-1):
+        s = pyro.sample("sigma", dist.LogNormal(x.new_tensor(0.0), 1.0))
+        pyro.sample("x", dist.Normal(x.new_tensor(0.0), s.unsqueeze(-1)).to_event(1), obs=x)
+
+
+def _exp_of_gamma(x):
+    with pyro.plate("tasks", x.shape[0], dim=-1):
+        tau = pyro.sample("tau", dist.Gamma(x.new_tensor(2.0), 1.0))
+        scale = tau.exp().rsqrt().unsqueeze(-1)
+        pyro.sample("x", dist.Normal(x.new_tensor(0.0), scale).to_event(1), obs=x)
+
+
+def _nonlinear_mean(x):
+    with pyro.plate("tasks", x.shape[0], dim=-1):
+        mu = pyro.sample("mu", dist.Normal(x.new_tensor(0.0), 1.0))
+        pyro.sample("x", dist.Normal(mu.tanh().unsqueeze(-1), 1.0).to_event(1), obs=x)
+
+
+def _poisson(x):
+    with pyro.plate("tasks", x.shape[0], dim=-1):
+        rate = pyro.sample("rate", dist.Gamma(x.new_tensor(2.0), 1.0))
+        pyro.sample("x", dist.Poisson(rate.unsqueeze(-1)).to_event(1), obs=x.abs().round())
+
+
+def _no_tasks_plate(x):
+    mu = pyro.sample("mu", dist.Normal(x.new_zeros(x.shape[0]), 1.0).to_event(1))
+    pyro.sample("x", dist.Normal(mu.unsqueeze(-1), 1.0).to_event(2), obs=x)
+
+
+@pytest.mark.parametrize(
+    "model, site, words",
+    [
+        (_lognormal_scale, "sigma", "LogNormal"),
+        (_exp_of_gamma, "x", "'tau' (Gamma)"),
+        (_nonlinear_mean, "x", "'mu' (Normal)"),
+        (_poisson, "x", "Poisson"),
+        (_no_tasks_plate, "mu", "tasks"),
+    ],
+)
+def test_non_conjugate_models_are_refused(model, site, words):
+    with pytest.raises(ValueError, match=f"site '{site}'") as err:
+        VMP(model).init(_x())
+    assert words in str(err.value) and "Supported" in str(err.value)
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="model"):
+        VMP("not a model")
+    with pytest.raises(ValueError, match="max_iter"):
+        VMP(normal_mean_model, max_iter=0)
+    with pytest.raises(ValueError, match="tol"):
+        VMP(normal_mean_model, tol=float("nan"))
+
+
+def test_fit_drops_frozen_tasks_without_changing_results():
+    x, labels, observed = _gamma_mixture_case_data(t=8, seed=2)
+    vmp = VMP(partial(gamma_mixture_model, way=3), max_iter=60, tol=1e-9, check_every=2)
+    fitted = vmp.fit(x, labels, observed)
+    state = vmp.init(x, labels, observed)
+    for _ in range(fitted.n_steps):
+        state = vmp.step(state)
+    torch.testing.assert_close(fitted.objective, state.objective, rtol=1e-12, atol=1e-10)
+    torch.testing.assert_close(fitted.q["z"][0], state.q["z"][0], rtol=1e-10, atol=1e-10)
+    assert torch.equal(fitted.done, state.done)
+
+
+def _selected_constant_model(
+    x_support, support_labels, x_query, way, tau=1.0, alpha0=2.0, beta0=1.0
+):
+    """BAVARDAGE's mixture written with a per-class precision table picked by Vindex."""
+    t, d = x_support.shape[0], x_support.shape[-1]
+    with pyro.plate("tasks", t, dim=-2):
+        pi = pyro.sample("pi", dist.Dirichlet(x_support.new_full((1, way), alpha0)))
+        with pyro.plate("classes", way, dim=-1):
+            mu = pyro.sample(
+                "mu", dist.Normal(x_support.new_zeros(d), (beta0 * tau) ** -0.5).to_event(1)
+            )
+        table = x_support.new_full((t, way, d), tau)
+        with pyro.plate("support", x_support.shape[1], dim=-1):
+            loc = Vindex(mu.unsqueeze(-3))[..., support_labels, :]
+            pyro.sample("xs", dist.Normal(loc, tau**-0.5).to_event(1), obs=x_support)
+        with pyro.plate("queries", x_query.shape[1], dim=-1):
+            z = pyro.sample("z", dist.Categorical(pi))
+            loc = Vindex(mu.unsqueeze(-3))[..., z, :]
+            scale = Vindex(table.unsqueeze(-3))[..., z, :].rsqrt()
+            pyro.sample("xq", dist.Normal(loc, scale).to_event(1), obs=x_query)
+
+
+def test_fixed_table_selected_by_a_latent_label_matches_bavardage():
+    xs, ys, xq, _ = _mixture_data()
+    hyper = dict(way=3, tau=1.0, alpha0=2.0, beta0=1.0)
+    ours = VMP(partial(_selected_constant_model, **hyper), tol=0, max_iter=200).fit(xs, ys, xq)
+    ref = VMP(partial(bavardage_model, **hyper), tol=0, max_iter=200).fit(xs, ys, xq)
+    torch.testing.assert_close(ours.objective, ref.objective, rtol=1e-10, atol=1e-8)
+
+
+def test_vmp_gmm_method():
+    from probfsl.data import load_dataset, sample_episodes
+    from probfsl.methods import make_estimator
+
+    fs = load_dataset("omniglot")
+    tasks = sample_episodes(fs, 20, way=5, shot=1, n_query=30, seed=0)
+    est = make_estimator("vmp-gmm", max_iter=10).fit_featureset(fs)
+    proba = est.predict_proba(tasks)
+    assert proba.shape == (20, 30, 5) and proba.dtype == torch.float32
+    torch.testing.assert_close(proba.sum(-1), torch.ones(20, 30))
+    accuracy = (proba.argmax(-1) == tasks.query_labels).float().mean()
+    assert accuracy > 0.5  # chance is 0.2
+    with pytest.raises(ValueError, match="a0"):
+        make_estimator("vmp-gmm", a0=-1.0)
