@@ -20,8 +20,9 @@ $(VENV)/.dev: $(VENV)/.core
 demo: $(VENV)/.core
 	$(VENV)/bin/probfsl demo
 
-test: $(VENV)/.dev
-	$(VENV)/bin/ruff check probfsl tests benchmarks
+# the docs extra too, so that tests/test_docs.py builds the site (mkdocs --strict)
+test: $(VENV)/.docs
+	$(VENV)/bin/ruff check probfsl tests benchmarks tools
 	$(PY) -m pytest -q
 
 # Tutorials: execute tutorials/NN_*.py into tutorials/NN_*.ipynb (with outputs).
@@ -38,5 +39,5 @@ docs: $(VENV)/.docs
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 lint: $(VENV)/.dev
-	$(VENV)/bin/ruff check probfsl tests benchmarks
-	$(VENV)/bin/ruff format --check probfsl tests benchmarks
+	$(VENV)/bin/ruff check probfsl tests benchmarks tools
+	$(VENV)/bin/ruff format --check probfsl tests benchmarks tools

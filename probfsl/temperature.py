@@ -16,14 +16,13 @@ from __future__ import annotations
 import copy
 from typing import Self
 
-import numpy as np
 import torch
 
 from probfsl.data.featureset import FeatureSet
 from probfsl.data.tasks import Episodes, sample_episodes
 from probfsl.evaluation.calibration import apply_temperature, fit_temperature
 from probfsl.models.base import FewShotClassifier
-from probfsl.validation import as_float_tensor, as_label_tensor, check_choice, check_hyperparameter
+from probfsl.validation import check_base, check_choice, check_hyperparameter
 
 
 class TemperatureScaled(FewShotClassifier):
@@ -61,16 +60,8 @@ class TemperatureScaled(FewShotClassifier):
         check_choice("balance", self.balance, ("balanced", "dirichlet"))
         check_hyperparameter("alpha", self.alpha, positive=True)
         check_hyperparameter("n_episodes", self.n_episodes, integer=True, low=2)
-        features = as_float_tensor(features, "base features", ndim=2)
-        labels = as_label_tensor(labels, "base labels", n=features.shape[0])
-        labels_np = labels.cpu().numpy()
-        self.base_ = FeatureSet(
-            features=features.detach().cpu().numpy(),
-            labels=labels_np,
-            class_names=[str(c) for c in range(int(labels_np.max()) + 1)],
-            split=np.full(labels_np.shape, "base"),
-            name="base features",
-        )
+        features, labels = check_base(features, labels)
+        self.base_ = FeatureSet.of_base_classes(features, labels)
         self.estimator_ = copy.deepcopy(self.estimator).fit_base(features, labels)
         self.temperature_, self.notes_ = {}, {}
         return self

@@ -543,15 +543,8 @@ class AutoPreset(FewShotClassifier):
         return method_info(self.method).load().transductive
 
     def fit_base(self, features: torch.Tensor, labels: torch.Tensor) -> Self:
-        check_base(features, labels)
-        labels_np = labels.cpu().numpy()
-        self.base_ = FeatureSet(
-            features=features.detach().cpu().double().numpy(),
-            labels=labels_np,
-            class_names=[str(c) for c in range(int(labels_np.max()) + 1)],
-            split=np.full(labels_np.shape, "base"),
-            name="base features",
-        )
+        features, labels = check_base(features, labels)
+        self.base_ = FeatureSet.of_base_classes(features.double(), labels)
         self.tuning_, self.choices_, self.estimators_ = {}, {}, {}
         return self
 

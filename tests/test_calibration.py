@@ -166,3 +166,12 @@ def test_cli_calibrate_keeps_accuracy_and_records_the_temperature(tmp_path, caps
     argv = ["run", "--method", "em-dirichlet", "--dataset", "wordnet", "--zero-shot"]
     assert main([*argv, "--calibrate", "temperature"]) == 2
     assert "--calibrate temperature" in capsys.readouterr().err
+
+
+def test_pooled_ece_matches_brute_force_over_all_queries():
+    from probfsl.evaluation.calibration import pooled_ece
+
+    proba, labels = _random_task(t=4, q=30)
+    flat_p = proba.reshape(-1, proba.shape[-1]).numpy()
+    expected = _brute_ece(flat_p, labels.reshape(-1).numpy(), 15, False)
+    assert pooled_ece(proba, labels) == pytest.approx(expected, abs=1e-12)

@@ -126,7 +126,7 @@ ax.plot([0, 1], [0, 1], "k--", lw=1)
 ax.set_xlabel("confidence")
 ax.set_ylabel("accuracy")
 ax.set_title("1-shot reliability")
-ax.legend(fontsize=7)
+ax.legend(fontsize=7, loc="lower right")  # the empty corner: over-confident and wrong
 fig.tight_layout()
 plt.show()
 
@@ -137,11 +137,13 @@ plt.show()
 # the same accuracy can be far apart here, and a temperature that sharpens or flattens
 # the probabilities moves a curve without changing any argmax, hence without changing
 # the accuracy. Here the methods are not calibrated out of the box: GP-Tree and SLEM
-# lie above the diagonal, soft k-means and EM-Dirichlet below it, and evidence-lssvm's
-# one-vs-rest regression outputs, normalised, give low confidences whatever the
-# accuracy. `probfsl.evaluation.calibration` measures this (expected calibration
-# error, negative log-likelihood, Brier score) and fits such a temperature on
-# base-class episodes.
+# lie above the diagonal, soft k-means, `vmp-gmm` and EM-Dirichlet below it (with one
+# shot per class, evidence-lssvm's curve is nearest-centroid's).
+# `probfsl.evaluation.calibration` measures this (expected calibration error, negative
+# log-likelihood, Brier score; `plot_reliability` draws this diagram), and
+# `probfsl.temperature.TemperatureScaled` fits one temperature per method and setting
+# on base-class episodes (`probfsl run --calibrate temperature`); the README's
+# Calibration section gives every method's ECE before and after.
 #
 # The same comparison from the command line: `probfsl demo`, or one method at a time,
 # `probfsl run --method soft-kmeans --dataset omniglot --shot 1 --balance dirichlet`.

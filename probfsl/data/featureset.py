@@ -127,6 +127,19 @@ class FeatureSet:
             torch.as_tensor(self.labels[idx]),
         )
 
+    @classmethod
+    def of_base_classes(cls, features: torch.Tensor, labels: torch.Tensor) -> FeatureSet:
+        """A FeatureSet whose every row is a base-class row (for estimators that
+        sample base-class episodes from the features given to ``fit_base``)."""
+        labels_np = labels.detach().cpu().numpy()
+        return cls(
+            features=features.detach().cpu().numpy(),
+            labels=labels_np,
+            class_names=[str(c) for c in range(int(labels_np.max()) + 1)],
+            split=np.full(labels_np.shape, "base"),
+            name="base features",
+        )
+
     def __repr__(self) -> str:
         counts = {s: int((self.split == s).sum()) for s in np.unique(self.split)}
         return (

@@ -106,6 +106,16 @@ def reliability_curve(
         }
 
 
+def pooled_ece(proba: torch.Tensor, labels: torch.Tensor, n_bins: int = 15) -> float:
+    """ECE over every query of every task pooled (equal-width bins), as most papers
+    report it: with many queries its finite-sample bias is small, unlike the per-task
+    ECE of 75 queries."""
+    curve = reliability_curve(proba, labels, n_bins)
+    keep = curve["count"] > 0
+    gap = np.abs(curve["accuracy"][keep] - curve["confidence"][keep])
+    return float((gap * curve["count"][keep]).sum() / curve["count"].sum())
+
+
 def plot_reliability(curves: dict[str, dict[str, np.ndarray]], ax=None):
     """Reliability diagram: accuracy against confidence per bin, one line per entry of
     ``curves`` (name -> :func:`reliability_curve` output), with the diagonal. Needs
@@ -139,7 +149,7 @@ def apply_temperature(proba: torch.Tensor, temperature: float | torch.Tensor) ->
 
 
 def fit_temperature(
-    proba: torch.Tensor, labels: torch.Tensor, bounds: tuple[float, float] = (1e-2, 1e2)
+    proba: torch.Tensor, labels: torch.Tensor, bounds: tuple[float, float] = (1e-3, 1e3)
 ) -> float:
     """The ``τ`` in ``bounds`` that minimises the mean NLL of ``apply_temperature(proba, τ)``.
 
