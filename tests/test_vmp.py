@@ -483,3 +483,110 @@ def test_vmp_gmm_method():
     assert accuracy > 0.5  # chance is 0.2
     with pytest.raises(ValueError, match="a0"):
         make_estimator("vmp-gmm", a0=-1.0)
+
+
+# ---------------------------------------------------------------- speed-ups (issue 15)
+def test_precision_coefficients_are_exact_constants():
+    """c of a precision c·τ is read off the model as value / parent, (τ^-1/2)^-2 / τ = 1 ± ulp:
+    it is snapped to the exact constant (a scalar), so the sweeps never carry a [T, N] tensor."""
+    from probfsl.inference.vmp import _snap
+
+    plan = VMP(partial(normal_gamma_model, lam0=2.0)).compile(_x(t=6, n=9))
+    assert plan.sites["x"].params["precision"].coef_dims == ()
+    assert plan.sites["x"].params["precision"].coef.item() == 1.0
+    assert plan.sites["mu"].params["precision"].coef.item() == 2.0
+    c = torch.tensor([1 + 2**-52, 2 - 2**-51, 1 / 3, 0.0, 1e300], dtype=F64)
+    assert _snap(c).tolist() == [1.0, 2.0, 1 / 3, 0.0, 1e300]  # 1/3: not near 12 digits
+    c32 = torch.tensor([3 * (1 + 2**-23)], dtype=torch.float32)
+    assert _snap(c32).item() == 3.0 and _snap(c32).dtype == torch.float32
+
+
+@pytest.mark.parametrize("t", [2, 50])
+def test_contraction_direct_and_pairwise_paths_agree(t):
+    """One einsum call (small or no blow-up) and opt_einsum's pairwise path give one sum."""
+    from probfsl.inference.vmp import _contract
+
+    g = torch.Generator().manual_seed(0)
+    r = torch.rand(t, 30, 4, generator=g, dtype=F64)
+    x = torch.randn(t, 30, 6, generator=g, dtype=F64)
+    m = torch.randn(t, 4, 6, generator=g, dtype=F64)
+    got = _contract("tnk,tnd,tkd->tkd", [r, x, m])
+    want = (r.unsqueeze(-1) * x.unsqueeze(-2)).sum(1) * m
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    a, b = torch.randn(t, 30, generator=g, dtype=F64), torch.randn(t, generator=g, dtype=F64)
+    got = _contract("tn,t,tn->t", [a, b, a])
+    torch.testing.assert_close(got, (a * a).sum(-1) * b, rtol=1e-12, atol=1e-12)
+
+
+def test_sweeps_without_frozen_tasks_equal_the_general_sweep():
+    """A state known to have no frozen task skips keeping frozen factors: same numbers."""
+    xs, ys, xq, _ = _mixture_data()
+    h = dict(way=3, tau=3.0, alpha0=2.0, beta0=1.0)
+    vmp = VMP(partial(bavardage_model, **h), tol=0, order=["z", "pi", "mu"])
+    fast = vmp.init(xs, ys, xq)
+    assert not fast.frozen
+    slow = replace(fast, frozen=True)
+    for _ in range(5):
+        fast, slow = vmp.step(fast), vmp.step(slow)
+    assert not fast.frozen and slow.frozen
+    torch.testing.assert_close(fast.objective, slow.objective, rtol=0, atol=0)
+    for name in fast.q:
+        for a, b in zip(fast.q[name], slow.q[name], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _weighted_model(x, s):
+    """x_tn ~ N(mu_t, s_n² / tau_t): ``s`` has one entry per point, not per task."""
+    with pyro.plate("tasks", x.shape[0], dim=-1):
+        tau = pyro.sample("tau", dist.Gamma(x.new_tensor(2.0), x.new_tensor(1.0)))
+        mu = pyro.sample("mu", dist.Normal(x.new_tensor(0.0), tau.rsqrt()))
+        scale = s * tau.rsqrt().unsqueeze(-1)
+        pyro.sample("x", dist.Normal(mu.unsqueeze(-1), scale).to_event(1), obs=x)
+
+
+def test_argument_as_long_as_the_tasks_batched_equals_one_at_a_time():
+    """The structure is read on one task (arguments with the tasks' length are sliced); an
+    argument of that length that is not per task must not change the fit."""
+    x, s = _x(t=6, n=6), torch.linspace(0.5, 2.0, 6, dtype=F64)
+    vmp = VMP(_weighted_model, tol=0)
+    batched, _ = run(vmp, vmp.init(x, s), 10)
+    for t in range(6):
+        one, _ = run(vmp, vmp.init(x[t : t + 1], s), 10)
+        torch.testing.assert_close(one.objective, batched.objective[t : t + 1], rtol=1e-12, atol=0)
+        torch.testing.assert_close(
+            one.q["mu"][0], batched.q["mu"][0][t : t + 1], rtol=1e-12, atol=0
+        )
+
+
+def test_pairwise_contractions_are_reused_only_for_the_same_operands():
+    from probfsl.inference import vmp as V
+
+    g = torch.Generator().manual_seed(1)
+    r = torch.rand(8, 1000, 5, generator=g, dtype=F64)  # above V._MEMO_MIN entries
+    x = torch.randn(8, 1000, 16, generator=g, dtype=F64)
+    V._MEMO.clear()
+    a = V._pair("abc,abd->acd", [r, x])
+    b = V._pair("abd,abc->acd", [x, r])  # same contraction, other letters and order
+    assert b is a and len(V._MEMO) == 1
+    c = V._pair("abc,abd->acd", [r, x.clone()])  # new operand: computed again
+    assert c is not a and len(V._MEMO) == 2
+    torch.testing.assert_close(a, torch.einsum("abc,abd->acd", r, x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(c, a, rtol=0, atol=0)
+    V._MEMO.clear()
+
+
+@pytest.mark.parametrize("order", [["pi", "mu", "z"], ["z", "pi", "mu"]])
+def test_elbo_from_the_labels_normaliser_equals_the_full_elbo(order):
+    """After q(z) = softmax(η) is updated last, E ln p(z|π) + E ln p(x|z,μ) + H[q(z)] is read
+    off as Σ_n logsumexp_k η_nk: the same ELBO as summing the three terms."""
+    xs, ys, xq, _ = _mixture_data()
+    h = dict(way=3, tau=3.0, alpha0=2.0, beta0=1.0)
+    vmp = VMP(partial(bavardage_model, **h), tol=0, order=order)
+    state = vmp.init(xs, ys, xq)
+    for _ in range(3):
+        state = vmp.step(state)
+        full = vmp._elbo(replace(state.plan, cache={}), state.q)
+        torch.testing.assert_close(state.objective, full, rtol=1e-12, atol=0)
+        r, _, others = state.plan.cache[("lse", "z")]
+        used = r is state.q["z"][0] and all(state.q[n] is v for n, v in others)
+        assert used == (order[-1] == "z")  # stale once another factor moved after q(z)

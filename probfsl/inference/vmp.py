@@ -43,6 +43,15 @@ and is then updated once from those responsibilities (an M step before the first
 them (or ``order``). Tasks whose ELBO moved by less than ``tol`` (relative) are frozen
 (their factors are kept) from then on; ``fit`` checks on the host whether all tasks are
 frozen only every ``check_every`` steps.
+
+**Cost of a sweep** (issue 15). What is fixed is computed once per plan: a coefficient c of
+c·τ (read off the model as 1 ± 1 ulp) is snapped to its exact value and kept as a scalar;
+ln c, m², ln π of fixed parameters and the priors' natural parameters and log-normalisers
+are cached. Expected statistics are cached per factor and reused by the entropies; terms
+without the data's axes stay unbroadcast until the last addition; a pairwise contraction of
+the same large operands (Σ_n r_nk x_nd for both the mean's and the precision's messages) is
+done once per sweep; small contractions are one ``einsum`` call. When a Categorical factor
+was updated last, its ELBO terms and its children's are its normaliser Σ_n ln Σ_k e^η_nk.
 """
 
 from __future__ import annotations
@@ -81,15 +90,20 @@ SUPPORTED = (
 
 
 # ---------------------------------------------------------------------------- layouts
-def _ein(out: tuple, ops: list, over: tuple, sizes: dict, ref: torch.Tensor) -> torch.Tensor:
+def _ein(
+    out: tuple, ops: list, over: tuple, sizes: dict, ref: torch.Tensor, expand: bool = True
+) -> torch.Tensor:
     """Σ over ``over`` (and every operand axis not in ``out``) of the product of ``ops``.
+
+    With ``expand=False`` an axis of ``out`` that no operand has keeps size 1 (broadcastable).
 
     ``ops`` are ``(tensor, axis names)``; an axis of ``over`` that no operand has counts its
     size; an axis of ``out`` that no operand has is broadcast.
     """
-    key = (tuple(out), tuple(tuple(d) for _, d in ops), tuple(over))
+    key = (out, tuple([d for _, d in ops]), over)
     plan = _SPECS.get(key)
     if plan is None:
+        out, over = tuple(out), tuple(over)
         letters: dict[str, str] = {}
 
         def sub(dims):
@@ -116,33 +130,112 @@ def _ein(out: tuple, ops: list, over: tuple, sizes: dict, ref: torch.Tensor) -> 
         res = res * n_extra
     if len(kept) < len(out):
         shape = [sizes[d] if h else 1 for d, h in zip(out, has, strict=True)]
-        res = res.reshape(shape).expand([sizes[d] for d in out])
+        res = res.reshape(shape)
+        if expand:
+            res = res.expand([sizes[d] for d in out])
     return res
 
+
+#: ``fit`` drops frozen tasks from the batch once at most this fraction is still active
+_COMPACT = 0.9
 
 _SPECS: dict = {}
 _PATHS: dict = {}
 
 
+#: one ``einsum`` call contracts the operands when the product of all axes (a bound on any
+#: intermediate) is below this or at most twice the largest operand; otherwise opt_einsum's
+#: pairwise path is followed
+_SMALL = 1 << 12
+
+
 def _contract(spec: str, tensors: list) -> torch.Tensor:
     """``torch.einsum`` pairwise along opt_einsum's path, the path cached per (spec, shapes)."""
     if len(tensors) <= 2:
-        return torch.einsum(spec, *tensors)
-    key = (spec, tuple(tuple(t.shape) for t in tensors))
+        return _einsum(spec, tensors)
+    key = (spec, tuple([t.shape for t in tensors]))
     steps = _PATHS.get(key)
     if steps is None:
-        import opt_einsum
+        subs = spec.split("->")[0].split(",")
+        sizes = {
+            c: n
+            for sub, t in zip(subs, tensors, strict=True)
+            for c, n in zip(sub, t.shape, strict=True)
+        }
+        full = math.prod(sizes.values())
+        if full <= _SMALL or full <= 2 * max(t.numel() for t in tensors):
+            steps = ()
+        else:
+            import opt_einsum
 
-        _, info = opt_einsum.contract_path(spec, *key[1], shapes=True)
-        steps = [(tuple(c[0]), c[2]) for c in info.contraction_list]
+            _, info = opt_einsum.contract_path(spec, *key[1], shapes=True)
+            steps = [(tuple(c[0]), c[2]) for c in info.contraction_list]
         if len(_PATHS) > 4096:
             _PATHS.clear()
         _PATHS[key] = steps
+    if not steps:
+        return _einsum(spec, tensors)
     ops = list(tensors)
     for inds, pair_spec in steps:
         args = [ops.pop(i) for i in inds]
-        ops.append(torch.einsum(pair_spec, *args))
+        ops.append(_pair(pair_spec, args))
     return ops[0]
+
+
+#: pairwise contractions of large operands within one sweep, keyed by the operands' identity
+#: (the entry holds them, so an id is not reused while it lives) and the relabelled spec:
+#: Σ_n r_nk x_nd serves both the mean's and the precision's message. Cleared every sweep.
+_MEMO: dict = {}
+_MEMO_MIN = 1 << 15
+
+
+def _pair(spec: str, args: list) -> torch.Tensor:
+    """One pairwise step of :func:`_contract`, reused when the same operands recur."""
+    if len(args) != 2 or min(args[0].numel(), args[1].numel()) < _MEMO_MIN:
+        return _einsum(spec, args)
+    ins, res = spec.split("->")
+    subs = ins.split(",")
+    order = sorted(range(2), key=lambda i: id(args[i]))
+    letters: dict[str, str] = {}
+    canon = tuple(
+        "".join(letters.setdefault(c, chr(97 + len(letters))) for c in sub)
+        for sub in [subs[order[0]], subs[order[1]], res]
+    )
+    key = (canon, id(args[order[0]]), id(args[order[1]]))
+    hit = _MEMO.get(key)
+    if hit is None:
+        hit = (_einsum(spec, args), args[0], args[1])
+        _MEMO[key] = hit
+    return hit[0]
+
+
+def _einsum(spec: str, tensors: list) -> torch.Tensor:
+    """``torch.einsum`` without its Python wrapper (the operands are plain tensors and the
+    path is chosen by :func:`_contract`)."""
+    return torch._VF.einsum(spec, tensors)
+
+
+def _snap(c: torch.Tensor, ulps: int = 8) -> torch.Tensor:
+    """``c`` rounded to 3 digits fewer than its dtype carries, where that moves it by at most
+    ``ulps`` units in the last place. A coefficient read off the model as value / parent
+    (e.g. ((τ^-1/2)^-2) / τ = 1 ± 1 ulp) becomes exact, so :func:`_reduce` finds it constant."""
+    if not c.is_floating_point():
+        return c
+    finfo = torch.finfo(c.dtype)
+    digits = max(1, math.floor(-math.log10(finfo.eps)) - 3)
+    x = c.double()
+    a = x.abs()
+    k = digits - 1 - torch.floor(torch.log10(torch.where(a > 0, a, torch.ones_like(a))))
+    up = torch.pow(10.0, k.clamp_min(0))  # exact powers of ten (k <= 22)
+    down = torch.pow(10.0, (-k).clamp_min(0))
+    r = (torch.round(x * up / down) * down / up).to(c.dtype)
+    ok = torch.isfinite(r) & ((r - c).abs() <= ulps * finfo.eps * c.abs())
+    return torch.where(ok, r, c)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-5, atol: float = 1e-8) -> bool:
+    """``torch.allclose`` (|a − b| ≤ atol + rtol |b|, NaN never close) in fewer passes."""
+    return torch.equal(a, b) or bool(((a - b).abs() <= atol + rtol * b.abs()).all())
 
 
 def _broadcast(a: tuple, b: tuple) -> tuple:
@@ -154,13 +247,23 @@ def _broadcast(a: tuple, b: tuple) -> tuple:
     return tuple(max(x, y) if 1 in (x, y) else x for x, y in zip(a, b, strict=True))
 
 
-def _reduce(t: torch.Tensor, dims: tuple) -> tuple[torch.Tensor, tuple]:
-    """Drop the axes along which ``t`` is constant (for cheaper contractions)."""
-    keep = [
-        i
-        for i in range(t.dim())
-        if t.shape[i] > 1 and not torch.equal(t, t.narrow(i, 0, 1).expand_as(t))
-    ]
+def _reduce(t: torch.Tensor, dims: tuple, ulps: int = 0) -> tuple[torch.Tensor, tuple]:
+    """Drop the axes along which ``t`` is constant (for cheaper contractions); with ``ulps``,
+    constant up to that many units in the last place (the first slice is kept)."""
+
+    eps = ulps * torch.finfo(t.dtype).eps if t.is_floating_point() else 0
+
+    def constant(i: int) -> bool:
+        first = t.narrow(i, 0, 1).expand_as(t)
+        if not ulps:
+            return torch.equal(t, first)
+        return bool(((t - first).abs() <= eps * first.abs()).all())
+
+    if ulps and t.numel():
+        t0 = t.flatten()[0]
+        if bool(((t - t0).abs() <= eps * t0.abs()).all()):
+            return t0, ()
+    keep = [i for i in range(t.dim()) if t.shape[i] > 1 and not constant(i)]
     index = tuple(slice(None) if i in keep else 0 for i in range(t.dim()))
     return t[index], tuple(dims[i] for i in keep)
 
@@ -180,6 +283,24 @@ class _Param:
     selector: str | None = None  # latent Categorical site selecting ``comp``
     index: torch.Tensor | None = None  # fixed one-hot selection [index_dims + comp]
     index_dims: tuple = ()
+    derived: dict = field(default_factory=dict, init=False, repr=False)  # see _derived
+
+
+def _derived(p: _Param, kind: str) -> torch.Tensor:
+    """A function of a fixed parameter, computed once per plan: ``square`` (m²), ``log``
+    (ln c) and ``log_probs`` (ln π, clamped) of ``const``, ``log_coef`` (ln c) of ``coef``."""
+    t = p.derived.get(kind)
+    if t is None:
+        if kind == "square":
+            t = p.const.square()
+        elif kind == "log":
+            t = p.const.log()
+        elif kind == "log_coef":
+            t = p.coef.log()
+        else:
+            t = p.const.log().clamp_min(torch.finfo(p.const.dtype).min)
+        p.derived[kind] = t
+    return t
 
 
 @dataclass
@@ -224,6 +345,8 @@ class VMPState:
         objective: the analytic ELBO [T].
         done: [T] tasks frozen by the tolerance.
         n_steps: updates applied.
+        frozen: False when ``done`` is known to be all False without asking the device
+            (then a sweep skips keeping frozen tasks' factors).
     """
 
     plan: _Plan
@@ -231,6 +354,7 @@ class VMPState:
     objective: torch.Tensor
     done: torch.Tensor
     n_steps: int = 0
+    frozen: bool = True
 
 
 def _refuse(site: str, fn: str, parent: str, why: str) -> ValueError:
@@ -333,6 +457,7 @@ class VMP(Engine):
             latent = list(self.order)
         plan = _Plan(sites, latent, sizes, {n: [] for n in latent}, ref)
         self._find_parents(plan, trace, args, kwargs)
+        _MEMO.clear()
         return plan
 
     def _read_site(self, s: dict, trace, sizes: dict) -> _Site:
@@ -542,7 +667,22 @@ class VMP(Engine):
         # site-level parents by Pyro's provenance tracking (one run of the model) ...
         from pyro.infer.inspect import get_dependencies
 
-        deps = get_dependencies(self.model, args, kwargs)["prior_dependencies"]
+        deps = None
+        n_tasks = plan.sizes[TASKS]
+        if n_tasks > 1:  # the structure of one task (cheaper); all tasks if that fails
+
+            def first(a):
+                if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == n_tasks:
+                    return a[:1]
+                return a
+
+            with contextlib.suppress(Exception):
+                one = get_dependencies(
+                    self.model, tuple(map(first, args)), {k: first(v) for k, v in kwargs.items()}
+                )
+                deps = one["prior_dependencies"]
+        if deps is None:
+            deps = get_dependencies(self.model, args, kwargs)["prior_dependencies"]
         logical = {sites[n].pyro_name: n for n in plan.latent}
         # ... and which parameters move when every latent site takes a random value
         values = dict(base_values)
@@ -636,7 +776,7 @@ class VMP(Engine):
             plan.sizes,
             table,
         )
-        if not torch.allclose(run(probe), expect, rtol=1e-5, atol=1e-8):
+        if not _close(run(probe), expect):
             raise _refuse(s.name, s.fn_name, repr(selector), f"its {key} is not selected by it")
         c, cd = _reduce(table, dims + (comp,))
         return _Param(dims, const=c, const_dims=cd, comp=comp, selector=selector)
@@ -733,9 +873,11 @@ class VMP(Engine):
             """c of a precision c * tau (c I for a precision matrix: the scalar is kept)."""
             if wishart:
                 c = c[..., 0, 0]
-                param.coef, param.coef_dims = _reduce(c, dims[:-2])
+                coef, param.coef_dims = _reduce(c, dims[:-2], ulps=8)
+                param.coef = _snap(coef)
                 return c[..., None, None]
-            param.coef, param.coef_dims = _reduce(c, dims)
+            coef, param.coef_dims = _reduce(c, dims, ulps=8)
+            param.coef = _snap(coef)
             return c
 
         c = None
@@ -787,7 +929,7 @@ class VMP(Engine):
         expect = gathered(probes()[parent.name], probes().get(selector))
         if key == "precision":
             expect = expect * c
-        if not torch.allclose(got, expect, rtol=1e-5, atol=1e-8):
+        if not _close(got, expect):
             raise _refuse(
                 s.name, s.fn_name, p_desc, f"its {key} is not a (selected) copy of the parent"
             )
@@ -850,17 +992,17 @@ class VMP(Engine):
         mu = self._parent_ops(plan, q, s, "loc")
         if mu is None:
             L1 = [(loc.const, loc.const_dims)]
-            L2 = [(loc.const.square(), loc.const_dims)]
+            L2 = [(_derived(loc, "square"), loc.const_dims)]
         else:
             L1, L2 = [mu[0]], [mu[1]]
         tau = self._parent_ops(plan, q, s, "precision")
         if tau is None:
             c = [(prec.const, prec.const_dims)]
-            lnc = [(prec.const.log(), prec.const_dims)]
+            lnc = [(_derived(prec, "log"), prec.const_dims)]
             T1, T2 = [], None
         else:
             c = [(prec.coef, prec.coef_dims)]
-            lnc = [(prec.coef.log(), prec.coef_dims)]
+            lnc = [(_derived(prec, "log_coef"), prec.coef_dims)]
             T1, T2 = [tau[0]], [tau[1]]
         M = [] if s.mask is None else [(s.mask, s.mask_dims)]
         W, comp = self._weights(plan, q, s)
@@ -873,14 +1015,15 @@ class VMP(Engine):
         mw = o["M"] + weights
         pr = mw + o["c"] + o["T1"]
 
-        def e(ops):
-            return _ein(out, ops, over, plan.sizes, ref)
+        def e(ops):  # broadcastable: terms without the data's axes stay small
+            return _ein(out, ops, over, plan.sizes, ref, expand=False)
 
-        total = 0.5 * e(mw + o["lnc"]) - 0.5 * LOG_2PI * e(mw)
+        small = 0.5 * e(mw + o["lnc"]) - 0.5 * LOG_2PI * e(mw)
         if o["T2"] is not None:
-            total = total + 0.5 * e(mw + o["T2"])
-        quad = e(pr + o["X2"]) - 2 * e(pr + o["X1"] + o["L1"]) + e(pr + o["L2"])
-        return total - 0.5 * quad
+            small = small + 0.5 * e(mw + o["T2"])
+        small = small - 0.5 * e(pr + o["L2"])
+        res = e(pr + o["X1"] + o["L1"]) - 0.5 * e(pr + o["X2"]) + small
+        return res.expand([plan.sizes[d] for d in out])
 
     def _mvn_ops(self, plan, q, s):
         """Operand lists of a MultivariateNormal site: E ln N(x | m, c Λ) per vector is
@@ -965,12 +1108,25 @@ class VMP(Engine):
             pi = self._parent_ops(plan, q, s, "probs")
             if pi is None:
                 p = s.params["probs"]
-                lp = p.const.log().clamp_min(torch.finfo(p.const.dtype).min)
-                pi = [(lp, p.const_dims)]
+                pi = [(_derived(p, "log_probs"), p.const_dims)]
             M = [] if s.mask is None else [(s.mask, s.mask_dims)]
             return _ein(out, M + [(R, cd)] + pi, cd, plan.sizes, plan.ref)
-        block = self._prior_block(plan, s)
-        return self._sum_tasks(block.expected_log_prob(self._stats(plan, q, name)))
+        # E ln p = Σ_i η_i·⟨u_i⟩ − A(η) with η and Σ A fixed (computed once per plan)
+        block, eta, a_total = self._prior(plan, s)
+        lp = 0
+        for t, u, n in zip(eta, self._stats(plan, q, name), block._stat_dims, strict=True):
+            lp = lp + expfam.families._sum_last(t * u, n)
+        return self._sum_tasks(expfam.families._sum_last(lp, block.event_dim)) - a_total
+
+    def _prior(self, plan: _Plan, s: _Site) -> tuple:
+        """The fixed prior block of a Gamma, Dirichlet or Wishart site (full layout), its
+        natural parameters and its log-normaliser summed per task, cached in the plan."""
+        hit = plan.cache.get(("prior", s.name))
+        if hit is None:
+            block = self._prior_block(plan, s)
+            hit = (block, block.natural(), self._sum_tasks(block.log_normalizer()))
+            plan.cache[("prior", s.name)] = hit
+        return hit
 
     def _prior_block(self, plan: _Plan, s: _Site):
         """The fixed prior of a Gamma or Dirichlet site, in its full layout."""
@@ -989,12 +1145,43 @@ class VMP(Engine):
         return self._elbo(state.plan, state.q)
 
     def _elbo(self, plan: _Plan, q: dict) -> torch.Tensor:
-        total = 0
+        total, no_site, no_entropy = 0, set(), set()
+        for name in plan.latent:  # Categorical factors just updated (see _lse_applies)
+            hit = plan.cache.get(("lse", name))
+            if hit is not None and hit[0] is q[name][0]:
+                if all(q[n] is v for n, v in hit[2]):
+                    total = total + hit[1]
+                    no_site.update([name] + [c for c, _ in plan.children[name]])
+                    no_entropy.add(name)
         for name, s in plan.sites.items():
-            total = total + self._site_elbo(plan, q, name)
-            if not s.observed:
-                total = total + self._sum_tasks(self._block(s, q[name]).entropy())
+            if name not in no_site:
+                total = total + self._site_elbo(plan, q, name)
+            if not s.observed and name not in no_entropy:
+                total = total + self._sum_tasks(self._entropy(plan, q, name))
         return total
+
+    @staticmethod
+    def _lse_applies(plan: _Plan, s: _Site) -> bool:
+        """Whether the ELBO terms of a Categorical factor q(z) = softmax(η) may be read off its
+        update: when η is its prior's E ln π plus the per-component E ln N of its children,
+        E ln p(z | π) + Σ_children E ln p(x | z, ·) + H[q(z)] = Σ_n ln Σ_k exp η_nk (the
+        normaliser; PRML eq. 10.46-10.49), valid while no other factor has changed since.
+        Needs no mask, no observed entries, and Normal children only (their E ln N cached)."""
+        kids = plan.children[s.name]
+        return (
+            s.mask is None
+            and s.fixed_mask is None
+            and bool(kids)
+            and all(role == "select" and plan.sites[c].family == "Normal" for c, role in kids)
+        )
+
+    def _entropy(self, plan: _Plan, q: dict, name: str) -> torch.Tensor:
+        """H[q] = A − η·⟨u⟩ with the cached ⟨u⟩ (a Categorical's own form keeps 0 ln 0 = 0)."""
+        s = plan.sites[name]
+        block = self._block(s, q[name])
+        if s.family == "Categorical":
+            return block.entropy()
+        return -block.expected_log_prob(self._stats(plan, q, name))
 
     # ================================================================ updates
     def _natural(self, plan: _Plan, q: dict, name: str, children: bool = True) -> tuple:
@@ -1013,7 +1200,7 @@ class VMP(Engine):
             pi = self._parent_ops(plan, q, s, "probs")
             if pi is None:
                 p = s.params["probs"]
-                pi = [(p.const.log().clamp_min(torch.finfo(p.const.dtype).min), p.const_dims)]
+                pi = [(_derived(p, "log_probs"), p.const_dims)]
             eta = [_ein(cd, pi, cd, sizes, plan.ref)]
         elif s.family == "MultivariateNormal":
             o = self._mvn_ops(plan, q, s)
@@ -1022,7 +1209,7 @@ class VMP(Engine):
             eta2 = -0.5 * _ein(s.dims + (o["eb"],), lam, o["over"], sizes, plan.ref)
             eta = [eta1, eta2]
         else:
-            natural = self._prior_block(plan, s).natural()
+            natural = self._prior(plan, s)[1]
             eta = [
                 t.expand([sizes[d] for d in dims])
                 for t, dims in zip(natural, self._stat_dims(s), strict=True)
@@ -1098,9 +1285,16 @@ class VMP(Engine):
         s = plan.sites[name]
         eta = self._natural(plan, q, name, children)
         if s.family == "Categorical":
-            r = torch.softmax(eta[0], -1)
+            m = eta[0].amax(-1, keepdim=True)  # softmax, fewer passes than torch's
+            r = (eta[0] - m).exp_()
+            z = r.sum(-1, keepdim=True)
+            r = r.div_(z)
             if s.fixed_mask is not None:
                 r = torch.where(s.fixed_mask.unsqueeze(-1), s.fixed, r)
+            elif children and self._lse_applies(plan, s):
+                lse = self._sum_tasks((m + z.log()).squeeze(-1))
+                others = [(n, q[n]) for n in plan.latent if n != name]
+                plan.cache[("lse", name)] = (r, lse, others)
             return (r,)
         b = _BLOCKS[s.family].from_natural(*eta)
         return tuple(getattr(b, f) for f in _FIELDS[s.family])
@@ -1141,34 +1335,40 @@ class VMP(Engine):
         for name in others:
             q[name] = self._update(plan, q, name)
         objective = self._elbo(plan, q)
+        _MEMO.clear()
         done = torch.zeros_like(objective, dtype=torch.bool)
-        return VMPState(plan, q, objective, done)
+        return VMPState(plan, q, objective, done, frozen=False)
 
     def step(self, state: VMPState) -> VMPState:
         """One sweep: every latent site's coordinate update, in order; frozen tasks kept."""
         plan, q = state.plan, dict(state.q)
+        _MEMO.clear()
         for name in plan.latent:
             q[name] = self._update(plan, q, name)
         objective = self._elbo(plan, q)
+        _MEMO.clear()
         keep = state.done
-        for name in plan.latent:
-            q[name] = tuple(
-                torch.where(keep.reshape(-1, *[1] * (new.dim() - 1)), old, new)
-                for old, new in zip(state.q[name], q[name], strict=True)
-            )
-        objective = torch.where(keep, state.objective, objective)
+        if state.frozen:
+            for name in plan.latent:
+                q[name] = tuple(
+                    torch.where(keep.reshape(-1, *[1] * (new.dim() - 1)), old, new)
+                    for old, new in zip(state.q[name], q[name], strict=True)
+                )
+            objective = torch.where(keep, state.objective, objective)
         done = keep
         if self.tol > 0:
             moved = (objective - state.objective).abs()
             done = keep | (moved <= self.tol * objective.abs().clamp_min(1.0))
-        return VMPState(plan, q, objective, done, state.n_steps + 1)
+        frozen = state.frozen or self.tol > 0
+        return VMPState(plan, q, objective, done, state.n_steps + 1, frozen)
 
     def fit(self, *args: Any, init_resp: dict | None = None, **kwargs: Any) -> VMPState:
         """``init`` then up to ``max_iter`` sweeps, stopping once every task is frozen.
 
-        Every ``check_every`` sweeps (the only host synchronisation), frozen tasks are
-        written back to the full state and, when they are at least a quarter of the tasks
-        still swept, dropped from the batch: later sweeps only compute the active tasks.
+        Every ``check_every`` sweeps (the only host synchronisation) the frozen tasks are
+        counted; when they are at least a tenth of the tasks still swept, the swept tasks are
+        written back to the full state and the frozen ones dropped from the batch: later
+        sweeps only compute the active tasks.
         The result equals sweeping every task (frozen tasks keep their factors anyway).
         """
         full = self.init(*args, init_resp=init_resp, **kwargs)
@@ -1180,20 +1380,24 @@ class VMP(Engine):
             last = i + 1 == self.max_iter
             if (i + 1) % self.check_every and not last:
                 continue
-            idx = active if active is not None else torch.arange(len(obj), device=obj.device)
-            for n in q_full:
-                for full_t, t in zip(q_full[n], state.q[n], strict=True):
-                    full_t.index_copy_(0, idx, t)
-            obj.index_copy_(0, idx, state.objective)
-            done.index_copy_(0, idx, state.done)
             keep = (~state.done).nonzero().squeeze(-1)
+            compact = 0 < len(keep) <= _COMPACT * len(state.done) and not last
+            if compact or last or len(keep) == 0:  # write the swept tasks back
+                idx = active if active is not None else torch.arange(len(obj), device=obj.device)
+                for n in q_full:
+                    for full_t, t in zip(q_full[n], state.q[n], strict=True):
+                        full_t.index_copy_(0, idx, t)
+                obj.index_copy_(0, idx, state.objective)
+                done.index_copy_(0, idx, state.done)
             if len(keep) == 0:
                 break
-            if len(keep) <= 0.75 * len(state.done) and not last:
+            if compact:
                 active = idx[keep]
                 plan = _take(state.plan, keep)
                 q = {n: tuple(t.index_select(0, keep) for t in v) for n, v in state.q.items()}
-                state = VMPState(plan, q, state.objective[keep], state.done[keep], state.n_steps)
+                state = VMPState(
+                    plan, q, state.objective[keep], state.done[keep], state.n_steps, False
+                )
         return VMPState(full.plan, q_full, obj, done, state.n_steps)
 
     def posterior(self, state: VMPState) -> dict[str, torch.distributions.Distribution]:
