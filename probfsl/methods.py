@@ -116,5 +116,11 @@ def parse_params(items: list[str] | None) -> dict:
         try:
             params[key] = literal_eval(value)
         except (ValueError, SyntaxError):
-            params[key] = value
+            params[key] = _float_or_text(value)
     return params
+
+
+def _float_or_text(value: str) -> float | str:
+    """``nan``, ``inf`` and ``-inf`` as floats (so that the estimator's check says they
+    are not finite); any other text stays a string."""
+    return float(value) if value.strip().lower() in ("nan", "inf", "+inf", "-inf") else value
