@@ -9,18 +9,32 @@ Input checks come from :mod:`probfsl.validation` (re-exported here as
 ``check_base`` / ``check_episodes`` for the estimators): every ``fit_base`` accepts
 tensors or NumPy arrays and every ``predict_proba`` checks its episodes before
 computing.
+
+**One estimator surface** (after scikit-learn's estimator checks; issue 13): every
+estimator has ``fit(features, labels)`` (= ``fit_base``; ``EvidenceLSSVM.fit`` is its
+single-problem LS-SVM instead), ``get_params``/``set_params``,
+``fit_predict(support, support_labels, query)`` on plain arrays or tensors for one task
+or a batch, ``predict_proba`` that never changes the fitted state (it may leave
+per-call diagnostics, listed in ``call_diagnostics``), and ``save(path)`` /
+``load(path)`` (:mod:`probfsl.estimator_io`, no pickle). ``tests/test_estimator_checks.py``
+runs every registered method through it.
 """
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Any, Self
 
+import numpy as np
 import torch
 
 from probfsl.data.featureset import FeatureSet
 from probfsl.data.tasks import Episodes
 from probfsl.validation import (
+    as_float_tensor,
+    as_label_tensor,
     check_base,
     check_episodes,
     check_float_dtype,
@@ -34,6 +48,7 @@ __all__ = [
     "check_episodes",
     "check_hyperparameter",
     "check_temperature",
+    "episodes_from_arrays",
 ]
 
 
@@ -70,19 +85,93 @@ class FewShotClassifier(ABC):
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
         """Class probabilities ``[T, Q, K]`` for the queries of every task."""
 
+    #: attributes that ``predict_proba`` rewrites on each call (diagnostics of the last
+    #: batch): not part of the fitted state, not saved
+    call_diagnostics: tuple[str, ...] = ()
+
+    def fit(self, features: Any, labels: Any) -> Self:
+        """Alias of :meth:`fit_base` (scikit-learn's name): base statistics from
+        ``features`` [N, D] and ``labels`` [N]; returns ``self``."""
+        return self.fit_base(features, labels)
+
     def predict(self, episodes: Episodes) -> torch.Tensor:
         """Predicted task-local labels ``[T, Q]``."""
         return self.predict_proba(episodes).argmax(-1)
 
-    def fit_predict(self, episodes: Episodes) -> torch.Tensor:
-        """Fit on each task's support (and queries, when transductive) and predict its queries."""
-        return self.predict(episodes)
+    def fit_predict(
+        self, support: Any, support_labels: Any = None, query: Any = None
+    ) -> torch.Tensor | np.ndarray:
+        """Fit on each task's support (and queries, when transductive) and predict its queries.
+
+        ``fit_predict(episodes)`` returns task-local labels ``[T, Q]``. With plain arrays
+        or tensors, ``support`` [n, D], ``support_labels`` [n], ``query`` [Q, D] (one
+        task) or ``[T, n, D]``, ``[T, n]``, ``[T, Q, D]`` (a batch): the labels may be
+        any integers; each task's classes are its distinct support labels in increasing
+        order (every task of a batch needs as many), and the predictions are returned in
+        those label values, ``[Q]`` for one task or ``[T, Q]``, as a NumPy array when
+        ``query`` is one (else a tensor on the query's device).
+        """
+        if support_labels is None and query is None:
+            return self.predict(support)
+        episodes, classes, single = episodes_from_arrays(support, support_labels, query)
+        labels = classes.gather(1, self.predict(episodes))
+        labels = labels[0] if single else labels
+        return labels.cpu().numpy() if isinstance(query, np.ndarray) else labels
 
     def get_params(self) -> dict:
         """Hyperparameters as given to ``__init__`` (public attributes not ending in ``_``)."""
         return {
             k: v for k, v in vars(self).items() if not k.startswith("_") and not k.endswith("_")
         }
+
+    def set_params(self, **params: Any) -> Self:
+        """Change hyperparameters; returns ``self``.
+
+        ``ValueError`` listing the accepted names for a name that is not an ``__init__``
+        argument. The new values go through ``__init__`` again (its checks apply; fitted
+        attributes are kept). Fitted statistics derived from a changed hyperparameter
+        (e.g. BAVARDAGE's relative-scale whitening) are refreshed only by a new ``fit``.
+        """
+        accepted = [p for p in inspect.signature(type(self).__init__).parameters if p != "self"]
+        unknown = sorted(set(params) - set(accepted))
+        if unknown:
+            raise ValueError(
+                f"{type(self).__name__}: unknown hyperparameter(s) {unknown}; "
+                f"accepted: {', '.join(accepted)}"
+            )
+        current = {k: v for k, v in self.get_params().items() if k in accepted}
+        self.__init__(**{**current, **params})
+        return self
+
+    def fitted_state(self) -> dict[str, Any]:
+        """The fitted attributes (names ending in ``_``), without ``call_diagnostics``."""
+        return {
+            k: v
+            for k, v in vars(self).items()
+            if k.endswith("_") and not k.startswith("_") and k not in self.call_diagnostics
+        }
+
+    def restore_fitted_state(self, state: dict[str, Any]) -> None:
+        """Set the attributes of :meth:`fitted_state` (used by :meth:`load`)."""
+        for k, v in state.items():
+            setattr(self, k, v)
+
+    def save(self, path: str | Path) -> None:
+        """Write the hyperparameters and fitted state to ``path`` (``torch.save`` of
+        tensors and plain values, atomically; see :mod:`probfsl.estimator_io`).
+        ``TypeError`` naming an attribute that cannot be saved safely."""
+        from probfsl.estimator_io import save_estimator
+
+        save_estimator(self, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Self:
+        """The estimator saved by :meth:`save` (read with ``torch.load(weights_only=True)``,
+        tensors on the CPU); ``ValueError`` unless the file holds a registered probfsl
+        estimator of this class."""
+        from probfsl.estimator_io import load_estimator
+
+        return load_estimator(path, expected=cls)
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items())
@@ -124,3 +213,56 @@ class BaseMeanCentering:
         mean = self.centring_mean()
         check_episodes(episodes, dim=None if mean is None else mean.shape[0])
         return mean
+
+
+def episodes_from_arrays(
+    support: Any, support_labels: Any, query: Any
+) -> tuple[Episodes, torch.Tensor, bool]:
+    """An :class:`Episodes` batch from plain arrays or tensors (see
+    :meth:`FewShotClassifier.fit_predict`), each task's class values ``[T, K]`` (sorted)
+    and whether the input was a single task.
+
+    Task-local labels are the positions of the support labels among their task's sorted
+    distinct values (``searchsorted``, batched); ``ValueError`` when the tasks of a batch
+    do not have the same number of classes or the shapes disagree.
+    """
+    if support_labels is None or query is None:
+        raise TypeError("fit_predict needs support, support_labels and query (or one Episodes)")
+    support = as_float_tensor(support, "support")
+    query = as_float_tensor(query, "query")
+    if support.ndim not in (2, 3) or query.ndim != support.ndim:
+        raise ValueError(
+            f"support and query must both be [n, D] (one task) or [T, n, D], got shapes "
+            f"{tuple(support.shape)} and {tuple(query.shape)}"
+        )
+    single = support.ndim == 2
+    if single:
+        support, query = support.unsqueeze(0), query.unsqueeze(0)
+    labels = as_label_tensor(support_labels, "support_labels", device=support.device)
+    labels = labels.unsqueeze(0) if single and labels.ndim == 1 else labels
+    if labels.shape != support.shape[:2]:
+        raise ValueError(
+            f"support_labels must be {list(support.shape[:2])[single:]} (one per support "
+            f"row), got shape {tuple(labels.shape) if not single else tuple(labels.shape[1:])}"
+        )
+    if query.shape[0] != support.shape[0] or query.shape[2] != support.shape[2]:
+        raise ValueError(
+            f"query {tuple(query.shape)} does not match support {tuple(support.shape)} "
+            "(same number of tasks and feature width)"
+        )
+    ordered = labels.sort(-1).values
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    counts = first.sum(-1)
+    if bool((counts != counts[0]).any()):
+        raise ValueError(
+            "every task of a batch must have the same number of distinct support labels, "
+            f"got {sorted(set(counts.tolist()))}"
+        )
+    classes = ordered[first].reshape(labels.shape[0], -1)  # [T, K]
+    local = torch.searchsorted(classes, labels)
+    n_tasks, n_query = query.shape[:2]
+    zeros = torch.zeros(n_tasks, n_query, dtype=torch.long, device=query.device)
+    index = torch.arange(labels.shape[1], device=labels.device).expand_as(labels)
+    episodes = Episodes(support, local, query, zeros, classes, index, zeros)
+    return episodes, classes, single

@@ -311,6 +311,7 @@ class Bavardage(FewShotClassifier):
 
     transductive = True
     needs_base = True
+    call_diagnostics = ("init_resp_", "state_", "elbo_trace_")
 
     def __init__(
         self,

@@ -213,6 +213,7 @@ class EMDirichlet(FewShotClassifier):
     """
 
     transductive = True
+    call_diagnostics = ("state_", "trace_")
 
     def __init__(
         self,

@@ -195,6 +195,11 @@ class EvidenceLSSVM(FewShotClassifier):
     ``fit_intercept`` the limit is the class frequency and is not substituted.
     ``fit``/``decision_function`` keep the exact posterior mean (``coef_``).
 
+    **fit is not fit_base here.** Unlike the other estimators, whose ``fit`` is an alias
+    of ``fit_base``, ``fit(features, labels)`` fits the single-problem LS-SVM
+    (scikit-learn style, below); the base-class statistics for episodes come from
+    ``fit_base`` (or ``fit_featureset``).
+
     Fitted attributes (``fit``): ``classes_`` (NumPy), ``coef_ [K, D]``, ``lambda_``,
     ``alpha_``, ``beta_``, ``log_evidence_ [K]``, ``total_log_evidence_``,
     ``at_boundary_``, ``n_iter_``, ``spectrum_``. ``predict_proba(episodes)`` never
@@ -226,6 +231,8 @@ class EvidenceLSSVM(FewShotClassifier):
         self.score = score
         self.lambda_mode = lambda_mode
         self.dtype = dtype
+
+    call_diagnostics = ("last_lambda_", "last_log_evidence_", "last_at_boundary_", "last_at_limit_")
 
     @property
     def needs_base(self) -> bool:
@@ -277,7 +284,6 @@ class EvidenceLSSVM(FewShotClassifier):
         sp = spectrum(x, y.to(self.dtype), self.fit_intercept)
         res = self._solve(sp)
         self.classes_ = classes.cpu().numpy()  # public NumPy attribute (scikit-learn habit)
-        self._classes = classes
         self.spectrum_ = sp
         self.result_ = res
         self.lambda_, self.alpha_, self.beta_ = res.lam, res.alpha, res.beta
@@ -323,7 +329,7 @@ class EvidenceLSSVM(FewShotClassifier):
             return self.classes_[self.decision_function(data).argmax(-1).cpu().numpy()]
         if isinstance(data, torch.Tensor):
             index = self.decision_function(data).argmax(-1)
-            return self._classes.to(index.device)[index].to(data.device)
+            return torch.as_tensor(self.classes_, device=index.device)[index].to(data.device)
         return self._episodes_proba(data).argmax(-1)
 
     # -- few-shot episodes --------------------------------------------------------------

@@ -101,6 +101,7 @@ class VMPGaussianMixture(FewShotClassifier):
 
     transductive = True
     needs_base = True
+    call_diagnostics = ("episode_objective_",)
 
     def __init__(
         self,
