@@ -1,0 +1,154 @@
+"""Every method on the CPU and, when present, on CUDA (issue 14, item 7).
+
+For each registered method on one built-in data set (5-way 1-shot, 75 queries, seed 0):
+
+* tasks/s of ``predict_proba`` on the CPU in float32 (and on CUDA when available, with
+  the peak GPU memory);
+* host synchronisations and torch calls per ``predict_proba`` call, on a small and a
+  ten times larger batch (:class:`probfsl.host_syncs.HostSyncCounter`; a count that
+  grows with the batch means a loop over tasks or points on the host);
+* label agreement of float32 (CPU, and CUDA) with float64 on the CPU.
+
+    python benchmarks/bench_device.py [--dataset omniglot] [--tasks 1000] [--quick]
+
+Writes ``results/device.md`` and ``.json``. A method that fails on a device is
+recorded with its error instead of stopping the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from probfsl.data import load_dataset, sample_episodes
+from probfsl.host_syncs import HostSyncCounter
+from probfsl.methods import METHODS, make_estimator
+
+HERE = Path(__file__).resolve().parent
+#: methods that fit per-task samplers or long MM loops run on fewer tasks
+SLOW = {"gp-tree": 20, "em-dirichlet": 20}
+
+
+def fitted(method: str, fs, dtype: torch.dtype, device: torch.device):
+    features, labels = fs.base(dtype)
+    return make_estimator(method).fit_base(features.to(device), labels.to(device))
+
+
+def timed_labels(model, episodes, device: torch.device) -> tuple[torch.Tensor, float]:
+    episodes = episodes.to(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    tic = time.perf_counter()
+    labels = model.predict_proba(episodes).argmax(-1)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return labels.cpu(), time.perf_counter() - tic
+
+
+def syncs_per_call(model, fs, n_tasks: int) -> dict:
+    out = {}
+    for n in (max(1, n_tasks // 10), n_tasks):
+        episodes = sample_episodes(fs, n, seed=0)
+        with HostSyncCounter() as counter:
+            model.predict_proba(episodes)
+        out[n] = {"host_syncs": counter.total, "torch_calls": counter.torch_calls}
+    return out
+
+
+def row_for(method: str, fs, n_tasks: int) -> dict:
+    n = max(10, n_tasks // SLOW.get(method, 1))
+    episodes = sample_episodes(fs, n, seed=0)
+    cpu = torch.device("cpu")
+    row = {"method": method, "tasks": n}
+    ref, _ = timed_labels(
+        fitted(method, fs, torch.float64, cpu), episodes.to(dtype=torch.float64), cpu
+    )
+    model32 = fitted(method, fs, torch.float32, cpu)
+    labels, seconds = timed_labels(model32, episodes, cpu)
+    row["cpu_tasks_per_second"] = n / seconds
+    row["cpu_float32_agreement"] = 100 * (labels == ref).double().mean().item()
+    row["syncs"] = syncs_per_call(model32, fs, min(n, 100))
+    if torch.cuda.is_available():
+        cuda = torch.device("cuda")
+        try:
+            model = fitted(method, fs, torch.float32, cuda)
+            timed_labels(model, episodes[:2], cuda)  # warm-up (kernels, allocator)
+            torch.cuda.reset_peak_memory_stats(cuda)
+            labels, seconds = timed_labels(model, episodes, cuda)
+            row["cuda_tasks_per_second"] = n / seconds
+            row["cuda_peak_mib"] = torch.cuda.max_memory_allocated(cuda) / 2**20
+            row["cuda_float32_agreement"] = 100 * (labels == ref).double().mean().item()
+        except Exception as err:  # recorded, so that one method cannot stop the table
+            row["cuda_error"] = f"{type(err).__name__}: {err}"[:200]
+    return row
+
+
+def markdown(rows: list[dict], header: str) -> str:
+    lines = [
+        header,
+        "",
+        "| method | tasks | CPU tasks/s | float32 = float64 (CPU, %) | host syncs / torch calls "
+        "(small → large batch) | CUDA tasks/s | CUDA peak MiB | CUDA float32 = CPU float64 (%) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        (n1, a), (n2, b) = sorted(r["syncs"].items())
+        syncs = (
+            f"{a['host_syncs']} / {a['torch_calls']} ({n1} tasks) → "
+            f"{b['host_syncs']} / {b['torch_calls']} ({n2} tasks)"
+        )
+        cuda = r.get("cuda_error") or (
+            f"{r['cuda_tasks_per_second']:.0f}" if "cuda_tasks_per_second" in r else "–"
+        )
+        peak = f"{r['cuda_peak_mib']:.0f}" if "cuda_peak_mib" in r else "–"
+        agree = f"{r['cuda_float32_agreement']:.2f}" if "cuda_float32_agreement" in r else "–"
+        lines.append(
+            f"| {r['method']} | {r['tasks']} | {r['cpu_tasks_per_second']:.0f} | "
+            f"{r['cpu_float32_agreement']:.2f} | {syncs} | {cuda} | {peak} | {agree} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dataset", default="omniglot")
+    parser.add_argument("--tasks", type=int, default=1000)
+    parser.add_argument("--methods", nargs="*", default=list(METHODS))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--data-dir", type=Path, default=None, help="unused (built-in data)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.quick:
+        args.tasks = 100
+    fs = load_dataset(args.dataset)
+    rows = []
+    for method in args.methods:
+        rows.append(row_for(method, fs, args.tasks))
+        print(markdown(rows[-1:], "").splitlines()[-1], flush=True)
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    header = (
+        f"## Methods on the CPU and on CUDA ({args.dataset}, 5-way 1-shot, 75 queries)\n\n"
+        f"Machine: {os.cpu_count()} CPUs ({platform.machine()}), {gpu}; torch "
+        f"{torch.__version__}, {args.threads} CPU thread(s). Tasks/s of predict_proba in "
+        "float32 after fitting the base statistics; host syncs counted by "
+        "probfsl.host_syncs.HostSyncCounter (item, tolist, bool, float, int, cpu, numpy); "
+        f"fewer tasks for {', '.join(SLOW)}."
+    )
+    out = args.out or HERE / ("results-quick" if args.quick else "results")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "device.md").write_text(markdown(rows, header))
+    (out / "device.json").write_text(json.dumps({"rows": rows}, indent=1))
+    print(f"wrote {out / 'device.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
