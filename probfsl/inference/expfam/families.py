@@ -9,6 +9,7 @@ so H[q] = A − η·⟨u⟩ and KL(q ‖ p) = −H[q] − E_q[ln p] (PRML eq. 2.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -20,21 +21,37 @@ def _sum_last(x: torch.Tensor, n: int) -> torch.Tensor:
     return x.sum(tuple(range(-n, 0))) if n else x
 
 
-class _Block:
-    """Shared algebra of the blocks: η·⟨u⟩ − A, entropy and KL from the natural form."""
+class _Block(ABC):
+    """Shared algebra of the blocks: η·⟨u⟩ − A, entropy and KL from the natural form.
+
+    A block supplies its natural parameters η, expected sufficient statistics ⟨u⟩, its
+    per-variable log-normaliser A(η) and the matching ``torch.distributions`` law
+    (:meth:`_law`); the rest follows."""
 
     event_dim: int = 0
     #: trailing dimensions of each sufficient statistic that belong to one variable
     _stat_dims: tuple[int, ...] = ()
 
+    @abstractmethod
     def natural(self) -> tuple[torch.Tensor, ...]:
-        raise NotImplementedError
+        """Natural parameters η, one tensor per sufficient statistic."""
 
+    @abstractmethod
     def expected_stats(self) -> tuple[torch.Tensor, ...]:
-        raise NotImplementedError
+        """Expected sufficient statistics ⟨u(x)⟩ under this block."""
 
+    @abstractmethod
     def _log_normalizer(self) -> torch.Tensor:
-        raise NotImplementedError
+        """A(η) per variable (before summing the ``event_dim`` trailing dimensions)."""
+
+    @abstractmethod
+    def _law(self) -> torch.distributions.Distribution:
+        """The same law as a ``torch.distributions`` object, per variable."""
+
+    def distribution(self) -> torch.distributions.Distribution:
+        """This block as a batched ``torch.distributions`` law (``event_dim`` as events)."""
+        d = self._law()
+        return torch.distributions.Independent(d, self.event_dim) if self.event_dim else d
 
     def log_normalizer(self) -> torch.Tensor:
         """A(η), summed over the ``event_dim`` trailing dimensions."""
@@ -79,9 +96,8 @@ class Normal(_Block):
     def _log_normalizer(self):
         return 0.5 * (self.precision * self.loc.square() - self.precision.log() + LOG_2PI)
 
-    def distribution(self) -> torch.distributions.Distribution:
-        d = torch.distributions.Normal(self.loc, self.precision.rsqrt())
-        return torch.distributions.Independent(d, self.event_dim) if self.event_dim else d
+    def _law(self) -> torch.distributions.Distribution:
+        return torch.distributions.Normal(self.loc, self.precision.rsqrt())
 
 
 @dataclass
@@ -106,9 +122,8 @@ class Gamma(_Block):
     def _log_normalizer(self):
         return torch.lgamma(self.shape) - self.shape * self.rate.log()
 
-    def distribution(self) -> torch.distributions.Distribution:
-        d = torch.distributions.Gamma(self.shape, self.rate)
-        return torch.distributions.Independent(d, self.event_dim) if self.event_dim else d
+    def _law(self) -> torch.distributions.Distribution:
+        return torch.distributions.Gamma(self.shape, self.rate)
 
 
 @dataclass
@@ -134,9 +149,8 @@ class Dirichlet(_Block):
         a = self.concentration
         return torch.lgamma(a).sum(-1) - torch.lgamma(a.sum(-1))
 
-    def distribution(self) -> torch.distributions.Distribution:
-        d = torch.distributions.Dirichlet(self.concentration)
-        return torch.distributions.Independent(d, self.event_dim) if self.event_dim else d
+    def _law(self) -> torch.distributions.Distribution:
+        return torch.distributions.Dirichlet(self.concentration)
 
 
 @dataclass
@@ -168,9 +182,8 @@ class Categorical(_Block):
         log_p = self.probs.log().clamp_min(torch.finfo(self.probs.dtype).min)
         return _sum_last(torch.where(stats[0] > 0, stats[0] * log_p, 0).sum(-1), self.event_dim)
 
-    def distribution(self) -> torch.distributions.Distribution:
-        d = torch.distributions.Categorical(probs=self.probs)
-        return torch.distributions.Independent(d, self.event_dim) if self.event_dim else d
+    def _law(self) -> torch.distributions.Distribution:
+        return torch.distributions.Categorical(probs=self.probs)
 
 
 def _logdet(m: torch.Tensor) -> torch.Tensor:
@@ -210,9 +223,8 @@ class MultivariateNormal(_Block):
         quad = (m * (p @ m.unsqueeze(-1)).squeeze(-1)).sum(-1)
         return 0.5 * (quad - _logdet(p) + m.shape[-1] * LOG_2PI)
 
-    def distribution(self) -> torch.distributions.Distribution:
-        d = torch.distributions.MultivariateNormal(self.loc, precision_matrix=self.precision)
-        return torch.distributions.Independent(d, self.event_dim) if self.event_dim else d
+    def _law(self) -> torch.distributions.Distribution:
+        return torch.distributions.MultivariateNormal(self.loc, precision_matrix=self.precision)
 
 
 @dataclass
@@ -250,6 +262,5 @@ class Wishart(_Block):
             0.5 * nu, d
         )
 
-    def distribution(self) -> torch.distributions.Distribution:
-        d = torch.distributions.Wishart(self.df, covariance_matrix=self.scale)
-        return torch.distributions.Independent(d, self.event_dim) if self.event_dim else d
+    def _law(self) -> torch.distributions.Distribution:
+        return torch.distributions.Wishart(self.df, covariance_matrix=self.scale)
