@@ -202,6 +202,12 @@ def check_flag(name: str, value: Any) -> bool:
     return bool(value)
 
 
+def check_temperature(value: Any, name: str = "temperature") -> float:
+    """A softmax (inverse) temperature: finite and positive (a negative one would invert
+    the ranking silently, NaN would make every probability NaN)."""
+    return check_hyperparameter(name, value, positive=True)
+
+
 def check_choice(name: str, value: Any, choices: Sequence) -> Any:
     """``value`` if it is one of ``choices``; ``ValueError`` listing them otherwise."""
     if value not in choices:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from probfsl.validation import FLOAT_DTYPES, check_hyperparameter
+from probfsl.validation import FLOAT_DTYPES, check_temperature
 
 #: default tolerance on |sum_k x_nk - 1|
 SUM_TOL = 1e-4
@@ -87,13 +87,9 @@ def probabilities_from_logits(logits: torch.Tensor, temperature: float = 1.0) ->
     """x = softmax(temperature * logits) over the last dimension (spec §9, input 2)."""
     _check_tensor(logits, "logits", None)
     _check_classes(logits.shape[-1], "logits")
-    _check_temperature(temperature)
+    check_temperature(temperature)
     _check_finite(logits, "logits")
     return torch.softmax(temperature * logits, -1)
-
-
-def _check_temperature(temperature: float) -> None:
-    check_hyperparameter("temperature", temperature, positive=True)
 
 
 def softmax_cosine(
@@ -128,7 +124,7 @@ def probabilities_from_embeddings(
     """
     _check_tensor(embeddings, "embeddings", None)
     _check_tensor(class_embeddings, "class_embeddings", None)
-    _check_temperature(temperature)
+    check_temperature(temperature)
     k, d = class_embeddings.shape[-2], class_embeddings.shape[-1]
     _check_classes(k, "class_embeddings (rows)")
     if embeddings.shape[-1] != d:

@@ -5,8 +5,7 @@ statistics a method is allowed to take from the labelled base classes (centring
 means, within-class scatter, ...); ``predict_proba`` classifies the queries of a
 batch of tasks at once. Fitted attributes end in ``_``.
 
-Input checks come from :mod:`probfsl.validation` (re-exported here as
-``check_base`` / ``check_episodes`` for the estimators): every ``fit_base`` accepts
+Input checks come from :mod:`probfsl.validation`: every ``fit_base`` accepts
 tensors or NumPy arrays and every ``predict_proba`` checks its episodes before
 computing.
 
@@ -38,24 +37,9 @@ from probfsl.validation import (
     check_base,
     check_episodes,
     check_float_dtype,
-    check_hyperparameter,
 )
 
-__all__ = [
-    "BaseMeanCentering",
-    "FewShotClassifier",
-    "check_base",
-    "check_episodes",
-    "check_hyperparameter",
-    "check_temperature",
-    "episodes_from_arrays",
-]
-
-
-def check_temperature(value: Any, name: str = "temperature") -> float:
-    """A softmax (inverse) temperature: finite and positive (a negative one would invert
-    the ranking silently, NaN would make every probability NaN)."""
-    return check_hyperparameter(name, value, positive=True)
+__all__ = ["BaseMeanCentering", "FewShotClassifier", "episodes_from_arrays"]
 
 
 class FewShotClassifier(ABC):

@@ -49,6 +49,7 @@ from probfsl.validation import (
     check_choice,
     check_episodes,
     check_hyperparameter,
+    check_temperature,
 )
 
 MATCHINGS = ("hungarian", "argmax")
@@ -249,7 +250,7 @@ class EMDirichlet(FewShotClassifier):
     def _validate(self) -> None:
         """``TypeError``/``ValueError`` naming the first bad hyperparameter (called before
         any computation by ``fit_base``, ``fit_probabilities`` and ``predict_*``)."""
-        check_hyperparameter("temperature", self.temperature, positive=True)
+        check_temperature(self.temperature)
         check_hyperparameter("k_eff", self.k_eff, integer=True, low=1)
         for name in ("n_iter", "mm_max_iter", "mm_check_every"):
             if getattr(self, name) is not None:

@@ -24,12 +24,8 @@ from pyro.ops.indexing import Vindex
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
 from probfsl.inference.kmeans import soft_kmeans_gram
-from probfsl.models.base import (
-    FewShotClassifier,
-    check_base,
-    check_episodes,
-    check_hyperparameter,
-)
+from probfsl.models.base import FewShotClassifier
+from probfsl.validation import check_base, check_episodes, check_hyperparameter
 
 
 def vmp_gmm_model(
