@@ -140,15 +140,13 @@ def run_setting(
         episodes = episodes_from_indices(fs, load_task_file(task_file), dtype)
     else:
         episodes = sample_episodes(fs, tasks, way, shot, query, balance, alpha, seed, dtype=dtype)
-    if calibrate == "temperature":  # fitted before the timed run
-        estimator.fit_shape(episodes.way, episodes.shot, episodes.n_query, dtype)
-    result = evaluate(estimator, episodes, batch_size, progress, device, dtype)
     calibration = {"calibrate": calibrate}
-    if calibrate == "temperature":
+    if calibrate == "temperature":  # fitted before the timed run
         shape = (episodes.way, episodes.shot, episodes.n_query)
-        calibration["temperature"] = estimator.temperature_[shape]
+        calibration["temperature"] = estimator.fit_shape(*shape, dtype)
         if shape in estimator.notes_:
             _note(f"--calibrate temperature: {estimator.notes_[shape]}")
+    result = evaluate(estimator, episodes, batch_size, progress, device, dtype)
     return {
         "method": method,
         "dataset": fs.name,
