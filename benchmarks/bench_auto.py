@@ -93,11 +93,9 @@ def bavardage_rows(fs, name, shot, balance, n_tasks, n_episodes, seed) -> list[d
 
 
 def zero_shot_rows(fs, n_tasks, n_candidate_tasks, seed) -> list[dict]:
-    from probfsl.models.em_dirichlet import (
-        EMDirichlet,
-        evaluate_zero_shot,
-        zero_shot_probabilities,
-    )
+    from probfsl.data.simplex import zero_shot_probabilities
+    from probfsl.evaluation.zero_shot import evaluate_zero_shot
+    from probfsl.models.em_dirichlet import EMDirichlet
 
     novel = fs.labelled_only("novel")
     tasks = sample_zero_shot_tasks(novel, n_tasks, 3, 10, 75, seed)

@@ -4,10 +4,14 @@ For each registered method on one built-in data set (5-way 1-shot, 75 queries, s
 
 * tasks/s of ``predict_proba`` on the CPU in float32 (and on CUDA when available, with
   the peak GPU memory);
-* host synchronisations and torch calls per ``predict_proba`` call, on a small and a
-  ten times larger batch (:class:`probfsl.host_syncs.HostSyncCounter`; a count that
+* host synchronisations and torch calls per ``predict_proba`` call, on 100 and on 1,000
+  tasks (``--tasks``) (:class:`probfsl.host_syncs.HostSyncCounter`; a count that
   grows with the batch means a loop over tasks or points on the host);
 * label agreement of float32 (CPU, and CUDA) with float64 on the CPU.
+
+Two more rows: EM-Dirichlet's zero-shot path (``probfsl run --zero-shot``, WordNet, all
+its classes) and GP-Tree's class-incremental estimator with VI (the default), timed as
+base fit plus one novel stage plus prediction, agreement of its labels across devices.
 
     python benchmarks/bench_device.py [--dataset omniglot] [--tasks 1000] [--quick]
 
@@ -26,9 +30,12 @@ from pathlib import Path
 
 import torch
 
-from probfsl.data import load_dataset, sample_episodes
+from probfsl.data import load_dataset, sample_episodes, sample_zero_shot_tasks
+from probfsl.data.simplex import zero_shot_probabilities
 from probfsl.host_syncs import HostSyncCounter
 from probfsl.methods import METHODS, make_estimator
+from probfsl.models.em_dirichlet import EMDirichlet
+from probfsl.models.gptree import GPTree
 
 HERE = Path(__file__).resolve().parent
 #: methods that fit per-task samplers or long MM loops run on fewer tasks
@@ -52,6 +59,8 @@ def timed_labels(model, episodes, device: torch.device) -> tuple[torch.Tensor, f
 
 
 def syncs_per_call(model, fs, n_tasks: int) -> dict:
+    """Host syncs and torch calls of one ``predict_proba`` call on ``n_tasks / 10`` and on
+    ``n_tasks`` tasks (100 and 1,000 by default, the sizes issue 14 names)."""
     out = {}
     for n in (max(1, n_tasks // 10), n_tasks):
         episodes = sample_episodes(fs, n, seed=0)
@@ -73,7 +82,7 @@ def row_for(method: str, fs, n_tasks: int) -> dict:
     labels, seconds = timed_labels(model32, episodes, cpu)
     row["cpu_tasks_per_second"] = n / seconds
     row["cpu_float32_agreement"] = 100 * (labels == ref).double().mean().item()
-    row["syncs"] = syncs_per_call(model32, fs, min(n, 100))
+    row["syncs"] = syncs_per_call(model32, fs, n_tasks)
     if torch.cuda.is_available():
         cuda = torch.device("cuda")
         try:
@@ -89,6 +98,83 @@ def row_for(method: str, fs, n_tasks: int) -> dict:
     return row
 
 
+def _timed(fn, device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    tic = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out, time.perf_counter() - tic
+
+
+def _on_devices(row: dict, run, n: int) -> dict:
+    """``run(dtype, device) -> labels`` on the CPU (float64 reference, float32 timed), then
+    CUDA when present; fills ``row`` like :func:`row_for`."""
+    cpu = torch.device("cpu")
+    ref, _ = _timed(lambda: run(torch.float64, cpu), cpu)
+    labels, seconds = _timed(lambda: run(torch.float32, cpu), cpu)
+    row["cpu_tasks_per_second"] = n / seconds
+    row["cpu_float32_agreement"] = 100 * (labels.cpu() == ref.cpu()).double().mean().item()
+    if torch.cuda.is_available():
+        cuda = torch.device("cuda")
+        try:
+            run(torch.float32, cuda)  # warm-up
+            torch.cuda.reset_peak_memory_stats(cuda)
+            labels, seconds = _timed(lambda: run(torch.float32, cuda), cuda)
+            row["cuda_tasks_per_second"] = n / seconds
+            row["cuda_peak_mib"] = torch.cuda.max_memory_allocated(cuda) / 2**20
+            row["cuda_float32_agreement"] = 100 * (labels.cpu() == ref.cpu()).double().mean().item()
+        except Exception as err:  # recorded, so that one path cannot stop the table
+            row["cuda_error"] = f"{type(err).__name__}: {err}"[:200]
+    return row
+
+
+def zero_shot_row(n_tasks: int) -> dict:
+    """EM-Dirichlet zero-shot (WordNet, 3-10 classes per task, 75 queries, all classes)."""
+    fs = load_dataset("wordnet")
+    n = max(10, n_tasks // SLOW["em-dirichlet"])
+    zs = sample_zero_shot_tasks(fs, n, 3, 10, 75, 0)
+    model = EMDirichlet()
+    probs = zero_shot_probabilities(fs, zs, model.temperature, torch.float32)
+
+    def run(dtype, device):
+        return model.predict_zero_shot(probs.to(device=device, dtype=dtype))
+
+    row = {"method": "em-dirichlet zero-shot (wordnet)", "tasks": n, "syncs": {}}
+    sizes = (max(1, n_tasks // 10), n_tasks)
+    all_probs = zero_shot_probabilities(
+        fs, sample_zero_shot_tasks(fs, n_tasks, 3, 10, 75, 0), model.temperature
+    )
+    for m in sizes:
+        with HostSyncCounter() as counter:
+            model.predict_zero_shot(all_probs[:m])
+        row["syncs"][m] = {"host_syncs": counter.total, "torch_calls": counter.torch_calls}
+    return _on_devices(row, run, n)
+
+
+def class_incremental_row(fs) -> dict:
+    """GP-Tree class-incremental with VI: base fit on the base classes, one novel stage of
+    5 classes x 5 shots, prediction on every novel-class row; "tasks" is one stage."""
+    x_base, y_base = fs.base(torch.float64)
+    novel = fs.rows("novel")
+    novel = novel[fs.labels[novel] >= 0]
+    x_all = torch.as_tensor(fs.features[novel], dtype=torch.float64)
+    y_all = torch.as_tensor(fs.labels[novel])
+    classes = y_all.unique()[:5]
+    rows = torch.cat([torch.nonzero(y_all == c).squeeze(-1) for c in classes])
+    shots = torch.cat([torch.nonzero(y_all == c).squeeze(-1)[:5] for c in classes])
+
+    def run(dtype, device):
+        model = GPTree(dtype=dtype)
+        model.fit(x_base.to(device, dtype), y_base.to(device))
+        model.partial_fit(x_all[shots].to(device, dtype), y_all[shots].to(device))
+        return model.predict(x_all[rows].to(device, dtype))
+
+    row = {"method": "gp-tree class-incremental (VI)", "tasks": 1, "syncs": {}}
+    return _on_devices(row, run, 1)
+
+
 def markdown(rows: list[dict], header: str) -> str:
     lines = [
         header,
@@ -98,11 +184,14 @@ def markdown(rows: list[dict], header: str) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        (n1, a), (n2, b) = sorted(r["syncs"].items())
-        syncs = (
-            f"{a['host_syncs']} / {a['torch_calls']} ({n1} tasks) → "
-            f"{b['host_syncs']} / {b['torch_calls']} ({n2} tasks)"
-        )
+        if r["syncs"]:
+            (n1, a), (n2, b) = sorted(r["syncs"].items())
+            syncs = (
+                f"{a['host_syncs']} / {a['torch_calls']} ({n1} tasks) → "
+                f"{b['host_syncs']} / {b['torch_calls']} ({n2} tasks)"
+            )
+        else:
+            syncs = "–"
         cuda = r.get("cuda_error") or (
             f"{r['cuda_tasks_per_second']:.0f}" if "cuda_tasks_per_second" in r else "–"
         )
@@ -132,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for method in args.methods:
         rows.append(row_for(method, fs, args.tasks))
+        print(markdown(rows[-1:], "").splitlines()[-1], flush=True)
+    if "em-dirichlet" in args.methods:
+        rows.append(zero_shot_row(args.tasks))
+        print(markdown(rows[-1:], "").splitlines()[-1], flush=True)
+    if "gp-tree" in args.methods:
+        rows.append(class_incremental_row(fs))
         print(markdown(rows[-1:], "").splitlines()[-1], flush=True)
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     header = (

@@ -17,6 +17,12 @@ except the argmax baseline:
 * an ablation over lambda and the temperature T (``--ablation-*``; the results file
   ``em_dirichlet_ablation.md`` comes from ``--ablation-only --tag ablation``),
 * ``--speed-threads 1 2``: the zero-shot defaults timed with 1 and 2 torch threads,
+* ``--solver-compare N``: the inner solvers on N tasks of the built-in WordNet data
+  (few-shot 5-way 5-shot from support prototypes, and zero-shot), soft and hard, float64
+  and float32: the reference MM loop (``REFERENCE_MM`` few-shot, ``BOUNDED_MM``
+  zero-shot) against the safeguarded Newton loop (``NEWTON``), tasks/s with one thread in
+  the same process, label agreement, and whether every differing task had a class row
+  that MM left unconverged at its cap (``em_dirichlet_solvers.{json,md}``; nothing else),
 * ``--base-selection N``: (T, n_iter) chosen per variant on N zero-shot tasks drawn from
   the 21 base classes only (outputs still over all 41 classes), then scored against the
   defaults and argmax on novel-class-only tasks and on the main tasks.
@@ -25,7 +31,7 @@ Few-shot: 5-way 1-shot and 5-shot, 75 balanced queries on the 20 novel classes:
 nearest centroid, soft k-means (the lead's baselines), BAVARDAGE if it imports, and
 EM-Dirichlet soft/hard on probabilities from support-mean prototypes (centred on the
 base mean) and from the class-description embeddings plus the support (few-shot default:
-the reference inner loop; the bounded loop is shown for comparison).
+the safeguarded Newton inner loop ``NEWTON``; the bounded MM loop is shown for comparison).
 
 All methods run in the same process on the same tasks, so ratios are meaningful on a
 busy machine; absolute timings are pessimistic. ``--threads`` sets torch's intra-op
@@ -56,16 +62,11 @@ from tqdm.auto import tqdm
 
 from probfsl.data.builtin import wordnet_base_classes
 from probfsl.data.loaders import load_npz
+from probfsl.data.simplex import zero_shot_probabilities
 from probfsl.data.tasks import sample_episodes, sample_zero_shot_tasks
 from probfsl.evaluation.protocol import evaluate
-from probfsl.models.em_dirichlet import (
-    BOUNDED_MM,
-    REFERENCE_MM,
-    EMDirichlet,
-    evaluate_zero_shot,
-    match_clusters,
-    zero_shot_probabilities,
-)
+from probfsl.evaluation.zero_shot import evaluate_zero_shot
+from probfsl.models.em_dirichlet import BOUNDED_MM, REFERENCE_MM, EMDirichlet, match_clusters
 from probfsl.models.nearest_centroid import NearestCentroid
 from probfsl.models.soft_kmeans import SoftKMeans
 
@@ -277,6 +278,13 @@ def main(argv: list[str] | None = None) -> dict:
         "classes only; the choice is then scored on novel-class-only tasks and on the main "
         "tasks (0 = skip)",
     )
+    parser.add_argument(
+        "--solver-compare",
+        type=int,
+        default=0,
+        help="compare the MM and Newton inner solvers on this many built-in WordNet tasks "
+        "per setting, then stop (0 = skip)",
+    )
     parser.add_argument("--ablation-only", action="store_true", help="skip the main tables")
     parser.add_argument("--tag", default="", help="suffix of the result files")
     parser.add_argument(
@@ -298,6 +306,8 @@ def main(argv: list[str] | None = None) -> dict:
     import scipy.optimize  # noqa: F401  (imported before any timing)
 
     load_before = os.getloadavg()
+    if args.solver_compare:
+        return solver_compare(args.solver_compare, args.out, args.seed)
 
     fs = load_npz(
         args.data_dir / "wordnet_supersenses" / "wordnet_supersenses_minilm.npz",
@@ -380,7 +390,7 @@ def main(argv: list[str] | None = None) -> dict:
                 est, label = ZeroShotArgmax(), f"argmax, T={temp:g}"
             else:
                 est = EMDirichlet(hard=cfg[0], lambda_coef=cfg[1])
-                coef = est.lambda_coef_for(fs.n_classes)
+                coef = est.make_engine().coef(fs.n_classes)
                 label = f"{name}, lambda/|Q|={coef:g}, T={temp:g}"
             res, cpu = timed(evaluate_zero_shot, est, cache[temp], labels[:n], args.batch_size)
             rows.append(row("zero-shot ablation", label, res, cpu=cpu))
@@ -435,6 +445,96 @@ def main(argv: list[str] | None = None) -> dict:
     (args.out / f"{stem}.json").write_text(json.dumps(results, indent=2))
     (args.out / f"{stem}.md").write_text(markdown(results))
     print(markdown(results))
+    return results
+
+
+def solver_compare(n_tasks: int, out: Path, seed: int = 0) -> dict:
+    """MM (the modes' reference loops) against Newton (``NEWTON``) on the built-in WordNet
+    data; see the module docstring. Inner iteration counts are recorded per outer step by
+    wrapping :func:`probfsl.inference.dirichlet_mm.mm_dirichlet_fit`."""
+    import probfsl.inference.dirichlet_mm as dm
+    from probfsl.data.builtin import load_dataset
+    from probfsl.models.em_dirichlet import NEWTON
+
+    fit, record = dm.mm_dirichlet_fit, []
+
+    def recording_fit(*a, **kw):
+        alpha, iters = fit(*a, **kw)
+        record.append(iters)
+        return alpha, iters
+
+    dm.mm_dirichlet_fit = recording_fit
+    fs = load_dataset("wordnet")
+    zs = sample_zero_shot_tasks(fs, n_tasks, 3, 10, 75, seed)
+    rows = []
+    try:
+        for dtype in (torch.float64, torch.float32):
+            episodes = sample_episodes(fs, n_tasks, 5, 5, 75, seed=seed, dtype=dtype)
+            probs = zero_shot_probabilities(fs, zs, 30.0, dtype)
+            base = fs.base(dtype=dtype)
+            for few, hard in ((True, False), (True, True), (False, False), (False, True)):
+                truth = (episodes.query_labels if few else zs.query_labels).numpy()
+                res = {}
+                for solver in ("mm", "newton"):
+                    est = EMDirichlet(hard=hard, solver=solver)
+                    record.clear()
+                    tic = time.perf_counter()
+                    if few:
+                        labels = est.fit_base(*base).predict_proba(episodes).argmax(-1)
+                    else:
+                        labels = est.predict_zero_shot(probs)
+                    seconds = time.perf_counter() - tic
+                    cap = est.mm_options(not few)["mm_max_iter"]
+                    iters = torch.stack(record)
+                    res[solver] = (labels.numpy(), seconds, iters, cap)
+                (lm, sm, im, cm), (ln, sn, inn, cn) = res["mm"], res["newton"]
+                unconverged = (im >= cm).any(-1).any(0).numpy()
+                differ = lm != ln
+                tasks = differ.any(1)
+                paired = (ln == truth).mean(1) - (lm == truth).mean(1)
+                rows.append(
+                    {
+                        "setting": ("5-way 5-shot" if few else "zero-shot")
+                        + (" hard" if hard else " soft"),
+                        "dtype": str(dtype).removeprefix("torch."),
+                        "mm_tasks_per_s": n_tasks / sm,
+                        "newton_tasks_per_s": n_tasks / sn,
+                        "queries_differing": int(differ.sum()),
+                        "queries": int(differ.size),
+                        "tasks_differing": int(tasks.sum()),
+                        "tasks_differing_with_mm_row_at_cap": int((tasks & unconverged).sum()),
+                        "tasks_with_mm_row_at_cap": int(unconverged.sum()),
+                        "mm_accuracy": float((lm == truth).mean()),
+                        "newton_accuracy": float((ln == truth).mean()),
+                        "paired_difference": float(paired.mean()),
+                        "paired_ci95": float(1.96 * paired.std() / np.sqrt(n_tasks)),
+                        "newton_mean_iterations": float(inn.double().mean()),
+                        "newton_rows_at_cap": float((inn >= cn).double().mean()),
+                    }
+                )
+                tqdm.write(json.dumps(rows[-1]))
+    finally:
+        dm.mm_dirichlet_fit = fit
+    results = {"tasks": n_tasks, "newton": NEWTON, "machine": machine(), "rows": rows}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "em_dirichlet_solvers.json").write_text(json.dumps(results, indent=2))
+    head = (
+        "| setting | dtype | MM tasks/s | Newton tasks/s | queries differing | tasks differing"
+        " (with an MM row at cap) / tasks with an MM row at cap | accuracy MM -> Newton |"
+    )
+    lines = [f"# EM-Dirichlet inner solvers, {n_tasks} WordNet tasks, 1 thread", "", head]
+    lines.append("|" + "---|" * 7)
+    for r in rows:
+        lines.append(
+            f"| {r['setting']} | {r['dtype']} | {r['mm_tasks_per_s']:.1f} | "
+            f"{r['newton_tasks_per_s']:.1f} | {r['queries_differing']} / {r['queries']} | "
+            f"{r['tasks_differing']} ({r['tasks_differing_with_mm_row_at_cap']}) / "
+            f"{r['tasks_with_mm_row_at_cap']} | {r['mm_accuracy']:.4f} -> "
+            f"{r['newton_accuracy']:.4f} ({r['paired_difference']:+.4f} ± "
+            f"{r['paired_ci95']:.4f}) |"
+        )
+    (out / "em_dirichlet_solvers.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
     return results
 
 

@@ -21,11 +21,17 @@ from probfsl.data import (
     load_features,
     load_task_file,
     sample_episodes,
+    sample_zero_shot_tasks,
 )
+from probfsl.data.simplex import zero_shot_probabilities
 from probfsl.evaluation import evaluate, text_table, write_results
+from probfsl.evaluation.zero_shot import evaluate_zero_shot
 from probfsl.fileio import check_writable
-from probfsl.methods import METHODS, make_estimator, method_info, parse_params
+from probfsl.methods import METHODS, method_info, parse_params
+from probfsl.selection import rank_feature_files
 from probfsl.temperature import TemperatureScaled
+from probfsl.tuning import auto_preset, auto_preset_zero_shot, make_estimator, search_space
+from probfsl.validation import as_device
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -54,11 +60,9 @@ def _note(message: str) -> None:
 def _device(name: str) -> torch.device:
     """``--device``: cpu, cuda, cuda:N or mps, and only when this machine has it."""
     try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError, ValueError):
-        raise ValueError(
-            f"--device {name!r} is not a device; use cpu, cuda, cuda:N or mps"
-        ) from None
+        device = as_device(name)
+    except ValueError as err:
+        raise ValueError(f"--{err}") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"--device {name}: CUDA is not available on this machine")
@@ -72,6 +76,18 @@ def _device(name: str) -> torch.device:
     elif device.type != "cpu":
         raise ValueError(f"--device {name!r}: unsupported device type; use cpu, cuda or mps")
     return device
+
+
+def _device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+    """``--device`` (checked: :func:`_device`) and ``--dtype`` of a subcommand."""
+    return _device(args.device), DTYPES[args.dtype]
+
+
+def _compute_dtype(estimator: object, dtype: torch.dtype) -> str:
+    """The dtype the estimator computes in: ``compute_dtype_`` where a method upcasts
+    (evidence-lssvm), else the data's ``dtype``; wrappers are looked through."""
+    inner = getattr(estimator, "estimator", estimator)
+    return str(getattr(inner, "compute_dtype_", dtype)).removeprefix("torch.")
 
 
 def _versions() -> dict:
@@ -135,7 +151,7 @@ def run_setting(
     estimator = make_estimator(method, preset, **(params or {}))
     if calibrate == "temperature":
         estimator = TemperatureScaled(estimator, balance=balance, alpha=alpha, seed=seed)
-    estimator.fit_featureset(fs, dtype)
+    estimator.fit_featureset(fs, dtype, device)
     if task_file:
         episodes = episodes_from_indices(fs, load_task_file(task_file), dtype)
     else:
@@ -143,7 +159,7 @@ def run_setting(
     calibration = {"calibrate": calibrate}
     if calibrate == "temperature":  # fitted before the timed run
         shape = (episodes.way, episodes.shot, episodes.n_query)
-        calibration["temperature"] = estimator.fit_shape(*shape, dtype)
+        calibration["temperature"] = estimator.fit_shape(*shape, dtype, device)
         if shape in estimator.notes_:
             _note(f"--calibrate temperature: {estimator.notes_[shape]}")
     result = evaluate(estimator, episodes, batch_size, progress, device, dtype)
@@ -160,6 +176,7 @@ def run_setting(
         "seed": seed,
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
+        "compute_dtype": _compute_dtype(estimator, dtype),
         "preset": preset,
         "params": params or {},
         **calibration,
@@ -201,9 +218,6 @@ def run_zero_shot(
     preset: str | None = None,
 ) -> dict:
     """Zero-shot protocol (EM-Dirichlet): probabilities over all classes, matched clusters."""
-    from probfsl.data import sample_zero_shot_tasks
-    from probfsl.models.em_dirichlet import evaluate_zero_shot, zero_shot_probabilities
-
     estimator = make_estimator(method, **(params or {}))
     if not hasattr(estimator, "predict_zero_shot"):
         raise ValueError(f"--zero-shot is not available for method {method!r}")
@@ -248,10 +262,15 @@ def _print_tuning(result, choice=None) -> None:
 AUTO_BY_DEFAULT = ("bavardage", "em-dirichlet", "gp-tree")
 
 
-def _auto(args: argparse.Namespace, fs: FeatureSet, fixed: dict):
-    """``--preset auto`` / ``probfsl tune``: the search on base classes, or its fallback."""
-    from probfsl.tuning import auto_preset, auto_preset_zero_shot
-
+def _auto(
+    args: argparse.Namespace,
+    fs: FeatureSet,
+    fixed: dict,
+    device: torch.device,
+    dtype: torch.dtype,
+):
+    """``--preset auto`` / ``probfsl tune``: the search on base classes, or its fallback,
+    in ``dtype`` on ``device``."""
     if getattr(args, "zero_shot", False):
         return auto_preset_zero_shot(
             args.method,
@@ -262,6 +281,8 @@ def _auto(args: argparse.Namespace, fs: FeatureSet, fixed: dict):
             n_tasks=args.episodes,
             seed=args.seed,
             fixed=fixed,
+            dtype=dtype,
+            device=device,
         )
     return auto_preset(
         args.method,
@@ -275,19 +296,20 @@ def _auto(args: argparse.Namespace, fs: FeatureSet, fixed: dict):
         seed=args.seed,
         criterion=getattr(args, "criterion", "accuracy"),
         fixed=fixed,
+        dtype=dtype,
+        device=device,
     )
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
     if args.out:
         check_writable(args.out, (".json", ".csv"))
+    device, dtype = _device_and_dtype(args)
     fixed = parse_params(args.param)
-    from probfsl.tuning import search_space
-
     search_space(args.method)
     make_estimator(args.method, **fixed)  # bad hyperparameters fail before loading
     fs = _load(args)
-    choice = _auto(args, fs, fixed)
+    choice = _auto(args, fs, fixed, device, dtype)
     if choice.result is None:
         raise ValueError(f"cannot tune {args.method} on {fs.name}: {choice.reason}")
     if choice.note:
@@ -303,7 +325,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # everything that can be checked without the data is checked first
     if args.out:
         check_writable(args.out, (".json", ".csv"))
-    device = _device(args.device)
+    device, dtype = _device_and_dtype(args)
     params = parse_params(args.param)
     if args.task_file and not Path(args.task_file).is_file():
         raise ValueError(f"--task-file: file not found: {args.task_file}")
@@ -336,7 +358,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.zero_shot:
         params = _without_base(args.method, fs, None if preset == "auto" else preset, params)
     if preset == "auto":
-        choice = _auto(args, fs, params)
+        choice = _auto(args, fs, params, device, dtype)
         if choice.result is not None:
             _print_tuning(choice.result, choice)
         if choice.note:
@@ -354,7 +376,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             args.max_classes,
             args.query,
             args.seed,
-            DTYPES[args.dtype],
+            dtype,
             args.batch_size,
             progress=sys.stderr.isatty(),
             params=params,
@@ -373,7 +395,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             args.tasks,
             args.seed,
             device,
-            DTYPES[args.dtype],
+            dtype,
             progress=sys.stderr.isatty(),
             task_file=args.task_file,
             batch_size=args.batch_size,
@@ -394,6 +416,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.out:
         check_writable(args.out, (".json", ".csv"))
+    device, dtype = _device_and_dtype(args)
     if args.threads is None:
         # 64-d tasks are small: one thread avoids oversubscribing a busy machine
         torch.set_num_threads(1)
@@ -415,12 +438,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     2.0,
                     tasks,
                     0,
-                    torch.device("cpu"),
-                    torch.float32,
+                    device,
+                    dtype,
                     progress=False,
                 )
             )
-    print("probfsl demo: built-in Omniglot (PCA-64), 5-way, 75 queries, seed 0\n")
+    print(
+        "probfsl demo: built-in Omniglot (PCA-64), 5-way, 75 queries, seed 0, "
+        f"{args.dtype} on {device}\n"
+    )
     print(
         text_table(
             rows,
@@ -445,10 +471,34 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_select(args: argparse.Namespace) -> int:
-    from probfsl.models.evidence import select_main
+def select_main(
+    paths: Sequence[str | Path],
+    split: str | None = None,
+    allow_pickle: bool = False,
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | None = None,
+) -> int:
+    """``probfsl select --features A.npz B.npz ...``: print the evidence ranking
+    (:func:`probfsl.selection.rank_feature_files`).
 
-    return select_main(args.features, split=args.split, allow_pickle=args.allow_pickle)
+    One line per file, best first, with the log evidence per sample and summed; the
+    last line names the best file. Returns 0.
+    """
+    result = rank_feature_files(paths, split, allow_pickle, dtype, device)
+    print(
+        f"evidence ranking on {result.n_samples} samples, {result.n_classes} classes "
+        "(log evidence per sample, summed):"
+    )
+    for i, b in enumerate(result.ranking, 1):
+        flag = f"  [{b.at_boundary} classes at a lambda bound]" if b.at_boundary else ""
+        print(f"{i}. {b.name}  {b.per_sample:.6f}  ({b.log_evidence:.3f}, D={b.dim}){flag}")
+    print(f"best: {result.best}")
+    return 0
+
+
+def cmd_select(args: argparse.Namespace) -> int:
+    device, dtype = _device_and_dtype(args)
+    return select_main(args.features, args.split, args.allow_pickle, dtype, device)
 
 
 def cmd_extract(args: argparse.Namespace) -> int:
@@ -483,6 +533,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"probfsl: error: {message} (see '{self.prog} --help')\n")
 
 
+def _add_device_dtype(
+    parser: argparse.ArgumentParser, dtype: str = "float32", why: str = ""
+) -> None:
+    """``--device`` (checked by :func:`_device` before any data is loaded) and ``--dtype``."""
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
+    parser.add_argument(
+        "--dtype", choices=list(DTYPES), default=dtype, help=why or f"default {dtype}"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="probfsl", description="Bayesian few-shot learning on pre-extracted features."
@@ -504,6 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="every method on built-in Omniglot, 1/5-shot, (un)balanced")
     demo.add_argument("--tasks", type=_positive(int), default=None, help="tasks per setting")
+    _add_device_dtype(demo)
     demo.add_argument("--out", help="write the results as .json or .csv")
     demo.set_defaults(func=cmd_demo)
 
@@ -538,8 +599,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--tasks", type=_positive(int), default=1000)
     run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
-    run.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    _add_device_dtype(run)
     run.add_argument("--batch-size", type=_positive(int), default=1000)
     run.add_argument(
         "--task-file",
@@ -610,6 +670,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--param", action="append", metavar="KEY=VALUE", help="a fixed hyperparameter (repeatable)"
     )
     tune.add_argument("--seed", type=int, default=0)
+    _add_device_dtype(tune)
     tune.add_argument("--out", metavar="FILE", help="write the candidates as .json or .csv")
     tune.set_defaults(func=cmd_tune)
 
@@ -625,6 +686,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     select.add_argument("--split", default=None, help="use only the rows of this split")
     select.add_argument("--allow-pickle", action="store_true", help=ALLOW_PICKLE_HELP)
+    _add_device_dtype(
+        select, "float64", "float64 by default: the evidence sums a log term per sample"
+    )
     select.set_defaults(func=cmd_select)
 
     extract = sub.add_parser(

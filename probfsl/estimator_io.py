@@ -12,7 +12,10 @@ and containers. Values are encoded into that vocabulary:
   tagged dicts; a dataclass is rebuilt only if its class is a dataclass of ``probfsl``.
 
 Anything else is a ``TypeError`` naming the attribute. Loading refuses a file whose
-class is not the estimator of a registered method (:data:`probfsl.methods.METHODS`).
+class is not an estimator defined in :mod:`probfsl.models` (a class with the estimator
+surface of :class:`probfsl.models.base.FewShotClassifier`), so a file cannot make the
+loader import or build anything else. The check reads the class, not the registry, so
+this module imports nothing above it.
 """
 
 from __future__ import annotations
@@ -94,13 +97,23 @@ def decode(value: Any) -> Any:
     raise ValueError(f"unknown tag {tag!r} in the file")
 
 
-def _registered(target: str) -> type:
-    from probfsl.methods import METHODS
+#: what makes a class an estimator (the surface of probfsl.models.base.FewShotClassifier)
+_ESTIMATOR_SURFACE = ("get_params", "fitted_state", "fit_base", "predict_proba")
 
-    for info in METHODS.values():
-        if info.target == target:
-            return info.load()
-    raise ValueError(f"{target!r} is not the estimator of a registered probfsl method")
+
+def _registered(target: str) -> type:
+    """The estimator class named ``"module:Class"``, if it is one of :mod:`probfsl.models`."""
+    module, _, name = target.partition(":")
+    if not module.startswith("probfsl.models.") or not name.isidentifier():
+        raise ValueError(f"{target!r} is not an estimator of probfsl.models")
+    cls = getattr(import_module(module), name, None)
+    if (
+        not isinstance(cls, type)
+        or inspect.isabstract(cls)
+        or not all(callable(getattr(cls, a, None)) for a in _ESTIMATOR_SURFACE)
+    ):
+        raise ValueError(f"{target!r} is not an estimator of probfsl.models")
+    return cls
 
 
 def save_estimator(estimator: Any, path: str | Path) -> None:
@@ -111,8 +124,7 @@ def save_estimator(estimator: Any, path: str | Path) -> None:
         _registered(target)
     except ValueError:
         raise TypeError(
-            f"cannot save a {cls.__name__}: only the estimators of registered methods "
-            "(probfsl.methods.METHODS) can be saved"
+            f"cannot save a {cls.__name__}: only the estimators of probfsl.models can be saved"
         ) from None
     payload = {
         "format": FORMAT,

@@ -1,4 +1,9 @@
-"""The registry of few-shot methods available to the command line and the benchmarks."""
+"""The registry of few-shot methods available to the command line and the benchmarks.
+
+Names to estimator classes, their hyperparameters and named presets; it imports only
+the estimator interface. Tuning (:mod:`probfsl.tuning`, ``preset="auto"``) is built on
+the registry, and the command line on both: registry -> tuning -> cli, one direction.
+"""
 
 from __future__ import annotations
 
@@ -48,7 +53,7 @@ METHODS: dict[str, MethodInfo] = {
         ),
         MethodInfo(
             "gp-tree",
-            "probfsl.models.gptree:GPTreeFewShot",
+            "probfsl.models.gptree.few_shot:GPTreeFewShot",
             "Pólya-Gamma GP classifiers in a class tree (Achituve et al., ICML 2021)",
             demo_tasks=30,
         ),
@@ -82,9 +87,9 @@ def method_info(name: str) -> MethodInfo:
 def make_estimator(name: str, preset: str | None = None, **params) -> FewShotClassifier:
     """A new estimator of method ``name`` with hyperparameters ``params``.
 
-    ``preset`` names a published setting of methods that define ``from_preset``, or is
-    ``"auto"``: a :class:`probfsl.tuning.AutoPreset` that tunes the method on base-class
-    episodes of each task shape it meets (``params`` then stay fixed during the search).
+    ``preset`` names a published setting of methods that define ``from_preset``.
+    ``preset="auto"`` (hyperparameters tuned on base-class episodes) is built one layer
+    up, by :func:`probfsl.tuning.make_estimator`: the registry knows nothing of tuning.
     """
     cls = method_info(name).load()
     accepted = inspect.signature(cls.__init__).parameters
@@ -95,10 +100,10 @@ def make_estimator(name: str, preset: str | None = None, **params) -> FewShotCla
     if preset is None:
         return cls(**params)
     if preset == "auto":
-        from probfsl.tuning import AutoPreset, search_space
-
-        search_space(name)  # ValueError for a method without a search space
-        return AutoPreset(name, fixed=params)
+        raise ValueError(
+            "preset 'auto' tunes the method on base-class episodes: build it with "
+            "probfsl.tuning.make_estimator(name, preset='auto')"
+        )
     if not hasattr(cls, "from_preset"):
         raise ValueError(f"method {name!r} has no presets")
     return cls.from_preset(preset, **params)

@@ -2,13 +2,13 @@
 
 :class:`TemperatureScaled` wraps any estimator. At the first task batch of each shape
 (way, shot, queries) it samples labelled episodes from the base classes exactly as
-the hyperparameter search does (:func:`probfsl.tuning.base_episode_split`: half of
+the hyperparameter search does (:func:`probfsl.data.base_episodes.base_episode_split`: half of
 the base classes play the novel classes, the other half the base classes), fits one
 temperature ``τ`` on them by minimising the query NLL
 (:func:`probfsl.evaluation.calibration.fit_temperature`; Guo et al., ICML 2017), then
 predicts ``softmax(log p / τ)`` with the wrapped estimator fitted on all base classes.
 Novel classes and query labels are never read, and the argmax (hence the accuracy)
-is unchanged.
+is unchanged. The base episodes are drawn in the dtype and on the device of the tasks.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Self
 
 import torch
 
+from probfsl.data.base_episodes import base_episode_shape, base_episode_split
 from probfsl.data.featureset import FeatureSet
 from probfsl.data.tasks import Episodes, sample_episodes
 from probfsl.evaluation.calibration import apply_temperature, fit_temperature
@@ -32,7 +33,7 @@ class TemperatureScaled(FewShotClassifier):
     ``estimator_`` (the wrapped estimator fitted on all base classes) and ``notes_``
     (task shape to a note when the base classes could not form episodes of that
     shape: ``τ`` is then fitted on the largest shape they allow
-    (:func:`probfsl.tuning.base_episode_shape`), or left at 1 with fewer than 4 base
+    (:func:`probfsl.data.base_episodes.base_episode_shape`), or left at 1 with fewer than 4 base
     classes).
     """
 
@@ -66,10 +67,16 @@ class TemperatureScaled(FewShotClassifier):
         self.temperature_, self.notes_ = {}, {}
         return self
 
-    def fit_shape(self, way: int, shot: int, n_query: int, dtype: torch.dtype) -> float:
-        """Fit (or return) ``τ`` for tasks of this shape on base-class episodes."""
-        from probfsl.tuning import base_episode_shape, base_episode_split
-
+    def fit_shape(
+        self,
+        way: int,
+        shot: int,
+        n_query: int,
+        dtype: torch.dtype,
+        device: str | torch.device | None = None,
+    ) -> float:
+        """Fit (or return) ``τ`` for tasks of this shape on base-class episodes of
+        ``dtype`` on ``device`` (default the CPU)."""
         shape = (way, shot, n_query)
         if shape not in self.temperature_:
             fitted_on = base_episode_shape(self.base_, way, shot, n_query, self.balance, self.seed)
@@ -88,8 +95,9 @@ class TemperatureScaled(FewShotClassifier):
                 alpha=self.alpha,
                 seed=self.seed,
                 dtype=dtype,
+                device=device,
             )
-            pseudo = copy.deepcopy(self.estimator).fit_featureset(view, dtype)
+            pseudo = copy.deepcopy(self.estimator).fit_featureset(view, dtype, device)
             proba = pseudo.predict_proba(episodes)
             self.temperature_[shape] = fit_temperature(proba, episodes.query_labels)
         return self.temperature_[shape]
@@ -97,5 +105,11 @@ class TemperatureScaled(FewShotClassifier):
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
         if getattr(self, "estimator_", None) is None:
             raise ValueError("base features missing: call fit_base(features, labels) first")
-        tau = self.fit_shape(episodes.way, episodes.shot, episodes.n_query, episodes.support.dtype)
+        tau = self.fit_shape(
+            episodes.way,
+            episodes.shot,
+            episodes.n_query,
+            episodes.support.dtype,
+            episodes.support.device,
+        )
         return apply_temperature(self.estimator_.predict_proba(episodes), tau)

@@ -7,7 +7,12 @@ The oracle is Pyro itself: for an engine and its Pyro model,
 2. the objective is monotone over the engine's steps (:func:`assert_monotone`);
 3. running the whole batch equals running each task alone (:func:`assert_batch_invariant`);
 4. float32 agrees with float64 (:func:`assert_dtype_agreement`);
-5. where the guide is the exact posterior, the ELBO equals the exact log evidence.
+5. where the guide is the exact posterior, the ELBO equals the exact log evidence;
+6. every tensor the engine makes lives on the data's device: on CUDA when there is
+   one, and on the CPU by running with ``meta`` as the default device, where any
+   tensor created without ``device=`` is caught (:func:`assert_device_follows`);
+7. ``step`` never synchronises with the host, counted by
+   :class:`probfsl.host_syncs.HostSyncCounter` (:func:`assert_no_host_syncs`).
 
 :func:`check_engine` runs them all on a :class:`ConformanceCase`. Tests of every
 engine reuse it, the way scikit-learn's estimator checks are shared.
@@ -15,14 +20,19 @@ engine reuse it, the way scikit-learn's estimator checks are shared.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyro
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
-from probfsl.inference.base import Engine, run
+from probfsl.host_syncs import HostSyncCounter
+from probfsl.inference.base import Engine, RunInfo, run
 
 
 @dataclass
@@ -42,6 +52,8 @@ class ConformanceCase:
         particles: particles per Pyro ELBO estimate; ``repeats`` estimates are averaged.
         monotone_tol: allowed violation of monotonicity per step.
         rtol_float32: relative tolerance of the float32 against float64 comparison.
+        step_syncs: host synchronisations allowed per ``step`` (0 unless the engine
+            documents why it needs one).
     """
 
     make_engine: Callable[[], Engine]
@@ -57,10 +69,11 @@ class ConformanceCase:
     monotone_tol: float = 1e-9
     rtol_float32: float = 1e-3
     vectorize_particles: bool = True
+    step_syncs: int = 0
     extra: dict = field(default_factory=dict)
 
 
-def fit(case: ConformanceCase, data: tuple[torch.Tensor, ...]) -> tuple[Any, torch.Tensor]:
+def fit(case: ConformanceCase, data: tuple[torch.Tensor, ...]) -> tuple[Any, RunInfo]:
     """Run a fresh engine of ``case`` for ``n_steps`` on ``data``."""
     engine = case.make_engine()
     return run(engine, engine.init(*data), case.n_steps)
@@ -120,7 +133,8 @@ def assert_elbo_matches_pyro(case: ConformanceCase, n_sigma: float = 5.0) -> Non
 def assert_monotone(case: ConformanceCase) -> None:
     """The objective never gets worse from one step to the next, in any task."""
     engine = case.make_engine()
-    _, trace = run(engine, engine.init(*case.data), case.n_steps)
+    _, info = run(engine, engine.init(*case.data), case.n_steps)
+    trace = info.trace
     diff = trace[1:] - trace[:-1]
     worst = (-diff if engine.maximize else diff).max().item()
     scale = trace.abs().max().clamp_min(1.0).item()
@@ -171,11 +185,102 @@ def assert_exact_evidence(case: ConformanceCase, rtol: float = 1e-8) -> None:
     )
 
 
+class DeviceAudit(TorchFunctionMode):
+    """Records the torch calls that return a tensor on the ``meta`` device.
+
+    Used with ``torch.set_default_device("meta")`` and data on the CPU: a tensor
+    created without ``device=`` lands on ``meta`` and is recorded with the probfsl
+    line that made it (on a GPU it would be the "Expected all tensors to be on the
+    same device" crash).
+    """
+
+    PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on_meta: list[str] = []
+
+    def _caller(self) -> str:
+        frame = sys._getframe(2)
+        while frame is not None and not frame.f_code.co_filename.startswith(self.PACKAGE):
+            frame = frame.f_back
+        if frame is None:
+            return "?"
+        return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                self.on_meta.append(f"{getattr(func, '__name__', func)} at {self._caller()}")
+                break
+        return out
+
+
+def audit_devices(fn: Callable[[], Any]) -> Any:
+    """Call ``fn`` with ``meta`` as the default device; fail if any tensor landed there."""
+    audit = DeviceAudit()
+    torch.set_default_device("meta")
+    try:
+        with audit:
+            out = fn()
+    except RuntimeError as err:  # a meta tensor met a CPU one
+        if "meta" not in str(err):
+            raise
+        raise AssertionError(
+            f"tensors created on the default device instead of the data's: {audit.on_meta[:8]}"
+            f" ({err})"
+        ) from err
+    finally:
+        torch.set_default_device(None)
+    assert not audit.on_meta, (
+        f"tensors created on the default device instead of the data's: {audit.on_meta[:8]}"
+    )
+    return out
+
+
+def assert_device_follows(case: ConformanceCase) -> None:
+    """Every tensor the engine makes lives on the data's device.
+
+    On the CPU the engine runs with ``meta`` as the default device (:func:`audit_devices`);
+    when CUDA is available it also runs there and its outputs must match the CPU's.
+    """
+    state, _ = audit_devices(lambda: fit(case, case.data))
+    out = _outputs(case, state)
+    assert out.device.type == "cpu", f"outputs on {out.device}, the data is on the CPU"
+    if torch.cuda.is_available():
+        data = tuple(d.cuda() for d in case.data)
+        state_cuda, _ = fit(case, data)
+        out_cuda = _outputs(case, state_cuda)
+        assert out_cuda.device.type == "cuda", f"outputs on {out_cuda.device}, data on CUDA"
+        torch.testing.assert_close(out_cuda.cpu(), out, rtol=1e-6, atol=1e-6)
+
+
+def assert_no_host_syncs(case: ConformanceCase) -> None:
+    """``step`` makes at most ``case.step_syncs`` host synchronisations (none by default).
+
+    Counted by :class:`probfsl.host_syncs.HostSyncCounter` over ``n_steps`` steps after
+    ``init``; :func:`probfsl.inference.base.run` adds one per ``check_every`` steps.
+    """
+    engine = case.make_engine()
+    state = engine.init(*case.data)
+    with HostSyncCounter() as counter:
+        for _ in range(case.n_steps):
+            state, _ = engine.step(state)
+    allowed = case.step_syncs * case.n_steps
+    assert counter.total <= allowed, (
+        f"{counter.total} host synchronisations in {case.n_steps} steps "
+        f"(allowed {allowed}): {dict(counter.syncs)}"
+    )
+
+
 def check_engine(case: ConformanceCase) -> None:
     """Run every conformance check on ``case``; raises ``AssertionError`` on the first failure."""
     assert_monotone(case)
     assert_batch_invariant(case)
     assert_dtype_agreement(case)
+    assert_device_follows(case)
+    assert_no_host_syncs(case)
     if case.exact_log_evidence is not None:
         assert_exact_evidence(case)
     assert_elbo_matches_pyro(case)

@@ -3,8 +3,9 @@
 The published hyperparameters of few-shot methods were tuned on other backbones and
 data sets. Here a candidate is judged on labelled episodes sampled from the *base*
 classes with the target setting (way, shot, queries, balance): the base classes are
-split in two seeded halves, one plays the base classes (statistics such as centring
-means or within-class scatter), the other plays the novel classes (episodes). Novel
+split in two seeded halves (:mod:`probfsl.data.base_episodes`), one plays the base
+classes (statistics such as centring means or within-class scatter), the other plays
+the novel classes (episodes). Novel
 classes and their labels are never read. Because the engines are batched, a few
 hundred episodes per candidate cost seconds.
 
@@ -17,7 +18,13 @@ statistics once for all candidates.
 
 Zero-shot (:func:`tune_zero_shot`): candidates are judged on zero-shot tasks drawn from
 the base classes only. :class:`AutoPreset` is ``preset="auto"`` as an estimator: it tunes
-for each task shape it meets, on the base features given to ``fit_base``.
+for each task shape it meets, on the base features given to ``fit_base``;
+:func:`make_estimator` builds it by name, as :func:`probfsl.methods.make_estimator` builds
+the registered methods and their named presets (the registry knows nothing of tuning).
+
+The search runs on the device and in the dtype given (``device``, ``dtype``; for
+:class:`AutoPreset`, those of the tasks it meets): candidates are fitted and scored there,
+with one copy of each candidate's per-task accuracies to the host.
 """
 
 from __future__ import annotations
@@ -31,12 +38,19 @@ from typing import Self
 import numpy as np
 import torch
 
+from probfsl import methods
+from probfsl.data.base_episodes import (
+    base_classes_only,
+    base_episode_shape,
+    base_episode_split,
+    class_sizes,
+)
 from probfsl.data.featureset import FeatureSet
-from probfsl.data.tasks import Episodes, sample_episodes
+from probfsl.data.simplex import zero_shot_probabilities
+from probfsl.data.tasks import Episodes, sample_episodes, sample_zero_shot_tasks
 from probfsl.evaluation.protocol import accuracy_ci
-from probfsl.methods import make_estimator
 from probfsl.models.base import FewShotClassifier
-from probfsl.validation import check_base, check_count
+from probfsl.validation import as_device, check_base, check_count, check_float_dtype
 
 CRITERIA = ("accuracy", "objective")
 
@@ -91,32 +105,6 @@ class TuneResult:
         ]
 
 
-def base_episode_split(fs: FeatureSet, seed: int = 0) -> FeatureSet:
-    """A view of ``fs`` in which half of the base classes act as novel classes.
-
-    The other half stays base; every original novel row is marked ``"held_out"``
-    (never sampled, never used for statistics).
-    """
-    base_classes = fs.classes_in("base")
-    if base_classes.size < 4:
-        raise ValueError(
-            f"{fs.name}: tuning on base episodes needs at least 4 base classes, "
-            f"got {base_classes.size}"
-        )
-    rng = np.random.default_rng([seed, 7919])
-    pseudo_novel = rng.permutation(base_classes)[: base_classes.size // 2]
-    split = np.where(fs.split == "base", "base", "held_out")
-    split[np.isin(fs.labels, pseudo_novel) & (fs.split == "base")] = "novel"
-    return FeatureSet(
-        features=fs.features,
-        labels=fs.labels,
-        class_names=fs.class_names,
-        split=split,
-        class_features=fs.class_features,
-        name=f"{fs.name}[base episodes]",
-    )
-
-
 def _grid(space: Mapping[str, Sequence]) -> list[dict]:
     keys = list(space)
     return [dict(zip(keys, values, strict=True)) for values in itertools.product(*space.values())]
@@ -145,14 +133,22 @@ class _Candidates:
     """Fitted estimators of one method for each candidate, sharing base statistics when the
     estimator offers ``with_params`` (the base fit is then paid once)."""
 
-    def __init__(self, method: str, fs: FeatureSet, fixed: Mapping) -> None:
+    def __init__(
+        self,
+        method: str,
+        fs: FeatureSet,
+        fixed: Mapping,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.method, self.fs, self.fixed = method, fs, dict(fixed)
+        self.dtype, self.device = dtype, device
         self.shared = None
 
     def fitted(self, params: dict):
         if self.shared is None:
-            model = make_estimator(self.method, **{**self.fixed, **params})
-            model = model.fit_featureset(self.fs)
+            model = methods.make_estimator(self.method, **{**self.fixed, **params})
+            model = model.fit_featureset(self.fs, self.dtype, self.device)
             if hasattr(model, "with_params"):
                 self.shared = model
             return model
@@ -163,7 +159,7 @@ def _score(candidates: _Candidates, params: dict, episodes: Episodes, criterion:
     tic = time.perf_counter()
     model = candidates.fitted(params)
     proba = model.predict_proba(episodes)
-    hits = (proba.argmax(-1) == episodes.query_labels).double().mean(-1).numpy()
+    hits = (proba.argmax(-1) == episodes.query_labels).double().mean(-1).cpu().numpy()
     accuracy, ci95 = accuracy_ci(hits)
     row = {"params": params, "accuracy": accuracy, "ci95": ci95}
     if hasattr(type(model), "episode_objective_"):
@@ -176,12 +172,20 @@ def _score(candidates: _Candidates, params: dict, episodes: Episodes, criterion:
     return row
 
 
-def _check_data(fs: FeatureSet, n_episodes: int, seed: int) -> None:
-    """``TypeError``/``ValueError`` naming the argument, before any sampling."""
+def _check_data(
+    fs: FeatureSet,
+    n_episodes: int,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = None,
+) -> torch.device:
+    """``TypeError``/``ValueError`` naming the argument, before any sampling; the device."""
     if not isinstance(fs, FeatureSet):
         raise TypeError(f"fs must be a FeatureSet, got {type(fs).__name__}")
     check_count("n_episodes", n_episodes)
     check_count("seed", seed, low=0)
+    check_float_dtype("dtype", dtype)
+    return as_device(device)
 
 
 def _checked(
@@ -237,6 +241,8 @@ def tune(
     criterion: str = "accuracy",
     refine: bool = True,
     fixed: Mapping | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = None,
 ) -> TuneResult:
     """Choose ``method``'s hyperparameters from ``space`` on base-class episodes.
 
@@ -251,12 +257,16 @@ def tune(
         criterion: ``"accuracy"`` or ``"objective"`` (the estimator's ELBO/evidence).
         refine: add one refinement round around the best coarse candidate.
         fixed: hyperparameters passed unchanged to every candidate.
+        dtype, device: where the candidates are fitted and run (default float32 on the
+            CPU).
     """
     space = _checked(method, space, criterion)  # before any sampling
-    _check_data(fs, n_episodes, seed)
+    device = _check_data(fs, n_episodes, seed, dtype, device)
     view = base_episode_split(fs, seed)
-    episodes = sample_episodes(view, n_episodes, way, shot, n_query, balance, alpha, seed)
-    candidates = _Candidates(method, view, fixed or {})
+    episodes = sample_episodes(
+        view, n_episodes, way, shot, n_query, balance, alpha, seed, dtype=dtype, device=device
+    )
+    candidates = _Candidates(method, view, fixed or {}, dtype, device)
     return _search(
         method,
         space,
@@ -265,14 +275,6 @@ def tune(
         fixed,
         lambda params: _score(candidates, params, episodes, criterion),
     )
-
-
-def base_classes_only(fs: FeatureSet) -> FeatureSet:
-    """``fs`` with every non-base row unlabelled (-1): zero-shot tasks then draw only
-    base classes; class embeddings of all classes stay (they are names, not labels)."""
-    if fs.classes_in("base").size < 2:
-        raise ValueError(f"{fs.name}: zero-shot tuning needs at least 2 base classes")
-    return fs.labelled_only("base")
 
 
 def tune_zero_shot(
@@ -286,34 +288,36 @@ def tune_zero_shot(
     seed: int = 0,
     refine: bool = True,
     fixed: Mapping | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = None,
 ) -> TuneResult:
     """Choose a zero-shot method's hyperparameters on zero-shot tasks of the base classes.
 
     The tasks follow the target protocol (``min_classes``..``max_classes`` classes, Q
     queries, probabilities over every class embedding) but draw their classes and
-    queries from the base classes only (:func:`base_classes_only`); ranked by accuracy
-    after cluster-to-class matching. ``temperature`` (of the probabilities) may be tuned.
+    queries from the base classes only
+    (:func:`probfsl.data.base_episodes.base_classes_only`); ranked by accuracy after
+    cluster-to-class matching. ``temperature`` (of the probabilities) may be tuned.
+    The probabilities are computed in ``dtype`` and the candidates run on ``device``.
     """
-    from probfsl.data.tasks import sample_zero_shot_tasks
-    from probfsl.models.em_dirichlet import zero_shot_probabilities
-
     space = _checked(method, space, "accuracy")
-    _check_data(fs, n_tasks, seed)
+    device = _check_data(fs, n_tasks, seed, dtype, device)
     view = base_classes_only(fs)
     max_classes = min(max_classes, view.classes_in("base").size)
     tasks = sample_zero_shot_tasks(
         view, n_tasks, min(min_classes, max_classes), max_classes, n_query, seed
     )
     fixed = dict(fixed or {})
+    labels = tasks.query_labels.to(device)
 
     def score(params: dict) -> dict:
         tic = time.perf_counter()
-        model = make_estimator(method, **{**fixed, **params})
+        model = methods.make_estimator(method, **{**fixed, **params})
         if not hasattr(model, "predict_zero_shot"):
             raise ValueError(f"method {method!r} has no zero-shot mode")
-        probs = zero_shot_probabilities(view, tasks, model.temperature)
-        hits = (model.predict_zero_shot(probs) == tasks.query_labels).double().mean(-1)
-        accuracy, ci95 = accuracy_ci(hits.numpy())
+        probs = zero_shot_probabilities(view, tasks, model.temperature, dtype).to(device)
+        hits = (model.predict_zero_shot(probs) == labels).double().mean(-1)
+        accuracy, ci95 = accuracy_ci(hits.cpu().numpy())
         return {
             "params": params,
             "accuracy": accuracy,
@@ -358,44 +362,6 @@ class AutoChoice:
         return self.note or "tuned on base episodes of the target task shape"
 
 
-def _class_sizes(fs: FeatureSet, split: str) -> np.ndarray:
-    rows = fs.rows(split)
-    return np.unique(fs.labels[rows], return_counts=True)[1]
-
-
-def base_episode_shape(
-    fs: FeatureSet,
-    way: int,
-    shot: int,
-    n_query: int,
-    balance: str = "balanced",
-    seed: int = 0,
-) -> tuple[int, int, int] | None:
-    """The (way, shot, queries) of the base episodes :func:`tune` can draw from ``fs``.
-
-    The target shape when the base classes allow it. Otherwise (half of the base
-    classes play the novel classes, :func:`base_episode_split`) the largest smaller
-    shape: way = min(way, base classes // 2), shot = min(shot, smallest class - 1),
-    queries per class capped by the samples left (balanced) or the total capped by the
-    smallest classes (Dirichlet). ``None`` when not even 2-way 1-shot base episodes
-    fit (fewer than 4 base classes, or classes of one sample).
-    """
-    if fs.classes_in("base").size < 4:
-        return None
-    sizes = _class_sizes(base_episode_split(fs, seed), "novel")
-    w = min(way, sizes.size)
-    s = min(shot, int(sizes.min()) - 1)
-    if w < 2 or s < 1:
-        return None
-    if balance == "balanced":
-        per_class = min(max(n_query // way, 1), int(sizes.min()) - s)
-        q = w * per_class
-    else:
-        room = int(np.sort(sizes)[:w].sum()) - w * s
-        q = min(max(round(n_query * w / way), 1), room)
-    return w, s, q
-
-
 def auto_preset(
     method: str,
     fs: FeatureSet,
@@ -408,14 +374,16 @@ def auto_preset(
     seed: int = 0,
     criterion: str = "accuracy",
     fixed: Mapping | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = None,
 ) -> AutoChoice:
     """``preset="auto"``: :func:`tune` on base episodes, with a documented fallback.
 
     1. When the base classes can form episodes of the target shape, the search runs on
        them (``note`` is empty).
     2. When they cannot (say 5 base classes for 5-way tasks: 2 play the novel classes),
-       the search runs on the largest smaller shape (:func:`base_episode_shape`) and
-       ``note`` names it.
+       the search runs on the largest smaller shape
+       (:func:`probfsl.data.base_episodes.base_episode_shape`) and ``note`` names it.
     3. When not even 2-way 1-shot base episodes fit (fewer than 4 base classes, none at
        all, or one-sample classes), no search runs: :data:`FALLBACK_PRESETS` (BAVARDAGE:
        the scale-relative mini-ImageNet preset for the balance) or the method's
@@ -428,9 +396,10 @@ def auto_preset(
     95% interval (accuracy).
 
     ``fixed`` hyperparameters are kept in every case. Novel classes are never read.
+    The search and the reference run in ``dtype`` on ``device``.
     """
     _checked(method, None, criterion)  # ValueError for a method without a search space
-    _check_data(fs, n_episodes, seed)
+    device = _check_data(fs, n_episodes, seed, dtype, device)
     fixed = dict(fixed or {})
     n_base = int(fs.classes_in("base").size)
     shape = base_episode_shape(fs, way, shot, n_query, balance, seed)
@@ -448,7 +417,19 @@ def auto_preset(
             reason=f"no base episodes possible: {why}",
         )
     result = tune(
-        method, fs, None, *shape, balance, alpha, n_episodes, seed, criterion, True, fixed
+        method,
+        fs,
+        None,
+        *shape,
+        balance,
+        alpha,
+        n_episodes,
+        seed,
+        criterion,
+        True,
+        fixed,
+        dtype=dtype,
+        device=device,
     )
     if shape == (way, shot, n_query):
         return AutoChoice(params=result.best, result=result)
@@ -458,10 +439,13 @@ def auto_preset(
         f"cannot form {way}-way {shot}-shot {n_query}-query ones)"
     )
     view = base_episode_split(fs, seed)
-    episodes = sample_episodes(view, n_episodes, *shape, balance, alpha, seed)  # tune's
-    reference = make_estimator(method, preset, **fixed).fit_featureset(view)
+    episodes = sample_episodes(  # tune's
+        view, n_episodes, *shape, balance, alpha, seed, dtype=dtype, device=device
+    )
+    reference = methods.make_estimator(method, preset, **fixed)
+    reference.fit_featureset(view, dtype, device)
     hits = (reference.predict(episodes) == episodes.query_labels).double().mean(-1)
-    reference_accuracy = accuracy_ci(hits.numpy())[0]
+    reference_accuracy = accuracy_ci(hits.cpu().numpy())[0]
     best = max(result.trace, key=lambda row: row[criterion])
     if best["accuracy"] - best["ci95"] <= reference_accuracy:
         note += (
@@ -481,21 +465,25 @@ def auto_preset_zero_shot(
     n_tasks: int = 300,
     seed: int = 0,
     fixed: Mapping | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = None,
 ) -> AutoChoice:
     """Zero-shot ``preset="auto"``: :func:`tune_zero_shot` on tasks of the base classes,
     with fewer classes or queries per task when the base classes are too few or too
     small, and the method's defaults when fewer than 2 base classes exist."""
     search_space(method)
-    _check_data(fs, n_tasks, seed)
+    device = _check_data(fs, n_tasks, seed, dtype, device)
     fixed = dict(fixed or {})
-    sizes = _class_sizes(fs, "base")
+    sizes = class_sizes(fs, "base")
     hi = min(max_classes, sizes.size)
     lo = min(min_classes, hi)
     if lo < 2:
         reason = f"no zero-shot base tasks possible: {sizes.size} base classes, tuning needs 2"
         return AutoChoice(params=fixed, note=f"{reason}; using the defaults", reason=reason)
     q = min(n_query, int(np.sort(sizes)[:lo].sum()))
-    result = tune_zero_shot(method, fs, None, lo, hi, q, n_tasks, seed, True, fixed)
+    result = tune_zero_shot(
+        method, fs, None, lo, hi, q, n_tasks, seed, True, fixed, dtype=dtype, device=device
+    )
     note = ""
     if (lo, hi, q) != (min_classes, max_classes, n_query):
         note = (
@@ -512,8 +500,10 @@ class AutoPreset(FewShotClassifier):
     on the base features given to :meth:`fit_base` with that shape and ``balance``
     (a search on base episodes, or its documented fallback when the base classes are too
     few), keeps the choice in ``choices_`` and the search in ``tuning_`` (``None`` for a
-    fallback), and predicts with the chosen estimator. Novel classes and query labels
-    are never read.
+    fallback), and predicts with the chosen estimator. The search and the chosen
+    estimator run in the dtype and on the device of the tasks (the estimator is refitted
+    for a new dtype or device; the choice is kept). Novel classes and query labels are
+    never read. Built by name with :func:`make_estimator` (``preset="auto"``).
     """
 
     needs_base = True
@@ -538,9 +528,7 @@ class AutoPreset(FewShotClassifier):
 
     @property
     def transductive(self) -> bool:
-        from probfsl.methods import method_info
-
-        return method_info(self.method).load().transductive
+        return methods.method_info(self.method).load().transductive
 
     def fit_base(self, features: torch.Tensor, labels: torch.Tensor) -> Self:
         features, labels = check_base(features, labels)
@@ -552,8 +540,9 @@ class AutoPreset(FewShotClassifier):
         if getattr(self, "base_", None) is None:
             raise ValueError("base features missing: call fit_base(features, labels) first")
         shape = (episodes.way, episodes.shot, episodes.n_query)
-        if shape not in self.estimators_:
-            choice = auto_preset(
+        dtype, device = episodes.support.dtype, episodes.support.device
+        if shape not in self.choices_:
+            self.choices_[shape] = choice = auto_preset(
                 self.method,
                 self.base_,
                 *shape,
@@ -563,8 +552,30 @@ class AutoPreset(FewShotClassifier):
                 seed=self.seed,
                 criterion=self.criterion,
                 fixed=self.fixed,
+                dtype=dtype,
+                device=device,
             )
-            self.choices_[shape], self.tuning_[shape] = choice, choice.result
-            estimator = make_estimator(self.method, choice.preset, **choice.params)
-            self.estimators_[shape] = estimator.fit_featureset(self.base_, episodes.support.dtype)
-        return self.estimators_[shape].predict_proba(episodes)
+            self.tuning_[shape] = choice.result
+        key = (shape, dtype, device)
+        if key not in self.estimators_:
+            choice = self.choices_[shape]
+            estimator = methods.make_estimator(self.method, choice.preset, **choice.params)
+            self.estimators_[key] = estimator.fit_featureset(self.base_, dtype, device)
+        return self.estimators_[key].predict_proba(episodes)
+
+
+def make_estimator(name: str, preset: str | None = None, **params) -> FewShotClassifier:
+    """A new estimator of method ``name``: :func:`probfsl.methods.make_estimator`, and
+    ``preset="auto"``.
+
+    ``preset="auto"`` gives an :class:`AutoPreset` that tunes the method on base-class
+    episodes of each task shape it meets (``params`` stay fixed during the search);
+    ``ValueError`` for an unknown method or hyperparameter, or a method without a
+    search space (:data:`SEARCH_SPACES`). Any other ``preset`` (a published setting, or
+    ``None``) is the registry's.
+    """
+    if preset != "auto":
+        return methods.make_estimator(name, preset, **params)
+    methods.make_estimator(name, **params)  # unknown method or hyperparameters
+    search_space(name)
+    return AutoPreset(name, fixed=params)

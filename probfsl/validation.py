@@ -318,3 +318,16 @@ def check_episodes(episodes: Any, dim: int | None = None) -> None:
             f"episodes have feature width {episodes.support.shape[2]} but the base features "
             f"have width {dim}"
         )
+
+
+def as_device(device: str | torch.device | None) -> torch.device:
+    """``device`` as a :class:`torch.device` (``None``: the CPU); ``ValueError`` for a
+    string that names no device. Whether this machine has it is for torch to say."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(
+            f"device {device!r} is not a device; use cpu, cuda, cuda:N or mps"
+        ) from None

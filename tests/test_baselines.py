@@ -4,7 +4,7 @@ import torch
 
 from probfsl.data import load_dataset, sample_episodes
 from probfsl.evaluation import evaluate
-from probfsl.inference.kmeans import soft_kmeans
+from probfsl.inference.soft_kmeans import soft_kmeans
 from probfsl.models.nearest_centroid import NearestCentroid
 from probfsl.models.soft_kmeans import SoftKMeans
 

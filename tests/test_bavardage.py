@@ -8,7 +8,7 @@ import torch
 
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
-from probfsl.inference.kmeans import soft_kmeans
+from probfsl.inference.gram import centred_grams
 from probfsl.inference.plda import (
     centroid_projection,
     centroid_projection_gram,
@@ -17,8 +17,10 @@ from probfsl.inference.plda import (
     task_span_whitening,
     within_class_scatter,
 )
+from probfsl.inference.soft_kmeans import soft_kmeans
 from probfsl.inference.vb_mixture import fit_bavardage_vb
-from probfsl.models.bavardage import PRESETS, Bavardage, _centred_grams
+from probfsl.models.bavardage import PRESETS, Bavardage
+from probfsl.testing import audit_devices
 
 F64 = torch.float64
 
@@ -294,6 +296,64 @@ def test_to_datatree_exports_per_task_posteriors():
     assert np.abs(mean_pi - alpha / alpha.sum(-1, keepdims=True)).max() < 0.1
 
 
+def test_posterior_draws_come_from_the_guide_and_leave_the_global_streams_alone():
+    """Draws of the engine's guide: their moments are those of q(π), q(μ), q(z); the same
+    seed gives the same draws; the global random stream is neither consumed nor read."""
+    base, labels, episodes = _world()
+    est = _fit(base, labels)
+    est.predict_proba(episodes(3))
+    state = est.state_
+    torch.manual_seed(123)
+    expected_next = torch.rand(3)
+    torch.manual_seed(123)
+    draws = est.posterior_draws(n_draws=4000, seed=5, tasks=slice(1, 3))
+    torch.testing.assert_close(torch.rand(3), expected_next, rtol=0, atol=0)
+    assert draws["pi"].shape == (1, 4000, 2, 3) and draws["z"].shape == (1, 4000, 2, 12)
+    assert draws["mu"].shape == (1, 4000, 2, 3, 2)
+    alpha = state.alpha[1:3]
+    torch.testing.assert_close(
+        draws["pi"].mean((0, 1)), alpha / alpha.sum(-1, keepdim=True), atol=0.02, rtol=0
+    )
+    torch.testing.assert_close(draws["mu"].mean((0, 1)), state.mean[1:3], atol=0.03, rtol=0)
+    sd = (state.beta[1:3] * est.temperature_vb_).rsqrt()
+    torch.testing.assert_close(draws["mu"].std((0, 1)).mean(-1), sd, rtol=0.05, atol=0)
+    freq = torch.nn.functional.one_hot(draws["z"], 3).double().mean((0, 1))
+    torch.testing.assert_close(freq, state.query_resp[1:3], atol=0.03, rtol=0)
+    again = est.posterior_draws(n_draws=4000, seed=5, tasks=slice(1, 3))
+    assert all(torch.equal(again[k], draws[k]) for k in draws)
+    other = est.posterior_draws(n_draws=4000, seed=6, tasks=slice(1, 3))
+    assert not torch.equal(other["mu"], draws["mu"])
+    balanced = Bavardage.from_preset("mini-balanced").fit_base(base, labels)
+    balanced.predict_proba(episodes(2))
+    assert set(balanced.posterior_draws(n_draws=3)) == {"mu", "z"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_posterior_draws_on_cuda_fork_the_cuda_stream():
+    base, labels, episodes = _world()
+    est = _fit(base.cuda(), labels.cuda())
+    est.predict_proba(episodes(2).to(device="cuda"))
+    before = torch.cuda.get_rng_state()
+    first = est.posterior_draws(n_draws=50, seed=1)
+    assert first["mu"].device.type == "cuda"
+    assert torch.equal(torch.cuda.get_rng_state(), before)
+    torch.cuda.manual_seed(99)  # the draws do not depend on the global CUDA stream
+    second = est.posterior_draws(n_draws=50, seed=1)
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+@pytest.mark.parametrize("whitening", ["task_span", "global"])
+def test_predict_proba_makes_every_tensor_on_the_data_device(whitening):
+    """predict_proba with the default device set to meta and the data on the CPU
+    (probfsl.testing.audit_devices): a tensor created without device= would be caught."""
+    base, labels, episodes = _world()
+    est = _fit(base, labels, whitening=whitening, s_max=2.0)
+    ep = episodes(3)
+    expected = est.predict_proba(ep)
+    out = audit_devices(lambda: est.predict_proba(ep))
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
 def test_bad_input_raises_value_error():
     base, labels, episodes = _world()
     ep = episodes(2)
@@ -341,7 +401,8 @@ def _reference_global(est, ep):
     s, q = center_and_normalize(ep.support, mean), center_and_normalize(ep.query, mean)
     resp = soft_kmeans(s, ep.support_labels, q, ep.way, est.temperature_km, est.n_km)
     engine = est._engine(ep.way, est.whitening_.to(s), "adaptive")
-    return fit_bavardage_vb(engine, s, ep.support_labels, q, resp, est.n_vb).state.query_resp
+    state, _ = fit_bavardage_vb(engine, s, ep.support_labels, q, resp, est.n_vb)
+    return state.query_resp
 
 
 @pytest.mark.parametrize("offset", [0.0, 50.0])
@@ -352,7 +413,7 @@ def test_gram_fast_path_predicts_as_the_d_wide_pipeline(offset):
     ep = _with(ep, support=ep.support + offset, query=ep.query + offset)
     est = _fit(base + offset, labels, s_max=2.0, whitening="global")
     assert est.whitening_.low_rank() is not None
-    *_, bad = _centred_grams(ep, est.base_mean_, est.whitening_)
+    *_, bad = centred_grams(ep.points(), est.base_mean_, est.whitening_)
     assert bool(bad.all()) == (offset > 0) and bool(bad.any()) == (offset > 0)
     p = est.predict_proba(ep)
     torch.testing.assert_close(p, _reference_global(est, ep), atol=1e-9, rtol=0)

@@ -1,4 +1,5 @@
-"""BAVARDAGE's mean-field engine: conformance with Pyro, exactness, brute force (spec §7)."""
+"""BAVARDAGE's mean-field engine: conformance with Pyro, exactness, brute force (spec §7),
+and the guarantees of the production configuration (adaptive projection)."""
 
 import itertools
 import math
@@ -8,9 +9,22 @@ from functools import partial
 import pytest
 import torch
 
+from probfsl.data.builtin import load_dataset
+from probfsl.data.tasks import sample_episodes
+from probfsl.inference.base import run
 from probfsl.inference.vb_mixture import BavardageVB, fit_bavardage_vb
-from probfsl.models.bavardage import bavardage_model
-from probfsl.testing import ConformanceCase, assert_monotone, check_engine
+from probfsl.models.bavardage import Bavardage, bavardage_model
+from probfsl.testing import (
+    ConformanceCase,
+    assert_batch_invariant,
+    assert_device_follows,
+    assert_dtype_agreement,
+    assert_elbo_matches_pyro,
+    assert_monotone,
+    assert_no_host_syncs,
+    check_engine,
+    pyro_elbo_estimate,
+)
 
 K = 3
 
@@ -50,7 +64,7 @@ def test_engine_conformance(variant):
 class _WrongMean(BavardageVB):
     """An M step that forgets the prior on the centroids: not coordinate ascent."""
 
-    def m_step(self, state, objective=True):
+    def m_step(self, state):
         state = super().m_step(state)
         counts = state.resp.sum(1, keepdim=True).transpose(1, 2)
         new = replace(state, mean=state.resp.transpose(1, 2) @ state.u / counts)
@@ -145,8 +159,7 @@ def test_elbo_below_brute_force_evidence_and_gap_shrinks_with_separation():
         u_q = (centres[y_q] + 0.3 * torch.randn(3, generator=g, dtype=torch.float64))[:, None]
         engine = BavardageVB(K, projection="identity", **HYPER)
         state = engine.init(u_s[None], y_s[None], u_q[None])
-        for _ in range(50):
-            state = engine.step(state)
+        state, _ = run(engine, state, 50)
         log_p = _log_evidence_brute_force(u_s, y_s, u_q, **HYPER)
         gap = (log_p - state.objective[0]).item()
         assert gap >= -1e-9
@@ -158,7 +171,7 @@ def test_e_step_log_rho_matches_monte_carlo_expectation():
     """Spec §7: E_q[ln π_k + ln N(u_n | μ_k, Λ^{-1})] by sampling equals ln ρ_nk."""
     u_s, y_s, u_q, _ = _mixture_data(t=1, n_query=4, d=3, seed=2)
     engine = BavardageVB(K, projection="identity", **HYPER)
-    state = fit_bavardage_vb(engine, u_s, y_s, u_q, n_iter=3).state
+    state, _ = fit_bavardage_vb(engine, u_s, y_s, u_q, n_iter=3)
     torch.manual_seed(0)
     n = 200_000
     pi = torch.distributions.Dirichlet(state.alpha[0]).sample((n,))  # [n, K]
@@ -175,9 +188,7 @@ def test_perturbing_any_factor_never_increases_the_elbo():
     """Spec §7: every closed-form factor is a coordinate-wise maximiser."""
     u_s, y_s, u_q, _ = _mixture_data(t=2, n_query=6, d=2, seed=4)
     engine = BavardageVB(K, projection="identity", **HYPER)
-    state = engine.init(u_s, y_s, u_q)
-    for _ in range(4):
-        state = engine.step(state)
+    state, _ = run(engine, engine.init(u_s, y_s, u_q), 4)
     # q(π), q(μ) are optimal given o right after the M step
     best = state.objective
     g = torch.Generator().manual_seed(0)
@@ -203,7 +214,7 @@ def test_invariants(count_support):
     """Spec §7: one-hot support, Σ_k N_k = N, β_k ≥ β_o, Σ_k α_k, rows sum to one."""
     u_s, y_s, u_q, _ = _mixture_data(t=4, shot=2, n_query=9, d=5, seed=5)
     engine = BavardageVB(K, projection="adaptive", count_support=count_support, **HYPER)
-    state = fit_bavardage_vb(engine, u_s, y_s, u_q, n_iter=4).state
+    state, _ = fit_bavardage_vb(engine, u_s, y_s, u_q, n_iter=4)
     n_s, n = u_s.shape[1], u_s.shape[1] + u_q.shape[1]
     onehot = torch.nn.functional.one_hot(y_s, K).double()
     torch.testing.assert_close(state.resp[:, :n_s], onehot)
@@ -228,3 +239,134 @@ def test_engine_rejects_bad_input():
         BavardageVB(K, projection="pca")
     with pytest.raises(ValueError, match="tau"):
         BavardageVB(K, tau=0.0)
+
+
+def test_step_reports_the_elbo_after_its_e_step_and_its_m_step():
+    """With u fixed (identity), previous objective <= Info.objective_e <= new objective;
+    both equal the explicit ELBO of spec §3.9 (the step uses the E step's log-normaliser
+    and the collapsed bound after the M step)."""
+    u_s, y_s, u_q, _ = _mixture_data(t=4, n_query=9, d=3, seed=6)
+    for variant in (dict(), dict(balanced=True), dict(count_support=True)):
+        engine = BavardageVB(K, projection="identity", **HYPER, **variant)
+        state = engine.init(u_s, y_s, u_q)
+        torch.testing.assert_close(state.objective, engine.elbo(state), rtol=1e-12, atol=1e-12)
+        for _ in range(4):
+            new, info = engine.step(state)
+            after_e = engine.e_step(state)
+            torch.testing.assert_close(info.objective_e, engine.elbo(after_e), rtol=1e-12, atol=0)
+            torch.testing.assert_close(new.objective, engine.elbo(new), rtol=1e-12, atol=0)
+            assert (info.objective_e >= state.objective - 1e-10).all()
+            assert (new.objective >= info.objective_e - 1e-10).all()
+            state = new
+
+
+def test_fit_is_init_then_run_then_a_final_e_step():
+    u_s, y_s, u_q, _ = _mixture_data(t=3, n_query=8, d=4, seed=7)
+    engine = BavardageVB(K, projection="adaptive", **HYPER)
+    state, info = fit_bavardage_vb(engine, u_s, y_s, u_q, n_iter=4)
+    ref, ref_info = run(engine, engine.init(u_s, y_s, u_q), 3)
+    assert info.trace.shape == (5, 3)
+    torch.testing.assert_close(info.trace[:-1], ref_info.trace, rtol=0, atol=0)
+    torch.testing.assert_close(state.resp, engine.e_step(ref).resp, rtol=0, atol=0)
+    torch.testing.assert_close(info.trace[-1], state.objective, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="n_iter"):
+        fit_bavardage_vb(engine, u_s, y_s, u_q, n_iter=0)
+
+
+# ------------------------------------------------------------ production configuration
+#: the estimator as it is shipped (default = the CUB preset, task-span whitening), its
+#: global-whitening fast path (adaptive_gram) and a balanced published preset
+PRODUCTION = {
+    "default": lambda: Bavardage(),
+    "global": lambda: Bavardage(whitening="global"),
+    "mini-balanced": lambda: Bavardage.from_preset("mini-balanced"),
+}
+
+
+@pytest.fixture(scope="module")
+def omniglot():
+    fs = load_dataset("omniglot")
+    episodes = sample_episodes(
+        fs, 3, way=5, shot=1, n_query=15, balance="dirichlet", seed=0, dtype=torch.float64
+    )
+    return fs.base(torch.float64), episodes
+
+
+def _production_case(name, omniglot):
+    """The estimator's engine and data (``vb_problem``), run for its n_vb - 1 steps."""
+    (base, labels), episodes = omniglot
+    est = PRODUCTION[name]().fit_base(base, labels)
+    engine, data = est.vb_problem(episodes)
+    assert engine.projection in ("adaptive", "adaptive_gram")
+    case = ConformanceCase(
+        make_engine=lambda: engine,
+        model=None,
+        data=data,
+        n_steps=est.n_vb - 1,
+        outputs=lambda s: torch.cat([s.objective.unsqueeze(-1), s.query_resp.flatten(1)], -1),
+        particles=400,
+        repeats=8,
+    )
+    return est, engine, case
+
+
+def _model_given_projection(engine, state):
+    """bavardage_model on the state's u = x P: the production model of that block (P fixed)."""
+    n_s = state.n_support
+    u_s, u_q, y_s = state.u[:, :n_s], state.u[:, n_s:], state.support_labels
+    hyper = dict(
+        way=engine.way,
+        tau=engine.tau,
+        alpha0=engine.alpha0,
+        beta0=engine.beta0,
+        balanced=engine.balanced,
+        count_support=engine.count_support,
+    )
+    return lambda *data: bavardage_model(u_s, y_s, u_q, **hyper)
+
+
+@pytest.mark.parametrize("name", list(PRODUCTION))
+def test_production_engine_conformance(name, omniglot):
+    """The shared checks on the estimator's own engine and data (adaptive projection).
+
+    assert_monotone does not apply: the projection changes the data u at every step
+    (monotonicity within each block is the next test)."""
+    _, engine, case = _production_case(name, omniglot)
+    assert_batch_invariant(case)
+    assert_dtype_agreement(case)
+    assert_device_follows(case)
+    assert_no_host_syncs(case)
+    state, _ = run(engine, engine.init(*case.data), case.n_steps)
+    assert_elbo_matches_pyro(replace(case, model=_model_given_projection(engine, state)))
+
+
+@pytest.mark.parametrize("name", list(PRODUCTION))
+def test_production_final_state_elbo_matches_pyro(name, omniglot):
+    """At the state predict_proba returns (after the final E step), Trace_ELBO of the model
+    on that block's u equals state.objective."""
+    est, engine, case = _production_case(name, omniglot)
+    state, _ = fit_bavardage_vb(engine, *case.data, n_iter=est.n_vb)
+    torch.testing.assert_close(state.query_resp, est.predict_proba(omniglot[1]), rtol=0, atol=0)
+    mean, se = pyro_elbo_estimate(
+        _model_given_projection(engine, state), engine.guide(state), case.data, 400, 8
+    )
+    analytic = state.objective.sum().item()
+    assert abs(mean - analytic) <= 5 * se + 1e-6 * abs(analytic), (mean, se, analytic)
+
+
+@pytest.mark.parametrize("name", list(PRODUCTION))
+def test_production_elbo_is_monotone_within_each_block(name, omniglot):
+    """Within a block (projection fixed) the E step does not lower the ELBO; after a
+    projection update the M step does not lower the ELBO of the new u. (Across an
+    update nothing is ordered: the two ELBOs bound the evidence of different data.)"""
+    est, engine, case = _production_case(name, omniglot)
+    state = engine.init(*case.data)
+    scale = state.objective.abs().max().item()
+    for _ in range(est.n_vb + 3):
+        new, info = engine.step(state)
+        projected = engine.project(engine.e_step(state))
+        assert not torch.equal(projected.u, state.u)  # the projection did move
+        assert (info.objective_e >= state.objective - 1e-10 * scale).all()
+        assert (new.objective >= engine.elbo(projected) - 1e-10 * scale).all()
+        torch.testing.assert_close(new.objective, engine.elbo(new), rtol=1e-10, atol=0)
+        state = new

@@ -397,3 +397,104 @@ def test_merge_base_and_novel_files_then_run(tmp_path, capsys):
     )
     _one_line_error(rc, err, "not found")
     assert not (tmp_path / "y.npz").exists() and not (tmp_path / "x.csv").exists()
+
+
+def _select_files(tmp_path):
+    g = np.random.default_rng(0)
+    labels = np.arange(40) % 4
+    good = np.eye(8)[labels] * 2 + 0.2 * g.random((40, 8))
+    bad = g.random((40, 8))
+    for name, f in [("good", good), ("bad", bad)]:
+        np.savez(tmp_path / f"{name}.npz", features=f.astype(np.float32), labels=labels)
+    return [str(tmp_path / "bad.npz"), str(tmp_path / "good.npz")]
+
+
+def test_device_and_dtype_on_every_computing_subcommand(tmp_path, capsys, monkeypatch):
+    """``--device`` and ``--dtype`` on run --zero-shot, run --preset auto, tune, select and
+    demo: a bogus device is a one-line error (exit 2) before any data is loaded."""
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the data were loaded before the device was checked")
+
+    files = _select_files(tmp_path)
+    monkeypatch.setattr("probfsl.cli.load_dataset", no_loading)
+    monkeypatch.setattr("probfsl.cli.load_features", no_loading)
+    monkeypatch.setattr("probfsl.selection.load_features", no_loading)
+    soft = ["--method", "soft-kmeans", "--dataset", "omniglot"]
+    commands = [
+        ["run", "--method", "em-dirichlet", "--dataset", "wordnet", "--zero-shot"],
+        ["run", *soft, "--preset", "auto"],
+        ["tune", *soft],
+        ["select", "--features", *files],
+        ["demo"],
+    ]
+    for argv in commands:
+        rc, _, err = _run([*argv, "--device", "warp-drive", "--dtype", "float64"], capsys)
+        _one_line_error(rc, err, "'warp-drive' is not a device")
+        rc, _, err = _run([*argv, "--dtype", "float16"], capsys)
+        assert rc == 2 and "invalid choice: 'float16'" in err
+
+
+def test_tune_and_auto_run_in_the_dtype_and_on_the_device_given(capsys, monkeypatch):
+    import probfsl.cli as cli
+
+    seen = []
+
+    def spy(real):
+        def wrapped(*args, **kwargs):
+            seen.append((real.__name__, kwargs["dtype"], torch.device(kwargs["device"])))
+            return real(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(cli, "auto_preset", spy(cli.auto_preset))
+    monkeypatch.setattr(cli, "auto_preset_zero_shot", spy(cli.auto_preset_zero_shot))
+    cpu = torch.device("cpu")
+    argv = ["tune", "--method", "soft-kmeans", "--dataset", "omniglot", "--episodes", "10"]
+    assert _run([*argv, "--device", "cpu", "--dtype", "float64"], capsys)[0] == 0
+    assert seen == [("auto_preset", torch.float64, cpu)]
+    argv = ["run", "--method", "soft-kmeans", "--dataset", "omniglot", "--tasks", "5"]
+    rc, out, err = _run([*argv, "--preset", "auto", "--episodes", "10"], capsys)
+    assert rc == 0, err
+    assert seen[1] == ("auto_preset", torch.float32, cpu)  # the defaults
+    # the chosen estimator was fitted in the dtype asked for
+    fitted = []
+    real_fit = cli.TemperatureScaled.fit_shape
+    monkeypatch.setattr(
+        cli.TemperatureScaled,
+        "fit_shape",
+        lambda self, *a: fitted.append(a[3:]) or real_fit(self, *a),
+    )
+    rc, out, err = _run(
+        [*argv, "--preset", "auto", "--episodes", "10", "--dtype", "float64"], capsys
+    )
+    assert rc == 0, err
+    assert seen[2] == ("auto_preset", torch.float64, cpu)
+    assert set(fitted) == {(torch.float64, cpu)}  # before the run, then cached
+
+
+def test_select_in_float32_and_float64_ranks_alike(tmp_path, capsys, monkeypatch):
+    import probfsl.cli as cli
+
+    files = _select_files(tmp_path)
+    seen = []
+    real = cli.rank_feature_files
+    monkeypatch.setattr(cli, "rank_feature_files", lambda *a: seen.append(a[3:]) or real(*a))
+    outs = []
+    for dtype in ("float64", "float32"):
+        rc, out, err = _run(["select", "--features", *files, "--dtype", dtype], capsys)
+        assert rc == 0, err
+        outs.append(out.splitlines())
+    assert seen == [(torch.float64, torch.device("cpu")), (torch.float32, torch.device("cpu"))]
+    assert outs[0][-1] == outs[1][-1] == f"best: {files[1]}"
+    per_sample = [float(o[1].split()[2]) for o in outs]  # "1. PATH  VALUE  (...)"
+    assert abs(per_sample[0] - per_sample[1]) < 1e-3 * abs(per_sample[0])
+
+
+def test_demo_on_the_device_and_dtype_given(capsys, monkeypatch):
+    import probfsl.cli as cli
+
+    monkeypatch.setattr(cli, "METHODS", {"nearest-centroid": cli.METHODS["nearest-centroid"]})
+    rc, out, err = _run(["demo", "--tasks", "3", "--device", "cpu", "--dtype", "float64"], capsys)
+    assert rc == 0, err
+    assert "float64 on cpu" in out and out.count("nearest-centroid") == 4

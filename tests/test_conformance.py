@@ -6,13 +6,17 @@ from functools import partial
 import pytest
 import torch
 
+from probfsl.host_syncs import HostSyncCounter
+from probfsl.inference.base import Info, run
 from probfsl.inference.normal_gamma import NormalGammaVB, NormalMeanPosterior
 from probfsl.models.normal_gamma import normal_gamma_model, normal_mean_model
 from probfsl.testing import (
     ConformanceCase,
+    assert_device_follows,
     assert_elbo_matches_pyro,
     assert_exact_evidence,
     assert_monotone,
+    assert_no_host_syncs,
     check_engine,
 )
 
@@ -61,8 +65,6 @@ def test_normal_gamma_matches_exact_posterior_limit():
     """With many samples the mean-field posterior concentrates on the sample moments."""
     x = 2.0 + 0.5 * torch.randn(1, 20000, generator=torch.Generator().manual_seed(1)).double()
     engine = NormalGammaVB()
-    from probfsl.inference.base import run
-
     state, _ = run(engine, engine.init(x), 30)
     assert abs(state.mu_mean.item() - x.mean().item()) < 1e-3
     assert abs((state.tau_shape / state.tau_rate).item() - 1 / x.var().item()) < 0.05
@@ -91,9 +93,10 @@ class _BrokenPosterior(NormalMeanPosterior):
     """Posterior mean shifted away from the exact one."""
 
     def step(self, state):
-        state = super().step(state)
+        state, _ = super().step(state)
         state = replace(state, mean=state.mean + 0.2)
-        return replace(state, objective=self.elbo(state))
+        state = replace(state, objective=self.elbo(state))
+        return state, Info(state.objective)
 
 
 def test_conformance_catches_a_broken_update():
@@ -114,3 +117,55 @@ def test_conformance_catches_an_inexact_posterior():
         assert_exact_evidence(case)
     with pytest.raises(AssertionError):
         check_engine(case)
+
+
+class _CpuMaker(NormalGammaVB):
+    """Creates a tensor without ``device=``: on a GPU this crashes, on the CPU it is hidden."""
+
+    def _update_mu(self, s):
+        s = super()._update_mu(s)
+        return replace(s, mu_mean=s.mu_mean + torch.zeros(s.mu_mean.shape, dtype=s.x.dtype))
+
+
+class _Syncing(NormalGammaVB):
+    """Checks convergence on the host inside ``step``."""
+
+    def step(self, state):
+        new, info = super().step(state)
+        if bool((new.objective - state.objective).abs().max() < 1e-12):
+            pass
+        return new, info
+
+
+def test_conformance_catches_a_tensor_made_off_the_data_device():
+    case = replace(normal_gamma_case(), make_engine=lambda: _CpuMaker(0.5, 2.0, 2.0, 1.5))
+    assert_no_host_syncs(case)
+    with pytest.raises(AssertionError, match="default device"):
+        assert_device_follows(case)
+
+
+def test_conformance_catches_a_host_sync_in_step():
+    case = replace(normal_gamma_case(), make_engine=lambda: _Syncing(0.5, 2.0, 2.0, 1.5))
+    assert_device_follows(case)
+    with pytest.raises(AssertionError, match="host synchronisations"):
+        assert_no_host_syncs(case)
+
+
+def test_run_freezes_converged_tasks_and_syncs_once_per_check():
+    """Tasks stop changing once converged; the loop syncs once every ``check_every`` steps."""
+    x = torch.randn(6, 9, generator=torch.Generator().manual_seed(3)).double()
+    x[3] *= 40.0  # a slower task
+    engine = NormalGammaVB(0.5, 2.0, 2.0, 1.5)
+    with HostSyncCounter() as counter:
+        state, info = run(engine, engine.init(x), 200, tol=1e-10, check_every=4)
+    steps = len(info.trace) - 1
+    assert counter.total == steps // 4
+    assert info.converged.all() and steps < 200
+    assert (info.n_steps <= steps).all() and info.n_steps.min() < info.n_steps.max()
+    for t in range(6):  # a frozen task's trace is constant after it converged
+        k = int(info.n_steps[t])
+        assert torch.equal(info.trace[k:, t], info.trace[k, t].expand(steps + 1 - k))
+    alone, _ = run(engine, engine.init(x[:1]), 200, tol=1e-10, check_every=4)
+    torch.testing.assert_close(alone.mu_mean, state.mu_mean[:1], rtol=0, atol=0)
+    free, info_free = run(engine, engine.init(x), 7)
+    assert len(info_free.trace) == 8 and not info_free.converged.any()

@@ -10,7 +10,7 @@ from probfsl.inference.normal_gamma import NormalGammaVB
 def test_guide_draws_to_datatree_and_summary():
     x = 1.0 + torch.randn(3, 40, generator=torch.Generator().manual_seed(0)).double()
     engine = NormalGammaVB()
-    state, trace = run(engine, engine.init(x), 20)
+    state, info = run(engine, engine.init(x), 20)
     draws = draws_from_guide(
         engine.guide(state), (x,), ["mu", "tau"], num_samples=300, num_chains=2
     )
@@ -18,7 +18,7 @@ def test_guide_draws_to_datatree_and_summary():
     tree = to_datatree(
         draws,
         dims={"mu": ["task"], "tau": ["task"]},
-        sample_stats={"elbo": trace[-1].sum().repeat(2, 300)},
+        sample_stats={"elbo": info.trace[-1].sum().repeat(2, 300)},
     )
     post = tree["posterior"]
     assert post["mu"].dims == ("chain", "draw", "task")

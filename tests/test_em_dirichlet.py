@@ -10,15 +10,19 @@ import pyro
 import pytest
 import torch
 
+from probfsl.host_syncs import HostSyncCounter
 from probfsl.inference.base import run
 from probfsl.inference.dirichlet_mm import (
     BOUNDED_MM,
+    NEWTON,
     REFERENCE_MM,
     EMDirichletEngine,
     curvature,
     dirichlet_nll,
+    is_check_iteration,
     mm_dirichlet_fit,
     mm_dirichlet_step,
+    newton_dirichlet_step,
 )
 from probfsl.models.em_dirichlet import EMDirichlet, em_dirichlet_model, match_clusters
 from probfsl.testing import ConformanceCase, check_engine
@@ -103,9 +107,10 @@ def reference_mm_step(beta, stat):
 
 @pytest.mark.parametrize("dtype,rtol", [(F64, 1e-12), (torch.float32, 2e-5)])
 def test_mm_step_in_place_path_matches_the_spec_formula(dtype, rtol):
-    """The in-place step (no coordinate below 0.05: c beta from digamma and ln Gamma
-    directly) and the series path give the spec's update, for b of both signs."""
+    """The in-place formula (coordinates above 0.05: c beta from digamma and ln Gamma
+    directly) and the series (below 0.05) give the spec's update, for b of both signs."""
     g = torch.Generator().manual_seed(1)
+    torch.manual_seed(1)
     beta = torch.rand(40, 7, generator=g, dtype=F64) * 30 + 0.05
     stat = torch.log(torch.distributions.Dirichlet(torch.ones(7, dtype=F64)).sample((40,)))
     stat[:20] -= 5.0
@@ -113,14 +118,20 @@ def test_mm_step_in_place_path_matches_the_spec_formula(dtype, rtol):
     fast = mm_dirichlet_step(beta.to(dtype), stat.to(dtype))
     assert fast.dtype == dtype
     torch.testing.assert_close(fast.double(), expected, rtol=rtol, atol=0)
-    # one coordinate below the series threshold switches the batch to the series path;
-    # the other rows are unchanged (rows are independent)
+    # the series is chosen per coordinate: a row below the threshold leaves the other
+    # rows bit-for-bit unchanged (rows are independent)
     mixed = torch.cat([beta, torch.full((1, 7), 1e-3, dtype=F64)])
     mixed_stat = torch.cat([stat, stat[:1]])
     series = mm_dirichlet_step(mixed.to(dtype), mixed_stat.to(dtype))
-    torch.testing.assert_close(series[:-1], fast, rtol=rtol, atol=0)
+    torch.testing.assert_close(series[:-1], fast, rtol=0, atol=0)
+    # the series row: the two evaluations of the curvature series (Horner in place vs
+    # curvature()) differ by rounding, amplified in the root; the series itself is good
+    # to 3e-12 (relative)
     torch.testing.assert_close(
-        series[-1:].double(), reference_mm_step(mixed[-1:], mixed_stat[-1:]), rtol=rtol, atol=0
+        series[-1:].double(),
+        reference_mm_step(mixed[-1:], mixed_stat[-1:]),
+        rtol=max(rtol, 5e-12),
+        atol=0,
     )
 
 
@@ -130,10 +141,11 @@ def test_step_equals_the_two_block_updates():
     query, _ = dirichlet_mixture(3, 6, 20, present=3)
     engine = EMDirichletEngine(lambda_coef=1.0, **BOUNDED_MM)
     state = engine.init(query)
-    one = engine.step(state)
+    one, info = engine.step(state)
     two = engine.update_assignments(engine.update_alpha(state))
-    for name in ("r", "alpha", "pi", "objective"):
+    for name in ("r", "alpha", "pi", "objective", "mm_iters"):
         torch.testing.assert_close(getattr(one, name), getattr(two, name), rtol=1e-12, atol=0)
+    assert torch.equal(info.objective, one.objective) and torch.equal(info.mm_iters, one.mm_iters)
 
 
 @pytest.mark.parametrize("k,conc", [(5, 10.0), (10, 2.0), (30, 0.5)])
@@ -180,6 +192,133 @@ def test_mm_fit_converges_per_row():
     alone, _ = mm_dirichlet_fit(torch.ones(1, 5, dtype=F64), stat[1:], max_iter=1000)
     assert iters[1] < iters[0]
     torch.testing.assert_close(both[1:], alone, rtol=0, atol=0)
+
+
+def _mixed_rows():
+    """Rows that converge at different checks, one that never does (a single sample, no
+    MLE) and one with a coordinate below the series threshold."""
+    torch.manual_seed(3)
+    rows = [
+        torch.distributions.Dirichlet(torch.full((5,), c, dtype=F64))
+        .sample((300,))
+        .clamp_min(1e-300)
+        .log()
+        .mean(0)
+        for c in (9.0, 2.0, 0.3)
+    ]
+    single = torch.distributions.Dirichlet(torch.ones(5, dtype=F64)).sample().log()
+    stat = torch.stack([*rows, single])
+    alpha = torch.ones(4, 5, dtype=F64)
+    alpha[2, 0] = 0.01
+    return alpha, stat
+
+
+def test_mm_fit_checks_on_the_reference_schedule_and_never_syncs():
+    """Rows stop only right after a check (iterations 51, 101, ...), a stopped row keeps the
+    value of the step at which it converged, and the loop makes no host synchronisation."""
+    alpha, stat = _mixed_rows()
+    assert [i for i in range(1, 160) if is_check_iteration(i, 50)] == [51, 101, 151]
+    assert [i for i in range(1, 6) if is_check_iteration(i, 1)] == [2, 3, 4, 5]
+    with HostSyncCounter() as counter:
+        fit, iters = mm_dirichlet_fit(alpha, stat, max_iter=400, tol=1e-11, check_every=50)
+    assert counter.total == 0
+    stopped = iters < 400
+    assert stopped.sum() >= 2 and not stopped.all()
+    assert ((iters[stopped] - 1) % 50 == 0).all() and (iters[stopped] > 50).all()
+    for row in range(4):  # = the row's own iterations, run one step at a time
+        a = alpha[row : row + 1]
+        for _ in range(int(iters[row])):
+            a = mm_dirichlet_step(a, stat[row : row + 1])
+        torch.testing.assert_close(fit[row : row + 1], a, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("check_every", [1, 7, 50])
+def test_mm_fit_early_exit_changes_nothing_but_the_synchronisations(check_every):
+    """early_exit stops the loop once no row moves (one host sync per check): same alpha and
+    iteration counts as the full masked loop, which makes no sync at all."""
+    alpha, stat = _mixed_rows()
+    alpha, stat = alpha[:3], stat[:3]  # rows with an MLE: they all converge
+    frozen = torch.tensor([False, True, False])
+    full, full_iters = mm_dirichlet_fit(alpha, stat, 3000, 1e-11, check_every, frozen)
+    with HostSyncCounter() as counter:
+        early, iters = mm_dirichlet_fit(alpha, stat, 3000, 1e-11, check_every, frozen, True)
+    torch.testing.assert_close(early, full, rtol=0, atol=0)
+    assert torch.equal(iters, full_iters) and iters[1] == 0 and torch.equal(early[1], alpha[1])
+    checks = sum(is_check_iteration(i, check_every) for i in range(1, int(iters.max()) + 1))
+    assert counter.total == checks and iters.max() < 3000
+
+
+# -- safeguarded Newton inner solver (Minka 2000, §1) ------------------------------------
+
+
+def _newton_rows(n_rows=12, k=6, seed=0):
+    """[n_rows, K] statistics of Dirichlet samples whose true alpha spans tiny (< 0.05)
+    to large (~ 200) coordinates, and the alpha = 1 start (float64)."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    stats = []
+    for r in range(n_rows):
+        true = torch.exp(torch.empty(k, dtype=F64).uniform_(-3.5, 5.3, generator=g))
+        if r % 3 == 0:
+            true[0] = 0.02  # below the curvature series threshold
+        x = torch.distributions.Dirichlet(true).sample((400,)).clamp_min(1e-300)
+        stats.append(x.log().mean(0))
+    return torch.ones(n_rows, k, dtype=F64), torch.stack(stats)
+
+
+def test_newton_step_decreases_the_nll_at_least_as_much_as_mm():
+    """Every safeguarded Newton iteration gives F <= F(MM step) <= F(alpha) per row."""
+    alpha, stat = _newton_rows()
+    alpha[::2] = torch.rand(alpha[::2].shape, dtype=F64) * 50 + 0.01  # also far starts
+    for _ in range(25):
+        new, mm = newton_dirichlet_step(alpha, stat), mm_dirichlet_step(alpha, stat)
+        f, f_new, f_mm = (dirichlet_nll(a, stat) for a in (alpha, new, mm))
+        scale = 1e-12 * f.abs().clamp_min(1.0)
+        assert (new > 0).all() and (f_new <= f_mm + scale).all() and (f_mm <= f + scale).all()
+        alpha = new
+
+
+def test_newton_fit_reaches_the_mm_fixed_point_in_few_iterations():
+    """Float64, rows with alpha from 0.02 to ~200: 30 Newton iterations reach the Dirichlet
+    MLE that MM reaches after 20,000 to 1e-9 (gradient 0 to 1e-10; Minka's fixed point)."""
+    alpha, stat = _newton_rows()
+    newton, iters = mm_dirichlet_fit(alpha, stat, 30, 0.0, 1, solver="newton")
+    mm, _ = mm_dirichlet_fit(alpha, stat, 20000, 0.0, 1)
+    assert newton.min() < 0.05 and newton.max() > 100
+    torch.testing.assert_close(newton, mm, rtol=1e-9, atol=0)
+    grad = torch.special.digamma(newton) - torch.special.digamma(newton.sum(-1, keepdim=True))
+    torch.testing.assert_close(grad, stat, rtol=0, atol=1e-10)  # g = 0: the MLE
+    # Minka's linearly convergent fixed point (5000 iterations at most) is less exact
+    torch.testing.assert_close(newton, minka_fit(stat), rtol=1e-7, atol=0)
+    # with the default stopping rule every row stops well before the cap
+    _, stopped = mm_dirichlet_fit(alpha, stat, 30, 1e-11, 1, solver="newton")
+    assert stopped.max() < 20
+
+
+def test_newton_fit_batched_equals_per_row_and_never_syncs():
+    """Masked per-row convergence: a row's result is the one it gets alone, and the loop
+    makes no host synchronisation (frozen rows keep their alpha)."""
+    alpha, stat = _newton_rows(6)
+    frozen = torch.tensor([False, False, True, False, False, False])
+    with HostSyncCounter() as counter:
+        both, iters = mm_dirichlet_fit(alpha, stat, 20, 1e-11, 1, frozen, solver="newton")
+    assert counter.total == 0 and iters[2] == 0 and torch.equal(both[2], alpha[2])
+    for row in (0, 1, 3, 4, 5):
+        alone, it = mm_dirichlet_fit(
+            alpha[row : row + 1], stat[row : row + 1], 20, 1e-11, 1, solver="newton"
+        )
+        torch.testing.assert_close(both[row : row + 1], alone, rtol=1e-13, atol=0)
+        assert it.item() == iters[row].item()
+
+
+def test_unknown_solver_is_rejected():
+    alpha, stat = _newton_rows(2)
+    with pytest.raises(ValueError, match="solver"):
+        mm_dirichlet_fit(alpha, stat, solver="lbfgs")
+    with pytest.raises(ValueError, match="solver"):
+        EMDirichletEngine(solver="lbfgs")
+    with pytest.raises(ValueError, match="solver"):
+        EMDirichlet(solver="lbfgs").fit_probabilities(torch.full((1, 3, 3), 1 / 3))
 
 
 # -- Algorithm 2: block steps ------------------------------------------------------------
@@ -257,18 +396,44 @@ def test_default_bounded_mode_agrees_with_the_reference_loop(hard):
 
 
 def test_estimator_inner_loop_defaults_per_mode():
-    """Bounded loop by default in zero-shot, the reference loop in few-shot; overridable."""
+    """Bounded MM loop by default in zero-shot, the reference MM loop in few-shot;
+    ``solver`` alone picks that solver's preset for the mode; every setting is overridable."""
     query, _, support, labels = dirichlet_mixture(2, 5, 20, present=3, n_shot=2, seed=12)
     est = EMDirichlet(n_iter=2)
     assert est.mm_options(zero_shot=True) == BOUNDED_MM
     assert est.mm_options(zero_shot=False) == REFERENCE_MM
+    assert EMDirichlet(solver="newton").mm_options(zero_shot=False) == NEWTON
     assert EMDirichlet(**REFERENCE_MM).mm_options(zero_shot=True) == REFERENCE_MM
+    assert EMDirichlet(solver="mm").mm_options(zero_shot=False) == REFERENCE_MM
+    assert EMDirichlet(solver="mm").mm_options(zero_shot=True) == BOUNDED_MM
+    assert EMDirichlet(solver="newton").mm_options(zero_shot=True) == NEWTON
+    seven = {**REFERENCE_MM, "mm_max_iter": 7}
+    assert EMDirichlet(mm_max_iter=7).mm_options(zero_shot=False) == seven
     est.fit_probabilities(query)
     assert est.state_.mm_iters.max() <= BOUNDED_MM["mm_max_iter"]
-    few = EMDirichlet(n_iter=2).fit_probabilities(query, support, labels)
-    engine = EMDirichletEngine(**REFERENCE_MM)
-    free, _ = run(engine, engine.init(query, support, labels), 2)
-    torch.testing.assert_close(few.alpha, free.alpha, rtol=0, atol=0)
+    for kwargs, preset in (({}, REFERENCE_MM), ({"solver": "newton"}, NEWTON)):
+        few = EMDirichlet(n_iter=2, **kwargs).fit_probabilities(query, support, labels)
+        engine = EMDirichletEngine(**preset)
+        free, _ = run(engine, engine.init(query, support, labels), 2)
+        torch.testing.assert_close(few.alpha, free.alpha, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("hard", [False, True])
+def test_newton_solver_agrees_with_the_reference_loop_where_it_converges(hard):
+    """Few-shot: the Newton solver and the reference MM loop (the default) give the same
+    predictions and nearly the same alpha on tasks whose class rows have a finite, moderate
+    MLE."""
+    query, labels, support, support_labels = dirichlet_mixture(
+        4, 5, 40, present=5, n_shot=5, seed=21
+    )
+    newton = EMDirichlet(hard=hard, n_iter=5, solver="newton")
+    reference = EMDirichlet(hard=hard, n_iter=5)
+    a = newton.fit_probabilities(query, support, support_labels)
+    b = reference.fit_probabilities(query, support, support_labels)
+    assert reference.state_.mm_iters.max() < 1000  # every MM row converged
+    assert torch.equal(a.query_r.argmax(-1), b.query_r.argmax(-1))
+    torch.testing.assert_close(a.alpha, b.alpha, rtol=1e-3, atol=0)
+    assert newton.state_.mm_iters.max() < 20
 
 
 def test_lambda_equal_to_query_size_is_the_em_e_step():
@@ -358,20 +523,22 @@ def test_empty_class_keeps_alpha_and_never_gives_nan():
     new = engine.update_alpha(state)
     torch.testing.assert_close(new.alpha[empty], state.alpha[empty], rtol=0, atol=0)
     assert (new.mm_iters[empty] == 0).all()
-    final, trace = run(engine, new, 10)
-    assert torch.isfinite(final.alpha).all() and torch.isfinite(trace).all()
+    final, info = run(engine, new, 10)
+    assert torch.isfinite(final.alpha).all() and torch.isfinite(info.trace).all()
     assert torch.isfinite(final.r).all()
 
 
 # -- Pyro: the objective is the model's negative ELBO -----------------------------------
 
 
-def _case(hard=False, coef=1.0, n_shot=1):
+def _case(hard=False, coef=1.0, n_shot=1, solver="mm"):
     query, _, support, labels = dirichlet_mixture(3, 5, 12, present=3, n_shot=max(n_shot, 1))
     if n_shot == 0:
         support, labels = support[:, :0], labels[:, :0]
     return ConformanceCase(
-        make_engine=lambda: EMDirichletEngine(lambda_coef=coef, hard=hard, mm_max_iter=50),
+        make_engine=lambda: EMDirichletEngine(
+            lambda_coef=coef, hard=hard, mm_max_iter=50, solver=solver
+        ),
         model=partial(em_dirichlet_model, lambda_coef=coef),
         data=(query, support, labels),
         n_steps=4,
@@ -386,6 +553,38 @@ def _case(hard=False, coef=1.0, n_shot=1):
 def test_engine_passes_conformance(hard, coef, n_shot):
     """Monotone J, batched = single, float32 ~ float64, Trace_ELBO = -J (spec §2)."""
     check_engine(_case(hard, coef, n_shot))
+
+
+@pytest.mark.parametrize("hard,n_shot", [(False, 1), (True, 0)])
+def test_newton_engine_passes_conformance(hard, n_shot):
+    """The Newton inner solver keeps J monotone, batched = single, no host sync, devices."""
+    check_engine(_case(hard, 1.0, n_shot, solver="newton"))
+
+
+@pytest.mark.parametrize("hard", [False, True])
+@pytest.mark.parametrize("zero_shot", [False, True])
+def test_production_engine_passes_conformance(hard, zero_shot):
+    """The engine exactly as the estimator builds it by default (the reference MM loop in
+    few-shot, bounded MM in zero-shot, default lambda), K = 10 so that lambda/|Q| = 2: no
+    host synchronisation in a step, every tensor on the data's device, and the rest."""
+    query, _, support, labels = dirichlet_mixture(3, 10, 12, present=3, n_shot=1, seed=13)
+    if zero_shot:
+        support, labels = support[:, :0], labels[:, :0]
+    estimator = EMDirichlet(hard=hard)
+    engine = estimator.make_engine(zero_shot=zero_shot)
+    assert engine.coef(10) == 2.0 and not engine.mm_early_exit
+    preset = BOUNDED_MM if zero_shot else REFERENCE_MM
+    assert (engine.solver, engine.mm_max_iter) == (preset["solver"], preset["mm_max_iter"])
+    check_engine(
+        ConformanceCase(
+            make_engine=partial(estimator.make_engine, zero_shot=zero_shot),
+            model=partial(em_dirichlet_model, lambda_coef=engine.coef(10)),
+            data=(query, support, labels),
+            n_steps=2,
+            particles=200,
+            repeats=5,
+        )
+    )
 
 
 @pytest.mark.parametrize("n_shot", [0, 2])

@@ -10,9 +10,13 @@ from probfsl.data.simplex import (
     probabilities_from_embeddings,
     probabilities_from_logits,
     to_simplex,
+    zero_shot_probabilities,
 )
+from probfsl.evaluation.zero_shot import evaluate_zero_shot
+from probfsl.host_syncs import HostSyncCounter
 from probfsl.inference.dirichlet_mm import EMDirichletEngine
-from probfsl.models.em_dirichlet import EMDirichlet, evaluate_zero_shot, zero_shot_probabilities
+from probfsl.models.em_dirichlet import EMDirichlet
+from probfsl.testing import audit_devices
 
 FAST = dict(n_iter=3, mm_max_iter=60)
 
@@ -114,3 +118,45 @@ def test_zero_shot_protocol_and_arviz_export():
     assert (np.diff(trace, axis=-1) <= 1e-3 * np.abs(trace[:, :1])).all()
     with pytest.raises(ValueError, match="lambda_coef"):
         EMDirichlet(lambda_coef=-1.0).predict_zero_shot(probs)
+
+
+def _syncs(method, *args) -> int:
+    with HostSyncCounter() as counter:
+        method(*args)
+    return counter.total
+
+
+@pytest.mark.parametrize("hard", [False, True])
+def test_host_synchronisations_do_not_grow_with_tasks_or_iterations(hard):
+    """predict_proba and predict_zero_shot synchronise with the host a fixed number of
+    times (input checks, the Hungarian matching on the CPU), the same for T and 3T tasks
+    and for 2 or 3 outer iterations: the inner MM loop makes none (so the default 20
+    outer x 1000 inner iterations make the same count), and at most 50."""
+    fs = load_dataset("wordnet")
+    episodes = sample_episodes(fs, 6, way=5, shot=5, n_query=15, seed=0)
+    probs = zero_shot_probabilities(fs, sample_zero_shot_tasks(fs, 6, seed=0))
+    counts = {}
+    for n_iter in (2, 3):
+        est = EMDirichlet(hard=hard, n_iter=n_iter, mm_max_iter=200).fit_base(*fs.base())
+        zero = EMDirichlet(hard=hard, n_iter=n_iter)
+        for t in (2, 6):
+            counts["few", n_iter, t] = _syncs(est.predict_proba, episodes[:t])
+            counts["zero", n_iter, t] = _syncs(zero.predict_zero_shot, probs[:t])
+    for mode in ("few", "zero"):
+        values = {v for k, v in counts.items() if k[0] == mode}
+        assert len(values) == 1 and values.pop() <= 50, counts
+
+
+@pytest.mark.parametrize("hard", [False, True])
+def test_predictions_create_every_tensor_on_the_data_device(hard):
+    """predict_proba and predict_zero_shot run with ``meta`` as the default device (data on
+    the CPU): a tensor made without ``device=`` anywhere on the path would land there."""
+    fs = load_dataset("wordnet")
+    episodes = sample_episodes(fs, 2, way=5, shot=5, n_query=15, seed=0)
+    probs = zero_shot_probabilities(fs, sample_zero_shot_tasks(fs, 2, seed=0))
+    est = EMDirichlet(hard=hard, n_iter=2, mm_max_iter=60).fit_base(*fs.base())
+    expected = est.predict_proba(episodes)
+    torch.testing.assert_close(audit_devices(lambda: est.predict_proba(episodes)), expected)
+    zero = EMDirichlet(hard=hard, n_iter=2)
+    audited = audit_devices(lambda: zero.predict_zero_shot(probs))
+    assert torch.equal(audited, zero.predict_zero_shot(probs))

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from probfsl import tuning
 from probfsl.data import load_dataset
 from probfsl.data.tasks import sample_episodes
 from probfsl.methods import METHODS, make_estimator
@@ -126,8 +127,9 @@ def test_fit_predict_on_numpy_arrays(name, data):
         for i in range(episodes.n_tasks)
     ]
     assert torch.equal(torch.stack(single), expected)
-    # old form: one Episodes batch, task-local labels
-    assert torch.equal(est.fit_predict(episodes), expected)
+    # an Episodes batch is predict's (task-local labels), not fit_predict's
+    with pytest.raises(TypeError, match="predict"):
+        est.fit_predict(episodes, None, None)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -226,8 +228,12 @@ def test_load_refuses_other_classes(saved, tmp_path):
     payload = torch.load(folder / "slem.pt", weights_only=True)
     payload["class"] = "collections:OrderedDict"
     torch.save(payload, tmp_path / "bad.pt")
-    with pytest.raises(ValueError, match="not the estimator of a registered"):
+    with pytest.raises(ValueError, match="not an estimator of probfsl.models"):
         FewShotClassifier.load(tmp_path / "bad.pt")
+    payload["class"] = "probfsl.models.base:BaseMeanCentering"  # in models/, not an estimator
+    torch.save(payload, tmp_path / "mixin.pt")
+    with pytest.raises(ValueError, match="not an estimator of probfsl.models"):
+        FewShotClassifier.load(tmp_path / "mixin.pt")
     torch.save({"format": 1, "class": "x"}, tmp_path / "x.pt")
     with pytest.raises(ValueError):
         FewShotClassifier.load(tmp_path / "x.pt")
@@ -269,4 +275,4 @@ def test_evidence_single_problem_fit_saves(tmp_path):
 
 def test_auto_preset_is_not_saved(tmp_path):
     with pytest.raises(TypeError, match="cannot save a AutoPreset"):
-        make_estimator("bavardage", preset="auto").save(tmp_path / "auto.pt")
+        tuning.make_estimator("bavardage", preset="auto").save(tmp_path / "auto.pt")

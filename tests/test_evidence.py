@@ -10,14 +10,17 @@ import torch
 from probfsl.inference.base import run
 from probfsl.inference.evidence import (
     EvidenceEngine,
+    em_lambda,
     em_update,
     evidence_curve,
     log_evidence,
     log_evidence_ab,
     maximize_evidence,
+    maximize_shared_evidence,
     posterior_covariance,
     posterior_mean,
     profile_beta,
+    shared_update,
     spectrum,
     spectrum_from_gram,
     update,
@@ -27,8 +30,9 @@ from probfsl.models.evidence import (
     evidence_model,
     greedy_ensemble,
     rank_backbones,
+    shared_evidence_model,
 )
-from probfsl.testing import ConformanceCase, check_engine
+from probfsl.testing import ConformanceCase, audit_devices, check_engine
 
 F64 = torch.float64
 
@@ -188,14 +192,16 @@ def test_weights_and_dual_primal_agree():
         )
 
 
-@pytest.mark.filterwarnings("ignore:evidence. lambda ended")
-def test_posterior_covariance_is_inverse_precision():
-    x, y, _ = _problem(15, 25)
+@pytest.mark.parametrize("n,d", [(15, 25), (40, 10)])
+def test_posterior_covariance_is_inverse_precision(n, d):
+    """``V diag(1/(alpha + beta s)) V^T + (I - V V^T)/alpha`` = dense ``A^-1`` (dual, primal)."""
+    x, y, _ = _problem(n, d)
     sp = spectrum(x, y)
-    res = maximize_evidence(sp)
-    cov = posterior_covariance(sp, res.alpha, res.beta)
+    alpha = torch.tensor([0.5, 1.7, 3.0], dtype=F64)
+    beta = torch.tensor([2.0, 20.0, 7.0], dtype=F64)
+    cov = posterior_covariance(sp, alpha, beta)
     for k in range(3):
-        a = res.alpha[k] * torch.eye(25, dtype=F64) + res.beta[k] * x.T @ x
+        a = alpha[k] * torch.eye(d, dtype=F64) + beta[k] * x.T @ x
         torch.testing.assert_close(cov[k], torch.linalg.inv(a), rtol=1e-8, atol=1e-10)
 
 
@@ -261,19 +267,46 @@ def test_paper_counterexample_safeguards_keep_the_better_point():
     assert lower_end.any() and (safe.at_boundary[lower_end]).all()
 
 
-def test_engine_conformance_exact_evidence():
-    """Model/guide contract: Pyro's Trace_ELBO equals the log evidence (exact posterior)."""
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(3, 12, 4, generator=g, dtype=F64)
-    y = (torch.rand(3, 12, generator=g) < 0.4).to(F64)
-    engine = EvidenceEngine()
-    state, _ = run(engine, engine.init(x, y), 15)
-    exact = torch.stack(
-        [_mvn_log_evidence(x[t], y[t], state.alpha[t], state.beta[t]) for t in range(3)]
+def _tasks(n_tasks=3, n=14, d=5, k=3, seed=3):
+    """Informative one-vs-rest tasks ``x [T, N, D]``, ``y [T, N, K]`` (interior maxima)."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.arange(n).expand(n_tasks, n) % k
+    centres = torch.randn(n_tasks, k, d, generator=g, dtype=F64)
+    x = centres.gather(1, labels.unsqueeze(-1).expand(-1, -1, d))
+    x = x + 0.8 * torch.randn(n_tasks, n, d, generator=g, dtype=F64)
+    return x, torch.nn.functional.one_hot(labels, k).to(F64)
+
+
+def _dense_log_evidence(x, y, alpha, beta):
+    """``sum_k log MVN(y_k | 0, I/beta_k + X X^T/alpha_k)`` per task, by brute force."""
+    return torch.stack(
+        [
+            sum(
+                _mvn_log_evidence(x[t], y[t, :, k], alpha[t, k], beta[t, k])
+                for k in range(y.shape[-1])
+            )
+            for t in range(x.shape[0])
+        ]
     )
+
+
+@pytest.mark.parametrize("mode", ["shared", "per_class"])
+def test_engine_conformance_exact_evidence(mode):
+    """check_engine in production configuration (grid start, clamps): Pyro's Trace_ELBO of
+    (shared_evidence_model or evidence_model, guide) is the log evidence, which is the
+    dense-MVN log evidence of each task at the state's hyperparameters; monotone, batch
+    invariant, float32 ~ float64, devices follow, no host syncs in step."""
+    x, y = _tasks()
+    model = shared_evidence_model if mode == "shared" else evidence_model
+    engine = EvidenceEngine(mode)
+    state, _ = run(engine, engine.init(x, y), 15)
+    exact = _dense_log_evidence(x, y, state.alpha, state.beta)
+    torch.testing.assert_close(state.objective, exact, rtol=1e-10, atol=1e-10)
+    if mode == "shared":
+        assert (state.lam == state.lam[:, :1]).all()
     case = ConformanceCase(
-        make_engine=EvidenceEngine,
-        model=evidence_model,
+        make_engine=lambda: EvidenceEngine(mode),
+        model=model,
         data=(x, y),
         n_steps=15,
         exact_log_evidence=exact,
@@ -281,6 +314,47 @@ def test_engine_conformance_exact_evidence():
         repeats=3,
     )
     check_engine(case)
+
+
+@pytest.mark.parametrize("mode", ["shared", "per_class"])
+def test_engine_ascends_to_the_stationary_point_from_far(mode):
+    """From lambda far from the optimum the evidence rises at every step (monotone by
+    construction: the current lambda is a candidate) and strictly at the first; the run
+    converges on the device to dG/dlambda = 0 (autograd of the summed eq. 17), the maximum
+    of G on a dense grid."""
+    x, y = _tasks(seed=4)
+    engine = EvidenceEngine(mode, lam_init=1e-4)
+    state, info = run(engine, engine.init(x, y), 200, tol=1e-15)
+    trace = info.trace
+    assert ((trace[1:] - trace[:-1]) >= -1e-12 * trace.abs().max()).all()
+    assert (trace[1] > trace[0] + 1e-3).all()
+    assert info.converged.all() and (info.n_steps < 200).all()
+    sp = state.spectrum
+    lam = state.lam.detach().clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(log_evidence(sp, lam).sum(), lam)
+    if mode == "shared":
+        grad = grad.sum(-1)  # dG/dlambda of the shared lambda
+    assert (grad.abs() * state.lam[:, 0 if mode == "shared" else slice(None)] < 1e-6).all()
+    grid = torch.logspace(-4, 4, 8001, dtype=F64)
+    curve = evidence_curve(sp, grid)  # [T, K, G]
+    best = curve.sum(-2).amax(-1) if mode == "shared" else curve.amax(-1).sum(-1)
+    assert (state.objective >= best - 1e-9).all()
+
+
+def test_shared_fixed_point_map_and_em_step():
+    """At the maximiser of G the shared map and the EM step return lambda; away from it the
+    EM step raises G (EM inequality) and the map moves lambda towards the maximiser."""
+    x, y = _tasks(n_tasks=1)
+    sp = spectrum(x[0], y[0])
+    res = maximize_shared_evidence(sp)
+    torch.testing.assert_close(shared_update(sp, res.lam), res.lam, rtol=1e-6, atol=0)
+    torch.testing.assert_close(em_lambda(sp, res.lam, True), res.lam, rtol=1e-6, atol=0)
+    for factor in (1e-2, 1e2):
+        far = res.lam * factor
+        g_far = log_evidence(sp, far).sum()
+        assert log_evidence(sp, em_lambda(sp, far, True)).sum() > g_far
+        moved = shared_update(sp, far)
+        assert ((moved.log() - far.log()) * math.copysign(1, -math.log(factor)) > 0).all()
 
 
 def test_estimator_fit_predict_and_multilabel():
@@ -390,7 +464,7 @@ def test_diagnostics_datatree_and_plot(tmp_path):
 
 
 def test_select_main_prints_ranking(tmp_path, capsys):
-    from probfsl.models.evidence import select_main
+    from probfsl.cli import select_main
 
     g = np.random.default_rng(0)
     labels = np.arange(40) % 4
@@ -415,8 +489,6 @@ def test_no_warning_on_well_posed_problem():
 
 
 def test_shared_lambda_maximises_the_summed_evidence():
-    from probfsl.inference.evidence import maximize_shared_evidence
-
     x, y, labels = _problem(50, 12, k=4, seed=9)
     sp = spectrum(x, y)
     shared = maximize_shared_evidence(sp)
@@ -430,3 +502,64 @@ def test_shared_lambda_maximises_the_summed_evidence():
     torch.testing.assert_close(model.lambda_, shared.lam)
     with pytest.raises(ValueError, match="lambda_mode"):
         EvidenceLSSVM(lambda_mode="global").fit(x, labels)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    if hasattr(a, "__dataclass_fields__"):
+        return all(_same(getattr(a, f), getattr(b, f)) for f in a.__dataclass_fields__)
+    return a == b
+
+
+@pytest.mark.filterwarnings("ignore:evidence. lambda ended")
+def test_estimator_types_state_devices_and_compute_dtype():
+    """Arrays in, arrays out; tensors in, tensors out (predict and predict_proba, features);
+    predict_proba never changes the fitted state; every tensor made by fit and
+    predict_proba follows the data's device; the compute dtype is recorded."""
+    from probfsl.data.builtin import load_dataset
+    from probfsl.data.tasks import sample_episodes
+
+    x, _, labels = _problem(60, 8, k=3, seed=11)
+    model = audit_devices(lambda: EvidenceLSSVM(center=False).fit(x, labels))
+    assert model.compute_dtype_ == F64
+    assert EvidenceLSSVM(dtype=torch.float32).compute_dtype_ == torch.float32
+    state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in vars(model).items()}
+    proba_np = model.predict_proba(x.numpy())
+    proba_t = audit_devices(lambda: model.predict_proba(x))
+    assert isinstance(proba_np, np.ndarray) and isinstance(proba_t, torch.Tensor)
+    np.testing.assert_array_equal(proba_np, proba_t.numpy())
+    assert isinstance(model.predict(x.numpy()), np.ndarray)
+    assert isinstance(model.predict(x), torch.Tensor)
+    assert np.array_equal(model.predict(x.numpy()), proba_np.argmax(-1))
+    assert all(_same(state[k], v) for k, v in vars(model).items())
+
+    fs = load_dataset("omniglot")
+    for mode in ("shared", "per_class"):
+        est = EvidenceLSSVM(lambda_mode=mode).fit_base(*fs.base())
+        fitted = {k: v.clone() for k, v in est.fitted_state().items()}
+        for shot in (1, 5):
+            eps = sample_episodes(fs, n_tasks=4, way=5, shot=shot, n_query=5, seed=shot)
+            proba = audit_devices(lambda: est.predict_proba(eps))  # noqa: B023
+            assert isinstance(proba, torch.Tensor) and proba.dtype == torch.float32
+            assert isinstance(est.predict(eps), torch.Tensor)
+            assert est.fitted_state().keys() == fitted.keys()
+            assert all(torch.equal(est.fitted_state()[k], v) for k, v in fitted.items())
+
+
+@pytest.mark.filterwarnings("ignore:evidence. lambda ended")
+def test_estimator_labels_agree_across_input_dtypes():
+    """The float64 upcast (compute_dtype_) makes float32 and float64 episodes agree."""
+    from probfsl.data.builtin import load_dataset
+    from probfsl.data.tasks import sample_episodes
+
+    fs = load_dataset("omniglot")
+    labels = []
+    for dtype in (torch.float32, F64):
+        eps = sample_episodes(fs, n_tasks=30, way=5, shot=5, n_query=15, seed=9, dtype=dtype)
+        proba = EvidenceLSSVM().fit_base(*fs.base(dtype)).predict_proba(eps)
+        assert proba.dtype == dtype
+        labels.append(proba.argmax(-1))
+    assert torch.equal(labels[0], labels[1])

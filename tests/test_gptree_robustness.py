@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 import probfsl
 from probfsl.data.builtin import load_dataset
@@ -25,6 +24,7 @@ from probfsl.data.tasks import Episodes, sample_episodes
 from probfsl.inference import gp_nodes as gpn
 from probfsl.inference.polya_gamma import CounterRNG, pg_mean, pg_var, sample_pg_torch
 from probfsl.models.gptree import GPTree, GPTreeFewShot, build_tree, two_means_split
+from probfsl.testing import audit_devices
 
 warnings.filterwarnings("ignore", message=".*torch.jit.*")
 
@@ -406,13 +406,14 @@ def test_few_shot_rejects_bad_data(omniglot):
 # -------------------------------------------------------------- 6. device correctness
 
 
-class _DeviceAudit(TorchFunctionMode):
-    """Records (a) every tensor that an op returns on the ``meta`` device and (b) every
-    factory call made from probfsl's code without ``device=``.
+class _FactoryAudit(TorchFunctionMode):
+    """Records every tensor factory called from probfsl's code without ``device=``.
 
-    Run under ``torch.set_default_device("meta")`` with inputs on the CPU, (a) finds any
-    tensor that would land on the default device rather than the data's (on a GPU: the
-    "Expected all tensors to be on the same device" crash of issue 14).
+    For the VI fit, which cannot run under :func:`probfsl.testing.audit_devices` (its
+    ``torch.optim.Adam`` keeps its step counters as CPU scalars on the default device, by
+    design): a factory without ``device=`` would put its tensor on the default device
+    rather than the data's (on a GPU: the "Expected all tensors to be on the same device"
+    crash of issue 14).
     """
 
     FACTORIES = {
@@ -433,7 +434,6 @@ class _DeviceAudit(TorchFunctionMode):
 
     def __init__(self):
         super().__init__()
-        self.on_meta: list[str] = []
         self.no_device: list[str] = []
 
     def _caller(self) -> str | None:
@@ -450,23 +450,13 @@ class _DeviceAudit(TorchFunctionMode):
             where = self._caller()
             if where is not None:
                 self.no_device.append(f"{where} {func.__name__}")
-        out = func(*args, **kwargs)
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "meta":
-                self.on_meta.append(getattr(func, "__name__", str(func)))
-        return out
+        return func(*args, **kwargs)
 
 
-def _audit(fn, meta_default: bool = True):
-    audit = _DeviceAudit()
-    if meta_default:
-        torch.set_default_device("meta")
-    try:
-        with audit:
-            out = fn()
-    finally:
-        torch.set_default_device(None)
-    assert not audit.on_meta, f"tensors created on the default device: {audit.on_meta[:10]}"
+def _audit_factories(fn):
+    audit = _FactoryAudit()
+    with audit:
+        out = fn()
     assert not audit.no_device, f"factories without device=: {sorted(set(audit.no_device))}"
     return out
 
@@ -475,10 +465,10 @@ def test_few_shot_creates_every_tensor_on_the_data_device(omniglot):
     fs, eps = omniglot
     eps = eps[:4]
     clf = GPTreeFewShot(n_chains=2, n_sweeps=2).fit_base(*fs.base())
-    proba = _audit(lambda: clf.predict_proba(eps))
+    proba = audit_devices(lambda: clf.predict_proba(eps))
     assert proba.device.type == "cpu" and torch.isfinite(proba).all()
     plain = GPTreeFewShot(n_chains=2, n_sweeps=2, center=False)
-    assert _audit(lambda: plain.predict_proba(eps)).device.type == "cpu"
+    assert audit_devices(lambda: plain.predict_proba(eps)).device.type == "cpu"
 
 
 @pytest.mark.parametrize("inference", ["gibbs", "vi"])
@@ -486,11 +476,12 @@ def test_gptree_creates_every_tensor_on_the_data_device(inference):
     X, y = _blobs(n_classes=4, n_per=4)
     X, y = torch.as_tensor(X), torch.as_tensor(y)
     model = GPTree(inference=inference, n_chains=2, n_sweeps=2, vi_iter=2, n_inducing=2)
-    # the VI fit runs torch.optim.Adam, whose step counters are CPU scalars by design,
-    # so it is audited for factories without device= but not under the meta default
-    _audit(lambda: model.fit(X, y), meta_default=inference == "gibbs")
+    if inference == "gibbs":
+        audit_devices(lambda: model.fit(X, y))
+    else:  # Adam's CPU step counters: audited for factories without device= only
+        _audit_factories(lambda: model.fit(X, y))
     Xn, yn = X[:4] + 0.3, torch.tensor([7, 7, 8, 8])
-    _audit(lambda: model.partial_fit(Xn, yn))
-    proba = _audit(lambda: model.predict_proba(X))
+    audit_devices(lambda: model.partial_fit(Xn, yn))
+    proba = audit_devices(lambda: model.predict_proba(X))
     assert proba.device.type == "cpu" and torch.isfinite(proba).all()
-    _audit(lambda: model.predict(X))
+    audit_devices(lambda: model.predict(X))

@@ -1,21 +1,45 @@
-"""SLEM: the spec's verification checklist (slem.md §6) and the few-shot classifier."""
+"""SLEM: the spec's verification checklist (slem.md §6), its Pyro model (the closed form
+is its MAP and posterior mean) and the few-shot classifier.
+
+SLEM is a closed form, outside the engine contract: no iterations, so the engine checks
+about steps (monotone objective, ELBO of a guide, host syncs per step) do not apply."""
 
 import numpy as np
 import pytest
 import torch
+from pyro import poutine
 
 from probfsl.inference.woodbury import (
     background_statistics,
     factor_negatives,
     lda_scores,
-    slem_closed_form,
     slem_descriptors,
     slem_similarity,
     slem_woodbury,
 )
-from probfsl.models.slem import SLEM, SLEMEncoder
+from probfsl.models.slem import SLEM, SLEMEncoder, slem_model
+from probfsl.testing import audit_devices
 
 F64 = torch.float64
+
+
+def slem_closed_form(x0, negatives, lam, theta=1.0):
+    """Reference: the direct solve with ``U = A + theta/(theta+1) delta delta^T`` (spec §3),
+    one dense solve per exemplar, batched over leading dimensions."""
+    mu, sigma = background_statistics(negatives)
+    lam = torch.as_tensor(lam, dtype=x0.dtype)
+    a = sigma + lam[..., None, None] * torch.eye(x0.shape[-1], dtype=x0.dtype)
+    delta = x0 - mu.unsqueeze(-2)
+    u = a.unsqueeze(-3) + theta / (theta + 1) * delta.unsqueeze(-1) * delta.unsqueeze(-2)
+    omega = 2 * theta / (theta + 1) * torch.linalg.solve(u, delta)
+    nu = (theta - 1) / (theta + 1) - ((theta * x0 + mu.unsqueeze(-2)) * omega).sum(-1) / (theta + 1)
+    return omega, nu
+
+
+def _log_joint(omega, nu, x0, neg, lam, theta):
+    """Pyro's log joint of :func:`slem_model` at ``(omega, nu)``."""
+    model = poutine.condition(slem_model, data={"omega": omega, "nu": nu})
+    return poutine.trace(model).get_trace(x0, neg, lam, theta).log_prob_sum()
 
 
 def _data(n=40, d=6, p=3, seed=0):
@@ -192,7 +216,98 @@ def test_few_shot_classifier_on_builtin_data():
 def test_bad_input():
     with pytest.raises(ValueError, match="at least two"):
         factor_negatives(torch.randn(1, 4, dtype=F64), 0.1)
+    factor = factor_negatives(torch.randn(5, 3, dtype=F64), 0.1)
     with pytest.raises(ValueError, match="NaN"):
-        slem_closed_form(torch.full((1, 3), float("nan")), torch.randn(5, 3), 0.1)
+        slem_woodbury(torch.full((1, 3), float("nan"), dtype=F64), factor)
+    with pytest.raises(TypeError, match="float32 or float64"):
+        slem_woodbury(torch.ones(1, 3, dtype=torch.long), factor)
     with pytest.raises(ValueError, match="lam"):
         factor_negatives(torch.randn(5, 3, dtype=F64), -1.0)
+
+
+@pytest.mark.parametrize("theta", [0.1, 1.0, 10.0])
+@pytest.mark.parametrize("dual", [False, True])
+def test_closed_form_is_the_map_of_the_pyro_model(theta, dual):
+    """The gradient of the Pyro log joint at slem_woodbury's (omega, nu) is ~0 (float64) and
+    every perturbation lowers the log joint: the closed form is the model's MAP."""
+    pos, neg = _data(n=8 if dual else 40, d=12 if dual else 6, p=4)
+    lam = 0.2
+    omega, nu = slem_woodbury(pos, factor_negatives(neg, lam, dual=dual), theta)
+    w = omega.clone().requires_grad_(True)
+    b = nu.clone().requires_grad_(True)
+    top = _log_joint(w, b, pos, neg, lam, theta)
+    grad_w, grad_b = torch.autograd.grad(top, (w, b))
+    scale = 1 + top.abs().item()
+    assert grad_w.abs().max() < 1e-10 * scale and grad_b.abs().max() < 1e-10 * scale
+    g = torch.Generator().manual_seed(5)
+    for eps in (1e-3, 1e-1, 10.0):
+        dw = eps * torch.randn(omega.shape, generator=g, dtype=F64)
+        db = eps * torch.randn(nu.shape, generator=g, dtype=F64)
+        with torch.no_grad():
+            assert _log_joint(omega + dw, nu + db, pos, neg, lam, theta) < top
+            assert _log_joint(omega + dw, nu, pos, neg, lam, theta) < top
+            assert _log_joint(omega, nu + db, pos, neg, lam, theta) < top
+
+
+def test_closed_form_is_the_conjugate_posterior_mean():
+    """The log joint is quadratic in z = (omega, nu): the Gaussian posterior has precision
+    H = -Hessian and mean z0 + H^-1 grad(z0) for any z0 (here 0), computed from the Pyro
+    model by autograd; it equals the closed form, and its precision is positive definite."""
+    pos, neg = _data(n=30, d=5, p=1)
+    lam, theta = 0.3, 2.0
+    d = pos.shape[-1]
+
+    def log_joint(z):
+        return _log_joint(z[:d].unsqueeze(0), z[d:], pos, neg, lam, theta)
+
+    z0 = torch.zeros(d + 1, dtype=F64)
+    hess = torch.autograd.functional.hessian(log_joint, z0)
+    grad = torch.autograd.functional.jacobian(log_joint, z0)
+    precision = -hess
+    assert torch.linalg.eigvalsh(precision).min() > 0
+    mean = z0 + torch.linalg.solve(precision, grad)
+    omega, nu = slem_woodbury(pos, factor_negatives(neg, lam), theta)
+    torch.testing.assert_close(mean[:d], omega[0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(mean[d], nu[0], rtol=1e-10, atol=1e-12)
+    # the same Gaussian from a different expansion point: the log joint is exactly quadratic
+    z1 = torch.randn(d + 1, generator=torch.Generator().manual_seed(1), dtype=F64)
+    grad1 = torch.autograd.functional.jacobian(log_joint, z1)
+    torch.testing.assert_close(z1 + torch.linalg.solve(precision, grad1), mean)
+
+
+def test_model_batched_equals_single_exemplars():
+    """The log joint of P exemplars in one plate is the sum of the single-exemplar ones."""
+    pos, neg = _data(p=3)
+    omega, nu = slem_woodbury(pos, factor_negatives(neg, 0.1))
+    whole = _log_joint(omega, nu, pos, neg, 0.1, 1.0)
+    parts = sum(
+        _log_joint(omega[p : p + 1], nu[p : p + 1], pos[p : p + 1], neg, 0.1, 1.0) for p in range(3)
+    )
+    torch.testing.assert_close(whole, parts, rtol=1e-12, atol=1e-10)
+
+
+@pytest.mark.parametrize("dual", [False, True])
+def test_closed_form_float32_agrees_with_float64(dual):
+    pos, neg = _data(n=8 if dual else 40, d=12 if dual else 6)
+    omega64, nu64 = slem_woodbury(pos, factor_negatives(neg, 0.5, dual=dual))
+    omega32, nu32 = slem_woodbury(pos.float(), factor_negatives(neg.float(), 0.5, dual=dual))
+    assert omega32.dtype == nu32.dtype == torch.float32
+    torch.testing.assert_close(omega32.double(), omega64, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(nu32.double(), nu64, rtol=1e-4, atol=1e-5)
+
+
+def test_few_shot_labels_float32_agree_and_devices_follow():
+    """float32 and float64 episodes give the same labels; every tensor predict_proba makes
+    follows the data's device (meta as the default device catches one made without it)."""
+    from probfsl.data.builtin import load_dataset
+    from probfsl.data.tasks import sample_episodes
+
+    fs = load_dataset("omniglot")
+    labels = {}
+    for dtype in (torch.float32, F64):
+        eps = sample_episodes(fs, n_tasks=40, way=5, shot=5, n_query=15, seed=2, dtype=dtype)
+        model = SLEM().fit_base(*fs.base(dtype))
+        proba = audit_devices(lambda: model.predict_proba(eps))  # noqa: B023
+        assert proba.dtype == dtype
+        labels[dtype] = proba.argmax(-1)
+    assert torch.equal(labels[torch.float32], labels[F64])

@@ -2,9 +2,11 @@ import numpy as np
 import pytest
 import torch
 
+from probfsl import methods
 from probfsl.data import FeatureSet, sample_episodes
+from probfsl.data.base_episodes import base_episode_shape, base_episode_split
 from probfsl.data.tasks import BALANCES
-from probfsl.methods import METHODS, MethodInfo, make_estimator
+from probfsl.methods import METHODS, MethodInfo
 from probfsl.models.base import FewShotClassifier
 from probfsl.tuning import (
     FALLBACK_PRESETS,
@@ -12,8 +14,7 @@ from probfsl.tuning import (
     AutoPreset,
     auto_preset,
     auto_preset_zero_shot,
-    base_episode_shape,
-    base_episode_split,
+    make_estimator,
     tune,
     tune_zero_shot,
 )
@@ -116,6 +117,76 @@ def test_auto_preset_tunes_per_task_shape_on_base_features_only():
     assert set(result.best) == {"temperature"}
     with pytest.raises(ValueError, match="no search space"):
         make_estimator("nearest-centroid", preset="auto")
+    with pytest.raises(ValueError, match="unknown hyperparameter"):
+        make_estimator("soft-kmeans", preset="auto", warp=9)
+
+
+def test_the_registry_builds_no_auto_preset_and_tuning_builds_the_rest():
+    """registry -> tuning, one direction: ``preset="auto"`` is tuning's; every other
+    preset is the registry's, unchanged."""
+    with pytest.raises(ValueError, match="probfsl.tuning.make_estimator"):
+        methods.make_estimator("soft-kmeans", preset="auto")
+    a = make_estimator("bavardage", "mini-balanced", n_vb=3)
+    b = methods.make_estimator("bavardage", "mini-balanced", n_vb=3)
+    assert type(a) is type(b) and a.get_params() == b.get_params()
+
+
+class Recorder(Noisy):
+    """:class:`Noisy` that records the dtype and device of the tasks and base features."""
+
+    seen: list = []
+
+    def fit_base(self, features, labels):
+        Recorder.seen.append(("fit", features.dtype, features.device.type))
+        return self
+
+    needs_base = True
+
+    def predict_proba(self, episodes):
+        Recorder.seen.append(("predict", episodes.support.dtype, episodes.support.device.type))
+        return super().predict_proba(episodes).to(episodes.support.dtype)
+
+
+class _ThisRecorder(MethodInfo):
+    """The registry entry of :class:`Recorder` as defined in this very module (the test
+    reads its class attribute)."""
+
+    def load(self):
+        return Recorder
+
+
+def test_tuning_runs_in_the_dtype_and_on_the_device_given(monkeypatch):
+    monkeypatch.setitem(METHODS, "rec", _ThisRecorder("rec", "", "toy"))
+    monkeypatch.setattr(Recorder, "seen", [])
+    fs = make_featureset(n_base=12, n_novel=4, per_class=25)
+    space = {"flip": [0.8, 0.1]}
+    f64 = tune("rec", fs, space, n_query=20, n_episodes=5, dtype=torch.float64, device="cpu")
+    assert set(Recorder.seen) == {("fit", torch.float64, "cpu"), ("predict", torch.float64, "cpu")}
+    Recorder.seen.clear()
+    f32 = tune("rec", fs, space, n_query=20, n_episodes=5)  # default: float32 on the CPU
+    assert set(Recorder.seen) == {("fit", torch.float32, "cpu"), ("predict", torch.float32, "cpu")}
+    assert f64.best == f32.best == {"flip": 0.1}
+    with pytest.raises(ValueError, match="'warp-drive' is not a device"):
+        tune("rec", fs, space, device="warp-drive")
+    with pytest.raises(TypeError, match="dtype"):
+        tune("rec", fs, space, dtype=torch.int64)
+
+
+def test_auto_preset_follows_the_tasks_dtype_and_keeps_its_choice(monkeypatch):
+    monkeypatch.setitem(METHODS, "rec", _ThisRecorder("rec", "", "toy"))
+    monkeypatch.setitem(SEARCH_SPACES, "rec", {"flip": [0.8, 0.1]})
+    monkeypatch.setattr(Recorder, "seen", [])
+    fs = make_featureset(n_base=12, n_novel=6, per_class=25)
+    auto = make_estimator("rec", preset="auto")
+    auto.n_episodes = 5
+    auto.fit_base(*fs.base())
+    episodes = sample_episodes(fs, 3, way=5, shot=1, n_query=20, seed=3)
+    p32 = auto.predict_proba(episodes)
+    p64 = auto.predict_proba(episodes.to(dtype=torch.float64))
+    assert p32.dtype == torch.float32 and p64.dtype == torch.float64
+    assert len(auto.choices_) == 1 and len(auto.estimators_) == 2  # one search, two fits
+    assert ("fit", torch.float64, "cpu") in Recorder.seen
+    torch.testing.assert_close(p64.float(), p32)
 
 
 class NoisyZeroShot:

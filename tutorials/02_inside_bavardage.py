@@ -39,8 +39,8 @@ from probfsl.data import load_dataset, sample_episodes
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.diagnostics import summary
 from probfsl.evaluation import accuracy_ci, text_table
-from probfsl.methods import make_estimator
 from probfsl.models.bavardage import PRESETS, Bavardage
+from probfsl.tuning import make_estimator
 
 torch.set_num_threads(1)  # small batched operations: one thread is faster on a busy CPU
 

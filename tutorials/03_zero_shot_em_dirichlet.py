@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from probfsl.data import load_dataset, sample_zero_shot_tasks
-from probfsl.data.simplex import probabilities_from_embeddings
-from probfsl.evaluation import accuracy_ci
-from probfsl.models.em_dirichlet import EMDirichlet, evaluate_zero_shot, zero_shot_probabilities
+from probfsl.data.simplex import probabilities_from_embeddings, zero_shot_probabilities
+from probfsl.evaluation import accuracy_ci, evaluate_zero_shot
+from probfsl.models.em_dirichlet import EMDirichlet
 
 torch.set_num_threads(1)  # small batched operations: one thread is faster on a busy CPU
 
@@ -129,7 +129,7 @@ engine = hard.make_engine(zero_shot=True)
 state = engine.init(probs)
 sizes = [state.query_r.sum(1)]  # [T, 41] queries per cluster
 for _ in range(10):
-    state = engine.step(state)
+    state, _ = engine.step(state)
     sizes.append(state.query_r.sum(1))
 sizes = torch.stack(sizes)  # [11, T, 41]
 non_empty = (sizes > 0.5).sum(-1).double().numpy()

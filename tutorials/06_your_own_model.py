@@ -82,15 +82,19 @@ print(x.shape, "support rows per task:", n_s)
 # %% [markdown]
 # ## Fit
 #
-# `VMP(model)` derives the engine; `fit` runs sweeps until every task's ELBO has
-# converged. The state holds the factors (`state.q`), the ELBO per task
+# `VMP(model)` derives the engine; `fit` runs sweeps (through probfsl's one loop,
+# `probfsl.inference.base.run`) until every task's ELBO has converged: a converged task is
+# frozen while the others go on. It returns the state and a `RunInfo` (the ELBO trace and
+# the sweeps each task took). The state holds the factors (`state.q`), the ELBO per task
 # (`state.objective`) and `vmp.posterior(state)` gives them as distributions.
 
 # %%
 vmp = VMP(mixture, max_iter=50, tol=1e-8)
 tic = time.perf_counter()
-state = vmp.fit(x, labels, observed)
-print(f"{t} tasks in {time.perf_counter() - tic:.1f} s, {state.n_steps} sweeps")
+state, info = vmp.fit(x, labels, observed)
+sweeps = info.n_steps.double()
+print(f"{t} tasks in {time.perf_counter() - tic:.1f} s, {sweeps.median():.0f} sweeps per task")
+print(f"(at most {sweeps.max():.0f}); all converged: {bool(info.converged.all())}")
 post = vmp.posterior(state)
 print({name: type(d).__name__ for name, d in post.items()})
 query_probs = post["z"].probs[:, n_s:]
@@ -107,7 +111,7 @@ print(f"query accuracy {100 * acc:.2f}%, mean ELBO {state.objective.mean():.1f}"
 # %%
 few = slice(0, 3)
 small = (x[few], labels[few], observed[few])
-state3 = vmp.fit(*small)
+state3, _ = vmp.fit(*small)
 draws = draws_from_guide(vmp.guide(state3), small, ["pi"], num_samples=300, num_chains=2)
 tree = to_datatree(draws, dims={"pi": ["task", "extra", "class"]})
 print(summary(tree).head(5))
@@ -148,7 +152,7 @@ def mixture_gamma(x, labels, observed, way=5, tau0=300.0):
 
 
 vmp_gamma = VMP(mixture_gamma, max_iter=50, tol=1e-8)
-state_g = vmp_gamma.fit(x, labels, observed)
+state_g, _ = vmp_gamma.fit(x, labels, observed)
 post_g = vmp_gamma.posterior(state_g)
 acc_g = (post_g["z"].probs[:, n_s:].argmax(-1) == tasks.query_labels).double().mean()
 print(f"Gamma precision: accuracy {100 * acc_g:.2f}% (fixed: {100 * acc:.2f}%)")
@@ -159,7 +163,8 @@ print("posterior mean precision, task 0, class 0, first dims:", post_g["tau"].me
 #
 # `probfsl.testing.check_engine` holds the derived engine to the contract every engine
 # passes: the ELBO never decreases; the batch equals one task at a time; float32 agrees
-# with float64; Pyro's own `Trace_ELBO` of (model, derived guide) agrees with the analytic
+# with float64; every tensor stays on the data's device; a step never synchronises with
+# the host; Pyro's own `Trace_ELBO` of (model, derived guide) agrees with the analytic
 # ELBO within Monte Carlo error.
 
 # %%
@@ -204,7 +209,8 @@ except ValueError as err:
 # ## The old path: writing an engine by hand
 #
 # An engine is any `probfsl.inference.base.Engine`: `init(*data) -> state`,
-# `step(state) -> state` with `state.objective` the ELBO per task, and `guide(state)`.
+# `step(state) -> (state, info)` with `state.objective` the ELBO per task (and `info` an
+# `Info` reporting it), and `guide(state)`; `probfsl.inference.base.run` drives the steps.
 # Here the exact posterior of the class proportions of labelled tasks,
 # q(π) = Dirichlet(α0 + counts), whose ELBO is the log evidence, with its terms from the
 # exponential-family blocks of `probfsl.inference.expfam`; `check_engine` judges it the
@@ -215,12 +221,12 @@ import math  # noqa: E402
 from dataclasses import dataclass, replace  # noqa: E402
 
 from probfsl.inference import expfam  # noqa: E402
-from probfsl.inference.base import Engine  # noqa: E402
+from probfsl.inference.base import Engine, Info  # noqa: E402
 
 
 def proportions_model(y, n_classes=5, alpha0=2.0):
     with pyro.plate("tasks", y.shape[0], dim=-1):
-        pi = pyro.sample("pi", dist.Dirichlet(torch.full((n_classes,), alpha0)))
+        pi = pyro.sample("pi", dist.Dirichlet(torch.full((n_classes,), alpha0, device=y.device)))
         pyro.sample("y", dist.Categorical(pi.unsqueeze(-2)).to_event(1), obs=y)
 
 
@@ -236,15 +242,15 @@ class ProportionsPosterior(Engine):
         self.n_classes, self.alpha0 = n_classes, alpha0
 
     def init(self, y):
-        conc = torch.full((y.shape[0], self.n_classes), self.alpha0)
-        return self.step(ProportionsState(y, conc, conc[:, 0]))
+        conc = torch.full((y.shape[0], self.n_classes), self.alpha0, device=y.device)
+        return self.step(ProportionsState(y, conc, conc[:, 0]))[0]
 
     def step(self, s):
         counts = torch.nn.functional.one_hot(s.y, self.n_classes).sum(1).to(s.concentration)
         q = expfam.Dirichlet(self.alpha0 + counts)
         prior = expfam.Dirichlet(torch.full_like(q.concentration, self.alpha0))
         elbo = (counts * q.expected_stats()[0]).sum(-1) - q.kl(prior)  # E ln p(y|π) - KL
-        return replace(s, concentration=q.concentration, objective=elbo)
+        return replace(s, concentration=q.concentration, objective=elbo), Info(elbo)
 
     def guide(self, s):
         def guide(y, *args, **kwargs):

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from probfsl.validation import as_label_array, check_float_dtype
+from probfsl.validation import as_device, as_label_array, check_float_dtype
 
 SPLITS = ("base", "novel")
 
@@ -116,15 +116,19 @@ class FeatureSet:
             name=f"{self.name}[{split} classes]",
         )
 
-    def base(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """Base-class features and labels as tensors; a ``ValueError`` if there are none."""
+    def base(
+        self, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Base-class features (``dtype``) and labels as tensors on ``device`` (default the
+        CPU); a ``ValueError`` if there are none or ``device`` is not a device."""
         check_float_dtype("dtype", dtype)
+        device = as_device(device)
         idx = self.rows("base")
         if idx.size == 0:
             raise ValueError(f"{self.name}: no base-class rows (split == 'base')")
         return (
-            torch.as_tensor(self.features[idx], dtype=dtype),
-            torch.as_tensor(self.labels[idx]),
+            torch.as_tensor(self.features[idx], dtype=dtype, device=device),
+            torch.as_tensor(self.labels[idx], device=device),
         )
 
     @classmethod

@@ -12,7 +12,9 @@ EM-Dirichlet (Martin et al., CVPR 2024) classifies class-probability vectors
    ``[..., K, D]``), both L2-normalised here, x = softmax(T * cosine) (paper eq. 2):
    :func:`probabilities_from_embeddings`.
 
-:func:`to_simplex` dispatches on whichever is given. Every function raises
+:func:`to_simplex` dispatches on whichever is given; :func:`zero_shot_probabilities`
+builds the third form for a batch of zero-shot tasks of a feature set (the zero-shot
+protocol's input). Every function raises
 ``ValueError`` naming the argument for NaN/inf, negative entries, rows that do not
 sum to one, fewer than two classes, or a class-embedding count or width that does
 not match, and ``TypeError`` for a non-tensor or a dtype other than float32/float64
@@ -22,9 +24,15 @@ computation.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from probfsl.validation import FLOAT_DTYPES, check_temperature
+
+if TYPE_CHECKING:
+    from probfsl.data.featureset import FeatureSet
+    from probfsl.data.tasks import ZeroShotTasks
 
 #: default tolerance on |sum_k x_nk - 1|
 SUM_TOL = 1e-4
@@ -181,3 +189,24 @@ def to_simplex(
         name = "class_embeddings" if embeddings is not None else given[0]
         raise ValueError(f"{name} gives {out.shape[-1]} classes, expected K={n_classes}")
     return out
+
+
+def zero_shot_probabilities(
+    fs: FeatureSet,
+    tasks: ZeroShotTasks,
+    temperature: float = 30.0,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``[T, Q, C]`` probabilities softmax(T cos(embedding, class embedding)) over all C classes.
+
+    Input form 3 (paper eq. 2) for zero-shot tasks: ``fs`` is a
+    :class:`~probfsl.data.featureset.FeatureSet` with ``class_features`` (e.g. WordNet's
+    class-description embeddings), ``tasks`` from
+    :func:`~probfsl.data.tasks.sample_zero_shot_tasks`; row ``[t, n]`` is the query
+    ``tasks.query_index[t, n]`` of ``fs`` against every class embedding.
+    """
+    if fs.class_features is None:
+        raise ValueError(f"{fs.name}: zero-shot needs class_features (one embedding per class)")
+    embeddings = torch.as_tensor(fs.features)[tasks.query_index].to(dtype)
+    class_features = torch.as_tensor(fs.class_features).to(dtype)
+    return probabilities_from_embeddings(embeddings, class_features, temperature)

@@ -23,6 +23,7 @@ from probfsl.data.featureset import FeatureSet
 from probfsl.fileio import atomic_path
 from probfsl.validation import (
     FLOAT_DTYPES,
+    as_device,
     as_index_array,
     as_label_array,
     check_choice,
@@ -354,15 +355,20 @@ def check_task_indices(indices: Any, n_rows: int) -> dict[str, np.ndarray]:
 
 
 def episodes_from_indices(
-    fs: FeatureSet, indices: dict[str, np.ndarray], dtype: torch.dtype = torch.float32
+    fs: FeatureSet,
+    indices: dict[str, np.ndarray],
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = None,
 ) -> Episodes:
-    """Gather the features of task indices (sampled, or read from a task file).
+    """Gather the features of task indices (sampled, or read from a task file) into
+    tensors of ``dtype`` on ``device`` (default the CPU).
 
     ``indices`` is checked by :func:`check_task_indices`. Without ``classes``, the
     data-set class of task-local class k is the label of its first support row.
     """
     _check_featureset(fs)
     check_float_dtype("dtype", dtype)
+    device = as_device(device)
     indices = check_task_indices(indices, len(fs.labels))
     support, query = indices["support"], indices["query"]
     support_labels = indices["support_labels"]
@@ -377,7 +383,7 @@ def episodes_from_indices(
     # one [T, S + Q, D] buffer: support and query are adjacent views (Episodes.points)
     points = feats[torch.as_tensor(np.concatenate([support, query], 1))].to(dtype)
     support_rows, query_rows = points.split([support.shape[1], query.shape[1]], 1)
-    return Episodes(
+    episodes = Episodes(
         support=support_rows,
         support_labels=torch.as_tensor(support_labels),
         query=query_rows,
@@ -386,6 +392,7 @@ def episodes_from_indices(
         support_index=torch.as_tensor(support),
         query_index=torch.as_tensor(query),
     )
+    return episodes if device.type == "cpu" else episodes.to(device)
 
 
 def sample_episodes(
@@ -399,16 +406,19 @@ def sample_episodes(
     seed: int = 0,
     start: int = 0,
     dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = None,
 ) -> Episodes:
-    """Sample N-way, L-shot, Q-query tasks from the novel classes as batched tensors.
+    """Sample N-way, L-shot, Q-query tasks from the novel classes as batched tensors of
+    ``dtype`` on ``device`` (default the CPU).
 
     ``balance="balanced"`` gives Q/N queries per class; ``"dirichlet"`` draws the
     per-class counts from a symmetric Dirichlet(alpha) with Q fixed
     (:func:`dirichlet_query_counts`).
     """
     check_float_dtype("dtype", dtype)
+    as_device(device)
     indices = sample_task_indices(fs, n_tasks, way, shot, n_query, balance, alpha, seed, start)
-    return episodes_from_indices(fs, indices, dtype)
+    return episodes_from_indices(fs, indices, dtype, device)
 
 
 @dataclass

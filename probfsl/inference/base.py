@@ -1,40 +1,69 @@
-"""The contract every closed-form inference engine honours.
+"""The contract every iterative inference engine honours, after BlackJAX's ``base.py``.
 
 An engine pairs with a Pyro model (in :mod:`probfsl.models`) that takes the data
 tensors as positional arguments, each with a leading task dimension ``T``. The
 engine is
 
-* ``init(*data) -> state``: initial variational factors (or point estimates);
-* ``step(state) -> state``: one sweep of closed-form updates;
-* ``guide(state)``: a Pyro guide with the model's signature that samples the
-  model's latent sites from the factors held in ``state``.
+* ``init(*data) -> State``: initial variational factors (or point estimates);
+* ``step(State) -> (State, Info)``: one sweep of closed-form updates, and what it
+  reports (:class:`Info`: at least the per-task objective after the sweep);
+* ``guide(State)``: a Pyro guide with the model's signature that samples the
+  model's latent sites from the factors held in the state.
 
 Every state carries ``objective``, a ``[T]`` tensor: the analytic ELBO (engines
 with ``maximize = True``) or the objective minimised by a majorize-minimize scheme
-(``maximize = False``). Traces therefore come free (:func:`run`). The shared
-conformance checks in :mod:`probfsl.testing` hold an engine to this contract:
-Pyro's ``Trace_ELBO`` of (model, guide) agrees with the analytic objective, the
-objective is monotone, batched results equal one-task-at-a-time results and
-float32 agrees with float64.
+(``maximize = False``). :func:`run` is the one loop that drives every engine: it
+records the objective trace, judges convergence per task on the device, freezes
+the tasks that converged (their state stops changing: :meth:`Engine.keep`) and
+synchronises with the host only once every ``check_every`` steps to ask whether
+any task is still moving. The shared conformance checks in :mod:`probfsl.testing`
+hold an engine to this contract: Pyro's ``Trace_ELBO`` of (model, guide) agrees
+with the analytic objective, the objective is monotone, batched results equal
+one-task-at-a-time results, float32 agrees with float64, every tensor stays on the
+data's device and the loop makes no host synchronisation between checks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple
 
 import torch
 
+#: steps between two host checks of "has every task converged?" in :func:`run`
+CHECK_EVERY = 5
 
-class EngineState(Protocol):
-    """What every engine state exposes: the per-task objective after the last update."""
+
+@dataclasses.dataclass(frozen=True)
+class Info:
+    """What one ``step`` reports. Engines may subclass it to report more.
+
+    Attributes:
+        objective: ``[T]`` the objective after the step (as in the returned state).
+    """
 
     objective: torch.Tensor
 
 
+class RunInfo(NamedTuple):
+    """What :func:`run` reports.
+
+    Attributes:
+        trace: ``[steps + 1, T]`` objective after ``init`` and after every step (a
+            frozen task repeats its last value).
+        n_steps: ``[T]`` steps each task took before it converged (or the step budget).
+        converged: ``[T]`` whether the task met the tolerance (all False without ``tol``).
+    """
+
+    trace: torch.Tensor
+    n_steps: torch.Tensor
+    converged: torch.Tensor
+
+
 class Engine(ABC):
-    """A closed-form inference engine over a batch of tasks (see the module docstring)."""
+    """An iterative inference engine over a batch of tasks (see the module docstring)."""
 
     #: True when ``objective`` is an ELBO to maximise; False for an MM objective to minimise.
     maximize: bool = True
@@ -44,12 +73,54 @@ class Engine(ABC):
         """Initial state for a batch of tasks; every tensor has a leading task dimension."""
 
     @abstractmethod
-    def step(self, state: Any) -> Any:
-        """One sweep of closed-form updates; returns the new state with its objective."""
+    def step(self, state: Any) -> tuple[Any, Info]:
+        """One sweep of closed-form updates: the new state (with its objective) and its Info."""
 
     @abstractmethod
     def guide(self, state: Any) -> Callable[..., None]:
         """A Pyro guide, with the model's signature, built from the factors in ``state``."""
+
+    def keep(self, frozen: torch.Tensor, old: Any, new: Any) -> Any:
+        """``new`` with the tasks where ``frozen`` (``[T]`` bool) restored from ``old``.
+
+        The default selects, in every tensor field of the state (dataclasses, named
+        tuples, tuples, lists and dicts are walked) whose leading dimension is ``T``,
+        the old rows of the frozen tasks with one ``torch.where``; other fields are
+        taken from ``new``. Engines whose state holds tensors with a leading dimension
+        that is not the task override it.
+        """
+        return _select(frozen, old, new)
+
+
+def _select(frozen: torch.Tensor, old: Any, new: Any) -> Any:
+    if isinstance(new, torch.Tensor):
+        if (
+            isinstance(old, torch.Tensor)
+            and new.dim() >= 1
+            and new.shape == old.shape
+            and new.shape[0] == frozen.shape[0]
+        ):
+            return torch.where(frozen.reshape(-1, *[1] * (new.dim() - 1)), old, new)
+        return new
+    if dataclasses.is_dataclass(new) and not isinstance(new, type):
+        changes = {
+            f.name: _select(frozen, getattr(old, f.name), getattr(new, f.name))
+            for f in dataclasses.fields(new)
+            if f.init
+        }
+        return dataclasses.replace(new, **changes)
+    if isinstance(new, tuple) and hasattr(new, "_fields"):
+        return type(new)(*(_select(frozen, o, n) for o, n in zip(old, new, strict=True)))
+    if isinstance(new, (tuple, list)):
+        return type(new)(_select(frozen, o, n) for o, n in zip(old, new, strict=True))
+    if isinstance(new, dict):
+        return {k: _select(frozen, old[k], v) if k in old else v for k, v in new.items()}
+    return new
+
+
+def converged_tasks(previous: torch.Tensor, current: torch.Tensor, tol: float) -> torch.Tensor:
+    """``[T]`` bool, on the device: |current - previous| <= tol * max(|previous|, 1)."""
+    return (current - previous).abs() <= tol * previous.abs().clamp_min(1.0)
 
 
 def run(
@@ -57,21 +128,31 @@ def run(
     state: Any,
     n_steps: int,
     tol: float | None = None,
-) -> tuple[Any, torch.Tensor]:
-    """Apply ``engine.step`` up to ``n_steps`` times and record the objective.
+    check_every: int = CHECK_EVERY,
+) -> tuple[Any, RunInfo]:
+    """Drive ``engine.step`` up to ``n_steps`` times: the one loop of every engine.
 
-    With ``tol`` the loop stops once every task's objective changed by less than
-    ``tol`` (relative) in the last step: convergence is judged per task, and the
-    loop ends when all tasks have converged.
+    With ``tol``, a task has converged once its objective moved by less than ``tol``
+    (relative, :func:`converged_tasks`) in one step; from then on its state is frozen
+    (:meth:`Engine.keep`), so the batch gives each task the result it would get alone.
+    The test runs on the device after every step; the host asks whether any task is
+    still moving only every ``check_every`` steps (one synchronisation), and the loop
+    ends when none is. Without ``tol`` all ``n_steps`` steps run and nothing syncs.
 
-    Returns the final state and the ``[steps + 1, T]`` trace (the initial objective first).
+    Returns the final state and a :class:`RunInfo` (trace, steps per task, converged).
     """
-    trace = [state.objective]
-    for _ in range(n_steps):
-        state = engine.step(state)
-        trace.append(state.objective)
+    objective = state.objective
+    trace = [objective]
+    active = torch.ones(objective.shape, dtype=torch.bool, device=objective.device)
+    steps = torch.zeros(objective.shape, dtype=torch.long, device=objective.device)
+    for i in range(n_steps):
+        new, info = engine.step(state)
+        steps = steps + active
         if tol is not None:
-            prev, cur = trace[-2], trace[-1]
-            if bool(((cur - prev).abs() <= tol * prev.abs().clamp_min(1.0)).all()):
-                break
-    return state, torch.stack(trace)
+            new = engine.keep(~active, state, new)
+            active = active & ~converged_tasks(trace[-1], new.objective, tol)
+        state = new
+        trace.append(state.objective)
+        if tol is not None and (i + 1) % check_every == 0 and not bool(active.any()):
+            break
+    return state, RunInfo(torch.stack(trace), steps, ~active)

@@ -22,6 +22,17 @@ projections ``c_dk = (u_d^T y_k)^2``,
   ``Q = m^T m = sum_d h_d^2 / (lambda + s_d)^2``;
 * Aitken's delta-squared acceleration (Algorithm 1).
 
+**Engine contract.** The maximisation of the evidence over lambda is
+:class:`EvidenceEngine` (init / step -> (state, info) / guide) driven by
+:func:`~probfsl.inference.base.run`, for a lambda shared by the K targets of a task
+(:func:`maximize_shared_evidence`, :class:`~probfsl.models.evidence.EvidenceLSSVM`'s
+default) and for one lambda per target (:func:`maximize_evidence`, also behind
+``rank_backbones`` and ``greedy_ensemble``). Outside the contract, on purpose:
+``maximize_evidence(paper_exact=True)``, Algorithm 1 verbatim for reproducing the
+paper (its stopping rule is on lambda and its unsafeguarded map is not monotone), and
+the log-grid evaluations (:func:`grid_search`, :func:`evidence_curve`), which are closed
+forms, not iterations.
+
 All functions are batched: leading dimensions (backbones, tasks) on the features,
 the trailing ``K`` dimension indexes targets (classes); hyperparameters are per
 (batch, class). Zero eigenvalues contribute exactly zero to every expression, so
@@ -30,16 +41,20 @@ feature sets of different widths can be stacked after zero-padding their columns
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
 
 import pyro
 import pyro.distributions as dist
 import torch
 
-from probfsl.inference.base import Engine
+from probfsl.inference.base import Engine, Info, RunInfo, run
 from probfsl.inference.eigh import stable_eigh
+from probfsl.validation import as_float_tensor, check_choice, check_hyperparameter
 
 LOG_2PI = math.log(2 * math.pi)
 UPDATE_VARIANTS = ("algorithm2", "eq19", "mackay")
@@ -78,20 +93,22 @@ class Spectrum:
         return (self.s.sum(-1) / pos.sum(-1).clamp_min(1)).clamp_min(torch.finfo(self.s.dtype).tiny)
 
 
-def _check_xy(x: torch.Tensor, y: torch.Tensor) -> None:
-    if not isinstance(x, torch.Tensor) or x.ndim < 2:
-        raise ValueError(f"features must be a [..., N, D] tensor, got {getattr(x, 'shape', x)}")
-    if x.dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"features must be float32 or float64, got {x.dtype}")
-    if not isinstance(y, torch.Tensor) or y.ndim != x.ndim or y.shape[:-1] != x.shape[:-1]:
+def _checked(
+    x: torch.Tensor, y: torch.Tensor, name: str = "features"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., N, D]`` and targets ``y [..., N, K]`` checked by :mod:`probfsl.validation`
+    (``TypeError`` for a non-float dtype, ``ValueError`` for NaN/inf or a shape mismatch)."""
+    x = as_float_tensor(x, name)
+    y = as_float_tensor(y, "targets")
+    if x.ndim < 2:
+        raise ValueError(f"{name} must be a [..., N, D] tensor, got shape {tuple(x.shape)}")
+    if y.ndim != x.ndim or y.shape[:-1] != x.shape[:-1]:
         raise ValueError(
-            f"targets must be [..., N, K] matching features {tuple(x.shape)}, "
-            f"got {tuple(getattr(y, 'shape', ()))}"
+            f"targets must be [..., N, K] matching {name} {tuple(x.shape)}, got {tuple(y.shape)}"
         )
     if x.shape[-2] < 2:
-        raise ValueError(f"features need at least two samples, got N={x.shape[-2]}")
-    if not (torch.isfinite(x).all() and torch.isfinite(y).all()):
-        raise ValueError("features or targets contain NaN or inf")
+        raise ValueError(f"{name} need at least two samples, got N={x.shape[-2]}")
+    return x, y
 
 
 def _clean(s: torch.Tensor, rel: float) -> torch.Tensor:
@@ -114,7 +131,7 @@ def spectrum(
     and N becomes N - 1.
     Eigenvalues below ``rel_tol * max(s)`` are set to zero.
     """
-    _check_xy(x, y)
+    x, y = _checked(x, y)
     if mode not in (None, "dual", "primal"):
         raise ValueError(f"mode must be None, 'dual' or 'primal', got {mode!r}")
     y = y.to(x.dtype)
@@ -157,7 +174,7 @@ def spectrum_from_gram(
     """
     if gram.ndim < 2 or gram.shape[-1] != gram.shape[-2]:
         raise ValueError(f"gram must be [..., N, N], got {tuple(gram.shape)}")
-    _check_xy(gram, y)
+    gram, y = _checked(gram, y, "gram")
     y = y.to(gram.dtype)
     s, u = stable_eigh(gram)
     s = _clean(s, rel_tol)
@@ -371,34 +388,6 @@ def grid_search(
     return torch.gather(grid, -1, best).squeeze(-1)
 
 
-def _step(
-    sp: Spectrum,
-    l0: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    variant: str,
-    accelerate: bool,
-    safeguarded: bool,
-) -> torch.Tensor:
-    """One outer step of Algorithm 1 (optionally safeguarded, see :func:`maximize_evidence`)."""
-    l1 = update(sp, l0, variant)
-    if accelerate:
-        l2 = update(sp, l1, variant)
-        new = _aitken(l0, l1, l2)
-    else:
-        l2 = new = l1
-    if not safeguarded:
-        return new
-    beta0 = profile_beta(sp, l0)
-    a_em, b_em = em_update(sp, l0 * beta0, beta0)
-    cands = torch.stack([new, l1, l2, a_em / b_em], 0).nan_to_num(nan=0.0).clamp(lo, hi)
-    cands = torch.cat([cands, l0.unsqueeze(0)], 0)
-    vals = torch.stack([log_evidence(sp, c) for c in cands], 0)
-    vals = torch.where(torch.isfinite(vals), vals, -math.inf)
-    # ties (e.g. every candidate clamped to the same bound) go to the first candidate
-    return torch.gather(cands, 0, vals.argmax(0, keepdim=True)).squeeze(0)
-
-
 def maximize_evidence(
     sp: Spectrum,
     lam_init: float | torch.Tensor = 1.0,
@@ -406,27 +395,31 @@ def maximize_evidence(
     variant: str = "algorithm2",
     paper_exact: bool = False,
     eps: float = 1e-5,
-    rtol: float = 1e-8,
     max_iter: int = 500,
     n_grid: int = 64,
     grid_span: tuple[float, float] = (1e-6, 1e6),
     clamp: tuple[float, float] = (1e-10, 1e10),
     warn: bool = True,
+    tol: float | None = None,
 ) -> EvidenceResult:
     """Maximise the profile evidence over lambda for every (batch, class) at once.
 
-    Algorithm 1 of the paper: the fixed-point map (Algorithm 2) with Aitken's
-    delta-squared step, stopping when ``|lambda - lambda_0| < eps`` (absolute) for
-    each element; converged elements are frozen by a mask.
+    By default the spec's safeguarded version (§4) of the paper's Algorithm 1:
+    :class:`EvidenceEngine` (``"per_class"``) driven by
+    :func:`~probfsl.inference.base.run`: start from the argmax of ``F`` on a
+    ``n_grid``-point log grid spanning ``grid_span x mean(s)``; each step takes the best
+    of {Aitken's delta-squared step of the map, one map, two maps, EM step, current
+    lambda}, clamped to ``clamp x mean(s)``, so the evidence never decreases; a batch
+    element stops when its summed evidence moves by less than ``tol`` (relative;
+    default 16 machine epsilons) or after ``max_iter`` steps. ``at_boundary`` is flagged
+    (with a warning) when the final lambda sits on a clamp or F still rises 100x further
+    out (no finite maximiser, e.g. a single positive).
 
-    ``paper_exact=True`` runs exactly that from ``lam_init``. Otherwise the spec's
-    safeguards (§4) are added: start from the argmax of ``F`` on a ``n_grid``-point
-    log grid spanning ``grid_span x mean(s)``; also stop on
-    ``|log lambda - log lambda_0| < rtol``; clamp lambda to ``clamp x mean(s)``;
-    take the best of {Aitken, one map, two maps, EM step} so the evidence never
-    decreases; keep the grid argmax if it beats the fixed point; flag (and warn about)
-    ``at_boundary`` when the final lambda sits on a clamp (no finite maximiser, e.g.
-    a single positive).
+    ``paper_exact=True`` runs Algorithm 1 exactly as published instead: from
+    ``lam_init``, no safeguards, stopping when ``|lambda - lambda_0| < eps`` (absolute)
+    for each element. It is outside the engine contract on purpose: it reproduces the
+    paper (its stopping rule is on lambda, and its unsafeguarded map need not increase
+    the evidence), is no default of any estimator, and checks the host once per step.
 
     ``accelerate=False`` iterates the plain map instead of Aitken's step.
     """
@@ -435,41 +428,40 @@ def maximize_evidence(
     shape = sp.yy.shape
     dtype, device = sp.s.dtype, sp.s.device
     degenerate = (sp.yy <= 0) | (weight_norm2(sp, sp.mean_s.unsqueeze(-1).expand(shape)) <= 0)
-    if paper_exact:
-        lam = torch.as_tensor(lam_init, dtype=dtype, device=device).expand(shape).clone()
-        lo = torch.zeros_like(lam)
-        hi = torch.full_like(lam, math.inf)
-    else:
-        scale = sp.mean_s.unsqueeze(-1).expand(shape)
-        lo, hi = clamp[0] * scale, clamp[1] * scale
-        grid_best = grid_search(sp, n_grid, grid_span).clamp(lo, hi)
-        lam = grid_best.clone()
-    done = degenerate.clone()
-    n_iter = torch.zeros(shape, dtype=torch.long, device=device)
-    for _ in range(max_iter):
-        if bool(done.all()):
-            break
-        l0 = lam
-        new = _step(sp, l0, lo, hi, variant, accelerate, safeguarded=not paper_exact)
-        new = torch.where(done, lam, new)
-        n_iter = n_iter + (~done).long()
-        stop = (new - l0).abs() < eps
-        if not paper_exact:
-            stop = stop | ((new.log() - l0.log()).abs() < rtol)
-        stop = stop | ~torch.isfinite(new)
-        lam = new
-        done = done | stop
-    converged = done & ~degenerate & torch.isfinite(lam)
     if not paper_exact:
-        better = log_evidence(sp, grid_best) > log_evidence(sp, lam)
-        lam = torch.where(better, grid_best, lam)
-        lam = torch.where(degenerate, hi, lam)
-        at_boundary = (lam <= lo * (1 + 1e-9)) | (lam >= hi * (1 - 1e-9))
-        # F still rising further out (flat supremum at lambda -> 0 or infinity): no maximiser
+        engine = EvidenceEngine(
+            "per_class", n_grid=n_grid, grid_span=grid_span, clamp=clamp,
+            accelerate=accelerate, variant=variant,
+        )  # fmt: skip
+        tol = 16 * torch.finfo(dtype).eps if tol is None else tol
+        state, info = run(engine, engine.init_spectrum(_flat(sp)), max_iter, tol)
+        res = engine.result(state, info)
+        lam = torch.where(degenerate, state.hi.reshape(shape), res.lam.reshape(shape))
         f_hat = log_evidence(sp, lam)
+        # F still rising further out (flat supremum at lambda -> 0 or infinity): no maximiser
         beyond = (log_evidence(sp, lam * 1e-2) > f_hat) | (log_evidence(sp, lam * 1e2) > f_hat)
-        at_boundary = (at_boundary | beyond) & ~degenerate
+        at_clamp = (lam <= state.lo.reshape(shape) * (1 + 1e-9)) | (
+            lam >= state.hi.reshape(shape) * (1 - 1e-9)
+        )
+        # the grid argmax at an end of the span: F rises beyond it (res.at_boundary)
+        at_boundary = (res.at_boundary.reshape(shape) | at_clamp | beyond) & ~degenerate
+        n_iter = res.n_iter.reshape(shape)
+        converged = res.converged.reshape(shape) & ~degenerate
     else:
+        lam = torch.as_tensor(lam_init, dtype=dtype, device=device).expand(shape).clone()
+        done = degenerate.clone()
+        n_iter = torch.zeros(shape, dtype=torch.long, device=device)
+        for _ in range(max_iter):
+            if bool(done.all()):
+                break
+            l1 = update(sp, lam, variant)
+            new = _aitken(lam, l1, update(sp, l1, variant)) if accelerate else l1
+            new = torch.where(done, lam, new)
+            n_iter = n_iter + (~done).long()
+            stop = ((new - lam).abs() < eps) | ~torch.isfinite(new)
+            lam = new
+            done = done | stop
+        converged = done & ~degenerate & torch.isfinite(lam)
         at_boundary = ~torch.isfinite(lam) | (lam <= 0)
     if warn and bool((at_boundary & ~degenerate).any()):
         warnings.warn(
@@ -492,136 +484,304 @@ def maximize_evidence(
     )
 
 
+def shared_update(sp: Spectrum, lam: torch.Tensor) -> torch.Tensor:
+    """Fixed-point map of a lambda shared by the K targets, ``[..., K]`` (equal along K).
+
+    Each target keeps its profile ``beta_k = N / E_k``; the summed profile evidence
+    ``G = sum_k F_k`` has ``dG/dlambda = sum_k [gamma / (2 lambda) - N Q_k / (2 E_k)]``
+    (differentiating eq. 17: ``dE_k/dlambda = Q_k``), zero at
+
+        lambda = gamma(lambda) / (N mean_k(Q_k(lambda) / E_k(lambda))),
+
+    MacKay's fixed point with ``beta_k Q_k = N Q_k / E_k`` averaged over the targets;
+    for K = 1 it is Algorithm 2's ``gamma E / (N Q)``. ``lam`` must be equal along K.
+    """
+    gamma = effective_parameters(sp, lam)
+    energy = residual_energy(sp, lam).clamp_min(_energy_floor(sp))
+    ratio = weight_norm2(sp, lam) / energy
+    new = gamma.mean(-1, keepdim=True) / (sp.n * ratio.mean(-1, keepdim=True))
+    return new.expand_as(lam)
+
+
+def em_lambda(sp: Spectrum, lam: torch.Tensor, shared: bool) -> torch.Tensor:
+    """The conditional-maximisation (EM) step of lambda at the profile betas, ``[..., K]``.
+
+    E-step: ``w_k | y ~ Normal(m_k, (beta_k (lambda I + X^T X))^-1)`` with
+    ``beta_k = N / E_k(lambda)``; M-step in lambda with the betas fixed, for the prior
+    ``w_k ~ Normal(0, (lambda beta_k)^-1 I_D)``:
+    ``lambda' = D / (beta_k E||w_k||^2) = D / (beta_k Q_k + t)`` per target, and
+    ``D / (mean_k beta_k Q_k + t)`` for a shared lambda, where
+    ``t = tr((lambda I + X^T X)^-1) = sum_d 1/(lambda + s_d) + (D - r)/lambda``. The
+    expected complete log likelihood increases, so the log evidence at (lambda', beta)
+    does, and the profile evidence ``G(lambda') >= G(lambda)`` (EM inequality).
+    """
+    s, lm = _sl(sp, lam)
+    trace = (1 / (lm + s)).sum(-2) + (sp.dim - sp.s.shape[-1]) / lam
+    bq = profile_beta(sp, lam) * weight_norm2(sp, lam)
+    if shared:
+        bq = bq.mean(-1, keepdim=True).expand_as(lam)
+    return sp.dim / (bq + trace)
+
+
+def _flat(sp: Spectrum) -> Spectrum:
+    """``sp`` with its batch dimensions flattened into one leading task dimension."""
+
+    def f(t: torch.Tensor | None, tail: int) -> torch.Tensor | None:
+        return None if t is None else t.reshape(-1, *t.shape[t.ndim - tail :])
+
+    return Spectrum(
+        f(sp.s, 1), f(sp.c, 2), f(sp.e0, 1), f(sp.yy, 1), sp.n, sp.dim,
+        f(sp.basis, 2), f(sp.proj, 2), sp.mode,
+    )  # fmt: skip
+
+
 def maximize_shared_evidence(
     sp: Spectrum,
     n_grid: int = 64,
     grid_span: tuple[float, float] = (1e-6, 1e6),
-    refine: int = 3,
+    clamp: tuple[float, float] = (1e-10, 1e10),
+    max_iter: int = 200,
+    tol: float | None = None,
 ) -> EvidenceResult:
-    """One lambda per batch element shared by its K targets, maximising ``sum_k F_k(lambda)``.
+    """One lambda per batch element shared by its K targets, maximising ``G = sum_k F_k``.
 
     Each target keeps its own profile ``beta_k = N / E_k(lambda)``. A library option,
     not in the paper: per-class lambdas can differ by orders of magnitude, which puts
-    the one-vs-rest scores on different scales. Log-grid search over ``grid_span x
-    mean(s)``, then ``refine`` rounds of a 33-point grid between the neighbours of the
-    best point. ``at_boundary`` marks a maximum at either end of the span.
+    the one-vs-rest scores on different scales. :class:`EvidenceEngine` (``"shared"``)
+    driven by :func:`~probfsl.inference.base.run`: start at the argmax of ``G`` on an
+    ``n_grid``-point log grid over ``grid_span x mean(s)``, then safeguarded fixed-point
+    steps until ``G`` moves by less than ``tol`` (relative; default 16 machine epsilons
+    of the spectrum's dtype) or ``max_iter`` steps. ``at_boundary`` marks a grid argmax
+    at either end of the span (no finite maximiser inside it: e.g. 1-shot tasks, where
+    ``G`` rises to its supremum as lambda -> infinity) or a lambda on a clamp.
     """
-    shape = sp.yy.shape
-    scale = sp.mean_s.unsqueeze(-1)  # [..., 1]
-    log_lo = math.log(grid_span[0]) + scale.log()
-    log_hi = math.log(grid_span[1]) + scale.log()
-    steps = torch.linspace(0, 1, n_grid, dtype=sp.s.dtype, device=sp.s.device)
-    grid = log_lo + (log_hi - log_lo) * steps  # [..., G] in log lambda
-    width = (log_hi - log_lo) / (n_grid - 1)
-    best, at_boundary = None, None
-    for round_ in range(refine + 1):
-        values = _log_evidence_grid(sp, grid.exp().unsqueeze(-2).expand(*shape, grid.shape[-1]))
-        total = values.sum(-2)  # [..., G]
-        idx = total.argmax(-1, keepdim=True)
-        best = torch.gather(grid, -1, idx)  # [..., 1]
-        if round_ == 0:
-            at_boundary = (idx == 0) | (idx == n_grid - 1)
-        steps33 = torch.linspace(-1, 1, 33, dtype=sp.s.dtype, device=sp.s.device)
-        grid = best + width * steps33
-        width = width / 16
-    lam = best.exp().expand(shape)
-    beta = profile_beta(sp, lam)
-    f = log_evidence(sp, lam)
-    zeros = torch.zeros(shape, dtype=torch.long, device=lam.device)
-    return EvidenceResult(
-        lam=lam,
-        alpha=lam * beta,
-        beta=beta,
-        log_evidence=f,
-        n_iter=zeros + refine + 1,
-        converged=torch.ones(shape, dtype=torch.bool, device=lam.device),
-        at_boundary=at_boundary.expand(shape),
-        degenerate=(sp.yy <= 0),
-    )
+    batch = sp.yy.shape
+    flat = _flat(sp)
+    engine = EvidenceEngine("shared", n_grid=n_grid, grid_span=grid_span, clamp=clamp)
+    tol = 16 * torch.finfo(sp.s.dtype).eps if tol is None else tol
+    state, info = run(engine, engine.init_spectrum(flat), max_iter, tol)
+    res = engine.result(state, info)
+    return EvidenceResult(*(getattr(res, f.name).reshape(batch) for f in fields(res)))
 
 
 # ---------------------------------------------------------------------------------------
 # Engine for the model/guide contract
 
+LAMBDA_MODES = ("shared", "per_class")
+
 
 @dataclass
 class EvidenceState:
-    """One evidence problem per task: ``x [T, N, D]``, ``y [T, N]``."""
+    """Type-II ML state of a batch of tasks; ``lam``, ``lo``, ``hi``, ``grid_boundary``
+    are ``[T, K]`` (equal along K for a shared lambda), ``objective`` ``[T]``.
 
-    x: torch.Tensor
-    y: torch.Tensor
+    ``spectrum`` is the one decomposition of each task's X (constant over the steps);
+    ``objective`` is the summed log evidence ``sum_k F_k(lambda_k)`` at the profile
+    betas, which is also the ELBO of the guide (exact posterior of w).
+    """
+
     spectrum: Spectrum
-    lam: torch.Tensor  # [T]
-    alpha: torch.Tensor  # [T]
-    beta: torch.Tensor  # [T]
-    mean: torch.Tensor  # [T, D] posterior mean of w
-    precision: torch.Tensor  # [T, D, D] posterior precision A = alpha I + beta X^T X
-    objective: torch.Tensor  # [T] ELBO = log evidence at (alpha, beta) (exact posterior)
+    lam: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    grid_boundary: torch.Tensor
+    objective: torch.Tensor
+
+    @property
+    def beta(self) -> torch.Tensor:
+        """``[T, K]`` profile noise precisions ``N / E_k(lambda_k)`` (eq. 16)."""
+        return profile_beta(self.spectrum, self.lam)
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        """``[T, K]`` prior precisions ``lambda_k beta_k``."""
+        return self.lam * self.beta
+
+    @property
+    def log_evidence(self) -> torch.Tensor:
+        """``[T, K]`` ``F_k(lambda_k)`` (eq. 17)."""
+        return log_evidence(self.spectrum, self.lam)
+
+
+@dataclass(frozen=True)
+class EvidenceInfo(Info):
+    """What one evidence step reports: the objective and the new ``lam [T, K]``."""
+
+    lam: torch.Tensor
 
 
 class EvidenceEngine(Engine):
-    """Type-II maximum likelihood with the exact Gaussian posterior of w as the guide.
+    """Type-II maximum likelihood of lambda with the exact Gaussian posterior of w as guide.
 
-    ``init`` decomposes X once; each ``step`` is one safeguarded Aitken step of
-    :func:`maximize_evidence` on lambda (with the profile beta). The guide puts point
-    masses on alpha and beta and the exact posterior ``Normal(m, A^-1)`` on w, so
-    Pyro's ``Trace_ELBO`` of :func:`probfsl.models.evidence.evidence_model` equals
-    the log evidence at (alpha, beta).
+    Data: ``x [T, N, D]``, one-vs-rest targets ``y [T, N, K]``. Model
+    (:func:`probfsl.models.evidence.shared_evidence_model` for ``"shared"``,
+    :func:`probfsl.models.evidence.evidence_model` for ``"per_class"``):
+    ``w_k ~ Normal(0, (lambda_k beta_k)^-1 I)``, ``y_k ~ Normal(X w_k, beta_k^-1 I)``,
+    with one lambda per task (``"shared"``) or per target (``"per_class"``).
+
+    * ``init``: one eigendecomposition per task (:func:`spectrum`), then lambda at the
+      argmax of the objective on a log grid (``lam_init`` starts there instead).
+      ``variant`` picks the per-target map (:func:`update`); a shared lambda uses
+      :func:`shared_update`.
+    * ``step``: the safeguarded fixed point: candidates {Aitken's delta-squared step of
+      the fixed-point map (:func:`shared_update`, or Algorithm 2 per target), one map,
+      two maps (only one map with ``accelerate=False``), the EM step :func:`em_lambda`,
+      the current lambda}, each clamped to
+      ``clamp x mean(s)``; the one with the highest profile evidence is kept (per task
+      when shared, per target otherwise). MacKay's map alone is not guaranteed to
+      increase the evidence; the choice among candidates that include the current
+      lambda makes every step monotone by construction, and the EM candidate (a proper
+      EM step, monotone by the EM inequality) keeps it moving uphill wherever the map
+      overshoots. Without host synchronisation.
+    * ``guide``: point masses on the hyperparameters at the profile betas and the exact
+      posterior ``Normal(m_k, (beta_k (lambda_k I + X^T X))^-1)`` on each w_k, so Pyro's
+      ``Trace_ELBO`` is the log evidence ``sum_k F_k``, the state's objective.
     """
 
     maximize = True
 
-    def __init__(self, lam_init: float = 1.0, fit_intercept: bool = False) -> None:
-        if isinstance(lam_init, bool) or not isinstance(lam_init, (int, float)):
-            raise TypeError(f"lam_init must be a real number, got {lam_init!r}")
-        if not 0 < lam_init < math.inf:
-            raise ValueError(f"lam_init must be positive and finite, got {lam_init!r}")
-        self.lam_init = lam_init
+    def __init__(
+        self,
+        lambda_mode: str = "shared",
+        fit_intercept: bool = False,
+        lam_init: float | None = None,
+        n_grid: int = 64,
+        grid_span: tuple[float, float] = (1e-6, 1e6),
+        clamp: tuple[float, float] = (1e-10, 1e10),
+        accelerate: bool = True,
+        variant: str = "algorithm2",
+    ) -> None:
+        check_choice("lambda_mode", lambda_mode, LAMBDA_MODES)
+        check_choice("variant", variant, UPDATE_VARIANTS)
+        check_hyperparameter("lam_init", lam_init, positive=True, optional=True)
+        check_hyperparameter("n_grid", n_grid, integer=True, low=2)
+        for name, pair in (("grid_span", grid_span), ("clamp", clamp)):
+            lo = check_hyperparameter(f"{name}[0]", pair[0], positive=True)
+            if check_hyperparameter(f"{name}[1]", pair[1], positive=True) <= lo:
+                raise ValueError(f"{name} must be an increasing pair, got {pair!r}")
+        self.lambda_mode = lambda_mode
         self.fit_intercept = fit_intercept
+        self.lam_init = lam_init
+        self.n_grid = int(n_grid)
+        self.grid_span = grid_span
+        self.clamp = clamp
+        self.accelerate = accelerate
+        self.variant = variant
+
+    @property
+    def shared(self) -> bool:
+        return self.lambda_mode == "shared"
 
     def init(self, x: torch.Tensor, y: torch.Tensor) -> EvidenceState:
-        if y.ndim != 2 or x.ndim != 3:
+        """Decompose each task's ``x [T, N, D]`` once; start lambda (targets ``y [T, N, K]``)."""
+        if getattr(x, "ndim", None) != 3 or getattr(y, "ndim", None) != 3:
             raise ValueError(
-                f"expected x [T, N, D] and y [T, N], got {tuple(x.shape)}, {tuple(y.shape)}"
+                f"expected x [T, N, D] and y [T, N, K], got {tuple(getattr(x, 'shape', ()))}, "
+                f"{tuple(getattr(y, 'shape', ()))}"
             )
-        sp = spectrum(x, y.unsqueeze(-1), self.fit_intercept)
-        lam = torch.full(y.shape[:1], float(self.lam_init), dtype=x.dtype, device=x.device)
-        return self._state(x, y, sp, lam)
+        return self.init_spectrum(spectrum(x, y, self.fit_intercept))
 
-    def _state(self, x, y, sp, lam) -> EvidenceState:
-        beta = profile_beta(sp, lam.unsqueeze(-1)).squeeze(-1)
-        alpha = lam * beta
-        mean = posterior_mean(sp, lam.unsqueeze(-1)).squeeze(-1)
-        eye = torch.eye(x.shape[-1], dtype=x.dtype, device=x.device)
-        precision = alpha[:, None, None] * eye + beta[:, None, None] * (x.mT @ x)
-        objective = log_evidence(sp, lam.unsqueeze(-1)).squeeze(-1)
-        return EvidenceState(x, y, sp, lam, alpha, beta, mean, precision, objective)
+    def init_spectrum(self, sp: Spectrum) -> EvidenceState:
+        """Initial state from an existing :class:`Spectrum` with one task dimension."""
+        if sp.yy.ndim != 2:
+            raise ValueError(f"the spectrum must be [T, K], got batch shape {tuple(sp.yy.shape)}")
+        scale = sp.mean_s.unsqueeze(-1).expand_as(sp.yy)
+        lo, hi = self.clamp[0] * scale, self.clamp[1] * scale
+        if self.lam_init is None:
+            unit = torch.logspace(
+                math.log10(self.grid_span[0]), math.log10(self.grid_span[1]), self.n_grid,
+                dtype=sp.s.dtype, device=sp.s.device,
+            )  # fmt: skip
+            grid = (scale.unsqueeze(-1) * unit).contiguous()  # [T, K, G]
+            values = _log_evidence_grid(sp, grid)
+            if self.shared:
+                values = values.sum(-2, keepdim=True).expand_as(values)
+            best = values.argmax(-1, keepdim=True)
+            lam = torch.gather(grid, -1, best).squeeze(-1).clamp(lo, hi)
+            boundary = ((best == 0) | (best == self.n_grid - 1)).squeeze(-1)
+        else:
+            lam = torch.full_like(sp.yy, float(self.lam_init))
+            boundary = torch.zeros_like(sp.yy, dtype=torch.bool)
+        objective = log_evidence(sp, lam).sum(-1)
+        return EvidenceState(sp, lam, lo, hi, boundary, objective)
 
-    def step(self, state: EvidenceState) -> EvidenceState:
-        sp, l0 = state.spectrum, state.lam.unsqueeze(-1)
-        scale = sp.mean_s.unsqueeze(-1)
-        lam = _step(sp, l0, 1e-10 * scale, 1e10 * scale, "algorithm2", True, True).squeeze(-1)
-        return self._state(state.x, state.y, state.spectrum, lam)
+    def _map(self, sp: Spectrum, lam: torch.Tensor) -> torch.Tensor:
+        return shared_update(sp, lam) if self.shared else update(sp, lam, self.variant)
 
-    def guide(self, state: EvidenceState):
-        def guide(x: torch.Tensor, y: torch.Tensor, *args, **kwargs) -> None:
-            with pyro.plate("problems", x.shape[0], dim=-1):
-                pyro.sample("alpha", dist.Delta(state.alpha))
-                pyro.sample("beta", dist.Delta(state.beta))
-                pyro.sample(
-                    "w", dist.MultivariateNormal(state.mean, precision_matrix=state.precision)
-                )
+    def step(self, state: EvidenceState) -> tuple[EvidenceState, EvidenceInfo]:
+        """One safeguarded fixed-point step (see the class docstring)."""
+        sp, l0 = state.spectrum, state.lam
+        l1 = self._map(sp, l0)
+        moves = [l1]
+        if self.accelerate:
+            l2 = self._map(sp, l1)
+            moves = [_aitken(l0, l1, l2), l1, l2]
+        cands = torch.stack([*moves, em_lambda(sp, l0, self.shared)])
+        cands = cands.nan_to_num(nan=0.0).clamp(state.lo, state.hi)
+        cands = torch.cat([cands, l0.unsqueeze(0)])  # [C, T, K]; the last keeps lambda
+        per_target = log_evidence(sp, cands)
+        per_target = torch.where(torch.isfinite(per_target), per_target, -math.inf)
+        score = per_target.sum(-1, keepdim=True).expand_as(cands) if self.shared else per_target
+        best = score.argmax(0, keepdim=True)  # ties go to the first candidate
+        lam = torch.gather(cands, 0, best).squeeze(0)
+        objective = torch.gather(per_target, 0, best).squeeze(0).sum(-1)
+        new = dataclasses.replace(state, lam=lam, objective=objective)
+        return new, EvidenceInfo(objective, lam)
+
+    def keep(self, frozen: torch.Tensor, old: EvidenceState, new: EvidenceState) -> EvidenceState:
+        """Only ``lam`` and ``objective`` change over the steps."""
+        lam = torch.where(frozen.unsqueeze(-1), old.lam, new.lam)
+        objective = torch.where(frozen, old.objective, new.objective)
+        return dataclasses.replace(new, lam=lam, objective=objective)
+
+    def result(self, state: EvidenceState, info: RunInfo) -> EvidenceResult:
+        """The :class:`EvidenceResult` ``[T, K]`` of a run."""
+        sp, lam = state.spectrum, state.lam
+        beta = state.beta
+        at_clamp = (lam <= state.lo * (1 + 1e-9)) | (lam >= state.hi * (1 - 1e-9))
+        return EvidenceResult(
+            lam=lam,
+            alpha=lam * beta,
+            beta=beta,
+            log_evidence=log_evidence(sp, lam),
+            n_iter=info.n_steps.unsqueeze(-1).expand_as(lam),
+            converged=info.converged.unsqueeze(-1).expand_as(lam),
+            at_boundary=state.grid_boundary | at_clamp,
+            degenerate=sp.yy <= 0,
+        )
+
+    def guide(self, state: EvidenceState) -> Callable[..., None]:
+        """Point masses on (lambda or alpha, beta), the exact posterior on w ``[T, K, D]``."""
+        sp, lam = state.spectrum, state.lam
+        beta = state.beta
+        mean = posterior_mean(sp, lam).mT  # [T, K, D]
+        cov = posterior_covariance(sp, lam * beta, beta)  # [T, K, D, D]
+        n_tasks, n_targets = lam.shape
+        shared = self.shared
+
+        def guide(x: torch.Tensor, y: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            with pyro.plate("tasks", n_tasks, dim=-2):
+                if shared:
+                    pyro.sample("lam", dist.Delta(lam[:, :1]))
+                with pyro.plate("targets", n_targets, dim=-1):
+                    if not shared:
+                        pyro.sample("alpha", dist.Delta(lam * beta))
+                    pyro.sample("beta", dist.Delta(beta))
+                    pyro.sample("w", dist.MultivariateNormal(mean, covariance_matrix=cov))
 
         return guide
 
 
 __all__ = [
+    "LAMBDA_MODES",
     "EvidenceEngine",
+    "EvidenceInfo",
     "EvidenceResult",
     "EvidenceState",
     "Spectrum",
     "at_upper_limit",
     "decision_weights",
+    "em_lambda",
     "em_update",
     "evidence_curve",
     "grid_search",
@@ -634,5 +794,6 @@ __all__ = [
     "profile_beta",
     "spectrum",
     "spectrum_from_gram",
+    "shared_update",
     "update",
 ]

@@ -6,18 +6,27 @@ Few-Shot Incremental Learning", ICML 2021 (§3, App. A); spec ``gptree.md`` §3.
 Every tensor has a leading node dimension ``V``: a batch of independent binary GP
 classifiers with their own data, padded to a common size and masked. Padded training
 points get ω = 0 and κ = 0 (no information), padded inducing points an identity prior
-block, so a padded node equals the unpadded one exactly.
+block, so a padded node equals the unpadded one exactly. Both engines honour the
+:class:`probfsl.inference.base.Engine` contract (tasks = nodes) and are driven by
+:func:`probfsl.inference.base.run`; their Pyro models (one row of the batch per internal
+node of a tree) are in :mod:`probfsl.models.gptree.model`.
 
 * :class:`GibbsNodes` — block Gibbs over (f, ω) for exact-kernel nodes, ``n_chains``
   chains per node at once (§3.2), without any K⁻¹: with B = I + Ω^½KΩ^½,
   f | ω ~ N(Σκ, Σ), Σ = K − KΩ^½B⁻¹Ω^½K, drawn by Matheron's rule
-  f = g − KΩ^½B⁻¹(Ω^½g + e), g ~ N(Kκ, K), e ~ N(0, I); ω | f ~ PG(1, f).
+  f = g − KΩ^½B⁻¹(Ω^½g + e), g ~ N(Kκ, K), e ~ N(0, I); ω | f ~ PG(1, f). A sampler:
+  its state's ``objective`` is the current augmented log marginal log p(y | ω) (when
+  tracked), which need not increase, and :func:`~probfsl.inference.base.run` is given
+  no tolerance.
 * :class:`VINodes` — the inducing-point variational node (§3.3) with q(f̄) = N(μ̃, Σ̃),
   q(ω_i) = PG(1, c_i), closed-form coordinate updates and the correct ELBO (§3.8 item 1;
-  ``code_elbo=True`` reproduces the official code's two flipped signs). Honours the
-  :class:`probfsl.inference.base.Engine` contract (tasks = nodes).
+  ``code_elbo=True`` reproduces the official code's two flipped signs).
 * :func:`gauss_hermite_sigmoid` — E[σ(f)], f ~ N(μ, σ²), by 20-point Gauss–Hermite
   quadrature (the nodes and weights of gpytorch's ``GaussHermiteQuadrature1D``).
+
+Host synchronisations: a Gibbs sweep makes none (B ⪰ I is factorised without a check);
+a VI step makes one, :func:`safe_cholesky`'s check of the factorisation of Σ̃⁻¹ (a
+jitter retry needs to know whether the first factorisation failed).
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ import pyro
 import pyro.distributions as dist
 import torch
 
-from probfsl.inference.base import Engine
+from probfsl.inference.base import Engine, Info, run
 from probfsl.inference.polya_gamma import (
     CounterRNG,
     PolyaGamma,
@@ -69,7 +78,7 @@ def rbf_kernel(
     return outputscale[..., None, None] * torch.exp(-sq / (2 * l2))
 
 
-def _masked_gram(k: torch.Tensor, mask: torch.Tensor, jitter: float) -> torch.Tensor:
+def masked_gram(k: torch.Tensor, mask: torch.Tensor, jitter: float) -> torch.Tensor:
     """K + jitter·I on real rows; identity rows/columns on padded ones."""
     m = mask.to(k.dtype)
     eye = torch.eye(k.shape[-1], dtype=k.dtype, device=k.device)
@@ -142,10 +151,10 @@ class GibbsState:
         K: ``[V, n, n]`` prior covariance with jitter; ``chol_K`` its Cholesky factor.
         omega: ``[V, S, n]`` current ω of S chains (0 on padding); ``f`` the last f draw.
         outputscale, lengthscale: ``[V]`` kernel hyper-parameters.
-        objective: ``[V]`` mean over chains of the augmented log marginal likelihood
-            log p(y | ω, X) (a trace for diagnostics, not monotone: this is a sampler);
-            None unless the engine has ``track_objective``.
-        omega_trace: ``[sweeps+1, V, S, n]`` ω after each sweep when recorded, else None.
+        log_marginal: ``[V]`` mean over chains of the augmented log marginal likelihood
+            log p(y | ω, X) at the current ω (:func:`augmented_log_marginal`); None
+            unless the engine has ``track_objective``.
+        f_trace, omega_trace: f and ω after ``init`` and every sweep when recorded, else None.
         rng: the :class:`~probfsl.inference.polya_gamma.CounterRNG` of per-node streams
             when :meth:`GibbsNodes.init` was given ``keys``; None: the engine's generator.
     """
@@ -159,14 +168,28 @@ class GibbsState:
     f: torch.Tensor
     outputscale: torch.Tensor
     lengthscale: torch.Tensor
-    objective: torch.Tensor | None
+    log_marginal: torch.Tensor | None = None
     f_trace: list | None = None
     omega_trace: list | None = None
     rng: CounterRNG | None = None
 
+    @property
+    def objective(self) -> torch.Tensor:
+        """The contract's ``[V]`` objective of a sampler: ``log_marginal`` (the current
+        augmented log marginal, a random quantity that need not increase from sweep to
+        sweep, so monotonicity does not apply), or zeros when it is not tracked."""
+        if self.log_marginal is not None:
+            return self.log_marginal
+        return self.kappa.new_zeros(self.kappa.shape[0])
 
-class GibbsNodes:
+
+class GibbsNodes(Engine):
     """Block Gibbs sampler for exact-kernel PG-GP nodes, all nodes and chains at once (§3.2).
+
+    An :class:`~probfsl.inference.base.Engine` whose ``step`` is one sweep (f | ω, then
+    ω | f); :meth:`fit` drives it with :func:`~probfsl.inference.base.run` (a fixed number
+    of sweeps, no tolerance: a sampler does not converge to a point). Its Pyro model is
+    :func:`probfsl.models.gptree.model.gptree_exact_model`.
 
     Args:
         n_chains: independent chains per node (code default 30).
@@ -180,8 +203,10 @@ class GibbsNodes:
             CPU from one stream, so its results depend on the batch even with ``keys``).
         record: keep f and ω after every sweep (for ArviZ diagnostics).
         track_objective: compute log p(y | ω) after every sweep (one more Cholesky per
-            sweep); otherwise ``state.objective`` is None.
+            sweep) into ``state.log_marginal``; otherwise the objective is zero.
     """
+
+    maximize = True
 
     def __init__(
         self,
@@ -205,7 +230,7 @@ class GibbsNodes:
         self.record = record
         self.track_objective = track_objective
 
-    def _objective(self, state: GibbsState) -> torch.Tensor | None:
+    def _log_marginal(self, state: GibbsState) -> torch.Tensor | None:
         return augmented_log_marginal(state).mean(-1) if self.track_objective else None
 
     # -- draws
@@ -249,14 +274,14 @@ class GibbsNodes:
         V = x.shape[0]
         s = x.new_full((V,), self.outputscale)
         ls = x.new_full((V,), self.lengthscale)
-        K = _masked_gram(rbf_kernel(x, x, s, ls), mask, self.jitter)
+        K = masked_gram(rbf_kernel(x, x, s, ls), mask, self.jitter)
         chol_K = safe_cholesky(K)
         kappa = (y.to(x.dtype) - 0.5) * m
         eps = self._randn((V, self.n_chains, x.shape[1]), x, rng)
         f = (chol_K.unsqueeze(1) @ eps.unsqueeze(-1)).squeeze(-1)
         omega = self._pg(f, mask, rng)
-        state = GibbsState(x, mask, kappa, K, chol_K, omega, f, s, ls, None, rng=rng)
-        state.objective = self._objective(state)
+        state = GibbsState(x, mask, kappa, K, chol_K, omega, f, s, ls, rng=rng)
+        state.log_marginal = self._log_marginal(state)
         if self.record:
             state.f_trace, state.omega_trace = [f], [omega]
         return state
@@ -277,16 +302,51 @@ class GibbsNodes:
         v = _solve_B(K, sw, r)
         return g - (sw * v) @ K  # K symmetric: rows (K Ω^½ v)ᵀ
 
-    def step(self, state: GibbsState) -> GibbsState:
+    def sample_omega(self, state: GibbsState, f: torch.Tensor) -> torch.Tensor:
+        """One draw of ω | f ~ PG(1, f) for every node, chain and (real) point."""
+        return self._pg(f, state.mask, state.rng)
+
+    def step(self, state: GibbsState) -> tuple[GibbsState, Info]:
         """One sweep: f | ω, then ω | f ~ PG(1, f)."""
         f = self.sample_f(state)
-        omega = self._pg(f, state.mask, state.rng)
+        omega = self.sample_omega(state, f)
         new = replace(state, f=f, omega=omega)
-        new.objective = self._objective(new)
+        new.log_marginal = self._log_marginal(new)
         if self.record:
             new.f_trace = [*state.f_trace, f]
             new.omega_trace = [*state.omega_trace, omega]
-        return new
+        return new, Info(new.objective)
+
+    def keep(self, frozen: torch.Tensor, old: GibbsState, new: GibbsState) -> GibbsState:
+        """The default selection on the tensor fields; the recorded traces and the random
+        streams are the new state's (a sampler is run without a tolerance anyway)."""
+        bare = dict(f_trace=None, omega_trace=None, rng=None)
+        kept = super().keep(frozen, replace(old, **bare), replace(new, **bare))
+        return replace(kept, f_trace=new.f_trace, omega_trace=new.omega_trace, rng=new.rng)
+
+    def guide(self, state: GibbsState) -> Callable[..., None]:
+        """A Pyro guide of the exact-kernel node model (sites ``f`` and ``omega``).
+
+        Each call picks one chain per node uniformly and returns its current ω (a point
+        mass) and a draw of f from the exact conditional p(f | ω, y) = N(Σκ, Σ) of that
+        chain (Rao–Blackwellised). A sampler has no variational density, so the guide is
+        for drawing posterior samples through Pyro (e.g.
+        :func:`probfsl.diagnostics.arviz.draws_from_guide`), not for an ELBO.
+        """
+        omega, mask = state.omega, state.mask
+
+        def guide(x, y, mask_, keys=None):
+            V, S, n = omega.shape
+            pick = torch.randint(S, (V,), device=omega.device, generator=self.generator)
+            w = omega[torch.arange(V, device=omega.device), pick]  # [V, n]
+            chosen = replace(state, omega=w.unsqueeze(1), rng=None)
+            f = self.sample_f(chosen)[:, 0]
+            with pyro.plate("nodes", V, dim=-2):
+                pyro.sample("f", dist.Delta(f.unsqueeze(-2), event_dim=1))
+                with pyro.plate("points", n, dim=-1), pyro.poutine.mask(mask=mask):
+                    pyro.sample("omega", dist.Delta(w))
+
+        return guide
 
     def fit(
         self,
@@ -297,20 +357,22 @@ class GibbsNodes:
         keys: torch.Tensor | None = None,
     ) -> GibbsState:
         """``init`` (with optional per-node stream ``keys``) then ``n_sweeps`` sweeps (code
-        default 10)."""
+        default 10), driven by :func:`~probfsl.inference.base.run`."""
         n_sweeps = check_hyperparameter("n_sweeps", n_sweeps, integer=True, nonnegative=True)
-        state = self.init(x, y, mask, keys)
-        for _ in range(n_sweeps):
-            state = self.step(state)
+        state, _ = run(self, self.init(x, y, mask, keys), n_sweeps)
         return state
 
 
 def _chol_B(K: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
-    """Cholesky of B = I + Ω^½ K Ω^½ for ``K [V, n, n]`` and ``sw = √ω [V, S, n]``."""
+    """Cholesky of B = I + Ω^½ K Ω^½ for ``K [V, n, n]`` and ``sw = √ω [V, S, n]``.
+
+    B ⪰ I (K is positive definite, ω ≥ 0), so its eigenvalues are at least 1 and the
+    factorisation of finite input cannot fail: no check, no host synchronisation.
+    """
     B = K.unsqueeze(1) * sw.unsqueeze(-1)
     B.mul_(sw.unsqueeze(-2))
     B.diagonal(dim1=-2, dim2=-1).add_(1.0)
-    return safe_cholesky(B)
+    return torch.linalg.cholesky_ex(B)[0]
 
 
 def _solve_B(K: torch.Tensor, sw: torch.Tensor, r: torch.Tensor, max_elems: int = 2**25):
@@ -398,28 +460,6 @@ def gibbs_predict(
 
 
 @dataclass
-class VIState:
-    """Variational factors of a batch of inducing-point nodes.
-
-    Attributes:
-        data: the tensors given to :meth:`VINodes.init` (x, y, mask, z, zmask, s, l).
-        eta: ``[V, M]`` natural parameter Σ̃⁻¹μ̃; ``prec`` ``[V, M, M]`` = Σ̃⁻¹ (= −2H).
-        c: ``[V, n]`` PG tilts of q(ω_i) = PG(1, c_i).
-        objective: ``[V]`` the ELBO of each node (None when a step was asked not to
-            compute it).
-        moments: (μ̃, Σ̃, chol Σ̃⁻¹) of (η, Λ), cached by :meth:`VINodes.step_terms` so
-            the next step does not factorise Λ again; None until computed.
-    """
-
-    data: tuple
-    eta: torch.Tensor
-    prec: torch.Tensor
-    c: torch.Tensor
-    objective: torch.Tensor | None
-    moments: tuple | None = None
-
-
-@dataclass
 class VITerms:
     """Kernel quantities of the inducing-point node (§3.3 notation)."""
 
@@ -429,6 +469,30 @@ class VITerms:
     Ktilde: torch.Tensor  # [V, n] = K_ii − (A K_mn)_ii
     kappa: torch.Tensor  # [V, n] = y − ½ (0 on padding)
     mask: torch.Tensor  # [V, n] float
+
+
+@dataclass
+class VIState:
+    """Variational factors of a batch of inducing-point nodes.
+
+    Attributes:
+        data: the tensors given to :meth:`VINodes.init` (x, y, mask, z, zmask, s, l).
+        eta: ``[V, M]`` natural parameter Σ̃⁻¹μ̃; ``prec`` ``[V, M, M]`` = Σ̃⁻¹ (= −2H).
+        c: ``[V, n]`` PG tilts of q(ω_i) = PG(1, c_i).
+        objective: ``[V]`` the ELBO of each node.
+        terms: the :class:`VITerms` of ``data`` (computed once; a caller that changes
+            the kernel hyper-parameters replaces ``data`` and ``terms`` together).
+        moments: (μ̃, Σ̃, chol Σ̃⁻¹) of (η, Λ), cached by :meth:`VINodes.step` so the
+            next step does not factorise Λ again; None until computed.
+    """
+
+    data: tuple
+    eta: torch.Tensor
+    prec: torch.Tensor
+    c: torch.Tensor
+    objective: torch.Tensor
+    terms: VITerms
+    moments: tuple | None = None
 
 
 def vi_terms(
@@ -445,7 +509,7 @@ def vi_terms(
     x, z = normalize(x), normalize(z)
     m = mask.to(x.dtype)
     zm = zmask.to(x.dtype)
-    Kmm = _masked_gram(rbf_kernel(z, z, outputscale, lengthscale), zmask.bool(), jitter)
+    Kmm = masked_gram(rbf_kernel(z, z, outputscale, lengthscale), zmask.bool(), jitter)
     chol = safe_cholesky(Kmm)
     Knm = rbf_kernel(x, z, outputscale, lengthscale) * m.unsqueeze(-1) * zm.unsqueeze(-2)
     A = torch.cholesky_solve(Knm.transpose(-1, -2), chol).transpose(-1, -2)
@@ -527,6 +591,10 @@ class VINodes(Engine):
     η ← (1−ρ)η + ρAᵀκ, Λ ← (1−ρ)Λ + ρ(K_mm⁻¹ + AᵀΘA) (full batch, so n/|B| = 1). With
     ρ = ``natural_lr`` = 1 each update is the exact coordinate optimum, so the ELBO never
     decreases. The code's default ρ = 0.1 (paper 0.05) is for mini-batch SGD with DKL.
+    Its Pyro model is :func:`probfsl.models.gptree.model.gptree_model` (one row per node).
+
+    A step makes one host synchronisation: :func:`safe_cholesky`'s check of the
+    factorisation of Λ (the jitter retry must know whether it failed).
     """
 
     maximize = True
@@ -550,10 +618,16 @@ class VINodes(Engine):
         if not torch.isfinite(z).all():
             raise ValueError("z contains NaN or inf")
         data = (x, y, mask, z, zmask, outputscale, lengthscale)
-        t = self.terms(data)
-        eta, prec, c = self.initial_factors(z.shape[0], z.shape[1], x)
-        mu, Sigma = q_moments(eta, prec)
-        return VIState(data, eta, prec, c, vi_elbo(t, mu, Sigma, c, self.code_elbo))
+        return self.init_from_terms(data, self.terms(data))
+
+    def init_from_terms(self, data: tuple, t: VITerms) -> VIState:
+        """:meth:`init` (without the input checks) given the kernel terms of ``data``
+        already computed, e.g. by a caller that also needs them with gradients."""
+        eta, prec, c = self.initial_factors(t.A.shape[0], t.A.shape[-1], t.A)
+        moments = _q_factors(eta, prec)
+        mu, Sigma, chol = moments
+        elbo = vi_elbo(t, mu, Sigma, c, self.code_elbo, chol)
+        return VIState(data, eta, prec, c, elbo, t, moments)
 
     @staticmethod
     def initial_factors(V: int, M: int, like: torch.Tensor):
@@ -576,26 +650,30 @@ class VINodes(Engine):
         prec = 0.5 * (prec + prec.transpose(-1, -2))
         return (1 - rho) * eta + rho * target_eta, prec
 
-    def step(self, state: VIState) -> VIState:
-        return self.step_terms(state, self.terms(state))
+    def step(self, state: VIState) -> tuple[VIState, Info]:
+        """c then q(f̄) (§3.3 steps 1–2) with the state's kernel terms, and the new ELBO.
 
-    def step_terms(self, state: VIState, t: VITerms, objective: bool = True) -> VIState:
-        """:meth:`step` with the kernel terms of ``state.data`` already computed.
-
-        The moments of the new q(f̄) are cached in the returned state; ``objective=False``
-        skips the ELBO (for a caller that evaluates it itself, e.g. with gradients).
+        The moments of the new q(f̄) are cached in the returned state.
         """
+        t = state.terms
         mu, Sigma, _ = state.moments or _q_factors(state.eta, state.prec)
         c = self.update_c(t, mu, Sigma)
         eta, prec = self.update_q(t, c, state.eta, state.prec)
         moments = _q_factors(eta, prec)
         mu, Sigma, chol = moments
-        elbo = vi_elbo(t, mu, Sigma, c, self.code_elbo, chol) if objective else None
-        return VIState(state.data, eta, prec, c, elbo, moments)
+        elbo = vi_elbo(t, mu, Sigma, c, self.code_elbo, chol)
+        new = VIState(state.data, eta, prec, c, elbo, t, moments)
+        return new, Info(elbo)
 
     def guide(self, state: VIState) -> Callable[..., None]:
-        """Pyro guide of :func:`vi_node_model`: f̄ ~ q, f | f̄ ~ p(f | f̄), ω ~ PG(1, c)."""
-        t = self.terms(state)
+        """Pyro guide of :func:`~probfsl.models.gptree.model.gptree_model`: f̄_v ~ q(f̄_v)
+        = N(μ̃_v, Σ̃_v), f_v | f̄_v ~ p(f_v | f̄_v), ω_vi ~ q(ω_vi) = PG(1, c_vi).
+
+        Pyro has no Pólya-Gamma distribution: q(ω) is
+        :class:`~probfsl.inference.polya_gamma.PolyaGamma`, whose ``log_prob`` is the
+        exponentially tilted PG(1, 0) density (so ``Trace_ELBO`` can score it).
+        """
+        t = state.terms
         mu, Sigma = q_moments(state.eta, state.prec)
         c = state.c
 
@@ -604,7 +682,7 @@ class VINodes(Engine):
                 fbar = pyro.sample(
                     "fbar", dist.MultivariateNormal(mu.unsqueeze(-2), Sigma.unsqueeze(-3))
                 )
-                _f_and_omega(t, fbar, c, guide=True)
+                node_sites(t, fbar, c)
 
         return guide
 
@@ -615,7 +693,7 @@ class VINodes(Engine):
         x, y, mask, z, zmask, s, ls = state.data
         if x_star.ndim == 2:
             x_star = x_star.unsqueeze(0).expand(x.shape[0], -1, -1)
-        t = self.terms(state)
+        t = state.terms
         mu, Sigma = q_moments(state.eta, state.prec)
         mean, var = vi_predictive_moments(t, mu, Sigma, z, zmask, s, ls, x_star)
         p = gauss_hermite_sigmoid(mean, var, n_points)
@@ -632,37 +710,26 @@ def vi_predictive_moments(t, mu, Sigma, z, zmask, s, ls, x_star):
     return mean, var.clamp_min(1e-12)
 
 
-# -------------------------------------------------------------- Pyro model of a VI node
+# ------------------------------------------------------- Pyro sites of an inducing node
 
 
-def _f_and_omega(t: VITerms, fbar: torch.Tensor, c: torch.Tensor | None, guide: bool) -> None:
-    """Sites shared by the model and guide of a node: f_i | f̄ and ω_i (and y in the model).
+def node_sites(t: VITerms, fbar: torch.Tensor, c: torch.Tensor | None) -> None:
+    """Sites shared by the model (``c`` None) and the guide of inducing-point nodes.
 
-    Called inside the ``nodes`` plate (dim −2)."""
+    f_vi | f̄_v ~ N((A f̄_v)_i, K̃_ii) (the SVGP conditional: only its marginals enter
+    the likelihood, so the ELBO is unchanged by treating the f_vi as conditionally
+    independent, Hensman et al. 2015), ω_vi ~ PG(1, c_vi) in the guide and PG(1, 0) in
+    the model, where y_vi enters through p(y, ω | f) = ½ exp(κf − ωf²/2) PG(ω | 1, 0)
+    (the augmented likelihood, §2). Called inside the ``nodes`` plate (dim −2); ``fbar``
+    is ``[V, 1, M]``.
+    """
     fbar = fbar.squeeze(-2)
     loc = (t.A @ fbar.unsqueeze(-1)).squeeze(-1)
     scale = t.Ktilde.clamp_min(1e-10).sqrt()
     mask = t.mask.bool()
-    with pyro.plate("points", t.A.shape[1], dim=-1):
-        with pyro.poutine.mask(mask=mask):
-            f = pyro.sample("f", dist.Normal(loc, scale))
-            tilt = c if guide else torch.zeros_like(t.kappa)
-            omega = pyro.sample("omega", PolyaGamma(tilt))
-            if not guide:
-                # p(y, ω | f) = ½ exp(κf − ωf²/2) PG(ω | 1, 0)   (augmented likelihood, §2)
-                pyro.factor("y", t.kappa * f - omega * f.pow(2) / 2 - math.log(2.0))
-
-
-def vi_node_model(x, y, mask, z, zmask, outputscale, lengthscale, jitter: float = 1e-2) -> None:
-    """Generative model of a batch of inducing-point nodes (sites fbar, f, omega, y).
-
-    f̄_v ~ N(0, K_mm); f_vi | f̄_v ~ N(A f̄, K̃_ii) (the SVGP conditional; only its marginals
-    enter the likelihood); ω_vi ~ PG(1, 0); y_vi enters through the augmented factor
-    ½ exp(κf − ωf²/2), whose ω-marginal is σ(f)^y(1−σ(f))^{1−y}.
-    """
-    t = vi_terms(x, y, mask, z, zmask, outputscale, lengthscale, jitter)
-    M = z.shape[1]
-    zero = x.new_zeros(x.shape[0], M)
-    with pyro.plate("nodes", x.shape[0], dim=-2):
-        fbar = pyro.sample("fbar", dist.MultivariateNormal(zero.unsqueeze(-2), t.Kmm.unsqueeze(-3)))
-    _f_and_omega(t, fbar, None, guide=False)
+    with pyro.plate("points", t.A.shape[1], dim=-1), pyro.poutine.mask(mask=mask):
+        f = pyro.sample("f", dist.Normal(loc, scale))
+        tilt = torch.zeros_like(t.kappa) if c is None else c
+        omega = pyro.sample("omega", PolyaGamma(tilt))
+        if c is None:
+            pyro.factor("y", t.kappa * f - omega * f.pow(2) / 2 - math.log(2.0))

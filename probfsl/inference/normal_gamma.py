@@ -14,7 +14,7 @@ import pyro.distributions as dist
 import torch
 
 from probfsl.inference import expfam
-from probfsl.inference.base import Engine
+from probfsl.inference.base import Engine, Info
 
 LOG_2PI = math.log(2 * math.pi)
 
@@ -39,15 +39,16 @@ class NormalMeanPosterior(Engine):
 
     def init(self, x: torch.Tensor) -> NormalMeanState:
         zero = x.new_zeros(x.shape[0])
-        return self.step(NormalMeanState(x, zero + self.mu0, zero + self.lam0 * self.tau, zero))
+        return self.step(NormalMeanState(x, zero + self.mu0, zero + self.lam0 * self.tau, zero))[0]
 
-    def step(self, state: NormalMeanState) -> NormalMeanState:
+    def step(self, state: NormalMeanState) -> tuple[NormalMeanState, Info]:
         x, n = state.x, state.x.shape[-1]
         lam_n = self.lam0 + n
         mean = (self.lam0 * self.mu0 + x.sum(-1)) / lam_n
         precision = torch.full_like(mean, lam_n * self.tau)
         new = replace(state, mean=mean, precision=precision)
-        return replace(new, objective=self.elbo(new))
+        new = replace(new, objective=self.elbo(new))
+        return new, Info(new.objective)
 
     def elbo(self, state: NormalMeanState) -> torch.Tensor:
         """E_q[ln p(x, mu)] + H[q(mu)], in closed form."""
@@ -95,8 +96,9 @@ class NormalGammaVB(Engine):
         )
         return replace(state, objective=self.elbo(state))
 
-    def step(self, state: NormalGammaState) -> NormalGammaState:
-        return self._update_tau(self._update_mu(state))
+    def step(self, state: NormalGammaState) -> tuple[NormalGammaState, Info]:
+        new = self._update_tau(self._update_mu(state))
+        return new, Info(new.objective)
 
     def _update_mu(self, s: NormalGammaState) -> NormalGammaState:
         """Eq. 10.26-10.27: q(mu) = Normal(mu_N, lam_N^-1)."""

@@ -8,7 +8,11 @@ it differs from the paper.
 * :func:`within_class_scatter`: the base within-class scatter S_w (spec §3.2, the code's
   norm-averaged per-class scatter; the paper's eq. 6 as an option).
 * :func:`task_span_whitening`: the code's per-task whitening inside the span of the
-  task's points, ``M_t = (U_t^T S_w^{-1} U_t)^{-1}`` (spec §3.1 "S" and "V").
+  task's points, ``M_t = (U_t^T S_w^{-1} U_t)^{-1}`` (spec §3.1 "S" and "V"), computed from
+  the task's N x N Gram matrices with batched Cholesky factorisations and triangular
+  solves, and either one LAPACK eigendecomposition per task (the CPU route) or a Newton
+  matrix-sign iteration (batched LU; the route off the CPU, since CUDA's batched eigh
+  runs one matrix at a time above 32 x 32). No QR or SVD of the D x N task matrix.
 * :func:`global_whitening`: the paper's whitening, one D x D eigendecomposition of S_w
   (spec §3.3, eq. 7), returned as a :class:`GlobalWhitening` that can whiten rows or
   apply the whitened metric ``G = W W^T`` lazily (the fast path).
@@ -21,7 +25,10 @@ All functions take a leading task dimension where tasks are involved and follow 
 dtype and device of their input. Every per-task eigendecomposition goes through
 :func:`probfsl.inference.eigh.stable_eigh` (per-matrix power-of-two scaling and an
 eps-relative jitter), so that a degenerate task (identical points, D = 1, rank-deficient
-Gram matrices with denormal entries) neither raises nor changes the other tasks' results.
+Gram matrices with denormal entries) neither raises nor changes the other tasks' results;
+the Cholesky factorisations take eps-relative jitters per task for the same reason.
+The Newton sign iteration (:func:`probfsl.inference.eigh.matrix_sign`) is a fixed number
+of steps of a matrix-function evaluation, outside the ``run`` engine contract.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from probfsl.inference.eigh import stable_eigh
+from probfsl.inference.eigh import matrix_sign, stable_eigh
 
 
 def _check_scatter_input(features: torch.Tensor, labels: torch.Tensor) -> None:
@@ -207,9 +214,9 @@ def global_whitening(
 class TaskSpanBasis:
     """The pieces of the code's per-task whitening (spec §3.1), for inspection and tests.
 
-    ``span`` is U_t [T, D, r], an orthonormal basis of the task's points; ``rotation`` is
-    V_e [T, r, r] (eigenvectors of M_t = (U_t^T S_w^{-1} U_t)^{-1}); ``scales`` s [T, r].
-    The whitening of a row x of the task is ``x @ U_t @ V_e * s``.
+    ``span`` is U_t [T, D, r], a basis of the task's points (orthonormal up to rounding);
+    ``rotation`` is V_e [T, r, r] (eigenvectors of M_t = (U_t^T S_w^{-1} U_t)^{-1});
+    ``scales`` s [T, r]. The whitening of a row x of the task is ``x @ U_t @ V_e * s``.
     """
 
     span: torch.Tensor
@@ -217,11 +224,47 @@ class TaskSpanBasis:
     scales: torch.Tensor
 
 
+#: routes of :func:`task_span_whitening` for the spectral function of the N x N matrix
+SPAN_METHODS = ("auto", "eigh", "sign")
+
+
+def _triangular_product(x: torch.Tensor, lower: torch.Tensor, blocks: int = 8) -> torch.Tensor:
+    """``x @ lower`` [M, D] for a lower-triangular ``lower`` [D, D] by column blocks: block
+    j only needs the rows of ``lower`` from its first column on, so the product costs about
+    (blocks + 1) / (2 blocks) of a dense one (a triangular matrix product, which torch lacks;
+    ``solve_triangular`` runs no faster than the dense product on the CPU)."""
+    d = lower.shape[0]
+    if d < 128:
+        return x @ lower
+    out = x.new_empty(x.shape[0], d)
+    edges = [round(i * d / blocks) for i in range(blocks + 1)]
+    for j0, j1 in zip(edges[:-1], edges[1:], strict=True):
+        out[:, j0:j1] = x[:, j0:] @ lower[j0:, j0:j1]
+    return out
+
+
+def _mahalanobis_gram(x: torch.Tensor, precision: torch.Tensor) -> torch.Tensor:
+    """H = x S_w^{-1} x^T [T, N, N] as (x L)(x L)^T with S_w^{-1} = L L^T.
+
+    L is computed in float64 (one D x D Cholesky per call) and cast to x's dtype; if the
+    precision given in a low precision is not numerically positive definite, the dense
+    product x (S_w^{-1} x^T) is used instead (one host synchronisation per call, not per task).
+    """
+    t, n, d = x.shape
+    lower, info = torch.linalg.cholesky_ex(precision.to(torch.float64))
+    if int(info) != 0:
+        return (x @ precision) @ x.mT
+    y = _triangular_product(x.reshape(t * n, d), lower.to(x)).reshape(t, n, d)
+    return y @ y.mT
+
+
 def task_span_whitening(
     x: torch.Tensor,
     precision: torch.Tensor,
     s_max: float | None = None,
     return_basis: bool = False,
+    *,
+    method: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, TaskSpanBasis]:
     """The code's whitening inside each task's span (spec §3.1, steps S and V).
 
@@ -230,38 +273,149 @@ def task_span_whitening(
     V_e^T gives the whitened rows y = x U_t V_e diag(s), s_i = min(e_i^{-1/2}, s_max).
     Unclamped, y_a . y_b is the full-space Mahalanobis product x_a^T S_w^{-1} x_b.
 
-    U_t comes from a reduced QR of x^T (any orthonormal basis of the span gives the same
-    whitened geometry; the code uses the SVD). The eigenvectors of M_t are taken from
-    U_t^T S_w^{-1} U_t itself (same eigenvectors, reciprocal eigenvalues), which avoids
-    an N x N inverse. When N >= D the span is all of R^D and U_t = I (then this equals
-    :func:`global_whitening` exactly, clamping included).
+    BAVARDAGE only uses the whitened Gram matrix K = y y^T (the centroid projection and
+    the isotropic mixture are invariant to a rotation of y), and with P = U_t^T S_w^{-1} U_t
+    and the coordinates C = x U_t,
 
-    Returns y [T, N, r] with r = min(N, D) (and the basis when ``return_basis``).
+        K = C f(P) C^T,   f(a) = min(a, s_max^2)   (the eigenvalues of M_t are 1/a).
+
+    Computed without any QR, SVD or N x N eigendecomposition per task (when N < D):
+
+    1. G = x x^T = C C^T, so C = L_G (Cholesky, G + delta I with delta = N eps max G_ii:
+       exact duplicates and other rank-deficient tasks stay factorable);
+    2. H = x S_w^{-1} x^T = C P C^T, from the Cholesky factor of S_w^{-1} (one per call);
+    3. A = L_G^{-1} (H + sigma delta I) L_G^{-T} (two triangular solves) is P in the basis
+       U_t = x^T L_G^{-T}; the sigma delta term gives the directions that the jitter delta
+       adds to a rank-deficient task the metric sigma, so that they do not mix with the
+       span (their share of K is O(delta), rounding level);
+    4. f(A), then y = L_G F with F F^T = f(A), so that y y^T = C f(P) C^T = K:
+
+       * ``method="eigh"``: A = V diag(a) V^T, F = V diag(min(a, s_max^2)^{1/2})
+         (:func:`~probfsl.inference.eigh.stable_eigh`: one LAPACK call per task, the
+         cheapest route on the CPU);
+       * ``method="sign"``: f(A) from the matrix sign of (A + s_max^2 I)^{-1} - I/(2 s_max^2)
+         (:func:`_clamped_by_sign`; Newton iteration, batched LU and Cholesky only) and
+         F = chol(f(A)): the route for CUDA, where batched eigh of N > 32 runs one matrix
+         at a time;
+       * ``"auto"`` (default): ``"eigh"`` for tensors on the CPU, ``"sign"`` elsewhere.
+
+    Both give the same K up to rounding (y differs by a rotation). When N >= D the span is
+    all of R^D and U_t = I: one D x D eigendecomposition of S_w^{-1} shared by all tasks
+    (then this equals :func:`global_whitening` exactly, clamping included).
+
+    Returns y [T, N, r] with r = min(N, D); with ``return_basis`` also the
+    :class:`TaskSpanBasis` (U_t = x^T L_G^{-T}, V, s; always by the eigh route).
     """
     if x.ndim != 3:
         raise ValueError(f"x must be [T, N, D], got shape {tuple(x.shape)}")
     d = x.shape[-1]
     if precision.shape != (d, d):
         raise ValueError(f"precision must be [{d}, {d}], got {tuple(precision.shape)}")
+    if method not in SPAN_METHODS:
+        raise ValueError(f"method must be one of {SPAN_METHODS}, got {method!r}")
+    if s_max is not None and not s_max > 0:
+        raise ValueError(f"s_max must be positive (or None for no clamping), got {s_max}")
     precision = precision.to(x)
     if x.shape[1] >= d:
         a, v = stable_eigh(precision)
-        span = torch.eye(d, dtype=x.dtype, device=x.device).expand(x.shape[0], d, d)
-        v = v.expand(x.shape[0], d, d)
-        a = a.expand(x.shape[0], d)
-        coords = x
+        s = _span_scales(a, s_max)
+        y = (x @ v) * s
+        if return_basis:
+            t = x.shape[0]
+            span = torch.eye(d, dtype=x.dtype, device=x.device).expand(t, d, d)
+            return y, TaskSpanBasis(span, v.expand(t, d, d), s.expand(t, d))
+        return y
+    if method == "auto":
+        method = "eigh" if x.device.type == "cpu" else "sign"
+    if return_basis:
+        method = "eigh"
+    n = x.shape[1]
+    eye = torch.eye(n, dtype=x.dtype, device=x.device)
+    tiny = torch.finfo(x.dtype).tiny
+    eps = torch.finfo(x.dtype).eps
+    gram = x @ x.mT
+    g_diag = gram.diagonal(dim1=1, dim2=2)
+    delta = n * eps * g_diag.amax(-1).clamp_min(tiny)  # [T]
+    chol_g = torch.linalg.cholesky_ex(gram + delta[:, None, None] * eye)[0]
+    h = _mahalanobis_gram(x, precision)
+    clamp = s_max is not None and not math.isinf(s_max)
+    c = s_max**2 if clamp else math.inf
+    if clamp:
+        sigma = torch.full_like(delta, c / 2)
+    else:  # the task's mean metric
+        sigma = h.diagonal(dim1=1, dim2=2).sum(-1) / g_diag.sum(-1).clamp_min(tiny)
+    a_mat = torch.linalg.solve_triangular(
+        chol_g, h + (sigma * delta)[:, None, None] * eye, upper=False
+    )
+    a_mat = torch.linalg.solve_triangular(chol_g, a_mat.mT, upper=False)
+    a_mat = (a_mat + a_mat.mT) / 2
+    if method == "eigh":
+        a, v = stable_eigh(a_mat)
+        s = _span_scales(a, s_max)
+        y = chol_g @ (v * s.unsqueeze(1))
+        if return_basis:
+            span = torch.linalg.solve_triangular(chol_g, x, upper=False).mT  # x^T L_G^{-T}
+            return y, TaskSpanBasis(span, v, s)
+        return y
+    if clamp:
+        f, scale = _clamped_by_sign(a_mat, c), torch.full_like(delta, c)
     else:
-        span, r_factor = torch.linalg.qr(x.transpose(1, 2))  # x^T = U_t R
-        coords = r_factor.transpose(1, 2)  # x U_t = R^T, [T, N, N]
-        a, v = stable_eigh(span.transpose(1, 2) @ precision @ span)
-    # eigenvalues of M_t are 1/a, so s = min(a^{1/2}, s_max)
+        f, scale = a_mat, a_mat.diagonal(dim1=1, dim2=2).amax(-1)
+    # f's largest eigenvalue is about ``scale``: an eps-relative jitter (as stable_eigh's in
+    # the eigh route); a task whose f is not numerically positive definite even so (smallest
+    # eigenvalues within rounding of 0) is factored with a sqrt(eps)-relative one instead
+    f = (f + f.mT) / 2
+    scale = scale[:, None, None]
+    factor, info = torch.linalg.cholesky_ex(f + (eps * scale) * eye)
+    retry = torch.linalg.cholesky_ex(f + (math.sqrt(eps) * scale) * eye)[0]
+    factor = torch.where((info > 0)[:, None, None], retry, factor)
+    return chol_g @ factor
+
+
+def _clamped_by_sign(a_mat: torch.Tensor, c: float) -> torch.Tensor:
+    """f(A) = min(A, c I) [T, n, n] for symmetric positive semi-definite A, without an
+    eigendecomposition (batched Cholesky and LU only).
+
+    Through the Cayley-type transform T = (A + c I)^{-1} (eigenvalues t = 1/(a + c), in
+    (0, 1/c]; a < c exactly when t > 1/(2c)): with S = sign(T - I/(2c)) (:func:`matrix_sign`)
+    and the spectral projectors P_free = (I + S)/2 (a < c), P_clamped = (I - S)/2,
+
+        Phi = P_free T P_free + P_clamped / (2c)   (eigenvalues max(t, 1/(2c)))
+        f(A) = Phi^{-1} - c I                       (eigenvalues min(a, c)).
+
+    Every matrix inverted or factored here has eigenvalues within a factor
+    (1 + max a / c) of each other, and the projectors never multiply the large
+    eigenvalues of A (their rounding error then stays of the order of c, not of max a).
+    An eigenvalue a within rounding of c may be taken for either side: min(a, c) is
+    continuous, so it moves f by at most |a - c|.
+    """
+    n = a_mat.shape[-1]
+    eye = torch.eye(n, dtype=a_mat.dtype, device=a_mat.device)
+    eps = torch.finfo(a_mat.dtype).eps
+    t = _spd_inverse(a_mat + c * eye)
+    # the eps shift keeps T - I/(2c) nonsingular when a = c exactly (then counted clamped)
+    sign = matrix_sign(t - ((1 + eps) / (2 * c)) * eye)
+    free = (eye + sign) / 2
+    phi = free @ t @ free + (eye - sign) / (4 * c)
+    phi = (phi + phi.mT) / 2
+    return _spd_inverse(phi) - c * eye
+
+
+def _spd_inverse(matrix: torch.Tensor) -> torch.Tensor:
+    """M^{-1} = L^{-T} L^{-1} for symmetric positive definite M = L L^T, by a batched
+    Cholesky and a batched triangular solve (both batched kernels on CUDA)."""
+    eye = torch.eye(matrix.shape[-1], dtype=matrix.dtype, device=matrix.device)
+    inv_lower = torch.linalg.solve_triangular(torch.linalg.cholesky_ex(matrix)[0], eye, upper=False)
+    return inv_lower.mT @ inv_lower
+
+
+def _span_scales(a: torch.Tensor, s_max: float | None) -> torch.Tensor:
+    """s = min(a^{1/2}, s_max) from the eigenvalues a of U_t^T S_w^{-1} U_t (those of M_t
+    are 1/a)."""
     s = a.clamp_min(0).sqrt()
     if s_max is not None and not math.isinf(s_max):
         s = s.clamp_max(s_max)
-    y = (coords @ v) * s.unsqueeze(1)
-    if return_basis:
-        return y, TaskSpanBasis(span, v, s)
-    return y
+    return s
 
 
 def shrunk_centroids(x: torch.Tensor, resp: torch.Tensor, gamma: float) -> torch.Tensor:

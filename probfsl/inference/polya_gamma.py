@@ -310,20 +310,6 @@ def sample_pg_exact(
     return torch.as_tensor(np.asarray(draws), dtype=c.dtype, device=c.device)
 
 
-def sample_pg(
-    c: torch.Tensor,
-    method: str = "torch",
-    generator: torch.Generator | None = None,
-    random_state: int | np.random.Generator | None = None,
-) -> torch.Tensor:
-    """PG(1, c) draws with ``method`` ``"torch"`` (on device) or ``"exact"`` (polyagamma)."""
-    if method == "torch":
-        return sample_pg_torch(c, generator=generator)
-    if method == "exact":
-        return sample_pg_exact(c, random_state=random_state)
-    raise ValueError(f"method must be 'torch' or 'exact', got {method!r}")
-
-
 class PolyaGamma(dist.TorchDistribution):
     """PG(1, c) as a Pyro distribution (``rsample`` not available; ``sample`` is the torch
     sampler, ``log_prob`` the alternating series of :func:`pg_log_prob`)."""

@@ -25,7 +25,8 @@ it by a latent Categorical site (``Vindex(mu)[..., z, :]``) or by a constant ind
 given as data); a fixed per-class table selected by a latent site is accepted too.
 Anything else is refused with a ``ValueError`` naming the site, its distribution and the
 parent (spec §5), before any update. Deriving the plan costs a few runs of the model
-(``init``); the sweeps never run it.
+(``init``, with the data's device as the default device, so that Pyro's plates and torch's
+samplers put their tensors with the data); the sweeps never run it.
 
 **Supported pairs** (child parameter ← parent): see :data:`SUPPORTED`.
 
@@ -40,9 +41,11 @@ every task, so a batch equals its tasks run alone). Every other factor starts at
 and is then updated once from those responsibilities (an M step before the first E step).
 
 **Schedule.** One ``step`` updates every latent site once, in the order the model declares
-them (or ``order``). Tasks whose ELBO moved by less than ``tol`` (relative) are frozen
-(their factors are kept) from then on; ``fit`` checks on the host whether all tasks are
-frozen only every ``check_every`` steps.
+them (or ``order``), and makes no host synchronisation. ``fit`` is ``init`` followed by the
+shared loop :func:`probfsl.inference.base.run`: a task whose ELBO moved by less than ``tol``
+(relative) in one sweep has converged, and from then on its factors are kept
+(:meth:`VMP.keep` masks it; the batch is never shrunk); the host asks whether every task
+has converged once every ``check_every`` sweeps.
 
 **Cost of a sweep** (issue 15). What is fixed is computed once per plan: a coefficient c of
 c·τ (read off the model as 1 ± 1 ulp) is snapped to its exact value and kept as a scalar;
@@ -59,7 +62,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyro
@@ -68,7 +71,7 @@ import torch
 from pyro import poutine
 
 from probfsl.inference import expfam
-from probfsl.inference.base import Engine
+from probfsl.inference.base import Engine, Info, RunInfo, run
 
 LOG_2PI = math.log(2 * math.pi)
 TASKS = "tasks"
@@ -135,9 +138,6 @@ def _ein(
             res = res.expand([sizes[d] for d in out])
     return res
 
-
-#: ``fit`` drops frozen tasks from the batch once at most this fraction is still active
-_COMPACT = 0.9
 
 _SPECS: dict = {}
 _PATHS: dict = {}
@@ -343,18 +343,21 @@ class VMPState:
         q: site name -> the factor's parameters: Normal (loc, precision), Gamma (shape,
             rate), Dirichlet (concentration,), Categorical (probs,).
         objective: the analytic ELBO [T].
-        done: [T] tasks frozen by the tolerance.
-        n_steps: updates applied.
-        frozen: False when ``done`` is known to be all False without asking the device
-            (then a sweep skips keeping frozen tasks' factors).
     """
 
     plan: _Plan
     q: dict
     objective: torch.Tensor
-    done: torch.Tensor
-    n_steps: int = 0
-    frozen: bool = True
+
+
+def _data_device(args: tuple, kwargs: dict) -> contextlib.AbstractContextManager:
+    """The data's device (that of the first tensor argument) as the default device while the
+    model runs (``init`` only): Pyro's plates and torch's samplers create tensors without
+    ``device=``, and they must land with the data. A no-op without tensor arguments."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return torch.device(a.device)
+    return contextlib.nullcontext()
 
 
 def _refuse(site: str, fn: str, parent: str, why: str) -> ValueError:
@@ -392,10 +395,10 @@ class VMP(Engine):
     Args:
         model: a Pyro model whose data carry a leading task axis inside a ``tasks`` plate.
         max_iter: maximum number of sweeps of :meth:`fit`.
-        tol: a task is frozen once its ELBO changes by less than ``tol`` · max(1, |ELBO|)
-            in one sweep (0 disables freezing).
-        check_every: :meth:`fit` asks the device whether every task is frozen every
-            ``check_every`` sweeps.
+        tol: in :meth:`fit`, a task has converged (and is frozen) once its ELBO changes by
+            less than ``tol`` · max(1, |ELBO|) in one sweep; 0 runs all ``max_iter`` sweeps.
+        check_every: :meth:`fit` asks the device whether every task has converged every
+            ``check_every`` sweeps (the loop's only host synchronisation).
         order: the latent sites' update order (default: the model's declaration order).
         seed: seed of the initial noise of latent Categorical sites.
     """
@@ -425,7 +428,7 @@ class VMP(Engine):
     # ================================================================ compiling
     def _trace(self, args, kwargs, values=None):
         model = self.model if values is None else poutine.condition(self.model, data=values)
-        with torch.no_grad():
+        with torch.no_grad(), _data_device(args, kwargs):
             return poutine.trace(model).get_trace(*args, **kwargs)
 
     def compile(self, *args: Any, **kwargs: Any) -> _Plan:
@@ -440,8 +443,8 @@ class VMP(Engine):
             and type(s["fn"]).__name__ != "_Subsample"
         ]
         ref = next((s["value"] for s in raw if s["value"].is_floating_point()), None)
-        if ref is None:
-            ref = torch.zeros(())
+        if ref is None:  # no floating value: the first value's device, the default dtype
+            ref = torch.zeros((), device=raw[0]["value"].device if raw else "cpu")
         sizes: dict[str, int] = {}
         sites: dict[str, _Site] = {}
         for s in raw:
@@ -522,14 +525,16 @@ class VMP(Engine):
             full_mask = mask if full_mask is None else full_mask & mask
         if merged:
             obs_site = trace.nodes[logical + "_observed"]
-            obs_mask = self._canon(site, torch.as_tensor(obs_site["mask"]).expand(batch_shape))
+            obs_mask = torch.as_tensor(obs_site["mask"], device=obs_site["value"].device)
+            obs_mask = self._canon(site, obs_mask.expand(batch_shape))
             obs_val = self._canon(site, obs_site["value"].expand(batch_shape)).long()
             site.fixed_mask = obs_mask.bool()
             one_hot = torch.nn.functional.one_hot(obs_val.clamp(0, site.n_cat - 1), site.n_cat)
             site.fixed = one_hot.to(self._dtype_of(trace))
             full_mask = None  # the ~obs_mask of the unobserved twin
         if full_mask is not None and not (isinstance(full_mask, bool) and full_mask):
-            m = self._canon(site, torch.as_tensor(full_mask).expand(batch_shape))
+            m = torch.as_tensor(full_mask, device=s["value"].device)
+            m = self._canon(site, m.expand(batch_shape))
             if not site.observed and family != "Categorical":
                 raise _refuse(logical, fname, "-", "a mask on a latent continuous site")
             site.mask, site.mask_dims = _reduce(m.to(self._dtype_of(trace)), site.dims[: m.dim()])
@@ -634,24 +639,26 @@ class VMP(Engine):
     def _probes(self, plan: _Plan) -> dict:
         """A random value of every latent site, canonical layout (for the verifying run)."""
         g = torch.Generator().manual_seed(2)
+        cpu = dict(generator=g, dtype=torch.float64, device=g.device)
         out = {}
         for n in plan.latent:
             x = plan.sites[n]
             shape = [plan.sizes[d] for d in x.dims]
             if x.family == "Normal":
-                v = torch.randn(shape, generator=g, dtype=torch.float64)
+                v = torch.randn(shape, **cpu)
             elif x.family == "Gamma":
-                v = 0.5 + torch.rand(shape, generator=g, dtype=torch.float64)
+                v = 0.5 + torch.rand(shape, **cpu)
             elif x.family == "Dirichlet":
-                v = torch.rand(shape, generator=g, dtype=torch.float64) + 0.05
+                v = torch.rand(shape, **cpu) + 0.05
                 v = v / v.sum(-1, keepdim=True)
             elif x.family == "MultivariateNormal":
-                v = torch.randn(shape, generator=g, dtype=torch.float64)
+                v = torch.randn(shape, **cpu)
             elif x.family == "Wishart":
-                a = torch.randn(shape, generator=g, dtype=torch.float64)
-                v = a @ a.transpose(-1, -2) / shape[-1] + torch.eye(shape[-1], dtype=a.dtype)
+                a = torch.randn(shape, **cpu)
+                eye = torch.eye(shape[-1], dtype=a.dtype, device=a.device)
+                v = a @ a.transpose(-1, -2) / shape[-1] + eye
             else:
-                v = torch.randint(0, x.n_cat, shape, generator=g)
+                v = torch.randint(0, x.n_cat, shape, generator=g, device=g.device)
             ref = plan.ref
             out[n] = v.to(ref) if v.is_floating_point() else v.to(ref.device)
         return out
@@ -676,13 +683,14 @@ class VMP(Engine):
                     return a[:1]
                 return a
 
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception), _data_device(args, kwargs):
                 one = get_dependencies(
                     self.model, tuple(map(first, args)), {k: first(v) for k, v in kwargs.items()}
                 )
                 deps = one["prior_dependencies"]
         if deps is None:
-            deps = get_dependencies(self.model, args, kwargs)["prior_dependencies"]
+            with _data_device(args, kwargs):
+                deps = get_dependencies(self.model, args, kwargs)["prior_dependencies"]
         logical = {sites[n].pyro_name: n for n in plan.latent}
         # ... and which parameters move when every latent site takes a random value
         values = dict(base_values)
@@ -764,7 +772,8 @@ class VMP(Engine):
             -1,
         )
         g = torch.Generator().manual_seed(3)
-        probe = torch.randint(0, z.n_cat, shape, generator=g).to(plan.ref.device)
+        probe = torch.randint(0, z.n_cat, shape, generator=g, device=g.device)
+        probe = probe.to(plan.ref.device)
         eff = (
             probe if z.fixed_mask is None else torch.where(z.fixed_mask, z.fixed.argmax(-1), probe)
         )
@@ -1320,8 +1329,9 @@ class VMP(Engine):
                 if tuple(r.shape) != tuple(shape) or not bool(torch.isfinite(r).all()):
                     raise ValueError(f"init_resp[{name!r}] must be finite with shape {shape}")
             else:
+                # drawn on the CPU generator (the same numbers on every device), then moved
                 g = torch.Generator().manual_seed(self.seed)
-                noise = torch.rand(shape[1:], generator=g, dtype=torch.float64)
+                noise = torch.rand(shape[1:], generator=g, dtype=torch.float64, device=g.device)
                 r = (1 + 0.1 * noise.to(ref)).expand(shape)
             r = r / r.sum(-1, keepdim=True)
             if s.fixed_mask is not None:
@@ -1336,69 +1346,52 @@ class VMP(Engine):
             q[name] = self._update(plan, q, name)
         objective = self._elbo(plan, q)
         _MEMO.clear()
-        done = torch.zeros_like(objective, dtype=torch.bool)
-        return VMPState(plan, q, objective, done, frozen=False)
+        return VMPState(plan, q, objective)
 
-    def step(self, state: VMPState) -> VMPState:
-        """One sweep: every latent site's coordinate update, in order; frozen tasks kept."""
+    def step(self, state: VMPState) -> tuple[VMPState, Info]:
+        """One sweep: every latent site's coordinate update, in order, then the ELBO.
+
+        No host synchronisation; convergence and freezing are :func:`run`'s (:meth:`keep`).
+        """
         plan, q = state.plan, dict(state.q)
         _MEMO.clear()
         for name in plan.latent:
             q[name] = self._update(plan, q, name)
         objective = self._elbo(plan, q)
         _MEMO.clear()
-        keep = state.done
-        if state.frozen:
-            for name in plan.latent:
-                q[name] = tuple(
-                    torch.where(keep.reshape(-1, *[1] * (new.dim() - 1)), old, new)
-                    for old, new in zip(state.q[name], q[name], strict=True)
-                )
-            objective = torch.where(keep, state.objective, objective)
-        done = keep
-        if self.tol > 0:
-            moved = (objective - state.objective).abs()
-            done = keep | (moved <= self.tol * objective.abs().clamp_min(1.0))
-        frozen = state.frozen or self.tol > 0
-        return VMPState(plan, q, objective, done, state.n_steps + 1, frozen)
+        return VMPState(plan, q, objective), Info(objective)
 
-    def fit(self, *args: Any, init_resp: dict | None = None, **kwargs: Any) -> VMPState:
-        """``init`` then up to ``max_iter`` sweeps, stopping once every task is frozen.
+    def keep(self, frozen: torch.Tensor, old: VMPState, new: VMPState) -> VMPState:
+        """``new`` with the factors and ELBO of the ``frozen`` tasks ([T] bool) from ``old``.
 
-        Every ``check_every`` sweeps (the only host synchronisation) the frozen tasks are
-        counted; when they are at least a tenth of the tasks still swept, the swept tasks are
-        written back to the full state and the frozen ones dropped from the batch: later
-        sweeps only compute the active tasks.
-        The result equals sweeping every task (frozen tasks keep their factors anyway).
+        Every factor parameter leads with the tasks axis (the canonical layout), so each is
+        one ``torch.where``; the plan (data, fixed parameters, caches) is shared by every
+        state of a fit and is never touched.
         """
-        full = self.init(*args, init_resp=init_resp, **kwargs)
-        q_full, obj, done = dict(full.q), full.objective.clone(), full.done.clone()
-        q_full = {n: tuple(t.clone() for t in v) for n, v in q_full.items()}
-        state, active = full, None  # active: indices of the swept tasks (None: all)
-        for i in range(self.max_iter):
-            state = self.step(state)
-            last = i + 1 == self.max_iter
-            if (i + 1) % self.check_every and not last:
-                continue
-            keep = (~state.done).nonzero().squeeze(-1)
-            compact = 0 < len(keep) <= _COMPACT * len(state.done) and not last
-            if compact or last or len(keep) == 0:  # write the swept tasks back
-                idx = active if active is not None else torch.arange(len(obj), device=obj.device)
-                for n in q_full:
-                    for full_t, t in zip(q_full[n], state.q[n], strict=True):
-                        full_t.index_copy_(0, idx, t)
-                obj.index_copy_(0, idx, state.objective)
-                done.index_copy_(0, idx, state.done)
-            if len(keep) == 0:
-                break
-            if compact:
-                active = idx[keep]
-                plan = _take(state.plan, keep)
-                q = {n: tuple(t.index_select(0, keep) for t in v) for n, v in state.q.items()}
-                state = VMPState(
-                    plan, q, state.objective[keep], state.done[keep], state.n_steps, False
-                )
-        return VMPState(full.plan, q_full, obj, done, state.n_steps)
+
+        def where(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return torch.where(frozen.reshape(-1, *[1] * (b.dim() - 1)), a, b)
+
+        q = {
+            name: tuple(where(a, b) for a, b in zip(old.q[name], params, strict=True))
+            for name, params in new.q.items()
+        }
+        return VMPState(new.plan, q, where(old.objective, new.objective))
+
+    def fit(
+        self, *args: Any, init_resp: dict | None = None, **kwargs: Any
+    ) -> tuple[VMPState, RunInfo]:
+        """``init``, then :func:`probfsl.inference.base.run` for up to ``max_iter`` sweeps.
+
+        With ``tol > 0`` a task that has converged is frozen (masked: its factors stop
+        changing, the batch keeps its size), so every task gets the result it would get
+        alone; the loop ends once every task has converged, checked every ``check_every``
+        sweeps. Returns the final state and the :class:`~probfsl.inference.base.RunInfo`
+        (ELBO trace, sweeps per task, converged).
+        """
+        state = self.init(*args, init_resp=init_resp, **kwargs)
+        tol = self.tol if self.tol > 0 else None
+        return run(self, state, self.max_iter, tol, self.check_every)
 
     def posterior(self, state: VMPState) -> dict[str, torch.distributions.Distribution]:
         """Site name -> the factor q as a batched distribution in the model's shape."""
@@ -1455,38 +1448,6 @@ _FIELDS = {
     "Dirichlet": ("concentration",),
     "Categorical": ("probs",),
 }
-
-
-def _take(plan: _Plan, keep: torch.Tensor) -> _Plan:
-    """The plan restricted to the tasks ``keep`` (every tensor with a ``tasks`` axis sliced)."""
-
-    def cut(t, dims):
-        return t.index_select(0, keep) if t is not None and dims and dims[0] == TASKS else t
-
-    sites = {}
-    for name, s in plan.sites.items():
-        params = {
-            k: replace(
-                p,
-                const=cut(p.const, p.const_dims),
-                coef=cut(p.coef, p.coef_dims),
-                index=cut(p.index, p.index_dims),
-            )
-            for k, p in s.params.items()
-        }
-        sites[name] = replace(
-            s,
-            value=cut(s.value, s.dims),
-            stats=tuple(None if t is None else cut(t, s.dims) for t in s.stats),
-            mask=cut(s.mask, s.mask_dims),
-            fixed=cut(s.fixed, s.dims),
-            fixed_mask=cut(s.fixed_mask, s.dims),
-            params=params,
-        )
-        sites[name]._keep, sites[name]._perm = s._keep, s._perm
-        sites[name].fn_name = s.fn_name
-    sizes = dict(plan.sizes, **{TASKS: len(keep)})
-    return _Plan(sites, plan.latent, sizes, plan.children, plan.ref)
 
 
 #: which parent families may enter each parameter (Categorical: as a selector)

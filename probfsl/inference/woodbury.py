@@ -14,7 +14,12 @@ With ``mu`` and the biased covariance ``Sigma`` of the negatives, ``A = Sigma + 
 * closed form: ``U = A + theta/(theta+1) delta delta^T``, ``omega = 2 theta/(theta+1) U^-1 delta``,
   ``nu = (theta - 1)/(theta + 1) - (theta x0 + mu)^T omega / (theta + 1)``;
 * Sherman-Morrison (many exemplars, one factorisation of A): ``q = delta^T A^-1 delta``,
-  ``omega = 2 theta / (theta q + theta + 1) A^-1 delta``.
+  ``omega = 2 theta / (theta q + theta + 1) A^-1 delta``: :func:`slem_woodbury`, the one
+  implementation (the direct ``U`` solve is the tests' reference).
+
+These are closed forms (one factorisation, one solve): no iterations, so nothing here is
+an :class:`~probfsl.inference.base.Engine`. Their Pyro model, whose MAP (and posterior
+mean) they are, is :func:`probfsl.models.slem.slem_model`.
 
 So the direction is ``A^-1 (x0 - mu)`` for every theta: regularised LDA with the
 background covariance. :class:`NegativeFactor` caches one factorisation of A, primal
@@ -30,16 +35,14 @@ from dataclasses import dataclass
 
 import torch
 
+from probfsl.validation import as_float_tensor
+
 
 def _check(name: str, x: torch.Tensor, ndim: int = 2) -> None:
-    if not isinstance(x, torch.Tensor) or x.ndim < ndim:
-        raise ValueError(
-            f"{name} must be a tensor with at least {ndim} dims, got {getattr(x, 'shape', x)}"
-        )
-    if x.dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"{name} must be float32 or float64, got {x.dtype}")
-    if not torch.isfinite(x).all():
-        raise ValueError(f"{name} contains NaN or inf")
+    """:func:`probfsl.validation.as_float_tensor` (float32/float64 tensor, finite) with at
+    least ``ndim`` dimensions."""
+    if as_float_tensor(x, name).ndim < ndim:
+        raise ValueError(f"{name} must have at least {ndim} dimensions, got {tuple(x.shape)}")
 
 
 def background_statistics(negatives: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,30 +80,6 @@ def _lam(lam: float | torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 def _check_theta(theta: float) -> None:
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
         raise ValueError(f"theta must be a positive finite number, got {theta!r}")
-
-
-def slem_closed_form(
-    x0: torch.Tensor,
-    negatives: torch.Tensor,
-    lam: float | torch.Tensor,
-    theta: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(omega [..., P, d], nu [..., P])`` by the direct solve with ``U`` (spec §3, closed form).
-
-    ``x0 [..., P, d]`` exemplars (or class means), ``negatives [..., n, d]``.
-    """
-    _check("x0", x0)
-    _check_theta(theta)
-    mu, sigma = background_statistics(negatives)
-    lam = _lam(lam, x0)
-    d = x0.shape[-1]
-    eye = torch.eye(d, dtype=x0.dtype, device=x0.device)
-    a = sigma + lam[..., None, None] * eye if lam.ndim else sigma + lam * eye
-    delta = x0 - mu.unsqueeze(-2)  # [..., P, d]
-    u = a.unsqueeze(-3) + theta / (theta + 1) * delta.unsqueeze(-1) * delta.unsqueeze(-2)
-    omega = 2 * theta / (theta + 1) * torch.linalg.solve(u, delta)
-    nu = (theta - 1) / (theta + 1) - ((theta * x0 + mu.unsqueeze(-2)) * omega).sum(-1) / (theta + 1)
-    return omega, nu
 
 
 @dataclass

@@ -32,6 +32,7 @@ import torch
 from probfsl.data.featureset import FeatureSet
 from probfsl.data.tasks import Episodes
 from probfsl.validation import (
+    as_device,
     as_float_tensor,
     as_label_tensor,
     check_base,
@@ -56,13 +57,21 @@ class FewShotClassifier(ABC):
         check_base(features, labels)
         return self
 
-    def fit_featureset(self, fs: FeatureSet, dtype: torch.dtype = torch.float32) -> Self:
-        """Learn what the method may take from a FeatureSet before any task (its base classes)."""
+    def fit_featureset(
+        self,
+        fs: FeatureSet,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device | None = None,
+    ) -> Self:
+        """Learn what the method may take from a FeatureSet before any task (its base
+        classes), from tensors of ``dtype`` on ``device`` (default the CPU): the fitted
+        statistics then live there, with the tasks they will meet."""
         if not isinstance(fs, FeatureSet):
             raise TypeError(f"fs must be a FeatureSet, got {type(fs).__name__}")
         check_float_dtype("dtype", dtype)
+        device = as_device(device)
         if self.needs_base:
-            self.fit_base(*fs.base(dtype))
+            self.fit_base(*fs.base(dtype, device))
         return self
 
     @abstractmethod
@@ -83,20 +92,18 @@ class FewShotClassifier(ABC):
         return self.predict_proba(episodes).argmax(-1)
 
     def fit_predict(
-        self, support: Any, support_labels: Any = None, query: Any = None
+        self, support: Any, support_labels: Any, query: Any
     ) -> torch.Tensor | np.ndarray:
         """Fit on each task's support (and queries, when transductive) and predict its queries.
 
-        ``fit_predict(episodes)`` returns task-local labels ``[T, Q]``. With plain arrays
-        or tensors, ``support`` [n, D], ``support_labels`` [n], ``query`` [Q, D] (one
-        task) or ``[T, n, D]``, ``[T, n]``, ``[T, Q, D]`` (a batch): the labels may be
-        any integers; each task's classes are its distinct support labels in increasing
-        order (every task of a batch needs as many), and the predictions are returned in
-        those label values, ``[Q]`` for one task or ``[T, Q]``, as a NumPy array when
-        ``query`` is one (else a tensor on the query's device).
+        Plain arrays or tensors, ``support`` [n, D], ``support_labels`` [n], ``query``
+        [Q, D] (one task) or ``[T, n, D]``, ``[T, n]``, ``[T, Q, D]`` (a batch): the labels
+        may be any integers; each task's classes are its distinct support labels in
+        increasing order (every task of a batch needs as many), and the predictions are
+        returned in those label values, ``[Q]`` for one task or ``[T, Q]``, as a NumPy
+        array when ``query`` is one (else a tensor on the query's device). An
+        :class:`~probfsl.data.tasks.Episodes` batch goes to :meth:`predict` instead.
         """
-        if support_labels is None and query is None:
-            return self.predict(support)
         episodes, classes, single = episodes_from_arrays(support, support_labels, query)
         labels = classes.gather(1, self.predict(episodes))
         labels = labels[0] if single else labels
@@ -210,8 +217,8 @@ def episodes_from_arrays(
     distinct values (``searchsorted``, batched); ``ValueError`` when the tasks of a batch
     do not have the same number of classes or the shapes disagree.
     """
-    if support_labels is None or query is None:
-        raise TypeError("fit_predict needs support, support_labels and query (or one Episodes)")
+    if isinstance(support, Episodes):
+        raise TypeError("fit_predict takes arrays; predict an Episodes batch with predict()")
     support = as_float_tensor(support, "support")
     query = as_float_tensor(query, "query")
     if support.ndim not in (2, 3) or query.ndim != support.ndim:

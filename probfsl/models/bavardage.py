@@ -12,10 +12,17 @@ The generative story (spec §2; paper eq. 2), in the reduced space u ∈ R^d, d 
     z_n ~ Categorical(π),                     n ∈ queries
     u_n ~ Normal(μ_{z_n}, τ^{-1} I_d),        n ∈ support (z_n = y_n observed) ∪ queries
 
-with τ = T_vb fixed. u is the whitened, centroid-projected feature (the PLDA projection
-is a data transform refitted at every VB iteration, not part of the model). The
-closed-form engine is :class:`probfsl.inference.vb_mixture.BavardageVB`; the whitening
-and projection live in :mod:`probfsl.inference.plda`.
+with τ = T_vb fixed (:func:`bavardage_model`). What production runs: u = x P_b, x the
+whitened rows of the task and P_b the adaptive PLDA projection onto the span of the
+shrunk soft centroids (spec §3.5), recomputed from the responsibilities at the start of
+every VB iteration b. P_b is a fixed, non-random input of block b (a deterministic
+function of the data and of the previous responsibilities), so the model of block b is
+the mixture above with data u = x P_b, and each VB state is a mean-field posterior of
+it. The closed-form engine is :class:`probfsl.inference.vb_mixture.BavardageVB` (its
+docstring states the guarantees: coordinate ascent within a block, Pyro's
+``Trace_ELBO`` equal to the analytic ELBO given P_b; no monotonicity across projection
+updates); the whitening and the projection live in :mod:`probfsl.inference.plda`, the
+Gram-matrix fast path in :mod:`probfsl.inference.gram`.
 
 :class:`Bavardage` is the estimator: MESV preprocessing (spec §3.1), soft k-means
 initialisation (§3.4), then n_vb x (PLDA projection, M step, E step) (§3.8).
@@ -23,8 +30,11 @@ initialisation (§3.4), then n_vb x (PLDA projection, M step, E step) (§3.8).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
+from collections.abc import Iterator
+from dataclasses import fields, replace
 from typing import Self
 
 import pyro
@@ -33,13 +43,15 @@ import torch
 
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
-from probfsl.inference.kmeans import soft_kmeans_gram
+from probfsl.inference.class_stats import class_means, one_hot_support
+from probfsl.inference.gram import centred_rows, task_grams
 from probfsl.inference.plda import (
     GlobalWhitening,
     global_whitening,
     task_span_whitening,
     within_class_scatter,
 )
+from probfsl.inference.soft_kmeans import soft_kmeans_gram
 from probfsl.inference.vb_mixture import BavardageVB, VBMixtureState, fit_bavardage_vb
 from probfsl.models.base import FewShotClassifier
 from probfsl.validation import (
@@ -50,96 +62,6 @@ from probfsl.validation import (
     check_episodes,
     check_hyperparameter,
 )
-
-
-def _centre_gram_(raw: torch.Tensor, dots: torch.Tensor, m_sq: torch.Tensor) -> torch.Tensor:
-    """(a - m).(b - m) = a.b - a.m - b.m + m.m from raw = a.b and dots = a.m, in place."""
-    return raw.sub_(dots.unsqueeze(-1)).sub_(dots.unsqueeze(1)).add_(m_sq)
-
-
-def _centred_grams(
-    episodes: Episodes, mean: torch.Tensor, metric: GlobalWhitening | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Centred Gram matrices straight from the raw rows, with no centred copy.
-
-    Returns ``(E, K, bad)``: E = (x - m)(x - m)^T [T, N, N] and, for a ``metric`` with a
-    low-rank form G = s_max^2 I + R_u diag(c) R_u^T (c < 0), K = (x - m) G (x - m)^T
-    = s_max^2 E - (x - m) V V^T (x - m)^T with V = R_u diag(sqrt(-c)); K is None without
-    ``metric``. The D-wide work is one batched Gram product of the task's rows
-    (:meth:`Episodes.points`, no copy) and one thin product with [m, V];
-    centring uses (a - m).(b - m) = a.b - a.m - b.m + m.m. The expansion loses about
-    log2(||a||^2 / ||a - m||^2) bits, so ``bad`` [T] marks the tasks where some row would
-    lose more than 4 bits, where a product overflows (huge features) or where squared
-    norms are denormal-small (tiny features): :func:`_task_grams` recomputes those tasks
-    explicitly, task by task, so that no task's path depends on the others.
-    """
-    x = episodes.points()
-    low_rank = None if metric is None else metric.low_rank()
-    if low_rank is None:
-        thin = mean.unsqueeze(-1)
-    else:
-        v = low_rank[0] * (-low_rank[1]).sqrt()
-        thin = torch.cat([mean.unsqueeze(-1), v], 1)
-    c = (x.reshape(-1, x.shape[-1]) @ thin).view(*x.shape[:2], -1)  # [T, N, 1 + r]
-    gram = x @ x.transpose(1, 2)
-    raw_sq = gram.diagonal(dim1=1, dim2=2).clone()  # ||a||^2, for the precision check
-    gram = _centre_gram_(gram, c[..., 0], mean.square().sum())
-    # (a NaN or inf diagonal fails the comparison: overflowed products are bad too)
-    ok = (gram.diagonal(dim1=1, dim2=2) * 16 >= raw_sq) & torch.isfinite(raw_sq)
-    ok &= (raw_sq == 0) | (raw_sq >= _TINY_SQ_NORM)
-    if low_rank is None:
-        return gram, None, ~ok.all(-1)
-    low = c[..., 1:]
-    mv = mean @ v
-    low = _centre_gram_(low @ low.transpose(1, 2), low @ mv, mv.square().sum())
-    k = low.neg_().add_(gram, alpha=metric.s_max**2)
-    # the low-rank form's own terms are of size s_max^2 E; its centring may add 4 bits more
-    ok &= gram.diagonal(dim1=1, dim2=2) * metric.s_max**2 * 16 >= raw_sq
-    bad = ~ok.all(-1) | ~torch.isfinite(k).flatten(1).all(-1)
-    return gram, k, bad
-
-
-def _task_grams(
-    episodes: Episodes, mean: torch.Tensor, metric: GlobalWhitening | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(E, K)`` of :func:`_centred_grams`, with its ``bad`` tasks recomputed from
-    explicitly centred (and, where needed, rescaled) rows (:func:`_centred_rows`)."""
-    gram, k, bad = _centred_grams(episodes, mean, metric)
-    if bool(bad.any()):
-        index = bad.nonzero().squeeze(1)
-        rows, sub = _centred_rows(episodes.points()[index], mean)
-        gram[index] = sub
-        if k is not None:
-            k[index] = metric.gram(rows, euclidean=sub)
-    return gram, k
-
-
-#: squared row norms below this are rescaled before the Gram product (see _centred_rows)
-_TINY_SQ_NORM = 1e-20
-
-
-def _centred_rows(points: torch.Tensor, mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Centred rows x = points - mean [T, N, D] and their Gram matrices x x^T [T, N, N].
-
-    BAVARDAGE normalises every centred row (MESV "E"), so a row's scale is irrelevant.
-    When some squared norm overflows (features near the float range) or is so small
-    that the 1e-12 norm floor would leave the row unnormalised, every row is first
-    divided by an exact power of two that brings its largest entry into [0.5, 1):
-    exact in floating point, so other rows' (and tasks') results do not change.
-    """
-    x = points - mean
-    gram = x @ x.transpose(1, 2)
-    diag = gram.diagonal(dim1=1, dim2=2)
-    if bool((~torch.isfinite(diag) | ((diag > 0) & (diag < _TINY_SQ_NORM))).any()):
-        peak = x.abs().amax(-1, keepdim=True)
-        x = torch.ldexp(x, -torch.frexp(peak).exponent.clamp(-100, 100))
-        gram = x @ x.transpose(1, 2)
-    return x, gram
-
-
-def _mu_of(labels_onehot: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
-    """Rows μ_{z_n}: ``[..., T, n, K] @ [..., T, K, d] -> [..., T, n, d]``."""
-    return labels_onehot @ mu
 
 
 def bavardage_model(
@@ -155,6 +77,12 @@ def bavardage_model(
 ) -> None:
     """The Gaussian mixture of spec §2 for a batch of tasks, in the reduced space.
 
+    In production (:class:`Bavardage`, ``mode="bavardage"``) the data are the projected
+    rows u = x P_b of the current VB block, P_b the adaptive PLDA projection: a fixed
+    input of the block, not a random variable (module docstring). The hyperparameters
+    are the estimator's: ``tau`` = ``temperature_vb_``, ``alpha0``, ``beta0``,
+    ``balanced`` and ``count_support``.
+
     Args:
         u_support: [T, S, d] projected support features (their classes are observed).
         support_labels: [T, S] task-local labels in 0..K-1.
@@ -168,47 +96,25 @@ def bavardage_model(
             query assignments are drawn from π.
     """
     t, d = u_support.shape[0], u_support.shape[-1]
-    dtype_ref = u_support
-    scale_u = dtype_ref.new_tensor(tau).rsqrt()
+    ref = u_support
+    scale_u = ref.new_tensor(tau).rsqrt()
     with pyro.plate("tasks", t, dim=-2):
         if balanced:
-            pi = dtype_ref.new_full((1, way), 1.0 / way)
+            pi = ref.new_full((1, way), 1.0 / way)
         else:
-            pi = pyro.sample("pi", dist.Dirichlet(dtype_ref.new_full((1, way), alpha0)))
+            pi = pyro.sample("pi", dist.Dirichlet(ref.new_full((1, way), alpha0)))
         with pyro.plate("classes", way, dim=-1):
-            mu = pyro.sample(
-                "mu",
-                dist.Normal(
-                    dtype_ref.new_zeros(d), dtype_ref.new_tensor(beta0 * tau).rsqrt()
-                ).to_event(1),
-            )
-        onehot_s = torch.nn.functional.one_hot(support_labels, way).to(dtype_ref)
+            prior_scale = ref.new_tensor(beta0 * tau).rsqrt()
+            mu = pyro.sample("mu", dist.Normal(ref.new_zeros(d), prior_scale).to_event(1))
+        onehot_s = one_hot_support(support_labels, way, ref.dtype)
         with pyro.plate("support", u_support.shape[1], dim=-1):
             if count_support:
                 pyro.sample("y_support", dist.Categorical(probs=pi), obs=support_labels)
-            pyro.sample(
-                "u_support",
-                dist.Normal(_mu_of(onehot_s, mu), scale_u).to_event(1),
-                obs=u_support,
-            )
+            pyro.sample("u_support", dist.Normal(onehot_s @ mu, scale_u).to_event(1), obs=u_support)
         with pyro.plate("queries", u_query.shape[1], dim=-1):
             z = pyro.sample("z", dist.Categorical(probs=pi))
-            onehot_q = torch.nn.functional.one_hot(z, way).to(dtype_ref)
-            pyro.sample(
-                "u_query", dist.Normal(_mu_of(onehot_q, mu), scale_u).to_event(1), obs=u_query
-            )
-
-
-def bavardage_balanced_model(
-    u_support: torch.Tensor,
-    support_labels: torch.Tensor,
-    u_query: torch.Tensor,
-    way: int,
-    tau: float = 4.0,
-    beta0: float = 10.0,
-) -> None:
-    """The balanced variant of :func:`bavardage_model`: π fixed at 1/K (no Dirichlet)."""
-    bavardage_model(u_support, support_labels, u_query, way, tau, 2.0, beta0, balanced=True)
+            onehot_q = torch.nn.functional.one_hot(z, way).to(ref)
+            pyro.sample("u_query", dist.Normal(onehot_q @ mu, scale_u).to_event(1), obs=u_query)
 
 
 #: Published hyperparameters (spec §4; paper §4 and Appendix 6.3). α_o = 2, β_o = 10,
@@ -297,8 +203,9 @@ class Bavardage(FewShotClassifier):
             tr S_w / w, with w = tr Sigma_w the mean squared distance of a base feature
             to its class mean (so T_vb = 1 matches the spread of a base class). The ``*-relative``
             presets map the published values (:func:`relative_values`).
-        trace_elbo: keep the ELBO after every VB update in ``elbo_trace_`` (a diagnostic;
-            the final ELBO is always in ``state_.objective``).
+        trace_elbo: keep the ELBO after every VB iteration in ``elbo_trace_`` (a
+            diagnostic that costs nothing: the VB loop computes it anyway; the final ELBO
+            is always in ``state_.objective``).
 
     Fitted attributes: ``base_mean_``, ``scatter_``, ``precision_``, ``whitening_``,
     ``s_max_`` and ``temperature_vb_`` (the values used, in the code's units),
@@ -402,9 +309,9 @@ class Bavardage(FewShotClassifier):
         self.precision_ = torch.cholesky_inverse(chol)
         self.scatter_eigen_ = torch.linalg.eigh(self.scatter_)
         onehot = torch.nn.functional.one_hot(labels.unique(return_inverse=True)[1]).to(x)
-        class_means = (onehot.T @ x) / onehot.sum(0).unsqueeze(-1)
+        means = class_means(x.unsqueeze(0), onehot.unsqueeze(0)).squeeze(0)
         # floored so that scale="relative" stays finite when every base class is one point
-        within = float((x - onehot @ class_means).square().sum(-1).mean())
+        within = float((x - onehot @ means).square().sum(-1).mean())
         self.within_ = max(within, torch.finfo(torch.float64).eps)
         self._search_cache = None  # shared by with_params copies (see _rotated_grams)
         self._apply_hyperparameters()
@@ -429,7 +336,7 @@ class Bavardage(FewShotClassifier):
         # the cache holds the batch's tensors, so identity means the same (unmodified) data
         if cache.get("support") is not episodes.support or cache.get("query") is not episodes.query:
             cache.clear()
-            centred, gram = _centred_rows(episodes.points(), mean)
+            centred, gram = centred_rows(episodes.points(), mean)
             cache.update(
                 support=episodes.support,
                 query=episodes.query,
@@ -499,8 +406,12 @@ class Bavardage(FewShotClassifier):
             metric=metric,
         )
 
-    def predict_proba(self, episodes: Episodes) -> torch.Tensor:
-        """Query responsibilities o [T, Q, K] after soft k-means and n_vb VB iterations."""
+    def _prepare(
+        self, episodes: Episodes
+    ) -> tuple[torch.Tensor, BavardageVB | None, tuple[torch.Tensor, ...] | None]:
+        """Everything before the VB loop: ``(resp, engine, data)`` with ``resp`` the soft
+        k-means responsibilities [T, N, K] and ``data`` the engine's inputs (both None in
+        mode ``"soft_kmeans"``)."""
         self._check_params()
         self._require_base()
         check_episodes(episodes, dim=self.base_mean_.shape[0])
@@ -516,19 +427,17 @@ class Bavardage(FewShotClassifier):
         if global_mode and getattr(self, "_search_cache", None) is not None:
             grams = self._rotated_grams(episodes, mean, metric)
         elif self.mode == "soft_kmeans" or (global_mode and metric.low_rank() is not None):
-            grams = _task_grams(episodes, mean, metric)
+            grams = task_grams(episodes.points(), mean, metric)
         if grams is None:
-            x, gram = _centred_rows(episodes.points(), mean)  # MESV 'M'; 'E' is applied below
+            x, gram = centred_rows(episodes.points(), mean)  # MESV 'M'; 'E' is applied below
             k = metric.gram(x, euclidean=gram) if global_mode else None
         else:
             gram, k = grams
         inv_norm = gram.diagonal(dim1=1, dim2=2).sqrt().clamp_min(1e-12).reciprocal()
         outer = inv_norm.unsqueeze(-1) * inv_norm.unsqueeze(1)
         resp = soft_kmeans_gram(gram * outer, labels, way, self.temperature_km, int(self.n_km))
-        self.init_resp_ = resp
         if self.mode == "soft_kmeans":
-            self.state_, self.elbo_trace_ = None, None
-            return resp[:, n_s:]
+            return resp, None, None
         if global_mode:
             k = k.mul_(outer)
             support, query = k[:, :n_s], k[:, n_s:]
@@ -541,33 +450,59 @@ class Bavardage(FewShotClassifier):
                 x = task_span_whitening(x, self.precision_.to(x), self.s_max_)
                 engine = self._engine(way, None, "adaptive")
             support, query = x[:, :n_s], x[:, n_s:]
-        fit = fit_bavardage_vb(
-            engine, support, labels, query, resp, int(self.n_vb), trace=self.trace_elbo
-        )
-        self.state_, self.elbo_trace_ = fit.state, fit.elbo_trace
-        return fit.state.query_resp
+        return resp, engine, (support, labels, query, resp)
+
+    def vb_problem(self, episodes: Episodes) -> tuple[BavardageVB, tuple[torch.Tensor, ...]]:
+        """The VB engine and its data for a batch, as :meth:`predict_proba` runs them.
+
+        ``data = (support, support_labels, query, resp)``: the rows the projection acts on
+        (whitened rows, or whitened Gram rows with ``whitening="global"``) and the soft
+        k-means responsibilities; ``fit_bavardage_vb(engine, *data, n_vb)`` is the VB loop.
+        For conformance tests and diagnostics of the production configuration.
+        """
+        _, engine, data = self._prepare(episodes)
+        if engine is None:
+            raise ValueError("mode='soft_kmeans' runs no VB engine")
+        return engine, data
+
+    def predict_proba(self, episodes: Episodes) -> torch.Tensor:
+        """Query responsibilities o [T, Q, K] after soft k-means and n_vb VB iterations."""
+        resp, engine, data = self._prepare(episodes)
+        self.init_resp_ = resp
+        if engine is None:
+            self.state_, self.elbo_trace_ = None, None
+            return resp[:, episodes.support.shape[1] :]
+        state, info = fit_bavardage_vb(engine, *data, n_iter=int(self.n_vb))
+        self.state_ = state
+        self.elbo_trace_ = info.trace if self.trace_elbo else None
+        return state.query_resp
 
     # ------------------------------------------------------------------ diagnostics
     def posterior_draws(
         self, n_draws: int = 200, seed: int = 0, tasks: slice | None = None
     ) -> dict[str, torch.Tensor]:
-        """Draws ``[1, n_draws, T, ...]`` from the last batch's q(π), q(μ) and q(z) (spec §2)."""
+        """Draws ``[1, n_draws, T, ...]`` of ``pi``, ``mu`` and ``z`` from the last batch's
+        variational posterior (spec §2), through the engine's Pyro guide.
+
+        The guide (:meth:`~probfsl.inference.vb_mixture.BavardageVB.guide`) runs once,
+        vectorised over a ``draws`` plate. The random streams of the CPU and of the
+        state's device are forked and seeded with ``seed``: the draws neither consume
+        nor depend on the global streams.
+        """
         state: VBMixtureState | None = getattr(self, "state_", None)
         if state is None:
             raise ValueError("no variational posterior: call predict_proba (mode != soft_kmeans)")
         check_hyperparameter("n_draws", n_draws, integer=True, low=1)
-        sel = slice(None) if tasks is None else tasks
-        mean, beta = state.mean[sel], state.beta[sel]
-        sd = (beta * self.temperature_vb_).rsqrt().unsqueeze(-1).expand_as(mean)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            draws = {"mu": torch.distributions.Normal(mean, sd).sample((n_draws,))}
-            q_resp = state.query_resp[sel]
-            draws["z"] = torch.distributions.Categorical(probs=q_resp).sample((n_draws,))
-            if state.alpha is not None:
-                draws["pi"] = torch.distributions.Dirichlet(state.alpha[sel]).sample((n_draws,))
-        draws = {k: v.unsqueeze(0) for k, v in draws.items()}
-        return draws
+        if tasks is not None:
+            state = _select_tasks(state, tasks)
+        guide = self._engine(state.mean.shape[1], None, "identity").guide(state)
+        with _seeded_rng(state.mean.device, seed), pyro.plate("draws", n_draws, dim=-3):
+            trace = pyro.poutine.trace(guide).get_trace()
+        sites = ("pi", "mu", "z") if state.alpha is not None else ("mu", "z")
+        draws = {name: trace.nodes[name]["value"].detach() for name in sites}
+        if "pi" in draws:
+            draws["pi"] = draws["pi"].squeeze(-2)  # the guide's pi has a singleton class dim
+        return {name: value.unsqueeze(0) for name, value in draws.items()}
 
     def to_datatree(self, n_draws: int = 200, seed: int = 0, tasks: slice | None = None):
         """Per-task posteriors of π, the centroids μ and the query labels z as a DataTree.
@@ -593,3 +528,33 @@ class Bavardage(FewShotClassifier):
                 "elbo_final_mean": float(self.state_.objective.mean()),
             },
         )
+
+
+def _select_tasks(state: VBMixtureState, tasks: slice) -> VBMixtureState:
+    """The state of the tasks ``tasks`` (every tensor field indexed on its task dimension)."""
+    chosen = {
+        f.name: getattr(state, f.name)[tasks]
+        for f in fields(state)
+        if isinstance(getattr(state, f.name), torch.Tensor)
+    }
+    return replace(state, **chosen)
+
+
+@contextlib.contextmanager
+def _seeded_rng(device: torch.device, seed: int) -> Iterator[None]:
+    """Fork the random streams of the CPU and of ``device`` and seed both with ``seed``.
+
+    ``torch.random.fork_rng(devices=[])`` alone would protect the CPU stream only: draws
+    on a CUDA device would consume the global CUDA stream and depend on it. Here the
+    device's own generator is saved, seeded and restored (and no other device's).
+    """
+    accelerator = [device] if device.type != "cpu" else []
+    with torch.random.fork_rng(
+        devices=accelerator, device_type=device.type if accelerator else None
+    ):
+        torch.random.default_generator.manual_seed(seed)
+        if accelerator:
+            module = torch.get_device_module(device.type)
+            with module.device(device):
+                module.manual_seed(seed)
+        yield

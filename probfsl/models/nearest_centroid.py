@@ -6,7 +6,7 @@ import torch
 
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
-from probfsl.inference.kmeans import class_means, one_hot_support
+from probfsl.inference.class_stats import class_means, one_hot_support
 from probfsl.models.base import BaseMeanCentering, FewShotClassifier
 from probfsl.validation import check_choice, check_flag, check_temperature
 

@@ -4,10 +4,26 @@ Rezende, Zepeda, Ponce, Bach, Pérez, "Kernel Square-Loss Exemplar Machines for 
 Retrieval", CVPR 2017 (spec ``slem.md``). The closed forms are in
 :mod:`probfsl.inference.woodbury`.
 
-Probabilistic reading (spec §2b): classes are Gaussian with a shared covariance,
-``z | c ~ Normal(mu_c, Sigma)``; SLEM's direction ``(Sigma_bg + lambda I)^-1 (x0 - mu_bg)``
-is the plug-in LDA direction with the background covariance shrunk towards lambda I.
-SLEM itself is an optimisation problem (no sample sites), so no Pyro model is declared.
+Probabilistic readings (spec §2):
+
+* (a) :func:`slem_model`, the Pyro model whose MAP is SLEM's closed form: SLEM's
+  objective J(omega, nu) is the negative log posterior of a Gaussian linear model of the
+  +-1 targets (flat prior on the intercept nu, ``omega ~ Normal(0, lambda^-1 I)``, the
+  positive with precision theta, each negative with precision 1/n). The posterior is
+  Gaussian (conjugate) and its mean is the MAP.
+* (b) classes Gaussian with a shared covariance, ``z | c ~ Normal(mu_c, Sigma)``; SLEM's
+  direction ``(Sigma_bg + lambda I)^-1 (x0 - mu_bg)`` is the plug-in LDA direction with
+  the background covariance shrunk towards lambda I. :class:`SLEM` scores with it.
+
+**Outside the engine contract.** SLEM is a closed form (one factorisation of
+``Sigma + lambda I`` in ``fit``, one solve per class mean): there are no iterations, so
+there is no :class:`~probfsl.inference.base.Engine`, no :func:`~probfsl.inference.base.run`
+and no guide, and the engine checks of :mod:`probfsl.testing` that are about iterations
+(monotone objective, Trace_ELBO of a guide, no host synchronisation per step, exact
+evidence) do not apply. What applies, and is tested in ``tests/test_slem.py``: the closed
+form is the MAP of :func:`slem_model` (zero gradient and a maximum of Pyro's log joint,
+float64), it equals the posterior mean of the conjugate Gaussian, batched equals
+one-at-a-time, float32 agrees with float64.
 
 * :class:`SLEMEncoder`: ``fit(negatives)`` once, then ``transform(x)`` gives normalised
   exemplar descriptors for cosine retrieval (:func:`slem_similarity`); ``exemplars(x0)``
@@ -19,12 +35,17 @@ SLEM itself is an optimisation problem (no sample sites), so no Pyro model is de
 
 from __future__ import annotations
 
+import math
 from typing import Any, Self
 
+import pyro
+import pyro.distributions as dist
 import torch
+from pyro.distributions import constraints
 
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
+from probfsl.inference.class_stats import class_means, one_hot_support
 from probfsl.inference.woodbury import (
     NegativeFactor,
     default_lambda,
@@ -36,6 +57,47 @@ from probfsl.inference.woodbury import (
 )
 from probfsl.models.base import FewShotClassifier
 from probfsl.validation import as_float_tensor, check_base, check_episodes, check_hyperparameter
+
+
+def slem_model(
+    x0: torch.Tensor,
+    negatives: torch.Tensor,
+    lam: float | torch.Tensor,
+    theta: float = 1.0,
+) -> None:
+    """Gaussian linear model whose MAP (and posterior mean) is SLEM's ``(omega, nu)``.
+
+    Spec §2(a), for exemplars ``x0 [..., P, d]`` (one problem each, plate ``exemplars``)
+    against shared negatives ``x_1..x_n`` (``negatives [..., n, d]``), targets +1 / -1::
+
+        nu    ~ flat on R                            (intercept, unpenalised)
+        omega ~ Normal(0, lambda^-1 I_d)
+        +1    ~ Normal(omega^T x0 + nu, 1 / theta)   (the positive: precision theta)
+        -1    ~ Normal(omega^T x_i + nu, n)          (each negative: precision 1/n)
+
+    so ``-log p(omega, nu | data) = J(omega, nu) + const`` with SLEM's objective
+    ``J = theta l(1, omega^T x0 + nu) + 1/n sum_i l(-1, omega^T x_i + nu)
+    + lambda/2 ||omega||^2``, ``l(y, yhat) = (y - yhat)^2 / 2`` (Rezende et al., CVPR
+    2017; :mod:`probfsl.inference.woodbury`). The posterior is Gaussian, so its mean is
+    the MAP, :func:`~probfsl.inference.woodbury.slem_woodbury`. The +-1 "observations"
+    and the precisions theta and 1/n are design weights, not a generative story of
+    labels (spec §2: formally exact, artificial).
+    """
+    lam = torch.as_tensor(lam, dtype=x0.dtype, device=x0.device)
+    n, d = negatives.shape[-2], x0.shape[-1]
+    batch = x0.shape[:-1]  # [..., P]
+    with pyro.plate("exemplars", x0.shape[-2], dim=-1):
+        nu = pyro.sample("nu", dist.ImproperUniform(constraints.real, batch, ()))
+        scale = lam.rsqrt().unsqueeze(-1).expand(*batch, d)
+        omega = pyro.sample("omega", dist.Normal(torch.zeros_like(scale), scale).to_event(1))
+        positive = (omega * x0).sum(-1) + nu
+        pyro.sample("positive", dist.Normal(positive, theta**-0.5), obs=torch.ones_like(nu))
+        scores = (negatives.unsqueeze(-3) @ omega.unsqueeze(-1)).squeeze(-1) + nu.unsqueeze(-1)
+        pyro.sample(
+            "negatives",
+            dist.Normal(scores, math.sqrt(n)).to_event(1),
+            obs=-torch.ones_like(scores),
+        )
 
 
 def _tensor(x: Any, name: str = "x") -> torch.Tensor:
@@ -110,6 +172,12 @@ class SLEM(FewShotClassifier):
     (LDA offsets), and ``predict_proba`` is ``softmax(temperature * score)``, the LDA
     posterior with covariance ``A / temperature``-free scaling at temperature 1.
 
+    ``omega_c`` is the direction of the MAP of :func:`slem_model` with the class mean as
+    the exemplar (``omega* = 2 theta / (theta q_c + theta + 1) A^-1 delta_c``, spec §3);
+    the class-dependent scale and the intercept nu* are replaced by the LDA reading's
+    offsets (spec §2b, §3 "several positives"), so that the scores of different classes
+    are comparable.
+
     Args:
         lam: ridge penalty; ``None`` gives ``rel_lam * trace(Sigma_base) / d``.
         rel_lam: relative penalty used when ``lam`` is None. The spec's retrieval default
@@ -181,7 +249,6 @@ class SLEM(FewShotClassifier):
         )
         support = self._prep(episodes.support, self.base_mean_)
         query = self._prep(episodes.query, self.base_mean_)
-        onehot = torch.nn.functional.one_hot(episodes.support_labels, episodes.way).to(dtype)
-        means = (onehot.mT @ support) / onehot.sum(-2).unsqueeze(-1).clamp_min(1)
+        means = class_means(support, one_hot_support(episodes.support_labels, episodes.way, dtype))
         scores = lda_scores(query, means, factor)
         return torch.softmax(self.temperature * scores, -1)

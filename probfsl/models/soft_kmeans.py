@@ -6,7 +6,7 @@ import torch
 
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
-from probfsl.inference.kmeans import soft_kmeans_gram
+from probfsl.inference.soft_kmeans import soft_kmeans_gram
 from probfsl.models.base import BaseMeanCentering, FewShotClassifier
 from probfsl.validation import check_flag, check_hyperparameter, check_temperature
 

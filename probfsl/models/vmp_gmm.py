@@ -8,7 +8,9 @@ within-class variance of feature d), μ_k | τ_k ~ N(0, (β_0 τ_k)⁻¹), and t
 declared in Pyro (:func:`vmp_gmm_model`); every update, the ELBO and the guide are derived
 by :class:`probfsl.inference.VMP` (Winn & Bishop 2005; Bishop, PRML §10.2). Features are
 centred on the base mean and L2-normalised (as soft k-means); the queries' responsibilities
-start from soft k-means seeded by the support (BAVARDAGE's initialiser).
+start from soft k-means seeded by the support (BAVARDAGE's initialiser, in
+:meth:`SeededVMP.init`), and the sweeps run through the shared loop
+:func:`probfsl.inference.base.run` (``VMP.fit``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from pyro.ops.indexing import Vindex
 
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
-from probfsl.inference.kmeans import soft_kmeans_gram
+from probfsl.inference.soft_kmeans import soft_kmeans_gram
+from probfsl.inference.vmp import VMP, VMPState
 from probfsl.models.base import FewShotClassifier
 from probfsl.validation import check_base, check_episodes, check_hyperparameter
 
@@ -43,7 +46,8 @@ def vmp_gmm_model(
     with pyro.plate("tasks", t, dim=-2):
         pi = pyro.sample("pi", dist.Dirichlet(x.new_full((1, way), alpha0)))
         with pyro.plate("classes", way, dim=-1):
-            tau = pyro.sample("tau", dist.Gamma(x.new_full((d,), a0), prior_rate).to_event(1))
+            rate = prior_rate.to(x)
+            tau = pyro.sample("tau", dist.Gamma(x.new_full((d,), a0), rate).to_event(1))
             mu = pyro.sample("mu", dist.Normal(x.new_zeros(d), (beta0 * tau).rsqrt()).to_event(1))
         with pyro.plate("points", n, dim=-1):
             z = pyro.sample("z", dist.Categorical(pi), obs=labels, obs_mask=observed)
@@ -68,7 +72,8 @@ def vmp_gmm_full_model(
     with pyro.plate("tasks", t, dim=-2):
         pi = pyro.sample("pi", dist.Dirichlet(x.new_full((1, way), alpha0)))
         with pyro.plate("classes", way, dim=-1):
-            lam = pyro.sample("lam", dist.Wishart(x.new_tensor(nu0), covariance_matrix=prior_scale))
+            scale = prior_scale.to(x)
+            lam = pyro.sample("lam", dist.Wishart(x.new_tensor(nu0), covariance_matrix=scale))
             mu = pyro.sample(
                 "mu", dist.MultivariateNormal(x.new_zeros(d), precision_matrix=beta0 * lam)
             )
@@ -77,6 +82,49 @@ def vmp_gmm_full_model(
             loc = Vindex(mu.unsqueeze(-3))[..., z, :]
             precision = Vindex(lam.unsqueeze(-4))[..., z, :, :]
             pyro.sample("x", dist.MultivariateNormal(loc, precision_matrix=precision), obs=x)
+
+
+class SeededVMP(VMP):
+    """:class:`~probfsl.inference.VMP` on :func:`vmp_gmm_model` (or the full model) whose
+    ``init(x, labels, observed)`` starts q(z) from soft k-means seeded by the support, the
+    first ``n_support`` points of every task (BAVARDAGE's initialiser, Hu et al. §4.2).
+
+    Args:
+        model: the mixture, with every argument but the data bound.
+        way: number of classes.
+        n_support: support points per task (their labels are ``labels[:, :n_support]``).
+        temperature, n_kmeans: soft k-means.
+        **kwargs: :class:`~probfsl.inference.VMP`'s (``max_iter``, ``tol``, ...).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        way: int,
+        n_support: int,
+        temperature: float = 10.0,
+        n_kmeans: int = 5,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(model, **kwargs)
+        self.way, self.n_support = int(way), int(n_support)
+        self.temperature, self.n_kmeans = temperature, int(n_kmeans)
+
+    def init(
+        self,
+        x: torch.Tensor,
+        labels: torch.Tensor,
+        observed: torch.Tensor,
+        init_resp: dict | None = None,
+    ) -> VMPState:
+        """Soft k-means responsibilities [T, N, K] (support rows one-hot), then ``VMP.init``."""
+        if init_resp is None:
+            support = labels[:, : self.n_support]
+            resp = soft_kmeans_gram(
+                x @ x.transpose(1, 2), support, self.way, self.temperature, self.n_kmeans
+            )
+            init_resp = {"z": resp}
+        return super().init(x, labels, observed, init_resp=init_resp)
 
 
 class VMPGaussianMixture(FewShotClassifier):
@@ -127,49 +175,63 @@ class VMPGaussianMixture(FewShotClassifier):
         x = center_and_normalize(features, self.base_mean_)
         classes, inverse = labels.unique(return_inverse=True)
         counts = torch.bincount(inverse, minlength=len(classes)).to(x)
-        means = torch.zeros(len(classes), x.shape[1], dtype=x.dtype).index_add_(0, inverse, x)
+        means = x.new_zeros(len(classes), x.shape[1]).index_add_(0, inverse, x)
         means = means / counts.unsqueeze(-1)
         self.within_var_ = (x - means[inverse]).square().mean(0).clamp_min(1e-8)
         return self
 
-    def _state(self, episodes: Episodes):
-        from probfsl.inference import VMP
-
+    def engine(self, way: int, n_support: int) -> SeededVMP:
+        """The VMP engine of this estimator for ``way`` classes and ``n_support`` support
+        points per task; its data are :meth:`engine_data`'s (x, labels, observed)."""
         if getattr(self, "base_mean_", None) is None:
             raise ValueError("vmp-gmm needs base features: call fit_base first")
-        x = center_and_normalize(episodes.points(), self.base_mean_.to(episodes.support))
-        t, n_s, k = x.shape[0], episodes.support.shape[1], episodes.way
-        labels = torch.zeros(t, x.shape[1], dtype=torch.long, device=x.device)
-        labels[:, :n_s] = episodes.support_labels
-        observed = torch.zeros(t, x.shape[1], dtype=torch.bool, device=x.device)
-        observed[:, :n_s] = True
-        init = soft_kmeans_gram(
-            x @ x.transpose(1, 2), episodes.support_labels, k, self.temperature, self.n_kmeans
-        )
         if self.precision == "full":
-            d = x.shape[-1]
+            d = self.within_var_.shape[0]
             nu0 = d - 1 + 2 * self.a0
-            scale = torch.diag(1 / (nu0 * self.within_var_)).to(x)
             model = partial(
                 vmp_gmm_full_model,
-                way=k,
-                prior_scale=scale,
+                way=way,
+                prior_scale=torch.diag(1 / (nu0 * self.within_var_)),
                 nu0=nu0,
                 alpha0=self.alpha0,
                 beta0=self.beta0,
             )
         else:
-            rate = (self.a0 * self.within_var_).to(x)
             model = partial(
                 vmp_gmm_model,
-                way=k,
-                prior_rate=rate,
+                way=way,
+                prior_rate=self.a0 * self.within_var_,
                 alpha0=self.alpha0,
                 beta0=self.beta0,
                 a0=self.a0,
             )
-        vmp = VMP(model, max_iter=self.max_iter, tol=self.tol)
-        return vmp.fit(x, labels, observed, init_resp={"z": init})
+        return SeededVMP(
+            model,
+            way,
+            n_support,
+            self.temperature,
+            self.n_kmeans,
+            max_iter=self.max_iter,
+            tol=self.tol,
+        )
+
+    def engine_data(self, episodes: Episodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The model's data: normalised points x [T, N, D] (support first), labels [T, N]
+        (zeros for the queries) and ``observed`` [T, N] (True on the support)."""
+        if getattr(self, "base_mean_", None) is None:
+            raise ValueError("vmp-gmm needs base features: call fit_base first")
+        x = center_and_normalize(episodes.points(), self.base_mean_.to(episodes.support))
+        t, n_s = x.shape[0], episodes.support.shape[1]
+        labels = torch.zeros(t, x.shape[1], dtype=torch.long, device=x.device)
+        labels[:, :n_s] = episodes.support_labels
+        observed = torch.zeros(t, x.shape[1], dtype=torch.bool, device=x.device)
+        observed[:, :n_s] = True
+        return x, labels, observed
+
+    def _state(self, episodes: Episodes) -> VMPState:
+        data = self.engine_data(episodes)
+        state, _ = self.engine(episodes.way, episodes.support.shape[1]).fit(*data)
+        return state
 
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
         mean = getattr(self, "base_mean_", None)

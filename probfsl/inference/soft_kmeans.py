@@ -1,32 +1,25 @@
-"""Soft k-means with labelled support rows (BAVARDAGE's initialiser).
+"""Soft k-means with labelled support rows (BAVARDAGE's initialiser), in Gram form.
 
 Hu, Pateux & Gripon, "Adaptive Dimension Reduction and Variational Inference for
 Transductive Few-Shot Classification" (AISTATS 2023), §3 and spec bavardage.md §3.4.
+
+**Outside the engine contract** (:mod:`probfsl.inference.base`): soft k-means runs a
+fixed number of passes (``n_iter``, 5 in the reference code) as an initialiser, every
+pass on every task, with no tolerance and no objective traced: the reference's output
+is the responsibilities of the last pass, so a convergence test (what
+:func:`probfsl.inference.base.run` adds) would change it. Its loop is fixed-count,
+branch-free and sync-free: batched tensor operations on the data's device. (Each pass
+is an EM step of an isotropic Gaussian mixture with variance 1 / (2 T_km), equal
+weights and the support labels observed.)
 """
 
 from __future__ import annotations
 
 import torch
 
+from probfsl.inference.class_stats import one_hot_support, softmax_last
 
-def one_hot_support(support_labels: torch.Tensor, way: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[T, n_support, K]`` one-hot rows of the support labels."""
-    return torch.nn.functional.one_hot(support_labels, way).to(dtype)
-
-
-def class_means(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Weighted class means ``[T, K, D]`` from ``x`` [T, N, D] and weights ``[T, N, K]``."""
-    return weights.transpose(1, 2) @ x / weights.sum(1).unsqueeze(-1).clamp_min(1e-12)
-
-
-def softmax_last(logits: torch.Tensor) -> torch.Tensor:
-    """Max-shifted softmax over a short last dimension (K classes).
-
-    Same values as ``torch.softmax(logits, -1)`` up to rounding, several times faster
-    than torch's CPU kernel for K ~ 5 and many rows.
-    """
-    e = (logits - logits.amax(-1, keepdim=True)).exp_()
-    return e.div_(e.sum(-1, keepdim=True))
+__all__ = ["soft_kmeans", "soft_kmeans_gram"]
 
 
 def soft_kmeans(

@@ -1,0 +1,52 @@
+"""The zero-shot evaluation protocol (EM-Dirichlet, Martin et al., CVPR 2024, §4.3).
+
+A zero-shot task is a set of queries drawn from k ~ U{min..max} classes of a data set
+(:func:`probfsl.data.tasks.sample_zero_shot_tasks`); each query is a probability vector
+over all C classes of the data set (:func:`probfsl.data.simplex.zero_shot_probabilities`)
+and a method predicts, per query, one of the C data-set labels. Accuracy is the mean
+per-task fraction of correct predictions, with its 95 % confidence interval.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from probfsl.evaluation.protocol import EvalResult, score_batches
+
+
+class ZeroShotPredictor(Protocol):
+    """Anything with ``predict_zero_shot(probs [T, Q, C]) -> [T, Q]`` data-set labels."""
+
+    def predict_zero_shot(self, probs: torch.Tensor) -> torch.Tensor: ...
+
+
+def evaluate_zero_shot(
+    estimator: ZeroShotPredictor,
+    probs: torch.Tensor,
+    query_labels: torch.Tensor,
+    batch_size: int = 1000,
+    progress: bool = False,
+) -> EvalResult:
+    """Accuracy ± 95% CI of ``estimator.predict_zero_shot`` over zero-shot tasks.
+
+    ``probs`` [T, Q, K] (e.g. from :func:`probfsl.data.simplex.zero_shot_probabilities`),
+    ``query_labels`` [T, Q] data-set labels. Any object with
+    ``predict_zero_shot(probs) -> [T, Q]`` works (baselines included). The tasks are
+    scored in batches of ``batch_size``; timing covers ``predict_zero_shot`` (matching
+    included), not the computation of the probabilities.
+    """
+    if not isinstance(probs, torch.Tensor) or probs.ndim != 3:
+        raise ValueError(f"probs must be a [T, Q, K] tensor, got {getattr(probs, 'shape', probs)}")
+    if not isinstance(query_labels, torch.Tensor) or query_labels.shape != probs.shape[:2]:
+        raise ValueError(
+            f"query_labels must be [T, Q]={tuple(probs.shape[:2])}, got "
+            f"{tuple(getattr(query_labels, 'shape', ()))}"
+        )
+    return score_batches(
+        lambda start, stop: estimator.predict_zero_shot(probs[start:stop]),
+        query_labels,
+        batch_size,
+        progress,
+    )
