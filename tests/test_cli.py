@@ -1,6 +1,7 @@
 import json
 
 import numpy as np
+import pytest
 import torch
 
 import probfsl
@@ -498,3 +499,17 @@ def test_demo_on_the_device_and_dtype_given(capsys, monkeypatch):
     rc, out, err = _run(["demo", "--tasks", "3", "--device", "cpu", "--dtype", "float64"], capsys)
     assert rc == 0, err
     assert "float64 on cpu" in out and out.count("nearest-centroid") == 4
+
+
+def test_select_main_prints_ranking(tmp_path, capsys):
+    from probfsl.cli import select_main
+
+    bad, good = _select_files(tmp_path)
+    assert select_main([bad, good]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == f"best: {good}"
+    assert "good.npz" in out[1]
+    data = np.load(bad)
+    np.savez(tmp_path / "short.npz", features=data["features"][:30], labels=data["labels"][:30])
+    with pytest.raises(ValueError, match="row counts"):
+        select_main([good, str(tmp_path / "short.npz")])

@@ -463,24 +463,6 @@ def test_diagnostics_datatree_and_plot(tmp_path):
     assert len(ax.lines) == 6
 
 
-def test_select_main_prints_ranking(tmp_path, capsys):
-    from probfsl.cli import select_main
-
-    g = np.random.default_rng(0)
-    labels = np.arange(40) % 4
-    good = np.eye(8)[labels] * 2 + 0.2 * g.random((40, 8))
-    bad = g.random((40, 8))
-    for name, f in [("good", good), ("bad", bad)]:
-        np.savez(tmp_path / f"{name}.npz", features=f.astype(np.float32), labels=labels)
-    assert select_main([tmp_path / "bad.npz", tmp_path / "good.npz"]) == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    assert out[-1] == f"best: {tmp_path / 'good.npz'}"
-    assert "good.npz" in out[1]
-    np.savez(tmp_path / "short.npz", features=bad[:30].astype(np.float32), labels=labels[:30])
-    with pytest.raises(ValueError, match="row counts"):
-        select_main([tmp_path / "good.npz", tmp_path / "short.npz"])
-
-
 def test_no_warning_on_well_posed_problem():
     x, y, _ = _problem(60, 8)
     with warnings.catch_warnings():
