@@ -485,3 +485,21 @@ def test_gptree_creates_every_tensor_on_the_data_device(inference):
     proba = audit_devices(lambda: model.predict_proba(X))
     assert proba.device.type == "cpu" and torch.isfinite(proba).all()
     audit_devices(lambda: model.predict(X))
+
+
+def test_few_shot_node_batches_change_neither_results_nor_host_syncs(omniglot):
+    """``max_nodes`` batches the nodes for memory: the probabilities do not depend on it,
+    and the host synchronisations per call stay the same however many batches there are
+    (the factorisations are checked once, after the loop)."""
+    from probfsl.host_syncs import HostSyncCounter
+
+    fs, eps = omniglot
+    one = GPTreeFewShot(n_chains=2, n_sweeps=2).fit_base(*fs.base())
+    many = GPTreeFewShot(n_chains=2, n_sweeps=2, max_nodes=3).fit_base(*fs.base())
+    torch.testing.assert_close(many.predict_proba(eps[:6]), one.predict_proba(eps[:6]))
+    counts = []
+    for n_tasks in (2, 6):
+        with HostSyncCounter() as counter:
+            many.predict_proba(eps[:n_tasks])
+        counts.append(counter.total)
+    assert counts[0] == counts[1] <= 50, counts

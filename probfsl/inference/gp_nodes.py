@@ -157,6 +157,9 @@ class GibbsState:
         f_trace, omega_trace: f and ω after ``init`` and every sweep when recorded, else None.
         rng: the :class:`~probfsl.inference.polya_gamma.CounterRNG` of per-node streams
             when :meth:`GibbsNodes.init` was given ``keys``; None: the engine's generator.
+        chol_failed: ``[V]`` bool, nodes whose prior Cholesky factorisation failed, when
+            :meth:`GibbsNodes.init` ran with ``checked=False`` (the caller checks it, once
+            for all its batches); None otherwise (a failure raised at once).
     """
 
     x: torch.Tensor
@@ -172,6 +175,7 @@ class GibbsState:
     f_trace: list | None = None
     omega_trace: list | None = None
     rng: CounterRNG | None = None
+    chol_failed: torch.Tensor | None = None
 
     @property
     def objective(self) -> torch.Tensor:
@@ -252,15 +256,22 @@ class GibbsNodes(Engine):
         y: torch.Tensor,
         mask: torch.Tensor,
         keys: torch.Tensor | None = None,
+        checked: bool = True,
     ) -> GibbsState:
         """Kernel matrices and the code's initialisation f⁰ ~ N(0, K), ω⁰ ~ PG(1, f⁰).
+
+        ``checked=False`` is for callers that built the node data themselves from
+        validated input and run many batches: the input checks are skipped and the
+        factorisation of K is not checked on the host (no synchronisation); its failures
+        are left in ``state.chol_failed`` for the caller to test once.
 
         ``keys [V]`` (integers) give node v its own random stream (a
         :class:`~probfsl.inference.polya_gamma.CounterRNG`), so that its chains do not
         depend on the other nodes of the batch (for a given padded size n); without them
         the engine's ``generator`` draws for the whole batch.
         """
-        check_node_data(x, y, mask)
+        if checked:
+            check_node_data(x, y, mask)
         rng = None
         if keys is not None:
             if not isinstance(keys, torch.Tensor):
@@ -275,12 +286,18 @@ class GibbsNodes(Engine):
         s = x.new_full((V,), self.outputscale)
         ls = x.new_full((V,), self.lengthscale)
         K = masked_gram(rbf_kernel(x, x, s, ls), mask, self.jitter)
-        chol_K = safe_cholesky(K)
+        chol_failed = None
+        if checked:
+            chol_K = safe_cholesky(K)
+        else:
+            chol_K, info = torch.linalg.cholesky_ex(K)
+            chol_failed = info > 0
         kappa = (y.to(x.dtype) - 0.5) * m
         eps = self._randn((V, self.n_chains, x.shape[1]), x, rng)
         f = (chol_K.unsqueeze(1) @ eps.unsqueeze(-1)).squeeze(-1)
         omega = self._pg(f, mask, rng)
         state = GibbsState(x, mask, kappa, K, chol_K, omega, f, s, ls, rng=rng)
+        state.chol_failed = chol_failed
         state.log_marginal = self._log_marginal(state)
         if self.record:
             state.f_trace, state.omega_trace = [f], [omega]
@@ -355,11 +372,12 @@ class GibbsNodes(Engine):
         mask: torch.Tensor,
         n_sweeps: int = 10,
         keys: torch.Tensor | None = None,
+        checked: bool = True,
     ) -> GibbsState:
-        """``init`` (with optional per-node stream ``keys``) then ``n_sweeps`` sweeps (code
-        default 10), driven by :func:`~probfsl.inference.base.run`."""
+        """``init`` (with optional per-node stream ``keys``; ``checked`` as there) then
+        ``n_sweeps`` sweeps (code default 10), driven by :func:`~probfsl.inference.base.run`."""
         n_sweeps = check_hyperparameter("n_sweeps", n_sweeps, integer=True, nonnegative=True)
-        state, _ = run(self, self.init(x, y, mask, keys), n_sweeps)
+        state, _ = run(self, self.init(x, y, mask, keys, checked), n_sweeps)
         return state
 
 
