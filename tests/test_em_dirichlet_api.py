@@ -9,7 +9,6 @@ from probfsl.data.simplex import (
     check_probabilities,
     probabilities_from_embeddings,
     probabilities_from_logits,
-    to_simplex,
     zero_shot_probabilities,
 )
 from probfsl.evaluation.zero_shot import evaluate_zero_shot
@@ -55,10 +54,6 @@ def test_bad_embeddings_and_logits_raise():
         probabilities_from_embeddings(emb, cls, temperature=-1.0)
     with pytest.raises(ValueError, match="logits contains NaN"):
         probabilities_from_logits(torch.tensor([[0.0, float("inf")]]))
-    with pytest.raises(ValueError, match="expected K=5"):
-        to_simplex(embeddings=emb, class_embeddings=cls, n_classes=5)
-    with pytest.raises(ValueError, match="exactly one"):
-        to_simplex(_probs(), logits=torch.zeros(2, 3))
     with pytest.raises(ValueError, match="support_labels must lie"):
         EMDirichletEngine().init(_probs(), _probs(n=3), torch.full((2, 3), 4))
 
@@ -68,8 +63,8 @@ def test_input_forms_agree():
     g = torch.Generator().manual_seed(1)
     emb, cls = torch.randn(2, 6, 8, generator=g), torch.randn(3, 8, generator=g)
     cos = torch.nn.functional.normalize(emb, dim=-1) @ torch.nn.functional.normalize(cls, dim=-1).T
-    from_emb = to_simplex(embeddings=emb, class_embeddings=cls)
-    torch.testing.assert_close(from_emb, to_simplex(logits=cos, temperature=30.0))
+    from_emb = probabilities_from_embeddings(emb, cls)
+    torch.testing.assert_close(from_emb, probabilities_from_logits(cos, temperature=30.0))
     torch.testing.assert_close(from_emb.sum(-1), torch.ones(2, 6))
     assert from_emb.dtype == torch.float32
 

@@ -12,14 +12,12 @@ EM-Dirichlet (Martin et al., CVPR 2024) classifies class-probability vectors
    ``[..., K, D]``), both L2-normalised here, x = softmax(T * cosine) (paper eq. 2):
    :func:`probabilities_from_embeddings`.
 
-:func:`to_simplex` dispatches on whichever is given; :func:`zero_shot_probabilities`
-builds the third form for a batch of zero-shot tasks of a feature set (the zero-shot
-protocol's input). Every function raises
-``ValueError`` naming the argument for NaN/inf, negative entries, rows that do not
-sum to one, fewer than two classes, or a class-embedding count or width that does
-not match, and ``TypeError`` for a non-tensor or a dtype other than float32/float64
-(float16 logs and digammas of the Dirichlet fit overflow: all-NaN output), before any
-computation.
+:func:`zero_shot_probabilities` builds the third form for a batch of zero-shot tasks of a
+feature set (the zero-shot protocol's input). Every function raises ``ValueError``
+naming the argument for NaN/inf, negative entries, rows that do not sum to one, fewer
+than two classes, or a class-embedding count or width that does not match, and
+``TypeError`` for a non-tensor or a dtype other than float32/float64 (float16 logs and
+digammas of the Dirichlet fit overflow: all-NaN output), before any computation.
 """
 
 from __future__ import annotations
@@ -149,46 +147,6 @@ def probabilities_from_embeddings(
     if (class_embeddings.norm(dim=-1) == 0).any():
         raise ValueError("class_embeddings has an all-zero row (no direction for a class)")
     return softmax_cosine(embeddings, class_embeddings, temperature)
-
-
-def to_simplex(
-    probs: torch.Tensor | None = None,
-    *,
-    logits: torch.Tensor | None = None,
-    embeddings: torch.Tensor | None = None,
-    class_embeddings: torch.Tensor | None = None,
-    temperature: float | None = None,
-    n_classes: int | None = None,
-) -> torch.Tensor:
-    """Probabilities from exactly one of the three input forms (module docstring).
-
-    ``temperature`` defaults to 1 for logits and 30 for embeddings. ``n_classes``, when
-    given, is the K the result must have (``ValueError`` otherwise).
-    """
-    given = [
-        name
-        for name, value in (("probs", probs), ("logits", logits), ("embeddings", embeddings))
-        if value is not None
-    ]
-    if len(given) != 1:
-        raise ValueError(f"give exactly one of probs, logits, embeddings; got {given or 'none'}")
-    if (embeddings is None) != (class_embeddings is None):
-        raise ValueError("embeddings and class_embeddings must be given together")
-    if probs is not None:
-        if temperature is not None:
-            raise ValueError("temperature applies to logits or embeddings, not to probs")
-        check_probabilities(probs, "probs")
-        out = probs
-    elif logits is not None:
-        out = probabilities_from_logits(logits, 1.0 if temperature is None else temperature)
-    else:
-        out = probabilities_from_embeddings(
-            embeddings, class_embeddings, 30.0 if temperature is None else temperature
-        )
-    if n_classes is not None and out.shape[-1] != n_classes:
-        name = "class_embeddings" if embeddings is not None else given[0]
-        raise ValueError(f"{name} gives {out.shape[-1]} classes, expected K={n_classes}")
-    return out
 
 
 def zero_shot_probabilities(
