@@ -18,7 +18,9 @@ Compare methods at the same Q; NLL and Brier are proper scoring rules without bi
 Temperature scaling (Guo et al., 2017) divides the log-probabilities by one
 ``τ > 0`` and renormalises; it never changes the argmax, so accuracy is unchanged.
 :func:`fit_temperature` picks ``τ`` by minimising the NLL on labelled episodes (the
-base classes, never the novel ones).
+base classes, never the novel ones), with SciPy's bounded scalar minimiser: one scalar
+for all tasks, fitted once before prediction, so it is outside the ``run`` engine
+contract of :mod:`probfsl.inference.base`.
 """
 
 from __future__ import annotations

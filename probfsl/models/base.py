@@ -215,7 +215,8 @@ def episodes_from_arrays(
 
     Task-local labels are the positions of the support labels among their task's sorted
     distinct values (``searchsorted``, batched); ``ValueError`` when the tasks of a batch
-    do not have the same number of classes or the shapes disagree.
+    do not have the same number of classes or the labels do not fit the support (the
+    query is checked with the whole batch by the estimator's ``predict_proba``).
     """
     if isinstance(support, Episodes):
         raise TypeError("fit_predict takes arrays; predict an Episodes batch with predict()")
@@ -235,11 +236,6 @@ def episodes_from_arrays(
         raise ValueError(
             f"support_labels must be {list(support.shape[:2])[single:]} (one per support "
             f"row), got shape {tuple(labels.shape) if not single else tuple(labels.shape[1:])}"
-        )
-    if query.shape[0] != support.shape[0] or query.shape[2] != support.shape[2]:
-        raise ValueError(
-            f"query {tuple(query.shape)} does not match support {tuple(support.shape)} "
-            "(same number of tasks and feature width)"
         )
     ordered = labels.sort(-1).values
     first = torch.ones_like(ordered, dtype=torch.bool)
