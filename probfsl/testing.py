@@ -220,6 +220,8 @@ class DeviceAudit(TorchFunctionMode):
 def audit_devices(fn: Callable[[], Any]) -> Any:
     """Call ``fn`` with ``meta`` as the default device; fail if any tensor landed there."""
     audit = DeviceAudit()
+    previous = torch.get_default_device()
+    message = "tensors created on the default device instead of the data's"
     torch.set_default_device("meta")
     try:
         with audit:
@@ -227,15 +229,10 @@ def audit_devices(fn: Callable[[], Any]) -> Any:
     except RuntimeError as err:  # a meta tensor met a CPU one
         if "meta" not in str(err):
             raise
-        raise AssertionError(
-            f"tensors created on the default device instead of the data's: {audit.on_meta[:8]}"
-            f" ({err})"
-        ) from err
+        raise AssertionError(f"{message}: {audit.on_meta[:8]} ({err})") from err
     finally:
-        torch.set_default_device(None)
-    assert not audit.on_meta, (
-        f"tensors created on the default device instead of the data's: {audit.on_meta[:8]}"
-    )
+        torch.set_default_device(previous)
+    assert not audit.on_meta, f"{message}: {audit.on_meta[:8]}"
     return out
 
 
