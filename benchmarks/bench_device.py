@@ -87,7 +87,7 @@ def row_for(method: str, fs, n_tasks: int) -> dict:
         cuda = torch.device("cuda")
         try:
             model = fitted(method, fs, torch.float32, cuda)
-            timed_labels(model, episodes[:2], cuda)  # warm-up (kernels, allocator)
+            timed_labels(model, episodes, cuda)  # warm-up (kernels, allocator, compilation)
             torch.cuda.reset_peak_memory_stats(cuda)
             labels, seconds = timed_labels(model, episodes, cuda)
             row["cuda_tasks_per_second"] = n / seconds

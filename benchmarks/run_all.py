@@ -9,7 +9,9 @@ Each ``benchmarks/bench_<name>.py`` writes ``results/<name>.md`` and ``.json``; 
 script runs them one after another, writes every list of rows of the JSON files as
 CSV (``results/<name>[_<key>].csv``) and ``results/REPORT.md``: the machine, the date
 and every table. ``--readme`` replaces the README's results section (between its
-``results:start`` / ``results:end`` markers) with the headline of every table.
+``results:start`` / ``results:end`` markers) with the headline of every table, and of
+the GPU tables in :data:`README_EXTRAS` (``bench_gpu_targets.py`` and ``bench_device.py``
+run on a GPU machine: ``results/device_targets.md``, ``results/device_cuda.md``).
 The benchmarks read the shared real data (``--data-dir``, default ``../shared/data``
 next to the repository).
 """
@@ -34,6 +36,9 @@ FULL_ARGS = {
     "bavardage": ["--threads", "2", "--target-check", "--throughput-check", "3"],
     "gptree": ["--chains", "10"],
 }
+#: results measured elsewhere (on a GPU, by hand) that the README shows after a table;
+#: each names its machine
+README_EXTRAS = {"device": ["device_targets", "device_cuda"]}
 README = HERE.parent / "README.md"
 MARKERS = ("<!-- results:start -->", "<!-- results:end -->")
 
@@ -123,10 +128,11 @@ def readme_section(out: Path, names: list[str]) -> str:
         "ratios are measured in one run.",
     ]
     for name in names:
-        path = out / f"{name}.md"
-        if path.exists():
-            rel = path.relative_to(HERE.parent).as_posix()
-            parts += ["", headline(path.read_text()), "", f"Full tables: [`{rel}`]({rel})."]
+        for stem in [name, *README_EXTRAS.get(name, [])]:
+            path = out / f"{stem}.md"
+            if path.exists():
+                rel = path.relative_to(HERE.parent).as_posix()
+                parts += ["", headline(path.read_text()), "", f"Full tables: [`{rel}`]({rel})."]
     return "\n".join(parts + ["", MARKERS[1]])
 
 

@@ -169,3 +169,24 @@ def test_run_freezes_converged_tasks_and_syncs_once_per_check():
     torch.testing.assert_close(alone.mu_mean, state.mu_mean[:1], rtol=0, atol=0)
     free, info_free = run(engine, engine.init(x), 7)
     assert len(info_free.trace) == 8 and not info_free.converged.any()
+
+
+def test_growing_check_schedule_changes_when_the_loop_stops_not_the_results():
+    """check_growth > 1: checks at 2, 4, 7, 12, 19, ...; one sync per check made; every
+    task's result is the one of the fixed schedule (frozen tasks never change)."""
+    from probfsl.inference.base import check_steps
+
+    assert check_steps(60, 2, 1.0) == list(range(2, 61, 2))
+    assert check_steps(70, 2, 1.5) == [2, 4, 7, 12, 19, 29, 44, 67]
+    with pytest.raises(ValueError, match="check_growth"):
+        check_steps(10, 2, 0.5)
+    x = torch.randn(6, 9, generator=torch.Generator().manual_seed(3)).double()
+    x[3] *= 40.0
+    engine = NormalGammaVB(0.5, 2.0, 2.0, 1.5)
+    fixed, _ = run(engine, engine.init(x), 200, tol=1e-10, check_every=2)
+    with HostSyncCounter() as counter:
+        grown, info = run(engine, engine.init(x), 200, tol=1e-10, check_every=2, check_growth=1.5)
+    steps = len(info.trace) - 1
+    assert steps in check_steps(200, 2, 1.5) and info.converged.all()
+    assert counter.total == check_steps(200, 2, 1.5).index(steps) + 1
+    torch.testing.assert_close(grown.mu_mean, fixed.mu_mean, rtol=0, atol=0)

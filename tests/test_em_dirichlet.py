@@ -625,3 +625,82 @@ def test_hungarian_matching_is_the_best_injective_assignment():
     clusters = torch.tensor([[0, 1, 1]])
     assert match_clusters(clusters, probs, "argmax").tolist() == [[0, 0, 0]]
     assert match_clusters(clusters, probs, "hungarian").tolist() == [[0, 1, 1]]
+
+
+# -- the inner loop compiled and replayed from CUDA graphs (dirichlet_mm_graph) ----------
+
+
+@pytest.mark.parametrize("max_iter, check_every", [(1000, 50), (20, 1), (1, 50), (7, 3), (52, 50)])
+def test_graph_schedule_has_the_eager_loops_checks(max_iter, check_every):
+    """iteration 1, then blocks ending at each check, then the tail: the eager schedule."""
+    from probfsl.inference.dirichlet_mm_graph import schedule
+
+    checks = [i for i in range(1, max_iter) if is_check_iteration(i, check_every)]
+    blocks, tail = schedule(max_iter, check_every)
+    assert checks == [1 + m * check_every for m in range(1, blocks + 1)]
+    assert 1 + blocks * check_every + tail == max_iter and tail >= 0
+
+
+def _loop_rows(t=40, k=5, device="cpu", dtype=torch.float32):
+    g = torch.Generator().manual_seed(3)
+    x = torch.distributions.Dirichlet(torch.ones(k)).sample((t, 30)).clamp_min(1e-15)
+    stat = (x.log().mean(1) + 0.1 * torch.randn(t, k, generator=g)).unsqueeze(1)
+    stat = stat.expand(t, k, k).contiguous().to(device, dtype)
+    frozen = torch.zeros(t, k, dtype=torch.bool, device=device)
+    frozen[::7, 1] = True
+    return torch.ones(t, k, k, device=device, dtype=dtype), stat, frozen
+
+
+def test_compiled_inner_loop_matches_the_eager_loop_on_the_cpu():
+    """compiled=True on the CPU (torch.compile, no graphs): the eager loop's alpha up to
+    float32 rounding and the same stopping iterations; frozen rows untouched."""
+    alpha, stat, frozen = _loop_rows()
+    eager, eager_iters = mm_dirichlet_fit(alpha, stat, 120, 1e-11, 50, frozen, compiled=False)
+    fused, fused_iters = mm_dirichlet_fit(alpha, stat, 120, 1e-11, 50, frozen, compiled=True)
+    torch.testing.assert_close(fused, eager, rtol=1e-5, atol=0)
+    assert torch.equal(fused_iters, eager_iters)
+    assert torch.equal(fused[frozen], alpha[frozen]) and bool((fused_iters[frozen] == 0).all())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("solver", ["mm", "newton"])
+@pytest.mark.parametrize("max_iter, check_every", [(120, 50), (20, 1)])
+def test_graphed_inner_loop_on_cuda_matches_the_eager_loop(solver, max_iter, check_every):
+    """The default on CUDA (compiled, replayed from cached graphs): the eager loop's result
+    on the same device up to float32 rounding (compared through each row's objective F,
+    which Newton's discrete safeguard keeps stable where alpha itself may flip between
+    two near-equal steps); a second call with other statistics replays the cached graphs."""
+    from probfsl.inference import dirichlet_mm_graph
+
+    alpha, stat, frozen = _loop_rows(device="cuda")
+    for shift in (0.0, -0.2):
+        shifted = stat + shift
+        args = (alpha, shifted, max_iter, 1e-11, check_every, frozen)
+        eager, eager_iters = mm_dirichlet_fit(*args, solver=solver, compiled=False)
+        graphed, iters = mm_dirichlet_fit(*args, solver=solver)
+        f_graphed, f_eager = dirichlet_nll(graphed, shifted), dirichlet_nll(eager, shifted)
+        torch.testing.assert_close(f_graphed, f_eager, rtol=1e-5, atol=1e-4)
+        if solver == "mm":  # Newton's float32 stopping test (1e-11) sits at rounding level
+            torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=0)
+            assert (iters == eager_iters).double().mean() > 0.9
+        assert torch.equal(graphed[frozen], alpha[frozen])
+    assert any(key[3] == solver for key in dirichlet_mm_graph._loops)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_em_dirichlet_on_cuda_gives_the_eager_labels():
+    """Estimator level, few-shot and zero-shot: graphed (default on CUDA) against eager."""
+    query, _, support, support_labels = dirichlet_mixture(30, 5, 40, 5, n_shot=3)
+    query, support = query.float().cuda(), support.float().cuda()
+    support_labels = support_labels.cuda()
+    for zero_shot in (False, True):
+        labels = {}
+        for compiled in (None, False):
+            est = EMDirichlet(compiled=compiled, n_iter=5)
+            if zero_shot:
+                labels[compiled] = est.predict_zero_shot(query)
+            else:
+                labels[compiled] = est.fit_probabilities(query, support, support_labels)
+                labels[compiled] = labels[compiled].query_r.argmax(-1)
+        assert labels[None].device.type == "cuda"
+        assert (labels[None] == labels[False]).double().mean() > 0.99

@@ -431,6 +431,8 @@ class _FactoryAudit(TorchFunctionMode):
         torch.randint,
     }
     PKG = os.path.dirname(probfsl.__file__)
+    #: torch's own files (not gpytorch's, even where torch lives in a folder named torch)
+    TORCH = os.path.dirname(torch.__file__) + os.sep
 
     def __init__(self):
         super().__init__()
@@ -438,7 +440,7 @@ class _FactoryAudit(TorchFunctionMode):
 
     def _caller(self) -> str | None:
         frame = sys._getframe(2)
-        while frame is not None and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
+        while frame is not None and frame.f_code.co_filename.startswith(self.TORCH):
             frame = frame.f_back
         if frame is None or not frame.f_code.co_filename.startswith(self.PKG):
             return None

@@ -123,12 +123,31 @@ def converged_tasks(previous: torch.Tensor, current: torch.Tensor, tol: float) -
     return (current - previous).abs() <= tol * previous.abs().clamp_min(1.0)
 
 
+def check_steps(n_steps: int, check_every: int, check_growth: float = 1.0) -> list[int]:
+    """The steps (1-based) after which :func:`run` asks the host whether a task still moves:
+    the first after ``check_every`` steps, then gaps growing by ``check_growth`` (rounded,
+    at least one step). With ``check_every = 2``: 2, 4, 6, 8, ... for growth 1; 2, 4, 7, 12,
+    19, 29, 44, 67, ... for 1.5; 2, 4, 8, 16, 32, ... for 2: about log(n) / log(growth)
+    checks instead of n / 2."""
+    if check_every < 1 or not check_growth >= 1.0:
+        raise ValueError(
+            f"check_every must be >= 1 and check_growth >= 1, got {check_every}, {check_growth}"
+        )
+    out, gap, at = [], float(check_every), check_every
+    while at <= n_steps:
+        out.append(at)
+        at += max(1, int(gap + 0.5))
+        gap *= check_growth
+    return out
+
+
 def run(
     engine: Engine,
     state: Any,
     n_steps: int,
     tol: float | None = None,
     check_every: int = CHECK_EVERY,
+    check_growth: float = 1.0,
 ) -> tuple[Any, RunInfo]:
     """Drive ``engine.step`` up to ``n_steps`` times: the one loop of every engine.
 
@@ -136,11 +155,15 @@ def run(
     (relative, :func:`converged_tasks`) in one step; from then on its state is frozen
     (:meth:`Engine.keep`), so the batch gives each task the result it would get alone.
     The test runs on the device after every step; the host asks whether any task is
-    still moving only every ``check_every`` steps (one synchronisation), and the loop
-    ends when none is. Without ``tol`` all ``n_steps`` steps run and nothing syncs.
+    still moving only at the steps of :func:`check_steps` (every ``check_every`` steps,
+    or at gaps growing by ``check_growth``; one synchronisation each), and the loop ends
+    when none is. Since converged tasks are frozen, the schedule changes only when the
+    loop stops, never a task's result. Without ``tol`` all ``n_steps`` steps run and
+    nothing syncs.
 
     Returns the final state and a :class:`RunInfo` (trace, steps per task, converged).
     """
+    checks = set(check_steps(n_steps, check_every, check_growth)) if tol is not None else set()
     objective = state.objective
     trace = [objective]
     active = torch.ones(objective.shape, dtype=torch.bool, device=objective.device)
@@ -153,6 +176,6 @@ def run(
             active = active & ~converged_tasks(trace[-1], new.objective, tol)
         state = new
         trace.append(state.objective)
-        if tol is not None and (i + 1) % check_every == 0 and not bool(active.any()):
+        if i + 1 in checks and not bool(active.any()):
             break
     return state, RunInfo(torch.stack(trace), steps, ~active)

@@ -549,9 +549,9 @@ def _seeded_rng(device: torch.device, seed: int) -> Iterator[None]:
     device's own generator is saved, seeded and restored (and no other device's).
     """
     accelerator = [device] if device.type != "cpu" else []
-    with torch.random.fork_rng(
-        devices=accelerator, device_type=device.type if accelerator else None
-    ):
+    # device_type only with a device: torch <= 2.11 rejects None (torch.device(None))
+    device_type = {"device_type": device.type} if accelerator else {}
+    with torch.random.fork_rng(devices=accelerator, **device_type):
         torch.random.default_generator.manual_seed(seed)
         if accelerator:
             module = torch.get_device_module(device.type)

@@ -239,6 +239,12 @@ class EMDirichlet(FewShotClassifier):
             the few-shot default, which keeps the reference code's labels. Zero-shot,
             Newton with 20 iterations is 2.2-2.5x slower than ``BOUNDED_MM`` (a Newton
             iteration costs about 2.5 MM iterations).
+        compiled: run the inner loop as ``torch.compile``'d kernels replayed from CUDA
+            graphs (:mod:`probfsl.inference.dirichlet_mm_graph`). ``None`` (default):
+            on CUDA inputs only, where the eager loop is bound by kernel launches (on an
+            H100, 10,000 WordNet 5-shot tasks: 0.45 s, against 7.7 s eagerly); ``False``: always
+            eager; ``True``: also compiled (without graphs) on the CPU. The first call of
+            a shape compiles (seconds). Same arithmetic, rounded differently by fusion.
     """
 
     transductive = True
@@ -258,6 +264,7 @@ class EMDirichlet(FewShotClassifier):
         mm_check_every: int | None = None,
         matching: str = "hungarian",
         solver: str | None = None,
+        compiled: bool | None = None,
     ) -> None:
         self.hard = hard
         self.lambda_coef = lambda_coef
@@ -271,6 +278,7 @@ class EMDirichlet(FewShotClassifier):
         self.mm_check_every = mm_check_every
         self.matching = matching
         self.solver = solver
+        self.compiled = compiled
 
     # -- configuration ------------------------------------------------------------------
     @property
@@ -291,6 +299,8 @@ class EMDirichlet(FewShotClassifier):
         check_choice("matching", self.matching, MATCHINGS)
         if self.solver is not None:
             check_choice("solver", self.solver, tuple(SOLVERS))
+        if self.compiled is not None and not isinstance(self.compiled, bool):
+            raise TypeError(f"compiled must be None, True or False, got {self.compiled!r}")
         for name in ("hard", "center"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -319,6 +329,7 @@ class EMDirichlet(FewShotClassifier):
             lambda_coef=self.lambda_coef,
             k_eff=self.k_eff,
             hard=self.hard,
+            compiled=self.compiled,
             **self.mm_options(zero_shot),
         )
 
