@@ -169,11 +169,12 @@ def graphed_mm_fit(
     as the eager loop of :func:`~probfsl.inference.dirichlet_mm.mm_dirichlet_fit` does."""
     blocks, tail = schedule(max_iter, check_every)
     key = (alpha.shape, alpha.dtype, alpha.device, solver, check_every, tol, tail)
-    loop = _loops.get(key)
-    if loop is None:
-        loop = _CapturedLoop(alpha, stat, solver, check_every, tol, (1, tail))
-        _loops[key] = loop
-        while len(_loops) > CACHE_SIZE:
-            _loops.popitem(last=False)
-    _loops.move_to_end(key)
-    return loop.run(alpha, stat, active, blocks, tail, check_every)
+    with torch.cuda.device(alpha.device):  # capture and replay on the data's GPU
+        loop = _loops.get(key)
+        if loop is None:
+            loop = _CapturedLoop(alpha, stat, solver, check_every, tol, (1, tail))
+            _loops[key] = loop
+            while len(_loops) > CACHE_SIZE:
+                _loops.popitem(last=False)
+        _loops.move_to_end(key)
+        return loop.run(alpha, stat, active, blocks, tail, check_every)
