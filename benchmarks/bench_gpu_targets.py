@@ -91,7 +91,8 @@ def task_span(args, device: torch.device, rows: list) -> None:
     est = Bavardage().fit_base(x.to(device), y.to(device))
     on_device = episodes.to(device)
     synced(device)
-    torch.cuda.reset_peak_memory_stats(device) if device.type == "cuda" else None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     probs, seconds = median_seconds(lambda: est.predict_proba(on_device), device, args.repeats)
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     report(

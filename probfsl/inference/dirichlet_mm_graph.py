@@ -7,7 +7,8 @@ bound by kernel launches, not arithmetic (measured on an H100 with 10,000 few-sh
 tasks, K = 5: 0.42 ms per eager iteration). Since the loop is branch-free and makes no
 host synchronisation, the same iteration can be
 
-1. compiled by ``torch.compile`` (TorchInductor fuses it into one or two kernels), and
+1. compiled by ``torch.compile`` (TorchInductor fuses its elementwise work into a few
+   kernels), and
 2. captured, ``check_every`` iterations at a time, in a CUDA graph (``torch.cuda.graph``)
    that is replayed instead of launched kernel by kernel.
 
