@@ -17,12 +17,16 @@ from probfsl.inference.dirichlet_mm import (
     NEWTON,
     REFERENCE_MM,
     EMDirichletEngine,
+    checked_iteration,
+    compiled_iteration,
     curvature,
     dirichlet_nll,
     is_check_iteration,
+    masked_iteration,
     mm_dirichlet_fit,
     mm_dirichlet_step,
     newton_dirichlet_step,
+    series_coefficients,
 )
 from probfsl.models.em_dirichlet import EMDirichlet, em_dirichlet_model, match_clusters
 from probfsl.testing import ConformanceCase, check_engine
@@ -651,6 +655,30 @@ def _loop_rows(t=40, k=5, device="cpu", dtype=torch.float32):
     return torch.ones(t, k, k, device=device, dtype=dtype), stat, frozen
 
 
+def test_graphed_loop_orchestration_is_the_eager_loop(monkeypatch):
+    """The captured loop's static buffers, blocks, tail and check indices, on the CPU: with
+    capture replaced by running the recorded body at each replay, it is the eager loop
+    exactly (float64, frozen rows), also when the buffers are reused by a second call."""
+    from probfsl.inference import dirichlet_mm_graph as graph
+
+    monkeypatch.setattr(graph, "capture", lambda body, device: body)
+    monkeypatch.setattr(graph, "warm_up", lambda fn, device: fn())
+    alpha, stat, frozen = _loop_rows(dtype=F64)
+    masked = partial(masked_iteration, mm_dirichlet_step)
+    checked = partial(checked_iteration, mm_dirichlet_step)
+    for max_iter, check_every in ((120, 50), (20, 1), (7, 3), (1, 50)):
+        blocks, tail = graph.schedule(max_iter, check_every)
+        loop = graph._CapturedLoop(
+            alpha, stat, series_coefficients(alpha), masked, checked, check_every, 1e-9, (1, tail)
+        )
+        for shift in (0.0, -0.2):
+            args = (alpha, stat + shift, max_iter, 1e-9, check_every, frozen)
+            eager, eager_iters = mm_dirichlet_fit(*args, compiled=False)
+            out, active, stopped = loop.run(alpha, stat + shift, ~frozen, blocks, tail, check_every)
+            assert torch.equal(out, eager)
+            assert torch.equal(torch.where(active, max_iter, stopped), eager_iters)
+
+
 def test_compiled_inner_loop_matches_the_eager_loop_on_the_cpu():
     """compiled=True on the CPU (torch.compile, no graphs): the eager loop's alpha up to
     float32 rounding and the same stopping iterations; frozen rows untouched."""
@@ -684,7 +712,8 @@ def test_graphed_inner_loop_on_cuda_matches_the_eager_loop(solver, max_iter, che
             torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=0)
             assert (iters == eager_iters).double().mean() > 0.9
         assert torch.equal(graphed[frozen], alpha[frozen])
-    assert any(key[3] == solver for key in dirichlet_mm_graph._loops)
+    masked = compiled_iteration("masked", solver)
+    assert any(key[3] is masked for key in dirichlet_mm_graph._loops)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

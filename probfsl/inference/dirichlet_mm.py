@@ -53,6 +53,7 @@ import torch
 from pyro.ops.indexing import Vindex
 
 from probfsl.inference.base import Engine, Info
+from probfsl.inference.dirichlet_mm_graph import graphed_fit
 from probfsl.validation import check_task_tensors
 
 #: added to the probabilities before taking logs (official code; no renormalisation)
@@ -305,24 +306,20 @@ def mm_dirichlet_fit(
         active = ~frozen
     if compiled is None:
         compiled = alpha.is_cuda and not early_exit
-    if compiled and alpha.is_cuda and not early_exit:
-        from probfsl.inference.dirichlet_mm_graph import graphed_mm_fit
-
-        alpha, active, stopped = graphed_mm_fit(
-            alpha, stat, active, max_iter, tol, check_every, solver
-        )
-        return alpha, torch.where(active, max_iter, stopped)
     if compiled:
-        from probfsl.inference.dirichlet_mm_graph import compiled as compiled_iteration
-
         masked = compiled_iteration("masked", solver)
         checked = compiled_iteration("checked", solver)
     else:
         masked = functools.partial(masked_iteration, step)
         checked = functools.partial(checked_iteration, step)
+    coefficients = series_coefficients(alpha)
+    if compiled and alpha.is_cuda and not early_exit:
+        alpha, active, stopped = graphed_fit(
+            alpha, stat, coefficients, active, masked, checked, max_iter, tol, check_every
+        )
+        return alpha, torch.where(active, max_iter, stopped)
     # iteration at which each row stopped; rows still active at the end ran them all
     stopped = torch.zeros(alpha.shape[:-1], dtype=torch.long, device=alpha.device)
-    coefficients = series_coefficients(alpha)
     done = 0
     for i in range(1, max_iter + 1):
         if i < max_iter and is_check_iteration(i, check_every):
@@ -360,6 +357,45 @@ def checked_iteration(
     alpha = torch.where(active.unsqueeze(-1), new, alpha)
     stopped = torch.where(active & ~moving, i, stopped)
     return alpha, active & moving, stopped
+
+
+def _masked_mm(alpha, stat, coefficients, active):
+    return masked_iteration(mm_dirichlet_step, alpha, stat, coefficients, active)
+
+
+def _checked_mm(alpha, stat, coefficients, active, stopped, i, tol):
+    return checked_iteration(mm_dirichlet_step, alpha, stat, coefficients, active, stopped, i, tol)
+
+
+def _masked_newton(alpha, stat, coefficients, active):
+    return masked_iteration(newton_dirichlet_step, alpha, stat, coefficients, active)
+
+
+def _checked_newton(alpha, stat, coefficients, active, stopped, i, tol):
+    return checked_iteration(
+        newton_dirichlet_step, alpha, stat, coefficients, active, stopped, i, tol
+    )
+
+
+#: one function (one code object, so one compilation cache) per kind and solver
+_ITERATIONS = {
+    ("masked", "mm"): _masked_mm,
+    ("checked", "mm"): _checked_mm,
+    ("masked", "newton"): _masked_newton,
+    ("checked", "newton"): _checked_newton,
+}
+
+
+@functools.cache
+def compiled_iteration(kind: str, solver: str) -> Callable:
+    """``torch.compile``'d :func:`masked_iteration` (``kind="masked"``) or
+    :func:`checked_iteration` (``"checked"``) for the inner step named ``solver``.
+
+    Shapes become dynamic at the first recompilation (torch's default), so new batch
+    sizes do not pile up compilations; without ``fullgraph``, torch falls back to eager
+    rather than failing should it ever reach its recompilation limit.
+    """
+    return torch.compile(_ITERATIONS[kind, solver])
 
 
 def dirichlet_log_density(log_x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
