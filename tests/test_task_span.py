@@ -10,12 +10,20 @@ one matrix at a time).
 
 from __future__ import annotations
 
+import functools
+from unittest import mock
+
+import numpy as np
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+import probfsl.models.bavardage as bavardage_module
+from probfsl.data.loaders import from_arrays
+from probfsl.data.tasks import sample_episodes
 from probfsl.inference.eigh import matrix_sign, stable_eigh
 from probfsl.inference.plda import task_span_whitening
+from probfsl.models.bavardage import Bavardage
 from probfsl.testing import audit_devices
 
 F64 = torch.float64
@@ -119,6 +127,65 @@ def test_routes_agree_and_auto_picks_eigh_on_the_cpu():
     torch.testing.assert_close(
         _gram(y_auto), _gram(task_span_whitening(x, precision, 8.0, method="sign"))
     )
+
+
+LARGE_S_MAX = (1e6, 1e9, 1e12, 1e200)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("s_max", LARGE_S_MAX)
+def test_a_large_finite_s_max_is_the_unclamped_whitening(route, s_max):
+    """s_max far above every scale (eq. 7; 1e9 is a common way to write "no clamp")
+    gives the whitened Gram matrix of s_max=None, rank-deficient tasks included: the
+    jitter's metric must not grow with s_max."""
+    x, precision = _tasks(), _precision(64)
+    k_none = _gram(task_span_whitening(x, precision, None, method=route))
+    k = _gram(task_span_whitening(x, precision, s_max, method=route))
+    _assert_gram_close(k, k_none, 1e-12)
+    _assert_gram_close(k, _reference(x, precision, None)[0], 1e-9)
+
+
+def _anisotropic_feature_set(dim=160, n_base=40, n_novel=20, per_class=20, seed=0):
+    """Classes with a shared anisotropic within-class covariance (scales 1 to 0.03), means
+    close enough (spread 0.5 of the scales) that a fair share of queries is ambiguous."""
+    rng = np.random.default_rng(seed)
+    rotation = np.linalg.qr(rng.standard_normal((dim, dim)))[0]
+    scales = np.logspace(0, -1.5, dim)
+    means = 0.5 * rng.standard_normal((n_base + n_novel, dim)) * scales
+    labels = np.repeat(np.arange(n_base + n_novel), per_class)
+    noise = rng.standard_normal((len(labels), dim)) * scales
+    features = (means[labels] + noise) @ rotation.T + 2 * rng.standard_normal(dim)
+    fields = dict(features=features, labels=labels)
+    return from_arrays(fields, "synthetic", base_classes=range(n_base))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_bavardage_at_a_large_finite_s_max_predicts_as_unclamped(route):
+    """BAVARDAGE's labels (and probabilities) with ``whitening="task_span"`` at s_max = 1e6,
+    1e9, 1e12 equal those of s_max=None, float64, on 5-way 1-shot tasks of 80 points in
+    160 dimensions (the span route, N < D); an ordinary clamp (s_max = 5) still changes them.
+    """
+    fs = _anisotropic_feature_set()
+    episodes = sample_episodes(fs, 20, 5, 1, 75, balance="dirichlet", seed=0, dtype=F64)
+    assert episodes.support.shape[1] + episodes.query.shape[1] < episodes.support.shape[-1]
+    whitening = functools.partial(task_span_whitening, method=route)
+
+    def predict(s_max):
+        est = Bavardage(s_max=s_max).fit_base(*fs.base(F64))
+        with mock.patch.object(bavardage_module, "task_span_whitening", whitening):
+            return est.predict_proba(episodes)
+
+    unclamped = predict(None)
+    probs = {s_max: predict(s_max) for s_max in (1e6, 1e9, 1e12)}
+    agreement = {
+        s_max: float((p.argmax(-1) == unclamped.argmax(-1)).double().mean())
+        for s_max, p in probs.items()
+    }
+    assert all(a == 1 for a in agreement.values()), f"label agreement {agreement}"
+    for p in probs.values():
+        torch.testing.assert_close(p, unclamped, atol=1e-9, rtol=0)
+    clamped = predict(5.0)
+    assert (clamped - unclamped).abs().max() > 1e-2
 
 
 def test_n_at_least_d_is_the_global_whitening_of_the_whole_space():

@@ -287,16 +287,22 @@ def task_span_whitening(
     3. A = L_G^{-1} (H + sigma delta I) L_G^{-T} (two triangular solves) is P in the basis
        U_t = x^T L_G^{-T}; the sigma delta term gives the directions that the jitter delta
        adds to a rank-deficient task the metric sigma, so that they do not mix with the
-       span (their share of K is O(delta), rounding level);
+       span. Unclamped this adds exactly sigma delta I to K, so sigma must be of the order
+       of the task's metric for that share to stay at rounding level: sigma is the task's
+       mean metric tr H / tr G, capped at s_max^2 / 2 (those directions then stay below the
+       clamp). It does not grow with s_max: once s_max^2 is above the task's spectrum
+       (twice its mean metric for sigma), K is exactly that of ``s_max=None``, so a large
+       finite s_max (1e9, say) means no clamping, as in eq. 7 of Hu et al. (AISTATS 2023);
     4. f(A), then y = L_G F with F F^T = f(A), so that y y^T = C f(P) C^T = K:
 
        * ``method="eigh"``: A = V diag(a) V^T, F = V diag(min(a, s_max^2)^{1/2})
          (:func:`~probfsl.inference.eigh.stable_eigh`: one LAPACK call per task, the
          cheapest route on the CPU);
-       * ``method="sign"``: f(A) from the matrix sign of (A + s_max^2 I)^{-1} - I/(2 s_max^2)
-         (:func:`_clamped_by_sign`; Newton iteration, batched LU and Cholesky only) and
-         F = chol(f(A)): the route for CUDA, where batched eigh of N > 32 runs one matrix
-         at a time;
+       * ``method="sign"``: f(A) from the matrix sign of (A + c I)^{-1} - I/(2 c), with
+         c = min(s_max^2, 2 ||A||_F) per task (:func:`_clamped_by_sign`; Newton iteration,
+         batched LU and Cholesky only), and f(A) = A itself for a task whose ||A||_F (a
+         bound on its largest eigenvalue) is below s_max^2; then F = chol(f(A)): the route
+         for CUDA, where batched eigh of N > 32 runs one matrix at a time;
        * ``"auto"`` (default): ``"eigh"`` for tensors on the CPU, ``"sign"`` elsewhere.
 
     Both give the same K up to rounding (y differs by a rotation). When N >= D the span is
@@ -339,11 +345,11 @@ def task_span_whitening(
     chol_g = torch.linalg.cholesky_ex(gram + delta[:, None, None] * eye)[0]
     h = _mahalanobis_gram(x, precision)
     clamp = s_max is not None and not math.isinf(s_max)
-    c = s_max**2 if clamp else math.inf
+    c = s_max * s_max if clamp else math.inf  # (s_max**2 raises OverflowError past 1e154)
+    # the jitter directions' metric: the task's mean metric, kept below the clamp
+    sigma = h.diagonal(dim1=1, dim2=2).sum(-1) / g_diag.sum(-1).clamp_min(tiny)
     if clamp:
-        sigma = torch.full_like(delta, c / 2)
-    else:  # the task's mean metric
-        sigma = h.diagonal(dim1=1, dim2=2).sum(-1) / g_diag.sum(-1).clamp_min(tiny)
+        sigma = sigma.clamp_max(c / 2)
     a_mat = torch.linalg.solve_triangular(
         chol_g, h + (sigma * delta)[:, None, None] * eye, upper=False
     )
@@ -357,10 +363,17 @@ def task_span_whitening(
             span = torch.linalg.solve_triangular(chol_g, x, upper=False).mT  # x^T L_G^{-T}
             return y, TaskSpanBasis(span, v, s)
         return y
+    scale = a_mat.diagonal(dim1=1, dim2=2).amax(-1)
+    f = a_mat
     if clamp:
-        f, scale = _clamped_by_sign(a_mat, c), torch.full_like(delta, c)
-    else:
-        f, scale = a_mat, a_mat.diagonal(dim1=1, dim2=2).amax(-1)
+        # ||A||_F bounds A's largest eigenvalue: a task below the clamp keeps f = A exactly
+        # (A + s_max^2 I would lose A's digits when s_max^2 is far above A's spectrum); the
+        # clamped branch is only kept where ||A||_F >= s_max^2, so c_task = s_max^2 there,
+        # and elsewhere 2 ||A||_F keeps the discarded branch finite and well conditioned
+        bound = torch.linalg.matrix_norm(a_mat)
+        c_task = torch.minimum(2 * bound, bound.new_full((), c))
+        f = torch.where((bound < c)[:, None, None], a_mat, _clamped_by_sign(a_mat, c_task))
+        scale = scale.clamp_max(c)
     # f's largest eigenvalue is about ``scale``: an eps-relative jitter (as stable_eigh's in
     # the eigh route); a task whose f is not numerically positive definite even so (smallest
     # eigenvalues within rounding of 0) is factored with a sqrt(eps)-relative one instead
@@ -372,9 +385,9 @@ def task_span_whitening(
     return chol_g @ factor
 
 
-def _clamped_by_sign(a_mat: torch.Tensor, c: float) -> torch.Tensor:
+def _clamped_by_sign(a_mat: torch.Tensor, c: float | torch.Tensor) -> torch.Tensor:
     """f(A) = min(A, c I) [T, n, n] for symmetric positive semi-definite A, without an
-    eigendecomposition (batched Cholesky and LU only).
+    eigendecomposition (batched Cholesky and LU only); c is a number or one per task [T].
 
     Through the Cayley-type transform T = (A + c I)^{-1} (eigenvalues t = 1/(a + c), in
     (0, 1/c]; a < c exactly when t > 1/(2c)): with S = sign(T - I/(2c)) (:func:`matrix_sign`)
@@ -392,6 +405,8 @@ def _clamped_by_sign(a_mat: torch.Tensor, c: float) -> torch.Tensor:
     n = a_mat.shape[-1]
     eye = torch.eye(n, dtype=a_mat.dtype, device=a_mat.device)
     eps = torch.finfo(a_mat.dtype).eps
+    if isinstance(c, torch.Tensor):
+        c = c[..., None, None]
     t = _spd_inverse(a_mat + c * eye)
     # the eps shift keeps T - I/(2c) nonsingular when a = c exactly (then counted clamped)
     sign = matrix_sign(t - ((1 + eps) / (2 * c)) * eye)
