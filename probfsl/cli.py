@@ -21,16 +21,24 @@ from probfsl.data import (
     load_features,
     load_task_file,
     sample_episodes,
+    sample_task_indices,
     sample_zero_shot_tasks,
 )
 from probfsl.data.simplex import zero_shot_probabilities
 from probfsl.evaluation import evaluate, text_table, write_results
-from probfsl.evaluation.zero_shot import evaluate_zero_shot
+from probfsl.evaluation.zero_shot import evaluate_argmax, evaluate_zero_shot
 from probfsl.fileio import check_writable
 from probfsl.methods import METHODS, method_info, parse_params
 from probfsl.selection import rank_feature_files
 from probfsl.temperature import TemperatureScaled
-from probfsl.tuning import auto_preset, auto_preset_zero_shot, make_estimator, search_space
+from probfsl.tuning import (
+    BASELINE,
+    SEARCH_SPACES,
+    auto_preset,
+    auto_preset_zero_shot,
+    make_estimator,
+    search_space,
+)
 from probfsl.validation import as_device
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -181,6 +189,20 @@ def run_setting(
         "params": params or {},
         **calibration,
         **{k: v for k, v in result.summary().items() if k != "n_tasks"},
+        **_baseline(fs, episodes, batch_size, device, dtype),
+    }
+
+
+def _baseline(fs: FeatureSet, episodes, batch_size: int, device, dtype) -> dict:
+    """Nearest centroid (centred on the base mean where the data have base classes) on
+    the same episodes: the inductive baseline printed beside every few-shot result."""
+    baseline = make_estimator(BASELINE, center=bool(fs.classes_in("base").size))
+    baseline.fit_featureset(fs, dtype, device)
+    result = evaluate(baseline, episodes, batch_size, False, device, dtype)
+    return {
+        "baseline": BASELINE,
+        "baseline_accuracy": result.accuracy,
+        "baseline_ci95": result.ci95,
     }
 
 
@@ -225,6 +247,8 @@ def run_zero_shot(
     device = torch.device("cpu") if device is None else device
     probs = zero_shot_probabilities(fs, zs, estimator.temperature, dtype).to(device)
     result = evaluate_zero_shot(estimator, probs, zs.query_labels, batch_size, progress)
+    baseline = evaluate_argmax(probs, zs.query_labels, batch_size=batch_size)
+    in_task = evaluate_argmax(probs, zs.query_labels, zs.classes, batch_size)
     return {
         "method": method,
         "dataset": fs.name,
@@ -240,6 +264,11 @@ def run_zero_shot(
         "preset": preset,
         "params": params or {},
         **{k: v for k, v in result.summary().items() if k != "n_tasks"},
+        "baseline": "argmax",
+        "baseline_accuracy": baseline.accuracy,
+        "baseline_ci95": baseline.ci95,
+        "argmax_in_task_accuracy": in_task.accuracy,
+        "argmax_in_task_ci95": in_task.ci95,
     }
 
 
@@ -258,8 +287,14 @@ def _print_tuning(result, choice=None) -> None:
         print(f"chosen: {preset}{choice.params} (kept over the search's best {result.best})")
 
 
-#: methods whose ``probfsl run --features`` uses ``--preset auto`` unless told otherwise
-AUTO_BY_DEFAULT = ("bavardage", "em-dirichlet", "gp-tree")
+#: ``--preset`` value that runs the estimator's own defaults (no search on base classes)
+DEFAULTS = "defaults"
+
+
+def _auto_by_default(method: str, fs: FeatureSet) -> bool:
+    """Whether ``probfsl run`` tunes ``method`` on ``fs`` when no preset or parameter is
+    given: wherever the data have base classes and the method has a search space."""
+    return method in SEARCH_SPACES and fs.classes_in("base").size > 0
 
 
 def _auto(
@@ -283,6 +318,7 @@ def _auto(
             fixed=fixed,
             dtype=dtype,
             device=device,
+            progress=sys.stderr.isatty(),
         )
     return auto_preset(
         args.method,
@@ -298,6 +334,7 @@ def _auto(
         fixed=fixed,
         dtype=dtype,
         device=device,
+        progress=sys.stderr.isatty(),
     )
 
 
@@ -321,6 +358,21 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_tasks_possible(args: argparse.Namespace, fs: FeatureSet) -> None:
+    """``ValueError`` when ``fs`` cannot give the requested tasks (one is drawn)."""
+    if args.zero_shot:
+        if fs.class_features is None:
+            raise ValueError(
+                f"{fs.name}: --zero-shot needs class embeddings (the file's "
+                "'class_features' array, one row per class)"
+            )
+        sample_zero_shot_tasks(fs, 1, args.min_classes, args.max_classes, args.query, args.seed)
+    elif not args.task_file:
+        sample_task_indices(
+            fs, 1, args.way, args.shot, args.query, args.balance, args.alpha, args.seed
+        )
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     # everything that can be checked without the data is checked first
     if args.out:
@@ -329,21 +381,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     params = parse_params(args.param)
     if args.task_file and not Path(args.task_file).is_file():
         raise ValueError(f"--task-file: file not found: {args.task_file}")
-    preset = args.preset
-    if preset is None and args.features and not args.param:
-        if args.method in AUTO_BY_DEFAULT:
-            print(f"{args.method}: --preset auto (the default for your own features)")
-            preset = "auto"
+    preset = None if args.preset == DEFAULTS else args.preset
     if args.zero_shot and preset not in (None, "auto"):
         raise ValueError("--zero-shot takes no named --preset (only auto)")
     if args.zero_shot and args.calibrate == "temperature":
         raise ValueError("--calibrate temperature applies to few-shot runs, not --zero-shot")
-    calibrate = args.calibrate or ("temperature" if preset == "auto" else "none")
     # unknown or invalid hyperparameters and presets fail before loading
     make_estimator(args.method, None if preset == "auto" or args.zero_shot else preset, **params)
     if preset == "auto":
         make_estimator(args.method, "auto", **params)  # a method without a search space
     fs = _load(args)
+    _check_tasks_possible(args, fs)  # before any search on the base classes
+    if args.preset is None and not args.param and _auto_by_default(args.method, fs):
+        _note(
+            f"{args.method}: --preset auto, the default where the data have base classes "
+            f"(hyperparameters tuned on base-class episodes; --preset {DEFAULTS} opts out)"
+        )
+        preset = "auto"
+    calibrate = args.calibrate or ("temperature" if preset == "auto" else "none")
     if calibrate == "temperature" and fs.classes_in("base").size == 0:
         if args.calibrate == "temperature":
             raise ValueError(f"--calibrate temperature needs base classes; {fs.name} has none")
@@ -354,22 +409,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         args.way = int(indices["support_labels"].max()) + 1
         args.shot = indices["support"].shape[1] // args.way
         args.query = indices["query"].shape[1]
-    auto_note = None
+    auto_note, method = None, args.method
     if not args.zero_shot:
         params = _without_base(args.method, fs, None if preset == "auto" else preset, params)
     if preset == "auto":
         choice = _auto(args, fs, params, device, dtype)
-        if choice.result is not None:
+        if choice.result is not None and args.preset == "auto":
             _print_tuning(choice.result, choice)
         if choice.note:
             _note(f"--preset auto: {choice.note}")
         auto_note = choice.describe()
         run_preset, params = choice.preset, choice.params
+        method = choice.method or args.method
+        if choice.result is not None and args.preset is None:
+            chosen = f"preset {run_preset!r} with {params}" if run_preset else params
+            _note(f"--preset auto chose {method} {chosen} ('probfsl tune' shows the search)")
     else:
         run_preset = preset
     if args.zero_shot:
         row = run_zero_shot(
-            args.method,
+            method,
             fs,
             args.tasks,
             args.min_classes,
@@ -385,7 +444,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     else:
         row = run_setting(
-            args.method,
+            method,
             fs,
             args.way,
             args.shot,
@@ -404,7 +463,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             calibrate=calibrate,
         )
     if preset == "auto":
+        row["method"] = args.method
         row["preset"] = "auto" if run_preset is None else f"auto ({run_preset})"
+        if method != args.method:
+            row["preset"] = f"auto ({method})"
         row["auto"] = auto_note
     print(text_table([row]))
     if args.out:
@@ -609,8 +671,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--preset",
         metavar="NAME",
-        help="a published setting of the method, or 'auto' (tuned on base-class episodes; "
-        f"the default of {', '.join(AUTO_BY_DEFAULT)} on --features without --param)",
+        help="a published setting of the method; 'auto': hyperparameters tuned on "
+        "base-class episodes of the run's setting (cached; the default of every tunable "
+        f"method when the data have base classes and no --param is given); '{DEFAULTS}': "
+        "the method's own defaults",
     )
     run.add_argument(
         "--episodes",

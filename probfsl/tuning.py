@@ -30,15 +30,16 @@ with one copy of each candidate's per-task accuracies to the host.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Self
 
 import numpy as np
 import torch
 
-from probfsl import methods
+from probfsl import methods, tuning_cache
 from probfsl.data.base_episodes import (
     base_classes_only,
     base_episode_shape,
@@ -52,7 +53,12 @@ from probfsl.evaluation.protocol import accuracy_ci
 from probfsl.models.base import FewShotClassifier
 from probfsl.validation import as_device, check_base, check_count, check_float_dtype
 
+log = logging.getLogger(__name__)
+
 CRITERIA = ("accuracy", "objective")
+
+#: the inductive baseline every tuned method is held against on base episodes
+BASELINE = "nearest-centroid"
 
 #: coarse search spaces per method (the refinement adds midpoints around the best)
 SEARCH_SPACES: dict[str, dict[str, list]] = {
@@ -74,7 +80,7 @@ SEARCH_SPACES: dict[str, dict[str, list]] = {
         "n_iter": [2, 5, 20],
         "lambda_coef": [4.0, 8.0],
     },
-    "gp-tree": {"outputscale": [1.0, 4.0, 8.0, 16.0], "lengthscale": [0.5, 1.0, 2.0]},
+    "gp-tree": {"outputscale": [4.0, 16.0, 64.0], "lengthscale": [0.5, 1.0, 2.0, 4.0]},
     "slem": {"rel_lam": [0.1, 1.0, 10.0, 100.0]},
 }
 
@@ -206,18 +212,34 @@ def _search(
     refine: bool,
     fixed: Mapping | None,
     score,
+    progress: bool = False,
 ) -> TuneResult:
-    """Coarse grid, then one refinement around the best; ``score(params) -> row``."""
+    """Coarse grid, then one refinement around the best; ``score(params) -> row``.
+
+    ``progress`` shows a bar over the candidates (tqdm, on stderr)."""
+    from tqdm.auto import tqdm
+
     space = _checked(method, space, criterion)
     tic = time.perf_counter()
-    trace = [score(p) for p in _grid(space)]
+    grid = _grid(space)
+    bar = tqdm(total=len(grid), desc=f"tuning {method}", unit="cand", disable=not progress)
 
-    def best_of(rows):
-        return max(rows, key=lambda r: r[criterion])["params"]
+    def scored(params):
+        row = score(params)
+        bar.update()
+        return row
 
-    if refine:
-        seen = [r["params"] for r in trace]
-        trace += [score(p) for p in _refinements(space, best_of(trace)) if p not in seen]
+    with bar:
+        trace = [scored(p) for p in grid]
+
+        def best_of(rows):
+            return max(rows, key=lambda r: r[criterion])["params"]
+
+        if refine:
+            seen = [r["params"] for r in trace]
+            todo = [p for p in _refinements(space, best_of(trace)) if p not in seen]
+            bar.total += len(todo)
+            trace += [scored(p) for p in todo]
     return TuneResult(
         method=method,
         best={**(fixed or {}), **best_of(trace)},
@@ -243,6 +265,7 @@ def tune(
     fixed: Mapping | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device | None = None,
+    progress: bool = False,
 ) -> TuneResult:
     """Choose ``method``'s hyperparameters from ``space`` on base-class episodes.
 
@@ -259,6 +282,7 @@ def tune(
         fixed: hyperparameters passed unchanged to every candidate.
         dtype, device: where the candidates are fitted and run (default float32 on the
             CPU).
+        progress: show a progress bar over the candidates.
     """
     space = _checked(method, space, criterion)  # before any sampling
     device = _check_data(fs, n_episodes, seed, dtype, device)
@@ -274,6 +298,7 @@ def tune(
         refine,
         fixed,
         lambda params: _score(candidates, params, episodes, criterion),
+        progress,
     )
 
 
@@ -290,6 +315,7 @@ def tune_zero_shot(
     fixed: Mapping | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device | None = None,
+    progress: bool = False,
 ) -> TuneResult:
     """Choose a zero-shot method's hyperparameters on zero-shot tasks of the base classes.
 
@@ -325,7 +351,7 @@ def tune_zero_shot(
             "seconds": time.perf_counter() - tic,
         }
 
-    return _search(method, space, "accuracy", refine, fixed, score)
+    return _search(method, space, "accuracy", refine, fixed, score, progress)
 
 
 #: what ``preset="auto"`` uses when the base classes cannot form base episodes:
@@ -347,6 +373,10 @@ class AutoChoice:
         note: one line saying what was used when it differs from the plain search on
             the target task shape ("" otherwise).
         reason: why no search ran (fallback only).
+        method: the method that runs: the one tuned, or :data:`BASELINE` when the tuned
+            method scored below it on the same base episodes.
+        baseline_accuracy: :data:`BASELINE`'s accuracy on those base episodes (``None``
+            when no search ran).
     """
 
     params: dict
@@ -354,12 +384,61 @@ class AutoChoice:
     result: TuneResult | None = None
     note: str = ""
     reason: str = ""
+    method: str | None = None
+    baseline_accuracy: float | None = None
 
     def describe(self) -> str:
         """One line for result files: how the hyperparameters were chosen."""
         if self.result is None:
             return self.note
         return self.note or "tuned on base episodes of the target task shape"
+
+    def to_json(self) -> dict:
+        """A JSON-able copy (for the cache, :mod:`probfsl.tuning_cache`)."""
+        out = {k: getattr(self, k) for k in ("params", "preset", "note", "reason", "method")}
+        out["baseline_accuracy"] = self.baseline_accuracy
+        out["result"] = None if self.result is None else asdict(self.result)
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict) -> AutoChoice:
+        result = data.pop("result")
+        return cls(**data, result=None if result is None else TuneResult(**result))
+
+
+def _cached(kind: str, fs: FeatureSet, settings: dict, compute) -> AutoChoice:
+    """``compute()``, or its stored outcome for the same data and ``settings``."""
+    key = {
+        "kind": kind,
+        "data": tuning_cache.fingerprint(fs),
+        "probfsl": _version(),
+        **settings,
+    }
+    stored = tuning_cache.load(key)
+    if stored is not None:
+        try:
+            choice = AutoChoice.from_json(stored)
+        except (TypeError, ValueError):
+            choice = None
+        if choice is not None:
+            log.info("preset auto: %s read from the cache", settings.get("method"))
+            return choice
+    choice = compute()
+    tuning_cache.store(key, choice.to_json())
+    return choice
+
+
+def _version() -> str:
+    from probfsl import __version__
+
+    return __version__
+
+
+def _baseline_accuracy(view: FeatureSet, episodes: Episodes, dtype, device) -> float:
+    """:data:`BASELINE`'s accuracy (%) on ``episodes`` of the base-episode ``view``."""
+    baseline = methods.make_estimator(BASELINE).fit_featureset(view, dtype, device)
+    hits = (baseline.predict(episodes) == episodes.query_labels).double().mean(-1)
+    return accuracy_ci(hits.cpu().numpy())[0]
 
 
 def auto_preset(
@@ -376,6 +455,8 @@ def auto_preset(
     fixed: Mapping | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device | None = None,
+    progress: bool = False,
+    cache: bool = True,
 ) -> AutoChoice:
     """``preset="auto"``: :func:`tune` on base episodes, with a documented fallback.
 
@@ -395,12 +476,61 @@ def auto_preset(
     episodes and kept unless the best candidate beats it by more than the candidate's
     95% interval (accuracy).
 
+    In cases 1 and 2 the inductive :data:`BASELINE` (nearest centroid) is scored on the
+    same base episodes too. A method whose best candidate scores below it there does not
+    suit these features at this setting (for example GP-Tree's node classifiers with one
+    shot, or EM-Dirichlet on embeddings that are not class probabilities): the choice is
+    then to run the baseline (``method``), and ``note`` says so with both accuracies.
+
     ``fixed`` hyperparameters are kept in every case. Novel classes are never read.
-    The search and the reference run in ``dtype`` on ``device``.
+    The search and the reference run in ``dtype`` on ``device``; ``progress`` shows a
+    bar over the candidates. With ``cache`` the outcome is stored on disk and read back
+    for the same data and settings (:mod:`probfsl.tuning_cache`).
     """
     _checked(method, None, criterion)  # ValueError for a method without a search space
     device = _check_data(fs, n_episodes, seed, dtype, device)
     fixed = dict(fixed or {})
+
+    def compute() -> AutoChoice:
+        return _auto_preset(
+            method,
+            fs,
+            (way, shot, n_query),
+            balance,
+            alpha,
+            n_episodes,
+            seed,
+            criterion,
+            fixed,
+            dtype,
+            device,
+            progress,
+        )
+
+    if not cache:
+        return compute()
+    settings = {
+        "method": method,
+        "space": search_space(method),
+        "baseline": BASELINE,
+        "shape": [way, shot, n_query],
+        "balance": balance,
+        "alpha": alpha,
+        "n_episodes": n_episodes,
+        "seed": seed,
+        "criterion": criterion,
+        "fixed": fixed,
+        "dtype": str(dtype),
+        "device": device.type,
+    }
+    return _cached("few-shot", fs, settings, compute)
+
+
+def _auto_preset(
+    method, fs, target, balance, alpha, n_episodes, seed, criterion, fixed, dtype, device, progress
+) -> AutoChoice:
+    """:func:`auto_preset` without the cache."""
+    way, shot, n_query = target
     n_base = int(fs.classes_in("base").size)
     shape = base_episode_shape(fs, way, shot, n_query, balance, seed)
     preset = FALLBACK_PRESETS.get(method, {}).get(balance)
@@ -430,30 +560,40 @@ def auto_preset(
         fixed,
         dtype=dtype,
         device=device,
-    )
-    if shape == (way, shot, n_query):
-        return AutoChoice(params=result.best, result=result)
-    w, s, q = shape
-    note = (
-        f"tuned on {w}-way {s}-shot {q}-query base episodes (the {n_base} base classes "
-        f"cannot form {way}-way {shot}-shot {n_query}-query ones)"
+        progress=progress,
     )
     view = base_episode_split(fs, seed)
     episodes = sample_episodes(  # tune's
         view, n_episodes, *shape, balance, alpha, seed, dtype=dtype, device=device
     )
-    reference = methods.make_estimator(method, preset, **fixed)
-    reference.fit_featureset(view, dtype, device)
-    hits = (reference.predict(episodes) == episodes.query_labels).double().mean(-1)
-    reference_accuracy = accuracy_ci(hits.cpu().numpy())[0]
+    baseline = _baseline_accuracy(view, episodes, dtype, device)
     best = max(result.trace, key=lambda row: row[criterion])
-    if best["accuracy"] - best["ci95"] <= reference_accuracy:
-        note += (
-            f"; no candidate beat {used} there ({reference_accuracy:.1f}%) by more than its "
-            f"95% interval: using {used}"
+    w, s, q = shape
+    choice = AutoChoice(params=result.best, result=result, baseline_accuracy=baseline)
+    accuracy = best["accuracy"]
+    if shape != target:
+        choice.note = (
+            f"tuned on {w}-way {s}-shot {q}-query base episodes (the {n_base} base classes "
+            f"cannot form {way}-way {shot}-shot {n_query}-query ones)"
         )
-        return AutoChoice(params=fixed, preset=preset, result=result, note=note)
-    return AutoChoice(params=result.best, result=result, note=note)
+        reference = methods.make_estimator(method, preset, **fixed)
+        reference.fit_featureset(view, dtype, device)
+        hits = (reference.predict(episodes) == episodes.query_labels).double().mean(-1)
+        reference_accuracy = accuracy_ci(hits.cpu().numpy())[0]
+        if best["accuracy"] - best["ci95"] <= reference_accuracy:
+            choice.note += (
+                f"; no candidate beat {used} there ({reference_accuracy:.1f}%) by more than "
+                f"its 95% interval: using {used}"
+            )
+            choice.params, choice.preset, accuracy = fixed, preset, reference_accuracy
+    if accuracy < baseline:
+        below = (
+            f"{method} scored {accuracy:.1f}% on {w}-way {s}-shot base episodes, "
+            f"below {BASELINE} ({baseline:.1f}%): running {BASELINE}"
+        )
+        choice.note = f"{choice.note}; {below}" if choice.note else below
+        choice.params, choice.preset, choice.method = {}, None, BASELINE
+    return choice
 
 
 def auto_preset_zero_shot(
@@ -467,30 +607,62 @@ def auto_preset_zero_shot(
     fixed: Mapping | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device | None = None,
+    progress: bool = False,
+    cache: bool = True,
 ) -> AutoChoice:
     """Zero-shot ``preset="auto"``: :func:`tune_zero_shot` on tasks of the base classes,
     with fewer classes or queries per task when the base classes are too few or too
-    small, and the method's defaults when fewer than 2 base classes exist."""
+    small, and the method's defaults when fewer than 2 base classes exist. ``progress``
+    and ``cache`` as in :func:`auto_preset`."""
     search_space(method)
     device = _check_data(fs, n_tasks, seed, dtype, device)
     fixed = dict(fixed or {})
-    sizes = class_sizes(fs, "base")
-    hi = min(max_classes, sizes.size)
-    lo = min(min_classes, hi)
-    if lo < 2:
-        reason = f"no zero-shot base tasks possible: {sizes.size} base classes, tuning needs 2"
-        return AutoChoice(params=fixed, note=f"{reason}; using the defaults", reason=reason)
-    q = min(n_query, int(np.sort(sizes)[:lo].sum()))
-    result = tune_zero_shot(
-        method, fs, None, lo, hi, q, n_tasks, seed, True, fixed, dtype=dtype, device=device
-    )
-    note = ""
-    if (lo, hi, q) != (min_classes, max_classes, n_query):
-        note = (
-            f"tuned on zero-shot base tasks of {lo}-{hi} classes and {q} queries "
-            f"({sizes.size} base classes)"
+
+    def compute() -> AutoChoice:
+        sizes = class_sizes(fs, "base")
+        hi = min(max_classes, sizes.size)
+        lo = min(min_classes, hi)
+        if lo < 2:
+            reason = f"no zero-shot base tasks possible: {sizes.size} base classes, tuning needs 2"
+            return AutoChoice(params=fixed, note=f"{reason}; using the defaults", reason=reason)
+        q = min(n_query, int(np.sort(sizes)[:lo].sum()))
+        result = tune_zero_shot(
+            method,
+            fs,
+            None,
+            lo,
+            hi,
+            q,
+            n_tasks,
+            seed,
+            True,
+            fixed,
+            dtype=dtype,
+            device=device,
+            progress=progress,
         )
-    return AutoChoice(params=result.best, result=result, note=note)
+        note = ""
+        if (lo, hi, q) != (min_classes, max_classes, n_query):
+            note = (
+                f"tuned on zero-shot base tasks of {lo}-{hi} classes and {q} queries "
+                f"({sizes.size} base classes)"
+            )
+        return AutoChoice(params=result.best, result=result, note=note)
+
+    if not cache:
+        return compute()
+    settings = {
+        "method": method,
+        "space": search_space(method),
+        "classes": [min_classes, max_classes],
+        "n_query": n_query,
+        "n_tasks": n_tasks,
+        "seed": seed,
+        "fixed": fixed,
+        "dtype": str(dtype),
+        "device": device.type,
+    }
+    return _cached("zero-shot", fs, settings, compute)
 
 
 class AutoPreset(FewShotClassifier):
@@ -499,11 +671,13 @@ class AutoPreset(FewShotClassifier):
     At the first task batch of each shape (way, shot, queries) it runs :func:`auto_preset`
     on the base features given to :meth:`fit_base` with that shape and ``balance``
     (a search on base episodes, or its documented fallback when the base classes are too
-    few), keeps the choice in ``choices_`` and the search in ``tuning_`` (``None`` for a
-    fallback), and predicts with the chosen estimator. The search and the chosen
-    estimator run in the dtype and on the device of the tasks (the estimator is refitted
-    for a new dtype or device; the choice is kept). Novel classes and query labels are
-    never read. Built by name with :func:`make_estimator` (``preset="auto"``).
+    few; nearest centroid where the method scores below it there), keeps the choice in
+    ``choices_`` and the search in ``tuning_`` (``None`` for a fallback), logs what it
+    chose (``logging``, logger ``probfsl.tuning``), and predicts with the chosen
+    estimator. The search and the chosen estimator run in the dtype and on the device of
+    the tasks (the estimator is refitted for a new dtype or device; the choice is kept).
+    Novel classes and query labels are never read. Built by name with
+    :func:`make_estimator` (``preset="auto"``).
     """
 
     needs_base = True
@@ -556,10 +730,20 @@ class AutoPreset(FewShotClassifier):
                 device=device,
             )
             self.tuning_[shape] = choice.result
+            log.info(
+                "preset auto, %s %d-way %d-shot: %s %s%s",
+                self.method,
+                shape[0],
+                shape[1],
+                choice.method or self.method,
+                choice.params,
+                f" ({choice.note})" if choice.note else "",
+            )
         key = (shape, dtype, device)
         if key not in self.estimators_:
             choice = self.choices_[shape]
-            estimator = methods.make_estimator(self.method, choice.preset, **choice.params)
+            name = choice.method or self.method
+            estimator = methods.make_estimator(name, choice.preset, **choice.params)
             self.estimators_[key] = estimator.fit_featureset(self.base_, dtype, device)
         return self.estimators_[key].predict_proba(episodes)
 

@@ -174,14 +174,20 @@ def test_auto_is_the_default_on_user_features_and_zero_shot_tuning_runs(tmp_path
     fs = make_featureset(n_base=10, n_novel=6, per_class=25)
     path = tmp_path / "mine.npz"
     np.savez(path, features=fs.features, labels=fs.labels, split=fs.split)
+    out = tmp_path / "r.json"
     args = ["run", "--method", "bavardage", "--features", str(path), "--tasks", "10"]
     assert main([*args, "--query", "20", "--episodes", "5"]) == 0
-    out = capsys.readouterr().out
-    assert "--preset auto (the default for your own features)" in out
-    assert "temperature_vb" in out  # the search trace is printed
-    # an explicit --param opts out of the search
+    captured = capsys.readouterr()
+    assert "--preset auto, the default where the data have base classes" in captured.err
+    assert "--preset auto chose " in captured.err  # the choice, in one line
+    assert main([*args, "--query", "20", "--episodes", "5", "--preset", "auto"]) == 0
+    assert "temperature_vb" in capsys.readouterr().out  # asked for: the search trace
+    # an explicit --param or --preset defaults opts out of the search
     assert main([*args, "--query", "20", "--param", "whitening='global'"]) == 0
-    assert "preset auto" not in capsys.readouterr().out
+    assert "preset auto" not in capsys.readouterr().err
+    assert main([*args, "--query", "20", "--preset", "defaults", "--out", str(out)]) == 0
+    assert "preset auto" not in capsys.readouterr().err
+    assert json.loads(out.read_text())["preset"] is None
     rc = main(
         ["tune", "--method", "em-dirichlet", "--dataset", "wordnet", "--zero-shot"]
         + ["--episodes", "5", "--max-classes", "4", "--query", "20"]
@@ -201,7 +207,9 @@ def _run(argv, capsys):
 
 
 def _one_line_error(rc, err, *fragments):
+    """Exit 2 and one error line, after any one-line notes of what ran before it."""
     assert rc == 2, err
+    err = "".join(line for line in err.splitlines(True) if not line.startswith("probfsl: note:"))
     assert err.startswith("probfsl: error:") and err.count("\n") == 1, err
     assert "Traceback" not in err
     for fragment in fragments:
@@ -328,6 +336,7 @@ def test_preset_auto_with_few_base_classes_says_what_it_used(tmp_path, capsys):
     path = _save(tmp_path / "five.npz", fs)
     out = tmp_path / "r.json"
     argv = ["run", "--method", "bavardage", "--features", path, "--tasks", "4", "--query", "10"]
+    argv += ["--preset", "auto"]
     rc, stdout, err = _run([*argv, "--episodes", "3", "--out", str(out)], capsys)
     assert rc == 0, err
     assert "tuned on 2-way 1-shot 4-query base episodes" in err and "chosen:" in stdout

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from probfsl import methods
+from probfsl import methods, tuning
 from probfsl.data import FeatureSet, sample_episodes
 from probfsl.data.base_episodes import base_episode_shape, base_episode_split
 from probfsl.data.tasks import BALANCES
@@ -174,7 +174,8 @@ def test_tuning_runs_in_the_dtype_and_on_the_device_given(monkeypatch):
 
 def test_auto_preset_follows_the_tasks_dtype_and_keeps_its_choice(monkeypatch):
     monkeypatch.setitem(METHODS, "rec", _ThisRecorder("rec", "", "toy"))
-    monkeypatch.setitem(SEARCH_SPACES, "rec", {"flip": [0.8, 0.1]})
+    # flip=0 is perfect, as nearest centroid is on these well separated classes
+    monkeypatch.setitem(SEARCH_SPACES, "rec", {"flip": [0.8, 0.0]})
     monkeypatch.setattr(Recorder, "seen", [])
     fs = make_featureset(n_base=12, n_novel=6, per_class=25)
     auto = make_estimator("rec", preset="auto")
@@ -287,6 +288,9 @@ def test_zero_shot_auto_shrinks_or_falls_back(monkeypatch):
 
 def test_auto_on_smaller_episodes_keeps_the_defaults_unless_clearly_beaten(monkeypatch):
     monkeypatch.setitem(METHODS, "noisy", MethodInfo("noisy", "tests.test_tuning:Noisy", "toy"))
+    # the toy itself at its default (50%) is the baseline here: nearest centroid would
+    # beat every candidate on these classes
+    monkeypatch.setattr(tuning, "BASELINE", "noisy")
     fs = make_featureset(n_base=5, n_novel=6, per_class=12, dim=4)
     # flip=0.1 is right on 90% of the queries, the default flip=0.5 on 50%: the search wins
     monkeypatch.setitem(SEARCH_SPACES, "noisy", {"flip": [0.8, 0.1]})
@@ -301,3 +305,59 @@ def test_auto_on_smaller_episodes_keeps_the_defaults_unless_clearly_beaten(monke
     big = make_featureset(n_base=12, n_novel=6, per_class=25)
     choice = auto_preset("noisy", big, 5, 1, 15, n_episodes=10)
     assert choice.params == {"flip": 0.5} and choice.note == ""
+
+
+def test_auto_runs_nearest_centroid_where_the_method_scores_below_it(monkeypatch):
+    monkeypatch.setitem(METHODS, "noisy", MethodInfo("noisy", "tests.test_tuning:Noisy", "toy"))
+    monkeypatch.setitem(SEARCH_SPACES, "noisy", {"flip": [0.8, 0.4]})
+    fs = make_featureset(n_base=12, n_novel=4, per_class=25)
+    choice = auto_preset("noisy", fs, 4, 1, 20, n_episodes=10)
+    # nearest centroid is about 100% on these classes; the toy's best is 60%
+    assert choice.method == "nearest-centroid" and choice.params == {}
+    assert choice.baseline_accuracy > 95
+    assert "below nearest-centroid" in choice.note and "60.0%" in choice.note
+    auto = make_estimator("noisy", preset="auto")
+    auto.n_episodes = 10
+    auto.fit_base(*fs.base())
+    episodes = sample_episodes(fs, 4, way=4, shot=1, n_query=20, seed=1)
+    expected = methods.make_estimator("nearest-centroid").fit_featureset(fs).predict(episodes)
+    assert torch.equal(auto.predict(episodes), expected)
+    # a method at least as good as the baseline keeps its own choice
+    monkeypatch.setitem(SEARCH_SPACES, "noisy", {"flip": [0.8, 0.0]})
+    kept = auto_preset("noisy", fs, 4, 1, 20, n_episodes=10)
+    assert kept.method is None and kept.params == {"flip": 0.0}
+
+
+def test_auto_choices_are_cached_per_data_and_setting(monkeypatch, tuning_cache_dir):
+    monkeypatch.setitem(METHODS, "rec", _ThisRecorder("rec", "", "toy"))
+    monkeypatch.setitem(SEARCH_SPACES, "rec", {"flip": [0.8, 0.0]})
+    monkeypatch.setattr(Recorder, "seen", [])
+    fs = make_featureset(n_base=12, n_novel=4, per_class=25)
+    first = auto_preset("rec", fs, 5, 1, 20, n_episodes=5)
+    assert Recorder.seen and list(tuning_cache_dir.rglob("*.json"))
+    Recorder.seen.clear()
+    again = auto_preset("rec", fs, 5, 1, 20, n_episodes=5)
+    assert Recorder.seen == []  # read back, nothing fitted
+    assert again.params == first.params and again.result.trace == first.result.trace
+    # another setting, other data or no cache: a new search
+    auto_preset("rec", fs, 5, 2, 20, n_episodes=5)
+    assert Recorder.seen
+    Recorder.seen.clear()
+    other = make_featureset(n_base=12, n_novel=4, per_class=25, seed=1)
+    auto_preset("rec", other, 5, 1, 20, n_episodes=5)
+    assert Recorder.seen
+    Recorder.seen.clear()
+    auto_preset("rec", fs, 5, 1, 20, n_episodes=5, cache=False)
+    assert Recorder.seen
+    # a damaged entry is searched again, and rewritten
+    for entry in tuning_cache_dir.rglob("*.json"):
+        entry.write_text("{not json")
+    Recorder.seen.clear()
+    assert auto_preset("rec", fs, 5, 1, 20, n_episodes=5).params == first.params
+    assert Recorder.seen
+    # PROBFSL_CACHE_DIR=off: nothing written
+    monkeypatch.setenv("PROBFSL_CACHE_DIR", "off")
+    for entry in tuning_cache_dir.rglob("*.json"):
+        entry.unlink()
+    auto_preset("rec", fs, 5, 1, 20, n_episodes=5)
+    assert not list(tuning_cache_dir.rglob("*.json"))

@@ -18,6 +18,8 @@ COLUMNS = (
     "balance",
     "accuracy",
     "ci95",
+    "baseline_accuracy",
+    "baseline_ci95",
     "ece",
     "nll",
     "brier",

@@ -50,3 +50,29 @@ def evaluate_zero_shot(
         batch_size,
         progress,
     )
+
+
+def evaluate_argmax(
+    probs: torch.Tensor,
+    query_labels: torch.Tensor,
+    classes: torch.Tensor | None = None,
+    batch_size: int = 1000,
+) -> EvalResult:
+    """The inductive zero-shot baseline: each query's most probable class on its own.
+
+    Over all C classes of ``probs [T, Q, C]`` (the information a transductive method
+    has; the paper's inductive baseline), or, given ``classes [T, k_max]`` (each task's
+    data-set labels padded with -1, :class:`~probfsl.data.tasks.ZeroShotTasks`), over
+    the task's own classes only: an oracle that knows which classes a task holds.
+    """
+
+    def predict(start: int, stop: int) -> torch.Tensor:
+        p = probs[start:stop]
+        if classes is not None:
+            c = classes[start:stop].to(p.device)
+            allowed = torch.zeros(p.shape[0], p.shape[-1], dtype=torch.bool, device=p.device)
+            allowed.scatter_(1, c.clamp_min(0), c >= 0)
+            p = p.masked_fill(~allowed.unsqueeze(1), -1.0)
+        return p.argmax(-1)
+
+    return score_batches(predict, query_labels, batch_size)
