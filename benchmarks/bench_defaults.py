@@ -13,7 +13,7 @@ The zero-shot row (WordNet) gives EM-Dirichlet at its default beside the argmax
 baselines. Writes ``results/defaults.md`` and ``results/defaults.json``; the docs page
 ``docs/benchmarks/defaults.md`` includes the markdown table.
 
-    python benchmarks/bench_defaults.py [--tasks 1000] [--data-dir DIR] [--quick]
+    python benchmarks/bench_defaults.py [--tasks 1000] [--data-dir DIR] [--quick] [--out DIR]
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ def main() -> None:
     parser.add_argument("--balances", nargs="+", default=["dirichlet"])
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--quick", action="store_true", help="100 tasks, built-in data only")
+    parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("PROBFSL_BENCH_THREADS", "2")))
     tasks = 100 if args.quick else args.tasks
@@ -86,7 +87,7 @@ def main() -> None:
     )
     zero.update(data="wordnet (built-in)")
     rows.append(zero)
-    write(rows, lines, zero, tasks, args.methods)
+    write(rows, lines, zero, tasks, args.methods, args.out)
 
 
 def table_row(data: str, shot: int, balance: str, setting: list[dict]) -> str:
@@ -104,9 +105,10 @@ def table_row(data: str, shot: int, balance: str, setting: list[dict]) -> str:
     return f"| {data} | {shot} | {balance} | " + " | ".join(cells) + " |"
 
 
-def write(rows: list[dict], lines: list[str], zero: dict, tasks: int, methods: list[str]) -> None:
-    out = HERE / "results"
-    out.mkdir(exist_ok=True)
+def write(
+    rows: list[dict], lines: list[str], zero: dict, tasks: int, methods: list[str], out: Path
+) -> None:
+    out.mkdir(parents=True, exist_ok=True)
     (out / "defaults.json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
     head = "| data | shot | queries | " + " | ".join(methods) + " |"
     text = [

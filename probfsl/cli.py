@@ -29,7 +29,7 @@ from probfsl.evaluation import evaluate, text_table, write_results
 from probfsl.evaluation.zero_shot import evaluate_argmax, evaluate_zero_shot
 from probfsl.fileio import check_writable
 from probfsl.methods import METHODS, method_info, parse_params
-from probfsl.selection import rank_feature_files
+from probfsl.selection import CRITERIA, rank_feature_files
 from probfsl.temperature import TemperatureScaled
 from probfsl.tuning import (
     BASELINE,
@@ -171,6 +171,9 @@ def run_setting(
         if shape in estimator.notes_:
             _note(f"--calibrate temperature: {estimator.notes_[shape]}")
     result = evaluate(estimator, episodes, batch_size, progress, device, dtype)
+    note = getattr(estimator, "estimator", estimator).setting_note(episodes.way, episodes.shot)
+    if note:
+        _note(note)
     return {
         "method": method,
         "dataset": fs.name,
@@ -488,37 +491,49 @@ def cmd_demo(args: argparse.Namespace) -> int:
     tic = time.perf_counter()
     for shot, balance in settings:
         for name, info in METHODS.items():
-            tasks = args.tasks or info.demo_tasks
-            rows.append(
-                run_setting(
-                    name,
-                    fs,
-                    5,
-                    shot,
-                    75,
-                    balance,
-                    2.0,
-                    tasks,
-                    0,
-                    device,
-                    dtype,
-                    progress=False,
-                )
+            # the command line's defaults: the base-episode choice (shipped for the
+            # built-in data, so no search runs here) and temperature calibration
+            auto = _auto_by_default(name, fs)
+            if auto:
+                choice = auto_preset(name, fs, 5, shot, 75, balance, dtype=dtype, device=device)
+            row = run_setting(
+                choice.method or name if auto else name,
+                fs,
+                5,
+                shot,
+                75,
+                balance,
+                2.0,
+                args.tasks or info.demo_tasks,
+                0,
+                device,
+                dtype,
+                progress=False,
+                preset=choice.preset if auto else None,
+                params=choice.params if auto else None,
+                calibrate="temperature" if auto else "none",
             )
+            row["method"] = name
+            row["ran"] = (choice.method or "auto") if auto else "defaults"
+            rows.append(row)
     print(
         "probfsl demo: built-in Omniglot (PCA-64), 5-way, 75 queries, seed 0, "
-        f"{args.dtype} on {device}\n"
+        f"{args.dtype} on {device}; each method at the command line's defaults (ran: "
+        "'auto' = tuned on base-class episodes, or the baseline's name where the method "
+        "scored below it there)\n"
     )
     print(
         text_table(
             rows,
             [
                 "method",
+                "ran",
                 "shot",
                 "balance",
                 "tasks",
                 "accuracy",
                 "ci95",
+                "baseline_accuracy",
                 "ece",
                 "nll",
                 "brier",
@@ -539,28 +554,59 @@ def select_main(
     allow_pickle: bool = False,
     dtype: torch.dtype = torch.float64,
     device: torch.device | None = None,
+    criterion: str = "episodes",
+    way: int = 5,
+    shot: int = 5,
+    n_query: int = 75,
+    episodes: int = 500,
+    seed: int = 0,
 ) -> int:
     """``probfsl select --features A.npz B.npz ...``: print the evidence ranking
     (:func:`probfsl.selection.rank_feature_files`).
 
-    One line per file, best first, with the log evidence per sample and summed; the
-    last line names the best file. Returns 0.
+    One line per file, best first: for ``criterion="episodes"`` the mean conditional
+    log evidence of the query labels per query with its 95 % interval and the paired
+    difference to the best file; for ``"all-rows"`` the log evidence per sample and
+    summed. The last line names the best file. Returns 0.
     """
-    result = rank_feature_files(paths, split, allow_pickle, dtype, device)
-    print(
-        f"evidence ranking on {result.n_samples} samples, {result.n_classes} classes "
-        "(log evidence per sample, summed):"
-    )
-    for i, b in enumerate(result.ranking, 1):
-        flag = f"  [{b.at_boundary} classes at a lambda bound]" if b.at_boundary else ""
-        print(f"{i}. {b.name}  {b.per_sample:.6f}  ({b.log_evidence:.3f}, D={b.dim}){flag}")
+    result = rank_feature_files(
+        paths, split, allow_pickle, dtype, device,
+        criterion=criterion, way=way, shot=shot, n_query=n_query, episodes=episodes, seed=seed,
+    )  # fmt: skip
+    if result.note:
+        _note(result.note)
+    if result.criterion == "all-rows":
+        print(
+            f"evidence ranking on {result.n_samples} samples, {result.n_classes} classes "
+            "(log evidence per sample, summed):"
+        )
+        for i, b in enumerate(result.ranking, 1):
+            flag = f"  [{b.at_boundary} classes at a lambda bound]" if b.at_boundary else ""
+            print(f"{i}. {b.name}  {b.per_sample:.6f}  ({b.log_evidence:.3f}, D={b.dim}){flag}")
+    else:
+        print(
+            f"few-shot evidence on {result.n_episodes} {result.way}-way {result.shot}-shot "
+            f"episodes ({result.n_query} queries, seed {result.seed}) from the {result.source} "
+            f"({result.n_samples} samples, {result.n_classes} classes): mean log p(query "
+            "labels | support) per query, 95% interval, paired difference to the best:"
+        )
+        for i, b in enumerate(result.ranking, 1):
+            diff = "best" if i == 1 else f"{b.diff_to_best:+.4f} +- {b.diff_ci95:.4f}"
+            flag = "  [lambda at a bound]" if b.at_boundary else ""
+            print(
+                f"{i}. {b.name}  {b.score:.4f} +- {b.ci95:.4f}  ({diff}, D={b.dim}, "
+                f"lambda={b.lam:.3g}){flag}"
+            )
     print(f"best: {result.best}")
     return 0
 
 
 def cmd_select(args: argparse.Namespace) -> int:
     device, dtype = _device_and_dtype(args)
-    return select_main(args.features, args.split, args.allow_pickle, dtype, device)
+    return select_main(
+        args.features, args.split, args.allow_pickle, dtype, device,
+        args.criterion, args.way, args.shot, args.query, args.episodes, args.seed,
+    )  # fmt: skip
 
 
 def cmd_extract(args: argparse.Namespace) -> int:
@@ -748,7 +794,39 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="two or more .npz feature files with the same rows and labels",
     )
-    select.add_argument("--split", default=None, help="use only the rows of this split")
+    select.add_argument(
+        "--criterion",
+        choices=list(CRITERIA),
+        default="episodes",
+        help="episodes (default): mean evidence of the query labels given the support on "
+        "few-shot episodes of the base classes; all-rows: summed evidence of all labelled "
+        "rows as one problem (Kim et al. 2016, section 3.4)",
+    )
+    select.add_argument(
+        "--way", type=_positive(int), default=5, help="classes per episode (default 5)"
+    )
+    select.add_argument(
+        "--shot", type=_positive(int), default=5, help="support samples per class (default 5)"
+    )
+    select.add_argument(
+        "--query",
+        type=_positive(int),
+        default=75,
+        help="queries per episode in all, divisible by --way (default 75)",
+    )
+    select.add_argument(
+        "--episodes",
+        type=_positive(int),
+        default=500,
+        help="episodes, the same rows for every file (default 500)",
+    )
+    select.add_argument("--seed", type=int, default=0, help="seed of the episodes (default 0)")
+    select.add_argument(
+        "--split",
+        default=None,
+        help="draw the episodes from (all-rows: use) only the rows of this split "
+        "(default: the base classes, or all labelled rows if there are none)",
+    )
     select.add_argument("--allow-pickle", action="store_true", help=ALLOW_PICKLE_HELP)
     _add_device_dtype(
         select, "float64", "float64 by default: the evidence sums a log term per sample"

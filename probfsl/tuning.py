@@ -485,7 +485,8 @@ def auto_preset(
     ``fixed`` hyperparameters are kept in every case. Novel classes are never read.
     The search and the reference run in ``dtype`` on ``device``; ``progress`` shows a
     bar over the candidates. With ``cache`` the outcome is stored on disk and read back
-    for the same data and settings (:mod:`probfsl.tuning_cache`).
+    for the same data and settings, whatever the dtype and device
+    (:mod:`probfsl.tuning_cache`).
     """
     _checked(method, None, criterion)  # ValueError for a method without a search space
     device = _check_data(fs, n_episodes, seed, dtype, device)
@@ -520,8 +521,6 @@ def auto_preset(
         "seed": seed,
         "criterion": criterion,
         "fixed": fixed,
-        "dtype": str(dtype),
-        "device": device.type,
     }
     return _cached("few-shot", fs, settings, compute)
 
@@ -659,8 +658,6 @@ def auto_preset_zero_shot(
         "n_tasks": n_tasks,
         "seed": seed,
         "fixed": fixed,
-        "dtype": str(dtype),
-        "device": device.type,
     }
     return _cached("zero-shot", fs, settings, compute)
 

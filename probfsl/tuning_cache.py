@@ -11,6 +11,11 @@ Where: ``$PROBFSL_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/probfsl``, else
 ``~/.cache/probfsl``; ``PROBFSL_CACHE_DIR=off`` turns the cache off. Entries are small
 JSON files written atomically (a crash leaves no partial entry); an entry that cannot be
 read is ignored and searched again.
+
+The package ships the entries of its built-in data sets at the common settings
+(``probfsl/data/builtin/auto/``, made by ``tools/ship_auto_cache.py``), so that the demo
+and first runs on them need no search; they are read after the user's cache, and only
+while their key (version, search space, data) is the current one.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +33,7 @@ from probfsl.data.featureset import FeatureSet
 
 log = logging.getLogger(__name__)
 
-__all__ = ["cache_dir", "fingerprint", "load", "store"]
+__all__ = ["cache_dir", "entry_name", "fingerprint", "load", "shipped_entries", "store"]
 
 
 def cache_dir() -> Path | None:
@@ -53,27 +59,41 @@ def fingerprint(fs: FeatureSet) -> str:
     return h.hexdigest()
 
 
+def entry_name(key: dict) -> str:
+    """The file name of ``key``'s entry."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+    return f"{digest[:32]}.json"
+
+
 def _path(key: dict) -> Path | None:
     folder = cache_dir()
-    if folder is None:
-        return None
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
-    return folder / "auto" / f"{digest[:32]}.json"
+    return None if folder is None else folder / "auto" / entry_name(key)
+
+
+def shipped_entries():
+    """The entries shipped with the package (``probfsl/data/builtin/auto/*.json``)."""
+    folder = resources.files("probfsl.data") / "builtin" / "auto"
+    return [f for f in folder.iterdir() if f.name.endswith(".json")] if folder.is_dir() else []
 
 
 def load(key: dict) -> dict | None:
-    """The stored value for ``key`` (a JSON-able dict), or ``None``."""
+    """The stored value for ``key`` (a JSON-able dict): the user's cache, then the entries
+    shipped for the built-in data; ``None`` if neither holds it or the cache is off."""
     path = _path(key)
-    if path is None or not path.is_file():
+    if path is None:
         return None
-    try:
-        entry = json.loads(path.read_text())
-    except (OSError, ValueError):
-        log.warning("ignoring an unreadable cache entry %s", path)
-        return None
-    if entry.get("key") != json.loads(json.dumps(key, default=str)):
-        return None
-    return entry.get("value")
+    shipped = resources.files("probfsl.data") / "builtin" / "auto" / path.name
+    for candidate in (path, shipped):
+        if not candidate.is_file():
+            continue
+        try:
+            entry = json.loads(candidate.read_text())
+        except (OSError, ValueError):
+            log.warning("ignoring an unreadable cache entry %s", candidate)
+            continue
+        if entry.get("key") == json.loads(json.dumps(key, default=str)):
+            return entry.get("value")
+    return None
 
 
 def store(key: dict, value: dict) -> None:

@@ -410,10 +410,12 @@ def test_merge_base_and_novel_files_then_run(tmp_path, capsys):
 
 
 def _select_files(tmp_path):
+    """Two files of the same 120 rows, 6 classes of 20 (enough for the default 5-way
+    5-shot episodes with 75 queries): one separates the classes, one is noise."""
     g = np.random.default_rng(0)
-    labels = np.arange(40) % 4
-    good = np.eye(8)[labels] * 2 + 0.2 * g.random((40, 8))
-    bad = g.random((40, 8))
+    labels = np.arange(120) % 6
+    good = np.eye(8)[labels] * 2 + 0.2 * g.random((120, 8))
+    bad = g.random((120, 8))
     for name, f in [("good", good), ("bad", bad)]:
         np.savez(tmp_path / f"{name}.npz", features=f.astype(np.float32), labels=labels)
     return [str(tmp_path / "bad.npz"), str(tmp_path / "good.npz")]
@@ -489,7 +491,9 @@ def test_select_in_float32_and_float64_ranks_alike(tmp_path, capsys, monkeypatch
     files = _select_files(tmp_path)
     seen = []
     real = cli.rank_feature_files
-    monkeypatch.setattr(cli, "rank_feature_files", lambda *a: seen.append(a[3:]) or real(*a))
+    monkeypatch.setattr(
+        cli, "rank_feature_files", lambda *a, **k: seen.append(a[3:]) or real(*a, **k)
+    )
     outs = []
     for dtype in ("float64", "float32"):
         rc, out, err = _run(["select", "--features", *files, "--dtype", dtype], capsys)
@@ -514,11 +518,54 @@ def test_select_main_prints_ranking(tmp_path, capsys):
     from probfsl.cli import select_main
 
     bad, good = _select_files(tmp_path)
-    assert select_main([bad, good]) == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    assert out[-1] == f"best: {good}"
-    assert "good.npz" in out[1]
+    for criterion in ("episodes", "all-rows"):  # the default, and the paper's section 3.4
+        assert select_main([bad, good], criterion=criterion) == 0
+        captured = capsys.readouterr()
+        out = captured.out.strip().splitlines()
+        assert out[-1] == f"best: {good}"
+        assert "good.npz" in out[1]
+    assert "few-shot evidence on 500 5-way 5-shot episodes" not in out[0]
+    assert "evidence ranking on 120 samples, 6 classes" in out[0]
     data = np.load(bad)
     np.savez(tmp_path / "short.npz", features=data["features"][:30], labels=data["labels"][:30])
     with pytest.raises(ValueError, match="row counts"):
         select_main([good, str(tmp_path / "short.npz")])
+
+
+def test_every_result_carries_its_inductive_baseline(tmp_path, capsys):
+    base = ["run", "--dataset", "omniglot", "--tasks", "6", "--query", "25", "--seed", "3"]
+    nc, ev = tmp_path / "nc.json", tmp_path / "ev.json"
+    assert _run([*base, "--method", "nearest-centroid", "--out", str(nc)], capsys)[0] == 0
+    rc, _, err = _run([*base, "--method", "evidence-lssvm", "--out", str(ev)], capsys)
+    assert rc == 0, err
+    # nearest centroid on the same tasks; evidence at one shot says it is that limit
+    nc, ev = json.loads(nc.read_text()), json.loads(ev.read_text())
+    assert ev["baseline"] == "nearest-centroid"
+    assert ev["baseline_accuracy"] == nc["accuracy"] == nc["baseline_accuracy"]
+    assert "lambda -> infinity limit" in err and ev["accuracy"] == nc["accuracy"]
+    rc, _, err = _run([*base, "--method", "evidence-lssvm", "--shot", "2"], capsys)
+    assert rc == 0 and "lambda -> infinity" not in err
+    zero = tmp_path / "zero.json"
+    argv = ["run", "--method", "em-dirichlet", "--dataset", "wordnet", "--zero-shot"]
+    argv += ["--tasks", "4", "--query", "20", "--param", "n_iter=2", "--out", str(zero)]
+    assert _run(argv, capsys)[0] == 0
+    row = json.loads(zero.read_text())
+    assert row["baseline"] == "argmax"
+    # knowing the task's classes can only help the argmax
+    assert row["argmax_in_task_accuracy"] >= row["baseline_accuracy"]
+
+
+def test_argmax_baselines_against_a_hand_count():
+    from probfsl.evaluation.zero_shot import evaluate_argmax
+
+    probs = torch.tensor(
+        [[[0.5, 0.3, 0.2], [0.1, 0.2, 0.7]], [[0.6, 0.1, 0.3], [0.2, 0.5, 0.3]]]
+    )  # [T=2, Q=2, C=3]
+    labels = torch.tensor([[1, 2], [2, 1]])
+    classes = torch.tensor([[1, 2], [1, 2]])  # both tasks hold classes 1 and 2
+    # over all classes: task 0 gets 1 of 2 right, task 1 gets 1 of 2: 50%
+    assert evaluate_argmax(probs, labels).accuracy == pytest.approx(50.0)
+    # over the task's classes: task 0 both right, task 1 both right
+    assert evaluate_argmax(probs, labels, classes, batch_size=1).accuracy == pytest.approx(100.0)
+    padded = torch.tensor([[1, -1], [2, -1]])  # one class each: every query goes there
+    assert evaluate_argmax(probs, labels, padded).accuracy == pytest.approx(50.0)

@@ -51,6 +51,11 @@ class FewShotClassifier(ABC):
     #: whether ``fit_base`` must be called before ``predict_proba``
     needs_base: bool = False
 
+    def setting_note(self, way: int, shot: int) -> str:
+        """One line a user should read beside results at this task setting: where the
+        method reduces to a simpler one (``""`` when nothing needs saying)."""
+        return ""
+
     def fit_base(self, features: Any, labels: Any) -> Self:
         """Learn base-class statistics from ``features`` [N, D] and ``labels`` [N]
         (tensors or NumPy arrays; checked by :func:`~probfsl.validation.check_base`)."""
