@@ -316,7 +316,7 @@ def _auto(
             args.min_classes,
             args.max_classes,
             args.query,
-            n_tasks=args.episodes,
+            n_tasks=args.episodes or 300,
             seed=args.seed,
             fixed=fixed,
             dtype=dtype,
@@ -725,8 +725,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--episodes",
         type=_positive(int),
-        default=300,
-        help="base-class episodes (zero-shot: tasks) per candidate with --preset auto",
+        default=None,
+        help="base-class episodes (zero-shot: tasks) per candidate with --preset auto "
+        "(default 300; gp-tree 100)",
     )
     run.add_argument(
         "--param",
@@ -766,7 +767,10 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--balance", choices=["balanced", "dirichlet"], default="balanced")
     tune.add_argument("--alpha", type=_positive(float), default=2.0)
     tune.add_argument(
-        "--episodes", type=_positive(int), default=300, help="base-class episodes per candidate"
+        "--episodes",
+        type=_positive(int),
+        default=None,
+        help="base-class episodes (zero-shot: tasks) per candidate (default 300; gp-tree 100)",
     )
     tune.add_argument("--criterion", choices=["accuracy", "objective"], default="accuracy")
     tune.add_argument(

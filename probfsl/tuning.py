@@ -85,6 +85,17 @@ SEARCH_SPACES: dict[str, dict[str, list]] = {
 }
 
 
+#: base episodes per candidate of ``preset="auto"`` where 300 would cost minutes: each
+#: GP-Tree candidate runs Gibbs chains at every node of every episode
+SEARCH_EPISODES: dict[str, int] = {"gp-tree": 100}
+
+
+def search_episodes(method: str, n_episodes: int | None) -> int:
+    """``n_episodes``, or the method's default for ``preset="auto"`` (300 unless
+    :data:`SEARCH_EPISODES` says otherwise)."""
+    return SEARCH_EPISODES.get(method, 300) if n_episodes is None else n_episodes
+
+
 def search_space(method: str) -> dict[str, list]:
     """The default coarse search space of ``method``; ``ValueError`` if it has none."""
     if method not in SEARCH_SPACES:
@@ -449,7 +460,7 @@ def auto_preset(
     n_query: int = 75,
     balance: str = "balanced",
     alpha: float = 2.0,
-    n_episodes: int = 300,
+    n_episodes: int | None = None,
     seed: int = 0,
     criterion: str = "accuracy",
     fixed: Mapping | None = None,
@@ -489,6 +500,7 @@ def auto_preset(
     (:mod:`probfsl.tuning_cache`).
     """
     _checked(method, None, criterion)  # ValueError for a method without a search space
+    n_episodes = search_episodes(method, n_episodes)
     device = _check_data(fs, n_episodes, seed, dtype, device)
     fixed = dict(fixed or {})
 
@@ -684,7 +696,7 @@ class AutoPreset(FewShotClassifier):
         method: str,
         balance: str = "dirichlet",
         alpha: float = 2.0,
-        n_episodes: int = 300,
+        n_episodes: int | None = None,
         seed: int = 0,
         criterion: str = "accuracy",
         fixed: Mapping | None = None,

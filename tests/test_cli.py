@@ -226,7 +226,7 @@ def _save(path, fs, rows=None, **extra):
 
 def test_version(capsys):
     rc, out, _ = _run(["--version"], capsys)
-    assert rc == 0 and out.startswith("probfsl 0.1.0") and torch.__version__ in out
+    assert rc == 0 and out.startswith(f"probfsl {probfsl.__version__}") and torch.__version__ in out
 
 
 def test_bad_arguments_fail_before_loading_and_leave_out_alone(tmp_path, capsys, monkeypatch):

@@ -13,7 +13,8 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
-PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+PROJECT = PYPROJECT["project"]
 
 
 def _core() -> dict[str, Requirement]:
@@ -62,7 +63,16 @@ def test_import_is_light():
     assert out.stdout.strip() == "[]", out.stdout
 
 
-def test_version_is_the_packaged_one():
+def test_version_is_written_once_and_packaged():
     import probfsl
 
-    assert probfsl.__version__ == PROJECT["version"] == version("probfsl")
+    # pyproject reads the version from the package: one place to change it
+    assert "version" not in PROJECT and "version" in PYPROJECT["project"]["dynamic"]
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "probfsl.__version__"}
+    assert probfsl.__version__ == version("probfsl")
+
+
+def test_licence_and_type_marker_ship():
+    assert "MIT License" in (ROOT / "LICENSE").read_text()
+    assert (ROOT / "probfsl" / "py.typed").is_file()
+    assert "py.typed" in PYPROJECT["tool"]["setuptools"]["package-data"]["probfsl"]

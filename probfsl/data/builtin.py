@@ -45,9 +45,18 @@ def wordnet_base_classes() -> np.ndarray:
 
 
 def load_dataset(name: str) -> FeatureSet:
-    """Load a built-in data set by name (see :data:`DATASETS`)."""
+    """Load a built-in data set by name (see :data:`DATASETS`).
+
+    Features (and class embeddings) are stored as float16 to keep the package small and
+    loaded as float32, the dtype every API accepts. ``split`` holds ``"base"`` and
+    ``"novel"``; Omniglot's official one-shot runs (Lake et al.) are kept as
+    ``"oneshot_train"`` / ``"oneshot_test"`` rows, which tasks never draw from.
+    """
     path = dataset_path(name)
     with resources.as_file(path) as file:
-        if name == "wordnet":
-            return load_npz(file, name=name, base_classes=wordnet_base_classes())
-        return load_npz(file, name=name)
+        base = wordnet_base_classes() if name == "wordnet" else None
+        fs = load_npz(file, name=name, base_classes=base)
+    fs.features = fs.features.astype(np.float32)
+    if fs.class_features is not None:
+        fs.class_features = fs.class_features.astype(np.float32)
+    return fs

@@ -121,11 +121,21 @@ class FeatureSet:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Base-class features (``dtype``) and labels as tensors on ``device`` (default the
         CPU); a ``ValueError`` if there are none or ``device`` is not a device."""
+        return self._split_tensors("base", dtype, device)
+
+    def novel(
+        self, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Novel-class features (``dtype``) and labels as tensors on ``device`` (default the
+        CPU), the rows few-shot tasks are drawn from; a ``ValueError`` if there are none."""
+        return self._split_tensors("novel", dtype, device)
+
+    def _split_tensors(self, split: str, dtype: torch.dtype, device) -> tuple:
         check_float_dtype("dtype", dtype)
         device = as_device(device)
-        idx = self.rows("base")
+        idx = self.rows(split)
         if idx.size == 0:
-            raise ValueError(f"{self.name}: no base-class rows (split == 'base')")
+            raise ValueError(f"{self.name}: no {split}-class rows (split == {split!r})")
         return (
             torch.as_tensor(self.features[idx], dtype=dtype, device=device),
             torch.as_tensor(self.labels[idx], device=device),
