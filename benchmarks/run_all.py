@@ -30,7 +30,16 @@ from pathlib import Path
 from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
-ORDER = ["defaults", "bavardage", "em_dirichlet", "gptree", "evidence", "auto", "calibration", "device"]
+ORDER = [
+    "defaults",
+    "bavardage",
+    "em_dirichlet",
+    "gptree",
+    "evidence",
+    "auto",
+    "calibration",
+    "device",
+]
 #: the options of each benchmark's full run (the README's tables); --quick overrides sizes
 FULL_ARGS = {
     "bavardage": ["--threads", "2", "--target-check", "--throughput-check", "3"],

@@ -144,7 +144,9 @@ plt.show()
 # or 16, and random Gaussian projections of the 64 to 32 and 16 dimensions. With
 # real images, `probfsl extract images.zip --backbone efficientnet-lite0 --out
 # lite0.npz` produces real backbone features and `probfsl select --features
-# lite0.npz lite1.npz` runs this ranking from the command line.
+# lite0.npz lite1.npz --criterion all-rows` runs this ranking from the command line
+# (by default `select` asks the few-shot question instead: the evidence of the query
+# labels given the support on base-class episodes of the way and shot you name).
 #
 # `rank_backbones` solves every backbone in one batched call. We score it against the
 # held-out accuracy of each backbone's evidence-regularised linear probe, now on 40

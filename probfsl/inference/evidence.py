@@ -184,6 +184,36 @@ def spectrum_from_gram(
     return Spectrum(s, proj**2, e0, (y**2).sum(-2), n, dim or n, None, proj, "dual")
 
 
+def pool_spectra(sp: Spectrum) -> Spectrum:
+    """One spectrum for the block-diagonal stack of a batch of problems ``[T, ...]``.
+
+    Stacking T problems (episodes) with their own weights ``w_t ~ Normal(0, alpha^-1 I)``
+    but shared hyperparameters gives one Bayesian linear regression whose Gram matrix is
+    block diagonal: its eigenvalues are the union of the blocks' eigenvalues, its
+    residual ``E_0`` and ``y^T y`` are the sums over the blocks, and N is the total number
+    of rows. The log evidence of the pooled spectrum (Kim et al., CVPR 2016, eq. 14-17)
+    is the sum of the blocks' log evidences at a common ``(alpha, beta_k)``, so
+    :func:`maximize_shared_evidence` on it sets one lambda (and one ``beta_k`` per
+    target) for all T problems. ``sp`` has one leading batch dimension ``[T, r]``,
+    ``[T, r, K]``; the result is unbatched (``[T r]``, ``[T r, K]``, ``[K]``) and holds
+    no weights.
+    """
+    if sp.s.ndim != 2:
+        raise ValueError(f"pool_spectra needs one batch dimension [T, r], got {tuple(sp.s.shape)}")
+    t, k = sp.s.shape[0], sp.c.shape[-1]
+    return Spectrum(
+        s=sp.s.reshape(-1),
+        c=sp.c.reshape(-1, k),
+        e0=sp.e0.sum(0),
+        yy=sp.yy.sum(0),
+        n=sp.n * t,
+        dim=sp.dim * t,
+        basis=None,
+        proj=sp.proj.reshape(-1, k),
+        mode=sp.mode,
+    )
+
+
 # ---------------------------------------------------------------------------------------
 # Closed-form quantities as functions of lambda [..., K]
 
@@ -235,6 +265,22 @@ def log_evidence_ab(sp: Spectrum, alpha: torch.Tensor, beta: torch.Tensor) -> to
     energy = residual_energy(sp, lam)
     logdet = -torch.log1p(s / lm).sum(-2)
     return 0.5 * logdet + 0.5 * n * (beta.log() - LOG_2PI) - 0.5 * beta * energy
+
+
+def conditional_log_evidence(
+    joint: Spectrum, support: Spectrum, alpha: torch.Tensor, beta: torch.Tensor
+) -> torch.Tensor:
+    """``log p(y_q | y_s) = log p(y_s, y_q) - log p(y_s)`` at ``(alpha, beta)``, ``[..., K]``.
+
+    ``joint`` is the spectrum of the support and query rows together, ``support`` that
+    of the support rows alone (same batch shape and targets); each term is the log
+    evidence of eq. 14 (Kim et al., CVPR 2016). The difference is the log density of
+    the query targets under the posterior predictive of the regression fitted on the
+    support, ``Normal(X_q m, beta^-1 (I + X_q (X_s^T X_s + lambda I)^-1 X_q^T))``: a
+    held-out evidence, a density over the targets, so feature sets of different
+    widths are compared on the same scale.
+    """
+    return log_evidence_ab(joint, alpha, beta) - log_evidence_ab(support, alpha, beta)
 
 
 def profile_beta(sp: Spectrum, lam: torch.Tensor) -> torch.Tensor:
@@ -780,6 +826,7 @@ __all__ = [
     "EvidenceState",
     "Spectrum",
     "at_upper_limit",
+    "conditional_log_evidence",
     "decision_weights",
     "em_lambda",
     "em_update",
@@ -790,6 +837,7 @@ __all__ = [
     "maximize_evidence",
     "maximize_shared_evidence",
     "posterior_covariance",
+    "pool_spectra",
     "posterior_mean",
     "profile_beta",
     "spectrum",
