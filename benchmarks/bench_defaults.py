@@ -76,6 +76,8 @@ def main() -> None:
     rows = json.loads(stored.read_text()) if args.merge or args.tables_only else []
     if not args.tables_only:
         rows += run_all(args, tasks)
+    # a cell measured again replaces the stored one
+    rows = list({(r["data"], r["shot"], r["balance"], r["method"]): r for r in rows}.values())
     args.out.mkdir(parents=True, exist_ok=True)
     stored.write_text(json.dumps(rows, indent=1, default=str) + "\n")
     (args.out / "defaults.md").write_text(tables(rows))

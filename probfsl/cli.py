@@ -168,6 +168,10 @@ def run_setting(
     if calibrate == "temperature":  # fitted before the timed run
         shape = (episodes.way, episodes.shot, episodes.n_query)
         calibration["temperature"] = estimator.fit_shape(*shape, dtype, device)
+        _note(
+            f"--calibrate temperature: tau = {calibration['temperature']:.3f} "
+            "(fitted on base-class episodes)"
+        )
         if shape in estimator.notes_:
             _note(f"--calibrate temperature: {estimator.notes_[shape]}")
     result = evaluate(estimator, episodes, batch_size, progress, device, dtype)

@@ -82,6 +82,10 @@ SEARCH_SPACES: dict[str, dict[str, list]] = {
     },
     "gp-tree": {"outputscale": [4.0, 16.0, 64.0], "lengthscale": [0.5, 1.0, 2.0, 4.0]},
     "slem": {"rel_lam": [0.1, 1.0, 10.0, 100.0]},
+    # nothing to search (the evidence sets lambda; the VMP model has no free knob): the
+    # defaults are the one candidate, held against nearest centroid like every choice
+    "evidence-lssvm": {},
+    "vmp-gmm": {},
 }
 
 
@@ -210,9 +214,13 @@ def _checked(
 ) -> Mapping[str, Sequence]:
     if criterion not in CRITERIA:
         raise ValueError(f"criterion must be one of {CRITERIA}, got {criterion!r}")
-    space = search_space(method) if space is None else space
-    if not space:
-        raise ValueError("the search space is empty")
+    if space is None:
+        return search_space(method)  # may be {}: the defaults are the one candidate
+    if not isinstance(space, Mapping) or not space:
+        raise ValueError(f"space must be a non-empty mapping of name -> values, got {space!r}")
+    for name, values in space.items():
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
+            raise ValueError(f"space[{name!r}] must be a non-empty list of values, got {values!r}")
     return space
 
 
@@ -227,10 +235,10 @@ def _search(
 ) -> TuneResult:
     """Coarse grid, then one refinement around the best; ``score(params) -> row``.
 
-    ``progress`` shows a bar over the candidates (tqdm, on stderr)."""
+    ``space`` comes checked (:func:`_checked`); ``progress`` shows a bar over the
+    candidates (tqdm, on stderr)."""
     from tqdm.auto import tqdm
 
-    space = _checked(method, space, criterion)
     tic = time.perf_counter()
     grid = _grid(space)
     bar = tqdm(total=len(grid), desc=f"tuning {method}", unit="cand", disable=not progress)

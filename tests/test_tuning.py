@@ -1,3 +1,5 @@
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -307,7 +309,7 @@ def test_auto_on_smaller_episodes_keeps_the_defaults_unless_clearly_beaten(monke
     assert choice.params == {"flip": 0.5} and choice.note == ""
 
 
-def test_auto_runs_nearest_centroid_where_the_method_scores_below_it(monkeypatch):
+def test_auto_runs_nearest_centroid_where_the_method_scores_below_it(monkeypatch, caplog):
     monkeypatch.setitem(METHODS, "noisy", MethodInfo("noisy", "tests.test_tuning:Noisy", "toy"))
     monkeypatch.setitem(SEARCH_SPACES, "noisy", {"flip": [0.8, 0.4]})
     fs = make_featureset(n_base=12, n_novel=4, per_class=25)
@@ -321,7 +323,9 @@ def test_auto_runs_nearest_centroid_where_the_method_scores_below_it(monkeypatch
     auto.fit_base(*fs.base())
     episodes = sample_episodes(fs, 4, way=4, shot=1, n_query=20, seed=1)
     expected = methods.make_estimator("nearest-centroid").fit_featureset(fs).predict(episodes)
-    assert torch.equal(auto.predict(episodes), expected)
+    with caplog.at_level(logging.INFO, logger="probfsl.tuning"):
+        assert torch.equal(auto.predict(episodes), expected)
+    assert "preset auto, noisy 4-way 1-shot: nearest-centroid" in caplog.text  # said so
     # a method at least as good as the baseline keeps its own choice
     monkeypatch.setitem(SEARCH_SPACES, "noisy", {"flip": [0.8, 0.0]})
     kept = auto_preset("noisy", fs, 4, 1, 20, n_episodes=10)
@@ -361,3 +365,22 @@ def test_auto_choices_are_cached_per_data_and_setting(monkeypatch, tuning_cache_
         entry.unlink()
     auto_preset("rec", fs, 5, 1, 20, n_episodes=5)
     assert not list(tuning_cache_dir.rglob("*.json"))
+
+
+def test_a_method_without_a_knob_is_still_held_against_nearest_centroid(monkeypatch):
+    monkeypatch.setitem(METHODS, "noisy", MethodInfo("noisy", "tests.test_tuning:Noisy", "toy"))
+    monkeypatch.setitem(SEARCH_SPACES, "noisy", {})  # its defaults are the one candidate
+    fs = make_featureset(n_base=12, n_novel=4, per_class=25)
+    choice = auto_preset("noisy", fs, 4, 1, 20, n_episodes=10)
+    assert [row["params"] for row in choice.result.trace] == [{}]
+    assert choice.method == "nearest-centroid" and "scored 50.0%" in choice.note
+    assert SEARCH_SPACES["evidence-lssvm"] == {} and SEARCH_SPACES["vmp-gmm"] == {}
+
+
+@pytest.mark.parametrize(
+    "space", [{}, {"rel_lam": []}, {"rel_lam": 1.0}, {"rel_lam": "abc"}, [("rel_lam", [1.0])]]
+)
+def test_a_bad_search_space_is_a_value_error_naming_it(space):
+    fs = make_featureset(n_base=12, n_novel=4, per_class=25)
+    with pytest.raises(ValueError, match="space"):
+        tune("slem", fs, space, n_episodes=5)

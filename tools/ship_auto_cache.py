@@ -8,10 +8,10 @@ entries to ``probfsl/data/builtin/auto/``: ``probfsl demo`` and first runs on th
 built-in data then read them instead of searching. Rerun after a change of version,
 search space or data (``tests/test_tuning_cache.py`` fails until then).
 
-    python tools/ship_auto_cache.py [--reuse CACHE_DIR]
+    python tools/ship_auto_cache.py [--reuse probfsl/data/builtin/auto]
 
-``--reuse`` seeds the search with the entries of a cache folder (for example the one
-``benchmarks/bench_defaults.py`` filled); they are used only where their key matches.
+``--reuse`` seeds the search with the entries of a cache folder (or of a folder of
+entries, such as the shipped ones); they are used only where their key matches.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["PROBFSL_CACHE_DIR"] = tmp
         (Path(tmp) / "auto").mkdir()
-        if args.reuse:
-            for entry in (args.reuse / "auto").glob("*.json"):
+        if args.reuse:  # a cache folder, or a folder of entries (the shipped ones)
+            for entry in [*args.reuse.glob("*.json"), *(args.reuse / "auto").glob("*.json")]:
                 shutil.copy(entry, Path(tmp) / "auto" / entry.name)
         from probfsl import tuning_cache
         from probfsl.data import load_dataset
