@@ -375,9 +375,32 @@ def _check_tasks_possible(args: argparse.Namespace, fs: FeatureSet) -> None:
             )
         sample_zero_shot_tasks(fs, 1, args.min_classes, args.max_classes, args.query, args.seed)
     elif not args.task_file:
-        sample_task_indices(
-            fs, 1, args.way, args.shot, args.query, args.balance, args.alpha, args.seed
-        )
+        try:
+            sample_task_indices(
+                fs, 1, args.way, args.shot, args.query, args.balance, args.alpha, args.seed
+            )
+        except ValueError as err:
+            hint = _task_shape_hint(fs, args.way, args.shot, args.query, args.balance)
+            raise ValueError(f"{err}{hint}") from None
+
+
+def _task_shape_hint(fs: FeatureSet, way: int, shot: int, query: int, balance: str) -> str:
+    """``"; try --way W --query Q"`` with the largest task the novel classes can form at
+    ``shot`` (and ``way`` at most), or ``""`` when none can be formed."""
+    import numpy as np
+
+    rows = fs.rows("novel")
+    sizes = np.sort(np.unique(fs.labels[rows], return_counts=True)[1])
+    if sizes.size < 2 or shot < 1 or sizes.min() <= shot:
+        return ""
+    w = int(min(way, sizes.size)) if way >= 2 else 2
+    if balance == "balanced":
+        q = w * int(min(max(query // max(way, 1), 1), sizes[:w].min() - shot))
+    else:
+        q = int(min(query, sizes[:w].sum() - w * shot))
+    if q < 1:
+        return ""
+    return f"; try --way {w} --query {q} (what the {sizes.size} novel classes can hold)"
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -888,6 +911,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        print("probfsl: interrupted", file=sys.stderr)
+        return 130
     except (ValueError, TypeError, OSError) as err:
         message = " ".join(str(err).split()) or type(err).__name__
         print(f"probfsl: error: {message}", file=sys.stderr)

@@ -569,3 +569,26 @@ def test_argmax_baselines_against_a_hand_count():
     assert evaluate_argmax(probs, labels, classes, batch_size=1).accuracy == pytest.approx(100.0)
     padded = torch.tensor([[1, -1], [2, -1]])  # one class each: every query goes there
     assert evaluate_argmax(probs, labels, padded).accuracy == pytest.approx(50.0)
+
+
+def test_a_task_shape_the_data_cannot_hold_says_what_would_work(tmp_path, capsys):
+    path = _save(tmp_path / "small.npz", make_featureset(n_base=0, n_novel=3, per_class=10))
+    argv = ["run", "--method", "nearest-centroid", "--features", path]
+    rc, _, err = _run(argv, capsys)
+    _one_line_error(rc, err, "only 3 novel classes", "try --way 3 --query 27")
+    rc, _, err = _run([*argv, "--balance", "dirichlet", "--way", "3"], capsys)
+    _one_line_error(rc, err, "75 queries cannot be drawn", "try --way 3 --query 27")
+    # the suggestion runs
+    rc, _, err = _run([*argv, "--way", "3", "--query", "27", "--tasks", "3"], capsys)
+    assert rc == 0, err
+
+
+def test_ctrl_c_ends_with_one_line_and_status_130(monkeypatch, capsys):
+    import probfsl.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_datasets", interrupted)
+    rc, out, err = _run(["datasets"], capsys)
+    assert rc == 130 and err == "probfsl: interrupted\n" and "Traceback" not in err
