@@ -25,7 +25,8 @@ from probfsl.data import (
     sample_zero_shot_tasks,
 )
 from probfsl.data.simplex import zero_shot_probabilities
-from probfsl.evaluation import evaluate, text_table, write_results
+from probfsl.evaluation import text_table, write_results
+from probfsl.evaluation.protocol import evaluate_stream
 from probfsl.evaluation.zero_shot import evaluate_argmax, evaluate_zero_shot
 from probfsl.fileio import check_writable
 from probfsl.methods import METHODS, method_info, parse_params
@@ -153,6 +154,10 @@ def run_setting(
 ) -> dict:
     """Evaluate ``method`` on one task setting; returns the row of the results table.
 
+    The tasks are made one batch of ``batch_size`` at a time (sampled, or read from
+    ``task_file``) and scored by the method and by nearest centroid (the baseline
+    columns) before the next batch is made, so memory stays flat in ``tasks``.
+
     ``calibrate="temperature"`` tempers the query probabilities by one temperature
     fitted on base-class episodes of the same setting (:mod:`probfsl.temperature`).
     """
@@ -160,31 +165,53 @@ def run_setting(
     if calibrate == "temperature":
         estimator = TemperatureScaled(estimator, balance=balance, alpha=alpha, seed=seed)
     estimator.fit_featureset(fs, dtype, device)
+    baseline = make_estimator(BASELINE, center=bool(fs.classes_in("base").size))
+    baseline.fit_featureset(fs, dtype, device)
     if task_file:
-        episodes = episodes_from_indices(fs, load_task_file(task_file), dtype)
+        indices = load_task_file(task_file)
+        tasks = len(indices["query"])
+        way = int(indices["support_labels"].max()) + 1
+        shot, query = indices["support"].shape[1] // way, indices["query"].shape[1]
+
+        def batch(start: int, stop: int):
+            rows = {key: value[start:stop] for key, value in indices.items()}
+            return episodes_from_indices(fs, rows, dtype)
     else:
-        episodes = sample_episodes(fs, tasks, way, shot, query, balance, alpha, seed, dtype=dtype)
+
+        def batch(start: int, stop: int):
+            return sample_episodes(
+                fs, stop - start, way, shot, query, balance, alpha, seed, start, dtype=dtype
+            )
+
     calibration = {"calibrate": calibrate}
     if calibrate == "temperature":  # fitted before the timed run
-        shape = (episodes.way, episodes.shot, episodes.n_query)
-        calibration["temperature"] = estimator.fit_shape(*shape, dtype, device)
+        calibration["temperature"] = estimator.fit_shape(way, shot, query, dtype, device)
         _note(
             f"--calibrate temperature: tau = {calibration['temperature']:.3f} "
             "(fitted on base-class episodes)"
         )
-        if shape in estimator.notes_:
-            _note(f"--calibrate temperature: {estimator.notes_[shape]}")
-    result = evaluate(estimator, episodes, batch_size, progress, device, dtype)
-    note = getattr(estimator, "estimator", estimator).setting_note(episodes.way, episodes.shot)
+        if (way, shot, query) in estimator.notes_:
+            _note(f"--calibrate temperature: {estimator.notes_[(way, shot, query)]}")
+    results = evaluate_stream(
+        {"method": estimator, "baseline": baseline},
+        batch,
+        tasks,
+        batch_size,
+        progress,
+        device,
+        dtype,
+    )
+    result, base = results["method"], results["baseline"]
+    note = getattr(estimator, "estimator", estimator).setting_note(way, shot)
     if note:
         _note(note)
     return {
         "method": method,
         "dataset": fs.name,
         **_versions(),
-        "way": episodes.way,
-        "shot": episodes.shot,
-        "query": episodes.n_query,
+        "way": way,
+        "shot": shot,
+        "query": query,
         "balance": "file" if task_file else balance,
         "alpha": alpha,
         "tasks": result.n_tasks,
@@ -196,20 +223,9 @@ def run_setting(
         "params": params or {},
         **calibration,
         **{k: v for k, v in result.summary().items() if k != "n_tasks"},
-        **_baseline(fs, episodes, batch_size, device, dtype),
-    }
-
-
-def _baseline(fs: FeatureSet, episodes, batch_size: int, device, dtype) -> dict:
-    """Nearest centroid (centred on the base mean where the data have base classes) on
-    the same episodes: the inductive baseline printed beside every few-shot result."""
-    baseline = make_estimator(BASELINE, center=bool(fs.classes_in("base").size))
-    baseline.fit_featureset(fs, dtype, device)
-    result = evaluate(baseline, episodes, batch_size, False, device, dtype)
-    return {
         "baseline": BASELINE,
-        "baseline_accuracy": result.accuracy,
-        "baseline_ci95": result.ci95,
+        "baseline_accuracy": base.accuracy,
+        "baseline_ci95": base.ci95,
     }
 
 
@@ -384,6 +400,34 @@ def _check_tasks_possible(args: argparse.Namespace, fs: FeatureSet) -> None:
             raise ValueError(f"{err}{hint}") from None
 
 
+def _free_memory() -> int | None:
+    """Bytes of free physical memory (``None`` where the system does not say)."""
+    import os
+
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _check_batch_memory(args: argparse.Namespace, fs: FeatureSet, dtype: torch.dtype) -> None:
+    """``ValueError`` before any work when one batch of task features (with the copies the
+    engines make, about 4 of them) would not fit in the free memory."""
+    free = _free_memory()
+    if free is None or args.zero_shot:
+        return
+    rows = args.way * args.shot + args.query
+    per_task = 4 * rows * fs.dim * torch.finfo(dtype).bits // 8
+    batch = min(args.batch_size, args.tasks)
+    if batch * per_task > free:
+        fits = max(1, free // (2 * per_task))
+        raise ValueError(
+            f"--batch-size {batch}: one batch needs about {batch * per_task / 2**30:.1f} GiB "
+            f"and {free / 2**30:.1f} GiB are free; use --batch-size {fits} (memory does not "
+            "grow with --tasks: batches are made one at a time)"
+        )
+
+
 def _task_shape_hint(fs: FeatureSet, way: int, shot: int, query: int, balance: str) -> str:
     """``"; try --way W --query Q"`` with the largest task the novel classes can form at
     ``shot`` (and ``way`` at most), or ``""`` when none can be formed."""
@@ -422,6 +466,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         make_estimator(args.method, "auto", **params)  # a method without a search space
     fs = _load(args)
     _check_tasks_possible(args, fs)  # before any search on the base classes
+    _check_batch_memory(args, fs, dtype)
     if args.preset is None and not args.param and _auto_by_default(args.method, fs):
         _note(
             f"{args.method}: --preset auto, the default where the data have base classes "

@@ -16,12 +16,24 @@ class is not an estimator defined in :mod:`probfsl.models` (a class with the est
 surface of :class:`probfsl.models.base.FewShotClassifier`), so a file cannot make the
 loader import or build anything else. The check reads the class, not the registry, so
 this module imports nothing above it.
+
+A file is checked, not trusted. It carries its format version and a SHA-256 checksum of
+its content (class, hyperparameters and every tensor's dtype, shape and bytes), and
+loading refuses with a ``ValueError`` that names the file: a file that cannot be read
+(empty, truncated, not a torch file, or holding objects ``weights_only`` refuses), an
+unknown format, missing or extra keys, a checksum that does not match, hyperparameters
+the class does not take, fitted attributes that are not fitted-attribute names or that
+would hide a method, floating values of another dtype than float32/float64, and NaN or
+infinite floating values.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import inspect
+import pickle
+import zipfile
 from importlib import import_module
 from pathlib import Path
 from typing import Any
@@ -32,7 +44,8 @@ import torch
 from probfsl.fileio import atomic_path
 
 _TAG = "__probfsl__"
-FORMAT = 1
+FORMAT = 2
+KEYS = frozenset({"format", "class", "params", "state", "checksum"})
 
 
 def encode(value: Any, name: str) -> Any:
@@ -116,8 +129,37 @@ def _registered(target: str) -> type:
     return cls
 
 
+def checksum(payload: dict) -> str:
+    """SHA-256 of a payload's class, hyperparameters and fitted state (tensors by dtype,
+    shape and bytes; containers in key order)."""
+    h = hashlib.sha256()
+
+    def feed(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            t = value.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(value, dict):
+            h.update(b"{")
+            for k in sorted(value):
+                h.update(repr(k).encode())
+                feed(value[k])
+            h.update(b"}")
+        elif isinstance(value, (list, tuple)):
+            h.update(b"[" if isinstance(value, list) else b"(")
+            for v in value:
+                feed(v)
+            h.update(b"]")
+        else:
+            h.update(f"{type(value).__name__}:{value!r}".encode())
+
+    feed({k: payload[k] for k in ("format", "class", "params", "state")})
+    return h.hexdigest()
+
+
 def save_estimator(estimator: Any, path: str | Path) -> None:
-    """Write ``estimator``'s class, hyperparameters and fitted state to ``path``."""
+    """Write ``estimator``'s class, hyperparameters and fitted state to ``path``, with the
+    format version and a checksum."""
     cls = type(estimator)
     target = f"{cls.__module__}:{cls.__qualname__}"
     try:
@@ -132,23 +174,120 @@ def save_estimator(estimator: Any, path: str | Path) -> None:
         "params": encode(estimator.get_params(), "params"),
         "state": {k: encode(v, k) for k, v in estimator.fitted_state().items()},
     }
+    payload["checksum"] = checksum(payload)
     with atomic_path(path) as tmp:
         torch.save(payload, tmp)
 
 
-def load_estimator(path: str | Path, expected: type | None = None) -> Any:
-    """The estimator saved at ``path`` (``torch.load(weights_only=True)``); ``ValueError``
-    for a file of another format or class, or not an instance of ``expected``."""
-    payload = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+def _read(path: Path) -> dict:
+    """The payload of ``path`` (``torch.load(weights_only=True)``); ``ValueError`` naming
+    the file for anything that cannot be read as one."""
+    if not path.is_file():
+        raise ValueError(f"{str(path)!r}: no such file")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{str(path)!r}: the file is empty")
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive
+        raise ValueError(
+            f"{str(path)!r}: not a readable probfsl estimator file (not a torch archive: "
+            "truncated or damaged, or another format)"
+        )
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(
+            f"{str(path)!r}: the file holds objects that are not tensors or plain values; "
+            "it was not written by probfsl and is refused"
+        ) from None
+    except (EOFError, OSError, RuntimeError, zipfile.BadZipFile, ValueError) as err:
+        reason = " ".join(str(err).split()[:12]) or type(err).__name__
+        raise ValueError(
+            f"{str(path)!r}: not a readable probfsl estimator file (truncated or damaged: {reason})"
+        ) from None
+    if not isinstance(payload, dict):
         raise ValueError(f"{str(path)!r} is not a probfsl estimator file")
-    cls = _registered(payload["class"])
+    return payload
+
+
+def _check_payload(payload: dict, path: Path) -> None:
+    """Format, keys and checksum of a payload; ``ValueError`` naming ``path``."""
+    name = repr(str(path))
+    if payload.get("format") != FORMAT:
+        raise ValueError(
+            f"{name} is not a probfsl estimator file of format {FORMAT} "
+            f"(format {payload.get('format')!r}); save the estimator again"
+        )
+    missing, extra = sorted(KEYS - set(payload)), sorted(set(payload) - KEYS)
+    if missing or extra:
+        raise ValueError(f"{name}: missing keys {missing}, unexpected keys {extra}")
+    if not isinstance(payload["params"], dict) or not isinstance(payload["state"], dict):
+        raise ValueError(f"{name}: 'params' and 'state' must be dicts")
+    if payload["checksum"] != checksum(payload):
+        raise ValueError(f"{name}: the checksum does not match: the file was changed or damaged")
+
+
+def _check_values(value: Any, name: str, where: str) -> None:
+    """Floating tensors and arrays are float32/float64 and finite."""
+    if isinstance(value, np.ndarray):
+        value = torch.from_numpy(value)
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        if value.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"{where}: {name} is {value.dtype}, not float32 or float64")
+        if not bool(torch.isfinite(value).all()):
+            raise ValueError(f"{where}: {name} holds NaN or infinite values")
+    elif isinstance(value, float) and not np.isfinite(value) and name.startswith("state"):
+        raise ValueError(f"{where}: {name} is {value}")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_values(v, f"{name}[{k!r}]", where)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_values(v, f"{name}[{i}]", where)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            _check_values(getattr(value, f.name), f"{name}.{f.name}", where)
+
+
+def load_estimator(path: str | Path, expected: type | None = None) -> Any:
+    """The estimator saved at ``path``, checked (see the module docstring); ``ValueError``
+    naming the file and the problem otherwise, or when it is not an ``expected``."""
+    path = Path(path)
+    payload = _read(path)
+    _check_payload(payload, path)
+    where = repr(str(path))
+    try:
+        cls = _registered(payload["class"])
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
     if expected is not None and not issubclass(cls, expected):
-        raise ValueError(f"{str(path)!r} holds a {cls.__name__}, not a {expected.__name__}")
-    params = decode(payload["params"])
-    accepted = inspect.signature(cls.__init__).parameters
-    estimator = cls(**{k: v for k, v in params.items() if k in accepted})
+        raise ValueError(f"{where} holds a {cls.__name__}, not a {expected.__name__}")
+    params, state = decode(payload["params"]), decode(payload["state"])
+    accepted = set(cls().get_params()) if _default_constructible(cls) else None
+    for key in params:
+        if not isinstance(key, str) or not key.isidentifier() or key.startswith("_"):
+            raise ValueError(f"{where}: {key!r} is not a hyperparameter name")
+        if callable(getattr(cls, key, None)) or (accepted is not None and key not in accepted):
+            raise ValueError(f"{where}: {key!r} is not a hyperparameter of {cls.__name__}")
+    for key in state:
+        if not (isinstance(key, str) and key.isidentifier() and key.endswith("_")):
+            raise ValueError(f"{where}: {key!r} is not a fitted attribute name")
+        if key.startswith("_") or callable(getattr(cls, key, None)):
+            raise ValueError(f"{where}: fitted attribute {key!r} would hide a method")
+    _check_values(state, "state", where)
+    signature = inspect.signature(cls.__init__).parameters
+    try:
+        estimator = cls(**{k: v for k, v in params.items() if k in signature})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: invalid hyperparameters: {err}") from None
     for k, v in params.items():  # public attributes that are not __init__ arguments
         setattr(estimator, k, v)
-    estimator.restore_fitted_state({k: decode(v) for k, v in payload["state"].items()})
+    estimator.restore_fitted_state(state)
     return estimator
+
+
+def _default_constructible(cls: type) -> bool:
+    """Whether ``cls()`` works (to read the names of its hyperparameters)."""
+    try:
+        cls()
+    except (TypeError, ValueError):
+        return False
+    return True

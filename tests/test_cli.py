@@ -592,3 +592,26 @@ def test_ctrl_c_ends_with_one_line_and_status_130(monkeypatch, capsys):
     monkeypatch.setattr(cli, "cmd_datasets", interrupted)
     rc, out, err = _run(["datasets"], capsys)
     assert rc == 130 and err == "probfsl: interrupted\n" and "Traceback" not in err
+
+
+def test_tasks_stream_in_batches_and_a_batch_too_large_is_refused(monkeypatch, capsys):
+    import probfsl.cli as cli
+    import probfsl.data.tasks as tasks
+
+    made = []
+    real = tasks.sample_task_indices
+
+    def counting(fs, n_tasks, *args, **kwargs):
+        made.append(n_tasks)
+        return real(fs, n_tasks, *args, **kwargs)
+
+    monkeypatch.setattr(tasks, "sample_task_indices", counting)
+    argv = ["run", "--method", "nearest-centroid", "--dataset", "omniglot", "--query", "15"]
+    rc, out, err = _run([*argv, "--tasks", "25", "--batch-size", "10"], capsys)
+    assert rc == 0, err
+    assert made[-3:] == [10, 10, 5]  # one batch at a time, never all 25
+    rc, _, err = _run([*argv, "--tasks", "25", "--batch-size", "25"], capsys)
+    assert rc == 0 and made[-1] == 25
+    monkeypatch.setattr(cli, "_free_memory", lambda: 10**6)  # 1 MB free
+    rc, _, err = _run([*argv, "--tasks", "1000000"], capsys)
+    _one_line_error(rc, err, "--batch-size 1000: one batch needs", "use --batch-size")

@@ -18,6 +18,7 @@ import torch
 from probfsl import tuning
 from probfsl.data import load_dataset
 from probfsl.data.tasks import sample_episodes
+from probfsl.estimator_io import checksum
 from probfsl.methods import METHODS, make_estimator
 from probfsl.models.base import FewShotClassifier
 
@@ -227,10 +228,15 @@ def test_load_refuses_other_classes(saved, tmp_path):
         METHODS["slem"].load().load(folder / f"{other}.pt")
     payload = torch.load(folder / "slem.pt", weights_only=True)
     payload["class"] = "collections:OrderedDict"
+    torch.save(payload, tmp_path / "edited.pt")
+    with pytest.raises(ValueError, match="checksum does not match"):
+        FewShotClassifier.load(tmp_path / "edited.pt")
+    payload["checksum"] = checksum(payload)  # a forger who also fixes the checksum
     torch.save(payload, tmp_path / "bad.pt")
     with pytest.raises(ValueError, match="not an estimator of probfsl.models"):
         FewShotClassifier.load(tmp_path / "bad.pt")
     payload["class"] = "probfsl.models.base:BaseMeanCentering"  # in models/, not an estimator
+    payload["checksum"] = checksum(payload)
     torch.save(payload, tmp_path / "mixin.pt")
     with pytest.raises(ValueError, match="not an estimator of probfsl.models"):
         FewShotClassifier.load(tmp_path / "mixin.pt")
@@ -276,3 +282,65 @@ def test_evidence_single_problem_fit_saves(tmp_path):
 def test_auto_preset_is_not_saved(tmp_path):
     with pytest.raises(TypeError, match="cannot save a AutoPreset"):
         tuning.make_estimator("bavardage", preset="auto").save(tmp_path / "auto.pt")
+
+
+def _forged(payload: dict, **changes) -> dict:
+    """``payload`` with ``changes`` and a checksum that matches them (a careful forger)."""
+    out = {**payload, **changes}
+    out["checksum"] = checksum(out)
+    return out
+
+
+def test_saved_files_are_checked_not_trusted(saved, tmp_path):
+    folder, *_ = saved
+    good = folder / "slem.pt"
+    payload = torch.load(good, weights_only=True)
+    raw = good.read_bytes()
+    state = payload["state"]
+    tensor_key = next(k for k, v in state.items() if isinstance(v, torch.Tensor))
+    nan_state = {**state, tensor_key: torch.full_like(state[tensor_key], float("nan"))}
+    cases = {
+        "empty": (b"", "the file is empty"),
+        "truncated": (raw[: len(raw) // 2], "truncated or damaged"),
+        "text": (b"not a torch file at all\n", "truncated or damaged"),
+        "nan-unsigned": ({**payload, "state": nan_state}, "checksum does not match"),
+        "nan-signed": (_forged(payload, state=nan_state), "NaN or infinite"),
+        "missing-key": ({k: v for k, v in payload.items() if k != "state"}, "missing keys"),
+        "extra-key": ({**payload, "note": 1}, "unexpected keys"),
+        "old-format": (_forged(payload, format=1), "format 1"),
+        "unknown-param": (
+            _forged(payload, params={**payload["params"], "warp": 9}),
+            "not a hyperparameter of SLEM",
+        ),
+        "method-as-param": (
+            _forged(payload, params={**payload["params"], "predict_proba": 1}),
+            "not a hyperparameter",
+        ),
+        "method-as-state": (
+            _forged(payload, state={**state, "predict_": 1, "fit_base": 2}),
+            "not a fitted attribute name",
+        ),
+        "half-precision": (
+            _forged(payload, state={**state, tensor_key: state[tensor_key].half()}),
+            "not float32 or float64",
+        ),
+    }
+    for name, (content, message) in cases.items():
+        path = tmp_path / f"{name}.pt"
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            torch.save(content, path)
+        with pytest.raises(ValueError, match=message) as err:
+            FewShotClassifier.load(path)
+        assert str(path) in str(err.value), name  # the file is named
+        assert "weights_only" not in str(err.value), name  # never the unsafe advice
+    # a payload with arbitrary objects: refused without torch's advice
+    import fractions
+
+    torch.save({"format": 2, "x": fractions.Fraction(1, 3)}, tmp_path / "objects.pt")
+    with pytest.raises(ValueError, match="not tensors or plain values") as err:
+        FewShotClassifier.load(tmp_path / "objects.pt")
+    assert "weights_only" not in str(err.value)
+    with pytest.raises(ValueError, match="no such file"):
+        FewShotClassifier.load(tmp_path / "missing.pt")

@@ -4,7 +4,7 @@ and the calibration of the query probabilities (:mod:`probfsl.evaluation.calibra
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -65,6 +65,47 @@ def accuracy_ci(per_task: np.ndarray) -> tuple[float, float]:
     return 100 * per_task.mean(), 100 * 1.96 * std / np.sqrt(per_task.size)
 
 
+class _Tally:
+    """Per-task accuracies and calibration of scored batches, and the time spent."""
+
+    def __init__(self) -> None:
+        self.per_task: list[np.ndarray] = []
+        self.calibration: dict[str, list[np.ndarray]] = {name: [] for name in METRICS}
+        self.seconds = 0.0
+
+    def timed(self, predict: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+        """``predict(*args)``, its time (to the end of the device's work) added."""
+        tic = time.perf_counter()
+        predicted = predict(*args)
+        if predicted.device.type == "cuda":
+            torch.cuda.synchronize(predicted.device)
+        self.seconds += time.perf_counter() - tic
+        return predicted
+
+    def add(self, predicted: torch.Tensor, labels: torch.Tensor) -> None:
+        labels = labels.to(predicted.device)
+        if predicted.ndim == 3:
+            for name, values in calibration_per_task(predicted, labels).items():
+                self.calibration[name].append(values.double().cpu().numpy())
+            predicted = predicted.argmax(-1)
+        self.per_task.append((predicted == labels).double().mean(-1).cpu().numpy())
+
+    def result(self) -> EvalResult:
+        per_task = np.concatenate(self.per_task)
+        acc, ci = accuracy_ci(per_task)
+        per_task_calibration = {k: np.concatenate(v) for k, v in self.calibration.items() if v}
+        return EvalResult(
+            accuracy=acc,
+            ci95=ci,
+            seconds=self.seconds,
+            tasks_per_second=len(per_task) / max(self.seconds, 1e-9),
+            n_tasks=len(per_task),
+            per_task_accuracy=per_task,
+            calibration={k: mean_ci(v) for k, v in per_task_calibration.items()},
+            per_task_calibration=per_task_calibration,
+        )
+
+
 def score_batches(
     predict: Callable[[int, int], torch.Tensor],
     labels: torch.Tensor,
@@ -79,38 +120,49 @@ def score_batches(
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
-    n_tasks = labels.shape[0]
-    per_task, seconds, calibration = [], 0.0, {name: [] for name in METRICS}
-    bar = tqdm(total=n_tasks, unit="task", disable=not progress, leave=False)
-    for start in range(0, n_tasks, batch_size):
-        stop = min(start + batch_size, n_tasks)
-        tic = time.perf_counter()
-        predicted = predict(start, stop)
-        if predicted.device.type == "cuda":
-            torch.cuda.synchronize(predicted.device)
-        seconds += time.perf_counter() - tic
-        batch_labels = labels[start:stop].to(predicted.device)
-        if predicted.ndim == 3:
-            for name, values in calibration_per_task(predicted, batch_labels).items():
-                calibration[name].append(values.double().cpu().numpy())
-            predicted = predicted.argmax(-1)
-        correct = predicted == batch_labels
-        per_task.append(correct.double().mean(-1).cpu().numpy())
-        bar.update(stop - start)
-    bar.close()
-    per_task = np.concatenate(per_task)
-    acc, ci = accuracy_ci(per_task)
-    per_task_calibration = {k: np.concatenate(v) for k, v in calibration.items() if v}
-    return EvalResult(
-        accuracy=acc,
-        ci95=ci,
-        seconds=seconds,
-        tasks_per_second=len(per_task) / max(seconds, 1e-9),
-        n_tasks=len(per_task),
-        per_task_accuracy=per_task,
-        calibration={k: mean_ci(v) for k, v in per_task_calibration.items()},
-        per_task_calibration=per_task_calibration,
-    )
+    n_tasks, tally = labels.shape[0], _Tally()
+    with tqdm(total=n_tasks, unit="task", disable=not progress, leave=False) as bar:
+        for start in range(0, n_tasks, batch_size):
+            stop = min(start + batch_size, n_tasks)
+            tally.add(tally.timed(predict, start, stop), labels[start:stop])
+            bar.update(stop - start)
+    return tally.result()
+
+
+def _predict_on(estimator, episodes: Episodes, device, dtype) -> torch.Tensor:
+    return estimator.predict_proba(episodes.to(device, dtype))
+
+
+def evaluate_stream(
+    estimators: Mapping[str, FewShotClassifier],
+    batch: Callable[[int, int], Episodes],
+    n_tasks: int,
+    batch_size: int = 1000,
+    progress: bool = False,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> dict[str, EvalResult]:
+    """Every estimator of ``estimators`` on the same tasks, made one batch at a time.
+
+    ``batch(start, stop)`` returns tasks ``start .. stop-1`` (for example
+    :func:`probfsl.data.tasks.sample_episodes` with ``start``: each task is seeded by its
+    index, so the tasks do not depend on the batch size). Only one batch of features is
+    in memory at a time, so memory stays flat in ``n_tasks``; the per-task scores are
+    kept. Timing covers each estimator's work on the batches (moving the batch to
+    ``device`` and ``dtype`` included), not the making of the tasks.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    tallies = {name: _Tally() for name in estimators}
+    with tqdm(total=n_tasks, unit="task", disable=not progress, leave=False) as bar:
+        for start in range(0, n_tasks, batch_size):
+            episodes = batch(start, min(start + batch_size, n_tasks))
+            for name, estimator in estimators.items():
+                tally = tallies[name]
+                proba = tally.timed(_predict_on, estimator, episodes, device, dtype)
+                tally.add(proba, episodes.query_labels)
+            bar.update(len(episodes))
+    return {name: tally.result() for name, tally in tallies.items()}
 
 
 def evaluate(
@@ -127,8 +179,12 @@ def evaluate(
     Timing covers the estimator's work on the batches (moving each batch to
     ``device`` included), not the sampling of the tasks.
     """
-
-    def predict(start: int, stop: int) -> torch.Tensor:
-        return estimator.predict_proba(episodes[start:stop].to(device, dtype))
-
-    return score_batches(predict, episodes.query_labels, batch_size, progress)
+    return evaluate_stream(
+        {"estimator": estimator},
+        lambda start, stop: episodes[start:stop],
+        len(episodes),
+        batch_size,
+        progress,
+        device,
+        dtype,
+    )["estimator"]
