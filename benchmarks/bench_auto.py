@@ -1,4 +1,4 @@
-"""Benchmark ``preset="auto"`` against the published presets and the baselines (issue 8).
+"""Benchmark ``preset="auto"`` against the published presets and the baselines.
 
 For every shared feature set and few-shot setting (5-way 1-/5-shot, 75 queries,
 balanced and Dirichlet alpha* = 2): accuracy ± 95% CI on novel-class tasks of

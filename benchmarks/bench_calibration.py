@@ -1,4 +1,4 @@
-"""Calibration of every method before and after base-episode temperature scaling (issue 16).
+"""Calibration of every method before and after base-episode temperature scaling.
 
 For each data set and few-shot setting (5-way, 75 queries, Dirichlet-unbalanced
 alpha* = 2 and balanced, 1- and 5-shot): accuracy, ECE (15 equal-width bins), adaptive

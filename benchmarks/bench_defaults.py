@@ -136,8 +136,9 @@ def tables(rows: list[dict]) -> str:
     few = [r for r in rows if r.get("shot") != 0]
     zeros = [r for r in rows if r.get("shot") == 0]
     methods = list(dict.fromkeys(r["method"] for r in few))
+    data_order = list(dict.fromkeys(r["data"] for r in few))
     settings: dict[tuple, list[dict]] = {}
-    for r in few:
+    for r in sorted(few, key=lambda r: (data_order.index(r["data"]), r["shot"], r["balance"])):
         settings.setdefault((r["data"], r["shot"], r["balance"]), []).append(r)
     tasks = few[0]["tasks"] if few else 0
     head = "| data | shot | queries | " + " | ".join(methods) + " |"
@@ -158,9 +159,13 @@ def tables(rows: list[dict]) -> str:
         "",
         *(zero_line(z) for z in zeros),
         "",
-        "What each default ran (`auto`: hyperparameters tuned on base-class episodes):",
+        "<!-- headline end -->",
         "",
-        "| data | shot | queries | method | ran | choice | seconds (tuning + run) |",
+        "What each default ran (`auto`: hyperparameters tuned on base-class episodes; the "
+        "seconds include the search where it ran, not where the choice came from the cache "
+        "or from the entries shipped for the built-in data):",
+        "",
+        "| data | shot | queries | method | ran | choice | seconds |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in few:

@@ -1,4 +1,4 @@
-"""Every method on the CPU and, when present, on CUDA (issue 14, item 7).
+"""Every method on the CPU and, when present, on CUDA.
 
 For each registered method on one built-in data set (5-way 1-shot, 75 queries, seed 0):
 
@@ -60,7 +60,7 @@ def timed_labels(model, episodes, device: torch.device) -> tuple[torch.Tensor, f
 
 def syncs_per_call(model, fs, n_tasks: int) -> dict:
     """Host syncs and torch calls of one ``predict_proba`` call on ``n_tasks / 10`` and on
-    ``n_tasks`` tasks (100 and 1,000 by default, the sizes issue 14 names)."""
+    ``n_tasks`` tasks (100 and 1,000 by default)."""
     out = {}
     for n in (max(1, n_tasks // 10), n_tasks):
         episodes = sample_episodes(fs, n, seed=0)

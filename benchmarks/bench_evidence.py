@@ -3,7 +3,7 @@
 
 Backbones: EfficientNet-Lite0 and -Lite1 features extracted from the Omniglot archives
 (``benchmarks/extract_omniglot.py``, same images, same recipe) and the built-in PCA-64
-of Lite0. Questions (issue 6):
+of Lite0. Questions:
 
 1. Does the evidence rank the backbones as few-shot accuracy does? Per dataset (novel
    split) and per task (Kendall tau over backbones, support-set evidence vs query

@@ -1,13 +1,13 @@
-"""Issue 14's timing targets (items 4 and 5) on one device, in one process.
+"""GPU timing targets (BAVARDAGE task_span, EM-Dirichlet; 10,000 tasks) on one device.
 
-* **task_span** (item 4): the default BAVARDAGE estimator (``whitening="task_span"``),
+* **task_span**: the default BAVARDAGE estimator (``whitening="task_span"``),
   ``predict_proba`` on ``--tasks`` 5-way 1-shot tasks (75 queries) of the 1280-d Omniglot
   features (``--data-dir``: the shared data), float32, the episodes already on the device.
   Against, in the same estimator and process: the reference code's whitening operations
   (thin SVD, two inverses, eigh; :func:`bench_task_span.reference_code_whitening`) and the
   old reduced-QR + eigh route, both on ``--slow-tasks`` tasks (they run one matrix at a
   time on CUDA) and compared as tasks/s.
-* **EM-Dirichlet** (item 5): ``predict_proba`` on ``--tasks`` WordNet 5-way 5-shot tasks
+* **EM-Dirichlet**: ``predict_proba`` on ``--tasks`` WordNet 5-way 5-shot tasks
   (built-in data) and ``predict_zero_shot`` on ``--tasks`` zero-shot tasks (3-10 of all 41
   classes, 75 queries), float32 on the device, library defaults (on CUDA the inner loop
   compiled and replayed from CUDA graphs) and, on CUDA, the eager inner loop
@@ -183,7 +183,7 @@ def em_dirichlet(args, device: torch.device, rows: list) -> None:
 
 def markdown(result: dict) -> str:
     lines = [
-        "## Issue 14's GPU targets (10,000 tasks, float32, device-resident)",
+        "## GPU targets (10,000 tasks, float32, device-resident)",
         "",
         f"Device: {result['device']}; torch {result['torch']}. Median of "
         f"{result['repeats']} runs after a warm-up; the first call (compilation, graph "

@@ -706,11 +706,52 @@ def cmd_merge(args: argparse.Namespace) -> int:
 ALLOW_PICKLE_HELP = "load .pkl feature files (unpickling runs code from the file: trusted only)"
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help with each option's default (where it has one), the epilog's lines as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if default is None or default is False or default == argparse.SUPPRESS:
+            return text
+        if "default" in text:
+            return text
+        return f"{text} (default: {default})" if text else f"default: {default}"
+
+
 class _Parser(argparse.ArgumentParser):
-    """Reports a usage error on one line (``probfsl: error: ...``) and exits with 2."""
+    """Reports a usage error on one line (``probfsl: error: ...``) and exits with 2,
+    suggesting the closest choice or option for a typo."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        self.exit(2, f"probfsl: error: {message} (see '{self.prog} --help')\n")
+        self.exit(
+            2,
+            f"probfsl: error: {message}{self._did_you_mean(message)} (see '{self.prog} --help')\n",
+        )
+
+    def _did_you_mean(self, message: str) -> str:
+        import difflib
+        import re
+
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice:
+            word, options = choice[1], re.findall(r"'?([\w.-]+)'?", choice[2])
+        else:
+            unknown = re.search(r"unrecognized arguments: (\S+)", message)
+            if not unknown:
+                return ""
+            word = unknown[1].split("=")[0]
+            options = [o for a in self._actions for o in a.option_strings]
+            for action in self._actions:  # the options of the subcommand given
+                for sub in (getattr(action, "choices", None) or {}).values():
+                    if isinstance(sub, argparse.ArgumentParser):
+                        options += [o for a in sub._actions for o in a.option_strings]
+        close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+        return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _add_device_dtype(
@@ -721,6 +762,22 @@ def _add_device_dtype(
     parser.add_argument(
         "--dtype", choices=list(DTYPES), default=dtype, help=why or f"default {dtype}"
     )
+
+
+def _methods_epilog() -> str:
+    """Per method: its named presets and its ``--param`` keys (the estimator's
+    hyperparameters)."""
+    lines = ["methods, their presets and --param keys:"]
+    for name, info in METHODS.items():
+        cls = info.load()
+        keys = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+        module = sys.modules[cls.__module__]
+        presets = list(getattr(module, "PRESETS", {})) if hasattr(cls, "from_preset") else []
+        lines.append(f"  {name}: {info.description}")
+        if presets:
+            lines.append(f"    presets: {', '.join(presets)}")
+        lines.append(f"    params: {', '.join(keys)}")
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -748,7 +805,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", help="write the results as .json or .csv")
     demo.set_defaults(func=cmd_demo)
 
-    run = sub.add_parser("run", help="evaluate one method on few-shot tasks")
+    run = sub.add_parser(
+        "run", help="evaluate one method on few-shot tasks", epilog=_methods_epilog()
+    )
     run.add_argument(
         "--method",
         required=True,
@@ -767,20 +826,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--features", metavar="PATH", help=".npz with features, labels, split (or .pt / .pkl)"
     )
     run.add_argument("--allow-pickle", action="store_true", help=ALLOW_PICKLE_HELP)
-    run.add_argument("--way", type=_positive(int), default=5)
-    run.add_argument("--shot", type=_positive(int), default=1)
+    run.add_argument("--way", type=_positive(int), default=5, help="classes per task")
+    run.add_argument("--shot", type=_positive(int), default=1, help="support samples per class")
     run.add_argument("--query", type=_positive(int), default=75, help="queries per task in all")
-    run.add_argument("--balance", choices=["balanced", "dirichlet"], default="balanced")
+    run.add_argument(
+        "--balance",
+        choices=["balanced", "dirichlet"],
+        default="balanced",
+        help="queries per class: equal, or drawn from a Dirichlet (--alpha)",
+    )
     run.add_argument(
         "--alpha",
         type=_positive(float),
         default=2.0,
         help="Dirichlet concentration of the unbalanced query counts",
     )
-    run.add_argument("--tasks", type=_positive(int), default=1000)
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--tasks", type=_positive(int), default=1000, help="tasks to evaluate")
+    run.add_argument("--seed", type=int, default=0, help="seed of the tasks (task i: seed, i)")
     _add_device_dtype(run)
-    run.add_argument("--batch-size", type=_positive(int), default=1000)
+    run.add_argument(
+        "--batch-size",
+        type=_positive(int),
+        default=1000,
+        help="tasks made and scored at once (memory grows with it, not with --tasks)",
+    )
     run.add_argument(
         "--task-file",
         metavar="PATH",
@@ -820,8 +889,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="zero-shot tasks (em-dirichlet): 3-10 classes from all classes, "
         "probabilities from the class embeddings",
     )
-    run.add_argument("--min-classes", type=_positive(int), default=3)
-    run.add_argument("--max-classes", type=_positive(int), default=10)
+    run.add_argument(
+        "--min-classes", type=_positive(int), default=3, help="zero-shot: fewest classes"
+    )
+    run.add_argument(
+        "--max-classes", type=_positive(int), default=10, help="zero-shot: most classes"
+    )
     run.add_argument("--out", metavar="FILE", help="write the result as .json or .csv")
     run.set_defaults(func=cmd_run)
 

@@ -49,7 +49,7 @@ METHODS: dict[str, MethodInfo] = {
         MethodInfo(
             "vmp-gmm",
             "probfsl.models.vmp_gmm:VMPGaussianMixture",
-            "VB mixture with per-class diagonal Gamma precision, derived by VMP (issue 15)",
+            "VB mixture, per-class diagonal Gamma precision, derived by VMP (Winn & Bishop, 2005)",
         ),
         MethodInfo(
             "gp-tree",

@@ -1,4 +1,4 @@
-"""The bad-input battery of issue 12 through the Python API (deliverable 7).
+"""The bad-input battery through the Python API.
 
 Three parts, so that no fix can regress:
 

@@ -1,4 +1,4 @@
-"""EM-Dirichlet inputs, estimator and zero-shot protocol (issue 4: bad input, API, ArviZ)."""
+"""EM-Dirichlet inputs, estimator and zero-shot protocol (bad input, API, ArviZ)."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""One estimator check suite for every registered method (issue 13 item 4), after
+"""One estimator check suite for every registered method, after
 scikit-learn's ``check_estimator``: fit == fit_base, get/set_params, fit_predict on plain
 arrays for one task or a batch, predict_proba leaves the fitted state alone, and save ->
 load in a fresh process predicts the same labels."""

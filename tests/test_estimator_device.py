@@ -1,4 +1,4 @@
-"""Every registered method on every available device (issue 14 item 6), at estimator level.
+"""Every registered method on every available device, at estimator level.
 
 For each method of :data:`probfsl.methods.METHODS`, through ``fit_base`` (base
 statistics; ``fit`` is the same for all but EvidenceLSSVM) and ``predict_proba``:
@@ -31,7 +31,7 @@ SMALL = {
     "gp-tree": {"n_chains": 2, "n_sweeps": 2},
     "em-dirichlet": {"n_iter": 5},
 }
-#: host synchronisations allowed per predict_proba call (issue 14 item 3)
+#: host synchronisations allowed per predict_proba call (flat in the number of tasks)
 MAX_SYNCS = 50
 #: tasks in the smaller batch; the larger one has 3 times as many
 T = 2

@@ -1,4 +1,4 @@
-"""Issue 12 (items 4-5) for BAVARDAGE, EM-Dirichlet, evidence LS-SVM and SLEM.
+"""Robustness to bad input and edge cases for BAVARDAGE, EM-Dirichlet, evidence LS-SVM and SLEM.
 
 Degenerate but valid tasks give finite probabilities without changing the other tasks
 of their batch; bad input and bad hyperparameters are refused before any computation;

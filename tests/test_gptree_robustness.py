@@ -1,4 +1,4 @@
-"""GP-Tree robustness (issue 12) and device correctness (issue 14).
+"""GP-Tree robustness to bad input and device correctness.
 
 Tree building terminates on degenerate means; a task's probabilities do not depend on
 its batch; ``center=False`` is honoured; degenerate but valid tasks give proper
@@ -413,7 +413,7 @@ class _FactoryAudit(TorchFunctionMode):
     ``torch.optim.Adam`` keeps its step counters as CPU scalars on the default device, by
     design): a factory without ``device=`` would put its tensor on the default device
     rather than the data's (on a GPU: the "Expected all tensors to be on the same device"
-    crash of issue 14).
+    crash seen on a GPU).
     """
 
     FACTORIES = {

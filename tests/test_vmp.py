@@ -560,7 +560,7 @@ def test_vmp_gmm_host_syncs_do_not_grow_with_the_tasks():
     assert counts[0] == counts[1] <= 50, counts
 
 
-# ---------------------------------------------------------------- speed-ups (issue 15)
+# ------------------------------------------------------------------------- speed-ups
 def test_precision_coefficients_are_exact_constants():
     """c of a precision c·τ is read off the model as value / parent, (τ^-1/2)^-2 / τ = 1 ± ulp:
     it is snapped to the exact constant (a scalar), so the sweeps never carry a [T, N] tensor."""

@@ -47,7 +47,7 @@ shared loop :func:`probfsl.inference.base.run`: a task whose ELBO moved by less 
 (:meth:`VMP.keep` masks it; the batch is never shrunk); the host asks whether every task
 has converged once every ``check_every`` sweeps.
 
-**Cost of a sweep** (issue 15). What is fixed is computed once per plan: a coefficient c of
+**Cost of a sweep.** What is fixed is computed once per plan: a coefficient c of
 c·τ (read off the model as 1 ± 1 ulp) is snapped to its exact value and kept as a scalar;
 ln c, m², ln π of fixed parameters and the priors' natural parameters and log-normalisers
 are cached. Expected statistics are cached per factor and reused by the entropies; terms

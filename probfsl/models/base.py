@@ -9,7 +9,7 @@ Input checks come from :mod:`probfsl.validation`: every ``fit_base`` accepts
 tensors or NumPy arrays and every ``predict_proba`` checks its episodes before
 computing.
 
-**One estimator surface** (after scikit-learn's estimator checks; issue 13): every
+**One estimator surface** (after scikit-learn's estimator checks): every
 estimator has ``fit(features, labels)`` (= ``fit_base``; ``EvidenceLSSVM.fit`` is its
 single-problem LS-SVM instead), ``get_params``/``set_params``,
 ``fit_predict(support, support_labels, query)`` on plain arrays or tensors for one task
