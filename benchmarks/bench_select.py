@@ -181,7 +181,7 @@ def measure(named: list[tuple[str, str]], tasks: int, episodes: int, seeds: int)
     from probfsl.selection import rank_feature_files
 
     names, paths = [n for n, _ in named], [p for _, p in named]
-    rows = {n: {"backbone": n, "file": p} for n, p in named}
+    rows = {n: {"backbone": n, "file": Path(p).name} for n, p in named}  # no local paths
     per_task = {}  # the same tasks for every file: paired differences
     for n, p in named:
         for shot in (1, 5):
