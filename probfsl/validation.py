@@ -52,6 +52,32 @@ def as_float_tensor(x: Any, name: str, ndim: int | None = None) -> torch.Tensor:
     return x
 
 
+def as_user_array(x: Any, name: str, features: bool = True) -> Any:
+    """User input as the engines' input, converted where no information is lost, as
+    scikit-learn's input checks do: a pandas DataFrame or Series becomes its values (a
+    DataFrame of one column holding arrays becomes their stack), and a NumPy array of
+    float16, bool or integers becomes float32 (float64 for integers beyond 2**24, which
+    float32 cannot hold exactly); with ``features=False`` (labels) only the pandas
+    conversion applies. Tensors and float32/float64 arrays pass unchanged; the engines'
+    own checks (:func:`as_float_tensor`) then apply."""
+    if hasattr(x, "to_numpy") and not isinstance(x, (np.ndarray, torch.Tensor)):
+        columns = getattr(x, "columns", None)
+        if columns is not None and len(columns) == 1 and x.dtypes.iloc[0].kind == "O":
+            try:
+                x = np.stack([np.asarray(v) for v in x.iloc[:, 0]])
+            except ValueError as err:
+                raise ValueError(f"{name}: the column's arrays differ in shape ({err})") from None
+        else:
+            x = x.to_numpy()
+    if features and isinstance(x, np.ndarray) and x.dtype.kind in "biuf":
+        if x.dtype == np.float16 or x.dtype.kind == "b":
+            return x.astype(np.float32)
+        if x.dtype.kind in "iu":
+            big = x.size and np.abs(x.astype(np.float64)).max() > 2**24
+            return x.astype(np.float64 if big else np.float32)
+    return x
+
+
 def as_label_array(y: Any, name: str, n: int | None = None) -> np.ndarray:
     """Integer class labels ``y`` (array, tensor or sequence) as an ``int64`` NumPy array.
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import json
 import subprocess
 import sys
@@ -103,6 +104,17 @@ def test_get_set_params_round_trip(name):
     with pytest.raises(ValueError, match="unknown hyperparameter.*accepted"):
         est.set_params(not_a_parameter=1)
     assert est.get_params() == {**params, key: value}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_scikit_learn_clone(name, data):
+    from sklearn.base import clone
+
+    est = fitted(name, data[0])
+    assert set(est.get_params(deep=False)) == set(inspect.signature(type(est)).parameters)
+    copy_ = clone(est)  # checks that __init__ stores each hyperparameter as given
+    assert type(copy_) is type(est) and copy_.get_params() == est.get_params()
+    assert not copy_.fitted_state()  # a clone is unfitted
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -1,5 +1,6 @@
 """Unit tests of the shared input checks (probfsl.validation)."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -262,3 +263,45 @@ def test_check_episodes_names_the_base_width(synthetic):
         check_episodes(ep, dim=7)
     with pytest.raises(TypeError, match="episodes must be an Episodes batch, got dict"):
         check_episodes({"support": ep.support})
+
+
+def test_the_one_task_api_takes_what_a_user_has():
+    from probfsl.data import load_dataset
+    from probfsl.methods import make_estimator
+    from probfsl.validation import as_user_array
+
+    fs = load_dataset("omniglot")
+    novel = fs.rows("novel")
+    classes = np.unique(fs.labels[novel])[:3]
+    rows = [novel[fs.labels[novel] == c] for c in classes]
+    support = np.concatenate([fs.features[r[:2]] for r in rows])
+    query = np.concatenate([fs.features[r[2:6]] for r in rows])
+    labels = np.repeat(classes, 2)
+    model = make_estimator("nearest-centroid").fit_featureset(fs)
+    expected = model.fit_predict(support, labels, query)
+    assert isinstance(expected, np.ndarray) and set(expected) <= set(classes)
+    # float16 (how the data are stored), integers and bools: float32, same answer
+    half = model.fit_predict(support.astype(np.float16), labels, query.astype(np.float16))
+    assert np.array_equal(
+        half,
+        model.fit_predict(
+            support.astype(np.float16).astype(np.float32),
+            labels,
+            query.astype(np.float16).astype(np.float32),
+        ),
+    )
+    assert as_user_array(np.ones((2, 3), np.int64), "x").dtype == np.float32
+    assert as_user_array(np.full((2, 3), 2**30, np.int64), "x").dtype == np.float64
+    assert as_user_array(np.ones((2, 3), bool), "x").dtype == np.float32
+    assert as_user_array(np.ones(3, np.int64), "y", features=False).dtype == np.int64
+    # the engines keep their strict contract
+    tasks = sample_episodes(fs, 2, 5, 1, 10)
+    with pytest.raises(TypeError, match="float16"):
+        model.predict_proba(dataclasses.replace(tasks, support=tasks.support.half()))
+    pd = pytest.importorskip("pandas")
+    frame = model.fit_predict(pd.DataFrame(support), pd.Series(labels), pd.DataFrame(query))
+    assert isinstance(frame, np.ndarray) and np.array_equal(frame, expected)
+    column = model.fit_predict(
+        pd.DataFrame({"x": list(support)}), labels, pd.DataFrame({"x": list(query)})
+    )
+    assert np.array_equal(column, expected)

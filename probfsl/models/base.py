@@ -35,6 +35,7 @@ from probfsl.validation import (
     as_device,
     as_float_tensor,
     as_label_tensor,
+    as_user_array,
     check_base,
     check_episodes,
     check_float_dtype,
@@ -106,19 +107,29 @@ class FewShotClassifier(ABC):
         may be any integers; each task's classes are its distinct support labels in
         increasing order (every task of a batch needs as many), and the predictions are
         returned in those label values, ``[Q]`` for one task or ``[T, Q]``, as a NumPy
-        array when ``query`` is one (else a tensor on the query's device). An
+        array unless ``query`` is a tensor (then a tensor on the query's device). An
         :class:`~probfsl.data.tasks.Episodes` batch goes to :meth:`predict` instead.
+
+        NumPy input is converted as scikit-learn's input checks do (float16, bool and
+        integer features to float32; :func:`~probfsl.validation.as_user_array`), and a
+        pandas DataFrame (a column per dimension, or one column of arrays) or Series is
+        taken as its values, so ``load_dataset(...).features`` rows go in as they are.
         """
         episodes, classes, single = episodes_from_arrays(support, support_labels, query)
         labels = classes.gather(1, self.predict(episodes))
         labels = labels[0] if single else labels
-        return labels.cpu().numpy() if isinstance(query, np.ndarray) else labels
+        return labels if isinstance(query, torch.Tensor) else labels.cpu().numpy()
 
-    def get_params(self) -> dict:
-        """Hyperparameters as given to ``__init__`` (public attributes not ending in ``_``)."""
-        return {
-            k: v for k, v in vars(self).items() if not k.startswith("_") and not k.endswith("_")
-        }
+    @classmethod
+    def _param_names(cls) -> list[str]:
+        """The hyperparameters: the arguments of ``__init__``."""
+        return [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+
+    def get_params(self, deep: bool = True) -> dict:
+        """Hyperparameters as given to ``__init__``, read from the attributes of the same
+        names (scikit-learn's convention, so ``sklearn.base.clone`` works; ``deep`` is
+        accepted for that interface: no hyperparameter is itself an estimator)."""
+        return {k: getattr(self, k) for k in self._param_names() if hasattr(self, k)}
 
     def set_params(self, **params: Any) -> Self:
         """Change hyperparameters; returns ``self``.
@@ -128,14 +139,14 @@ class FewShotClassifier(ABC):
         attributes are kept). Fitted statistics derived from a changed hyperparameter
         (e.g. BAVARDAGE's relative-scale whitening) are refreshed only by a new ``fit``.
         """
-        accepted = [p for p in inspect.signature(type(self).__init__).parameters if p != "self"]
+        accepted = self._param_names()
         unknown = sorted(set(params) - set(accepted))
         if unknown:
             raise ValueError(
                 f"{type(self).__name__}: unknown hyperparameter(s) {unknown}; "
                 f"accepted: {', '.join(accepted)}"
             )
-        current = {k: v for k, v in self.get_params().items() if k in accepted}
+        current = self.get_params()
         self.__init__(**{**current, **params})
         return self
 
@@ -225,8 +236,9 @@ def episodes_from_arrays(
     """
     if isinstance(support, Episodes):
         raise TypeError("fit_predict takes arrays; predict an Episodes batch with predict()")
-    support = as_float_tensor(support, "support")
-    query = as_float_tensor(query, "query")
+    support = as_float_tensor(as_user_array(support, "support"), "support")
+    query = as_float_tensor(as_user_array(query, "query"), "query")
+    support_labels = as_user_array(support_labels, "support_labels", features=False)
     if support.ndim not in (2, 3) or query.ndim != support.ndim:
         raise ValueError(
             f"support and query must both be [n, D] (one task) or [T, n, D], got shapes "
