@@ -648,3 +648,97 @@ def test_elbo_from_the_labels_normaliser_equals_the_full_elbo(order):
         r, _, others = state.plan.cache[("lse", "z")]
         used = r is state.q["z"][0] and all(state.q[n] is v for n, v in others)
         assert used == (order[-1] == "z")  # stale once another factor moved after q(z)
+
+
+# ------------------------------------------------------------------------- bad input
+
+
+def _normal_mean_model(x, prior_scale=1.0):
+    """x [T, N]: a Normal mean per task, Normal observations."""
+    with pyro.plate("tasks", x.shape[0], dim=-2):
+        mu = pyro.sample("mu", dist.Normal(torch.zeros((), dtype=x.dtype), prior_scale))
+        with pyro.plate("points", x.shape[1], dim=-1):
+            pyro.sample("x", dist.Normal(mu, 1.0), obs=x)
+
+
+def _integer_observations(x, y):
+    """x float (unused but floating), y integer counts observed by a Normal site."""
+    with pyro.plate("tasks", y.shape[0], dim=-2):
+        mu = pyro.sample("mu", dist.Normal(torch.zeros((), dtype=x.dtype), 1.0))
+        with pyro.plate("points", y.shape[1], dim=-1):
+            pyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+
+def _no_sites(x):
+    return x.sum()
+
+
+def _no_tasks_plate(x):
+    mu = pyro.sample("mu", dist.Normal(torch.zeros((), dtype=x.dtype), 1.0))
+    with pyro.plate("points", x.shape[1], dim=-1):
+        pyro.sample("x", dist.Normal(mu, 1.0).expand([x.shape[0], x.shape[1]]).to_event(0), obs=x)
+
+
+def _all_observed(x, mu):
+    with pyro.plate("tasks", x.shape[0], dim=-2):
+        pyro.sample("mu", dist.Normal(torch.zeros((), dtype=x.dtype), 1.0), obs=mu)
+        with pyro.plate("points", x.shape[1], dim=-1):
+            pyro.sample("x", dist.Normal(mu, 1.0), obs=x)
+
+
+def _with_param(x):
+    scale = pyro.param("scale", torch.ones((), dtype=x.dtype))
+    with pyro.plate("tasks", x.shape[0], dim=-2):
+        mu = pyro.sample("mu", dist.Normal(torch.zeros((), dtype=x.dtype), scale))
+        with pyro.plate("points", x.shape[1], dim=-1):
+            pyro.sample("x", dist.Normal(mu, 1.0), obs=x)
+
+
+def _branching(x):
+    with pyro.plate("tasks", x.shape[0], dim=-2):
+        mu = pyro.sample("mu", dist.Normal(torch.zeros((), dtype=x.dtype), 1.0))
+        with pyro.plate("points", x.shape[1], dim=-1):
+            if bool(mu.sum() > 0):  # control flow on a latent value
+                pyro.sample("x", dist.Normal(mu, 1.0), obs=x)
+            else:
+                pyro.sample("x_neg", dist.Normal(-mu, 1.0), obs=x)
+
+
+@pytest.mark.parametrize(
+    "model, data, message",
+    [
+        (_normal_mean_model, torch.tensor([[0.5, float("nan")]]), "'x'.*NaN or infinite"),
+        (_normal_mean_model, torch.tensor([[0.5, float("inf")]]), "'x'.*NaN or infinite"),
+        (
+            _normal_mean_model,
+            torch.tensor([[1.0, 2.0]], dtype=torch.float64) * 1e300,
+            "'x'.*sufficient statistics",
+        ),
+        (_normal_mean_model, torch.tensor([[1, 2]]), r"argument\(s\) \[0\] are integer"),
+        (_normal_mean_model, torch.zeros(0, 3), "at least one task"),
+        (_normal_mean_model, torch.zeros(2, 0), r"has shape \(2, 0\)"),
+        (_no_sites, torch.ones(2, 3), "has none"),
+        (_no_tasks_plate, torch.ones(2, 3), "no batched 'tasks' plate"),
+        (_with_param, torch.ones(2, 3), "pyro.param site.*scale"),
+        (_branching, torch.randn(1, 3), "control flow on a latent value"),
+    ],
+)
+def test_vmp_refuses_bad_input_naming_the_site(model, data, message):
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    with pytest.raises(ValueError, match=message):
+        VMP(model).fit(data)
+
+
+def test_vmp_refuses_a_model_without_latent_sites_and_bad_settings():
+    x = torch.ones(2, 3)
+    with pytest.raises(ValueError, match="site 'y'.*torch.int64; give float32"):
+        VMP(_integer_observations).fit(x, torch.ones(2, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="at least one latent site"):
+        VMP(_all_observed).fit(x, torch.zeros(2, 1))
+    for bad in (dict(max_iter=1.5), dict(max_iter=0), dict(tol=-1.0), dict(tol=float("nan"))):
+        with pytest.raises((TypeError, ValueError), match=next(iter(bad))):
+            VMP(_normal_mean_model, **bad)
+    # the good data still run
+    state, info = VMP(_normal_mean_model).fit(torch.randn(2, 3))
+    assert bool(torch.isfinite(info.trace).all())

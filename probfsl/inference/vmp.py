@@ -72,6 +72,7 @@ from pyro import poutine
 
 from probfsl.inference import expfam
 from probfsl.inference.base import Engine, Info, RunInfo, run
+from probfsl.validation import check_hyperparameter
 
 LOG_2PI = math.log(2 * math.pi)
 TASKS = "tasks"
@@ -360,6 +361,23 @@ def _data_device(args: tuple, kwargs: dict) -> contextlib.AbstractContextManager
     return contextlib.nullcontext()
 
 
+def _all_finite(*tensors: torch.Tensor | None) -> torch.Tensor:
+    """A 0-d bool tensor (no host sync): every value of ``tensors`` is finite."""
+    oks = [torch.isfinite(t).all() for t in tensors if t is not None]
+    return torch.stack(oks).all()
+
+
+def _check_data(args: tuple, kwargs: dict) -> None:
+    """``ValueError`` before any tracing: tensor arguments with no task (a leading axis of
+    size 0) or no entries."""
+    tensors = [(i, a) for i, a in enumerate((*args, *kwargs.values())) if torch.is_tensor(a)]
+    for i, a in tensors:
+        if a.dim() > 0 and a.shape[0] == 0:
+            raise ValueError(f"VMP needs at least one task: argument {i} has 0 rows")
+        if a.numel() == 0:
+            raise ValueError(f"VMP needs data: argument {i} has shape {tuple(a.shape)}")
+
+
 def _refuse(site: str, fn: str, parent: str, why: str) -> ValueError:
     """The refusal of spec §5: names the site, its distribution and the offending parent."""
     where = f"site {site!r} ({fn})" + ("" if parent == "-" else f" with parent {parent}")
@@ -425,14 +443,11 @@ class VMP(Engine):
     ) -> None:
         if not callable(model):
             raise TypeError(f"model must be callable, got {type(model).__name__}")
-        if int(max_iter) < 1:
-            raise ValueError(f"max_iter must be at least 1, got {max_iter}")
-        if not tol >= 0:
-            raise ValueError(f"tol must be non-negative, got {tol}")
-        if int(check_every) < 1:
-            raise ValueError(f"check_every must be at least 1, got {check_every}")
-        if not check_growth >= 1:
-            raise ValueError(f"check_growth must be at least 1, got {check_growth}")
+        check_hyperparameter("max_iter", max_iter, integer=True, low=1)
+        check_hyperparameter("tol", tol, nonnegative=True)
+        check_hyperparameter("check_every", check_every, integer=True, low=1)
+        check_hyperparameter("check_growth", check_growth, low=1)
+        check_hyperparameter("seed", seed, integer=True, nonnegative=True)
         self.check_growth = float(check_growth)
         self.model, self.max_iter, self.tol = model, int(max_iter), float(tol)
         self.check_every, self.order, self.seed = int(check_every), order, seed
@@ -445,7 +460,28 @@ class VMP(Engine):
 
     def compile(self, *args: Any, **kwargs: Any) -> _Plan:
         """Read the model's sites, parents and parameter maps (module docstring)."""
-        trace = self._trace(args, kwargs)
+        _check_data(args, kwargs)
+        try:
+            trace = self._trace(args, kwargs)
+        except (NotImplementedError, RuntimeError, ZeroDivisionError) as err:
+            ints = [
+                i
+                for i, a in enumerate((*args, *kwargs.values()))
+                if torch.is_tensor(a) and not a.is_floating_point()
+            ]
+            hint = (
+                f"; argument(s) {ints} are integer tensors: the data of a continuous site "
+                "must be float32 or float64"
+                if ints
+                else ""
+            )
+            raise ValueError(f"the model failed on these inputs: {err}{hint}") from None
+        params = [n for n, s in trace.nodes.items() if s["type"] == "param"]
+        if params:
+            raise ValueError(
+                f"VMP cannot use the pyro.param site(s) {params}: point-estimated parameters "
+                "are not supported; give them as fixed values or as latent sites with priors"
+            )
         raw = [
             s
             for s in trace.nodes.values()
@@ -454,6 +490,9 @@ class VMP(Engine):
             and not isinstance(s["fn"], dist.Delta)
             and type(s["fn"]).__name__ != "_Subsample"
         ]
+        if not raw:
+            raise ValueError("VMP needs a model with sample sites; this model has none")
+        self._check_structure(trace, args, kwargs)
         ref = next((s["value"] for s in raw if s["value"].is_floating_point()), None)
         if ref is None:  # no floating value: the first value's device, the default dtype
             ref = torch.zeros((), device=raw[0]["value"].device if raw else "cpu")
@@ -466,6 +505,14 @@ class VMP(Engine):
             site = self._read_site(s, trace, sizes)
             sites[site.name] = site
         latent = [n for n, s in sites.items() if not s.observed]
+        if not latent:
+            raise ValueError(
+                f"VMP needs at least one latent site; every site of the model is observed "
+                f"({sorted(sites)})"
+            )
+        empty = sorted(name for name, size in sizes.items() if size == 0)
+        if empty:
+            raise ValueError(f"VMP needs data: the plate(s) or axes {empty} have size 0")
         if self.order is not None:
             if sorted(self.order) != sorted(latent):
                 raise ValueError(f"order must list the latent sites {latent}, got {self.order}")
@@ -551,7 +598,12 @@ class VMP(Engine):
                 raise _refuse(logical, fname, "-", "a mask on a latent continuous site")
             site.mask, site.mask_dims = _reduce(m.to(self._dtype_of(trace)), site.dims[: m.dim()])
         if site.observed:
-            v = self._canon(site, s["value"].expand(batch_shape + event_shape))
+            value = s["value"]
+            if family != "Categorical" and not value.is_floating_point():
+                raise _refuse(
+                    logical, fname, "-", f"its data are {value.dtype}; give float32 or float64"
+                )
+            v = self._canon(site, value.expand(batch_shape + event_shape))
             site.value = v
             if family == "Categorical":
                 site.stats = (
@@ -563,7 +615,42 @@ class VMP(Engine):
                 site.stats = (v, v.square() if family == "Normal" else v.log())
             else:
                 site.stats = (v.log(),)
+            square = v.square() if family == "MultivariateNormal" else None  # x xᵀ's terms
+            if family != "Categorical" and not bool(_all_finite(v, *site.stats, square)):
+                if not bool(torch.isfinite(v).all()):
+                    raise _refuse(logical, fname, "-", "its data hold NaN or infinite values")
+                raise _refuse(
+                    logical,
+                    fname,
+                    "-",
+                    f"the sufficient statistics of its data (squares or logarithms) are not "
+                    f"finite in {v.dtype}: rescale the data, or check for zeros or negative "
+                    "values under a Gamma or Dirichlet",
+                )
         return site
+
+    def _check_structure(self, trace, args, kwargs) -> None:
+        """``ValueError`` when the model's structure (its sites, their distributions and
+        shapes) changes with the values of its latent sites: Python control flow on a
+        latent value, which message passing cannot follow. Checked by tracing the model
+        again with other draws of its latent sites."""
+
+        def shape(t):
+            return [
+                (n, type(s["fn"]).__name__, tuple(s["value"].shape))
+                for n, s in t.nodes.items()
+                if s["type"] == "sample"
+            ]
+
+        first = shape(trace)
+        with torch.random.fork_rng(devices=[]), pyro.validation_enabled(False):
+            for seed in (1, 2, 3, 4):
+                torch.manual_seed(seed)
+                if shape(self._trace(args, kwargs)) != first:
+                    raise ValueError(
+                        "VMP cannot follow this model: its sites change with the values of "
+                        "its latent sites (Python control flow on a latent value)"
+                    )
 
     @staticmethod
     def _dtype_of(trace) -> torch.dtype:
