@@ -27,6 +27,7 @@ from probfsl.data import (
 from probfsl.data.simplex import zero_shot_probabilities
 from probfsl.evaluation import text_table, write_results
 from probfsl.evaluation.protocol import evaluate_stream
+from probfsl.evaluation.tables import COLUMNS
 from probfsl.evaluation.zero_shot import evaluate_argmax, evaluate_zero_shot
 from probfsl.fileio import check_writable
 from probfsl.methods import METHODS, method_info, parse_params
@@ -543,7 +544,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         if method != args.method:
             row["preset"] = f"auto ({method})"
         row["auto"] = auto_note
-    print(text_table([row]))
+    if args.zero_shot:  # hard labels: no calibration columns, and it says so
+        _note("zero-shot predictions are hard labels (clusters matched to classes): no ECE/NLL")
+        columns = [c for c in COLUMNS if c not in ("ece", "nll", "brier")]
+        print(text_table([row], [*columns, "argmax_in_task_accuracy"]))
+    else:
+        print(text_table([row]))
     if args.out:
         write_results([row], args.out)
         print(f"wrote {args.out}")
@@ -684,14 +690,16 @@ def cmd_select(args: argparse.Namespace) -> int:
 def cmd_extract(args: argparse.Namespace) -> int:
     from probfsl.data.extract import extract_main
 
-    extract_main(
-        args.images,
-        args.backbone,
-        args.out,
-        args.image_size,
-        args.batch_size,
-        args.split,
-        base_dir=args.base_dir,
+    print(
+        extract_main(
+            args.images,
+            args.backbone,
+            args.out,
+            args.image_size,
+            args.batch_size,
+            args.split,
+            base_dir=args.base_dir,
+        )
     )
     return 0
 
@@ -699,7 +707,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
 def cmd_merge(args: argparse.Namespace) -> int:
     from probfsl.data.loaders import merge_main
 
-    merge_main(args.files, args.out)
+    print(merge_main(args.files, args.out))
     return 0
 
 
@@ -1023,8 +1031,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _log_to_stderr() -> None:
+    """The library's notes (the ``probfsl`` logger, INFO and up) as one line each on
+    stderr, like the command's own notes; once per process."""
+    import logging
+
+    class Stderr(logging.StreamHandler):
+        """Writes to the ``sys.stderr`` of the moment (not the one at creation)."""
+
+        _probfsl_cli = True
+
+        @property
+        def stream(self):
+            return sys.stderr
+
+        @stream.setter
+        def stream(self, value) -> None:
+            pass
+
+    logger = logging.getLogger("probfsl")
+    if not any(getattr(h, "_probfsl_cli", False) for h in logger.handlers):
+        handler = Stderr()
+        handler.setFormatter(logging.Formatter("probfsl: note: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _log_to_stderr()
     if args.threads:
         torch.set_num_threads(args.threads)
     try:

@@ -4,7 +4,8 @@ Every file probfsl writes (feature files, result tables, task files, tuning trac
 goes through :func:`atomic_path`: the content is written to a temporary file in the
 target's folder, which then replaces the target with ``os.replace`` (an atomic rename
 on POSIX and Windows). An error or an interruption before the rename leaves an
-existing target untouched.
+existing target untouched, and the temporary file is removed; one left by a writer that
+was killed outright is removed by the next write of the same target.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(path)
     fd, tmp = tempfile.mkstemp(
-        prefix=f".{path.name}.", suffix=f".tmp{path.suffix}", dir=path.parent
+        prefix=f".{path.name}.{os.getpid()}.", suffix=f".tmp{path.suffix}", dir=path.parent
     )
     os.close(fd)
     tmp = Path(tmp)
@@ -44,6 +46,21 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _remove_stale(path: Path) -> None:
+    """Remove the temporary files of earlier writes of ``path`` whose process is gone (a
+    writer killed before its rename, say by SIGKILL, leaves one behind)."""
+    for tmp in path.parent.glob(f".{path.name}.*.tmp{path.suffix}"):
+        pid = tmp.name[len(path.name) + 2 :].split(".", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)  # signal 0: does the process exist?
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except (PermissionError, OSError):
+            continue  # alive under another user, or no way to tell: keep it
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

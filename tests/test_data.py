@@ -234,3 +234,30 @@ def test_save_features_is_atomic_and_refuses_other_suffixes(tmp_path, synthetic,
     assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["f.npz"]
     with pytest.raises(ValueError, match=r"must end in \.npz"):
         save_features(fields, tmp_path / "f.txt")
+
+
+def test_a_killed_writer_leaves_nothing_after_the_next_write(tmp_path):
+    import subprocess
+    import sys
+
+    from probfsl.fileio import atomic_path, atomic_write_text
+
+    target = tmp_path / "result.json"
+    # a writer killed (SIGKILL) between creating its temporary file and the rename
+    code = (
+        "import os, signal, sys\n"
+        "from probfsl.fileio import atomic_path\n"
+        "with atomic_path(sys.argv[1]) as tmp:\n"
+        "    tmp.write_text('half')\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(target)], check=False)
+    left = list(tmp_path.glob(".result.json.*"))
+    assert len(left) == 1 and not target.exists()  # the kill left its temporary file
+    atomic_write_text(target, "{}")
+    assert target.read_text() == "{}" and list(tmp_path.glob(".result.json.*")) == []
+    # a live writer's temporary file is kept
+    with atomic_path(target) as tmp:
+        tmp.write_text("x")
+        atomic_write_text(target, "{}")
+        assert tmp.exists()

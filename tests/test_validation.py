@@ -305,3 +305,13 @@ def test_the_one_task_api_takes_what_a_user_has():
         pd.DataFrame({"x": list(support)}), labels, pd.DataFrame({"x": list(query)})
     )
     assert np.array_equal(column, expected)
+
+
+def test_fit_predict_reports_the_label_shape_it_was_given():
+    from probfsl.methods import make_estimator
+
+    support = np.random.default_rng(0).random((10, 4)).astype(np.float32)
+    labels = np.repeat(np.arange(5), 2)
+    model = make_estimator("nearest-centroid", center=False)
+    with pytest.raises(ValueError, match=r"must be \[10\].*got shape \(10, 1\)"):
+        model.fit_predict(support, labels[:, None], support[:3])

@@ -26,7 +26,7 @@ average-pool it spatially into a 1280-d vector.
 from __future__ import annotations
 
 import io
-import sys
+import logging
 import zipfile
 from collections.abc import Iterator, Sequence
 from functools import lru_cache
@@ -34,6 +34,8 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 
@@ -238,13 +240,14 @@ def extract_main(
     batch_size: int = 64,
     split: str = "novel",
     base_dir: str | Path | None = None,
-) -> None:
+) -> str:
     """``probfsl extract IMAGES [--base-dir BASE_IMAGES] --backbone NAME --out FILE.npz``.
 
     Extracts ``images`` with ``split`` (default ``"novel"``); with ``base_dir``, also
     the images of ``base_dir`` as base classes, and writes both in one file
     (:func:`probfsl.data.loaders.merge_fields`: the classes of the two folders stay
-    distinct). ``out`` is checked before any image is read.
+    distinct). ``out`` is checked before any image is read. Returns a one-line summary;
+    notes go to the ``probfsl`` logger.
     """
     from probfsl.data.loaders import merge_fields
     from probfsl.fileio import check_writable
@@ -261,13 +264,13 @@ def extract_main(
         novel = extract_features(images, backbone, image_size, batch_size, split)
         fields, notes = merge_fields([base, novel], [str(base_dir), str(images)])
         for note in notes:
-            print(f"probfsl: note: {note}", file=sys.stderr)
+            log.info(note)
     else:
         fields = extract_features(images, backbone, image_size, batch_size, split)
     path = save_npz(fields, out)
     n, d = fields["features"].shape
     n_base = len(np.unique(fields["labels"][fields["split"] == "base"]))
-    print(
+    return (
         f"{n} images, {len(fields['class_names'])} classes ({n_base} base), "
         f"{d}-d features -> {path}"
     )

@@ -11,8 +11,8 @@
 
 from __future__ import annotations
 
+import logging
 import pickle
-import sys
 import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,6 +22,8 @@ import torch
 
 from probfsl.data.featureset import FeatureSet, validate_features
 from probfsl.fileio import atomic_path, check_writable
+
+log = logging.getLogger(__name__)
 
 
 def _require_file(path: str | Path) -> Path:
@@ -295,8 +297,9 @@ def save_features(fields: Mapping[str, np.ndarray], out: str | Path) -> Path:
     return out
 
 
-def merge_main(paths: Sequence[str | Path], out: str | Path) -> None:
-    """``probfsl merge A.npz B.npz ... --out ALL.npz``: one feature file from several."""
+def merge_main(paths: Sequence[str | Path], out: str | Path) -> str:
+    """``probfsl merge A.npz B.npz ... --out ALL.npz``: one feature file from several.
+    Returns a one-line summary; notes go to the ``probfsl`` logger."""
     check_writable(out, (".npz",))
     for p in paths:
         if Path(p).suffix.lower() != ".npz":
@@ -311,17 +314,14 @@ def merge_main(paths: Sequence[str | Path], out: str | Path) -> None:
             raise ValueError(f"{path}: not a readable .npz file ({err})") from err
     fields, notes = merge_fields(parts, [str(p) for p in paths])
     for note in notes:
-        print(f"probfsl: note: {note}", file=sys.stderr)
+        log.info(note)
     save_features(fields, out)
     split = fields["split"]
     n_base = np.unique(fields["labels"][(split == "base") & (fields["labels"] >= 0)]).size
     n_novel = np.unique(fields["labels"][(split == "novel") & (fields["labels"] >= 0)]).size
-    print(
+    if n_base == 0:
+        log.warning("no base-class rows; extract base images with --split base")
+    return (
         f"{len(fields['labels'])} rows, {n_base} base and {n_novel} novel classes, "
         f"{fields['features'].shape[1]}-d features -> {out}"
     )
-    if n_base == 0:
-        print(
-            "probfsl: note: no base-class rows; extract base images with --split base",
-            file=sys.stderr,
-        )

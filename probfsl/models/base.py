@@ -248,11 +248,12 @@ def episodes_from_arrays(
     if single:
         support, query = support.unsqueeze(0), query.unsqueeze(0)
     labels = as_label_tensor(support_labels, "support_labels", device=support.device)
+    given = tuple(labels.shape)
     labels = labels.unsqueeze(0) if single and labels.ndim == 1 else labels
     if labels.shape != support.shape[:2]:
         raise ValueError(
             f"support_labels must be {list(support.shape[:2])[single:]} (one per support "
-            f"row), got shape {tuple(labels.shape) if not single else tuple(labels.shape[1:])}"
+            f"row), got shape {given}"
         )
     ordered = labels.sort(-1).values
     first = torch.ones_like(ordered, dtype=torch.bool)

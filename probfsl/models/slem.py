@@ -107,7 +107,7 @@ def _tensor(x: Any, name: str = "x") -> torch.Tensor:
 
 def _check_lam(lam: Any, rel_lam: Any) -> None:
     if lam is not None:
-        check_hyperparameter("lam", lam, nonnegative=True)
+        check_hyperparameter("lam", lam, positive=True)  # 0: no ridge, a singular system
     check_hyperparameter("rel_lam", rel_lam, positive=True)
 
 

@@ -204,7 +204,7 @@ class GPTree:
         hp = check_hyperparameter
         self.inference = check_choice("inference", inference, ("vi", "gibbs"))
         self.n_chains = hp("n_chains", n_chains, integer=True, low=1)
-        self.n_sweeps = hp("n_sweeps", n_sweeps, integer=True, nonnegative=True)
+        self.n_sweeps = hp("n_sweeps", n_sweeps, integer=True, low=1)
         self.gibbs_outputscale = hp("gibbs_outputscale", gibbs_outputscale, positive=True)
         self.gibbs_lengthscale = hp("gibbs_lengthscale", gibbs_lengthscale, positive=True)
         self.n_inducing = hp("n_inducing", n_inducing, integer=True, low=1)

@@ -71,7 +71,7 @@ class GPTreeFewShot(BaseMeanCentering, FewShotClassifier):
     ) -> None:
         hp = check_hyperparameter
         self.n_chains = hp("n_chains", n_chains, integer=True, low=1)
-        self.n_sweeps = hp("n_sweeps", n_sweeps, integer=True, nonnegative=True)
+        self.n_sweeps = hp("n_sweeps", n_sweeps, integer=True, low=1)
         self.outputscale = hp("outputscale", outputscale, positive=True)
         self.lengthscale = hp("lengthscale", lengthscale, positive=True)
         self.center = check_flag("center", center)
