@@ -1,4 +1,9 @@
-"""The ``probfsl`` command: list data sets, run the demo, evaluate a method on tasks."""
+"""The ``probfsl`` command: its parser and entry point.
+
+Light on purpose: ``probfsl --help`` and argument errors import neither torch nor any
+method; :mod:`probfsl.commands` (what each subcommand does) is imported once a command
+runs.
+"""
 
 from __future__ import annotations
 
@@ -6,44 +11,19 @@ import argparse
 import inspect
 import math
 import sys
-import time
 from collections.abc import Sequence
-from pathlib import Path
-
-import torch
+from importlib import import_module
 
 import probfsl
-from probfsl.data import (
-    DATASETS,
-    FeatureSet,
-    episodes_from_indices,
-    load_dataset,
-    load_features,
-    load_task_file,
-    sample_episodes,
-    sample_task_indices,
-    sample_zero_shot_tasks,
-)
-from probfsl.data.simplex import zero_shot_probabilities
-from probfsl.evaluation import text_table, write_results
-from probfsl.evaluation.protocol import evaluate_stream
-from probfsl.evaluation.tables import COLUMNS
-from probfsl.evaluation.zero_shot import evaluate_argmax, evaluate_zero_shot
-from probfsl.fileio import check_writable
-from probfsl.methods import METHODS, method_info, parse_params
-from probfsl.selection import CRITERIA, rank_feature_files
-from probfsl.temperature import TemperatureScaled
-from probfsl.tuning import (
-    BASELINE,
-    SEARCH_SPACES,
-    auto_preset,
-    auto_preset_zero_shot,
-    make_estimator,
-    search_space,
-)
-from probfsl.validation import as_device
+from probfsl.data.builtin import DATASETS
+from probfsl.methods import METHODS
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+#: ``--preset`` value that runs the estimator's own defaults (no search on base classes)
+DEFAULTS = "defaults"
+#: ``--dtype`` choices
+DTYPES = ("float32", "float64")
+#: ``probfsl select --criterion`` choices (:data:`probfsl.selection.CRITERIA`)
+SELECT_CRITERIA = ("episodes", "all-rows")
 
 
 def _positive(kind: type):
@@ -54,661 +34,6 @@ def _positive(kind: type):
         return value
 
     return parse
-
-
-def _load(args: argparse.Namespace) -> FeatureSet:
-    if args.features:
-        return load_features(args.features, allow_pickle=getattr(args, "allow_pickle", False))
-    return load_dataset(args.dataset)
-
-
-def _note(message: str) -> None:
-    """A one-line notice on stderr (stdout keeps the results)."""
-    print(f"probfsl: note: {message}", file=sys.stderr)
-
-
-def _device(name: str) -> torch.device:
-    """``--device``: cpu, cuda, cuda:N or mps, and only when this machine has it."""
-    try:
-        device = as_device(name)
-    except ValueError as err:
-        raise ValueError(f"--{err}") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: CUDA is not available on this machine")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(
-                f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)"
-            )
-    elif device.type == "mps":
-        if not torch.backends.mps.is_available():
-            raise ValueError(f"--device {name}: MPS (Apple GPU) is not available on this machine")
-    elif device.type != "cpu":
-        raise ValueError(f"--device {name!r}: unsupported device type; use cpu, cuda or mps")
-    return device
-
-
-def _device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
-    """``--device`` (checked: :func:`_device`) and ``--dtype`` of a subcommand."""
-    return _device(args.device), DTYPES[args.dtype]
-
-
-def _compute_dtype(estimator: object, dtype: torch.dtype) -> str:
-    """The dtype the estimator computes in: ``compute_dtype_`` where a method upcasts
-    (evidence-lssvm), else the data's ``dtype``; wrappers are looked through."""
-    inner = getattr(estimator, "estimator", estimator)
-    return str(getattr(inner, "compute_dtype_", dtype)).removeprefix("torch.")
-
-
-def _versions() -> dict:
-    return {"probfsl_version": probfsl.__version__, "torch_version": torch.__version__}
-
-
-#: why a method cannot run without base-class rows (methods whose only use of the base
-#: classes is centring run with ``center=False`` instead)
-NEEDS_BASE = {
-    "bavardage": "its PLDA projection and whitening come from the base classes' scatter",
-    "slem": "its negative exemplars are the base-class features",
-}
-
-
-def _without_base(method: str, fs: FeatureSet, preset: str | None, params: dict) -> dict:
-    """``params`` for a run on ``fs``: unchanged when ``fs`` has base classes; without them,
-    centring turned off (with a notice) for methods that can run so, else a ``ValueError``
-    saying what is missing."""
-    if fs.classes_in("base").size:
-        return params
-    if not make_estimator(method, preset, **params).needs_base:
-        return params
-    cls = method_info(method).load()
-    if "center" not in params and "center" in inspect.signature(cls.__init__).parameters:
-        unc = {**params, "center": False}
-        if not make_estimator(method, preset, **unc).needs_base:
-            _note(f"{fs.name} has no base-class rows: {method} runs without centring")
-            return unc
-    reason = NEEDS_BASE.get(method, "center=True needs the base-class mean")
-    raise ValueError(
-        f"{method} needs base-class rows (split 'base') and {fs.name} has none: {reason}; "
-        "extract base images with 'probfsl extract --split base' (or --base-dir) and "
-        "'probfsl merge'"
-    )
-
-
-def run_setting(
-    method: str,
-    fs: FeatureSet,
-    way: int,
-    shot: int,
-    query: int,
-    balance: str,
-    alpha: float,
-    tasks: int,
-    seed: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    progress: bool,
-    task_file: str | None = None,
-    batch_size: int = 1000,
-    preset: str | None = None,
-    params: dict | None = None,
-    calibrate: str = "none",
-) -> dict:
-    """Evaluate ``method`` on one task setting; returns the row of the results table.
-
-    The tasks are made one batch of ``batch_size`` at a time (sampled, or read from
-    ``task_file``) and scored by the method and by nearest centroid (the baseline
-    columns) before the next batch is made, so memory stays flat in ``tasks``.
-
-    ``calibrate="temperature"`` tempers the query probabilities by one temperature
-    fitted on base-class episodes of the same setting (:mod:`probfsl.temperature`).
-    """
-    estimator = make_estimator(method, preset, **(params or {}))
-    if calibrate == "temperature":
-        estimator = TemperatureScaled(estimator, balance=balance, alpha=alpha, seed=seed)
-    estimator.fit_featureset(fs, dtype, device)
-    baseline = make_estimator(BASELINE, center=bool(fs.classes_in("base").size))
-    baseline.fit_featureset(fs, dtype, device)
-    if task_file:
-        indices = load_task_file(task_file)
-        tasks = len(indices["query"])
-        way = int(indices["support_labels"].max()) + 1
-        shot, query = indices["support"].shape[1] // way, indices["query"].shape[1]
-
-        def batch(start: int, stop: int):
-            rows = {key: value[start:stop] for key, value in indices.items()}
-            return episodes_from_indices(fs, rows, dtype)
-    else:
-
-        def batch(start: int, stop: int):
-            return sample_episodes(
-                fs, stop - start, way, shot, query, balance, alpha, seed, start, dtype=dtype
-            )
-
-    calibration = {"calibrate": calibrate}
-    if calibrate == "temperature":  # fitted before the timed run
-        calibration["temperature"] = estimator.fit_shape(way, shot, query, dtype, device)
-        _note(
-            f"--calibrate temperature: tau = {calibration['temperature']:.3f} "
-            "(fitted on base-class episodes)"
-        )
-        if (way, shot, query) in estimator.notes_:
-            _note(f"--calibrate temperature: {estimator.notes_[(way, shot, query)]}")
-    results = evaluate_stream(
-        {"method": estimator, "baseline": baseline},
-        batch,
-        tasks,
-        batch_size,
-        progress,
-        device,
-        dtype,
-    )
-    result, base = results["method"], results["baseline"]
-    note = getattr(estimator, "estimator", estimator).setting_note(way, shot)
-    if note:
-        _note(note)
-    return {
-        "method": method,
-        "dataset": fs.name,
-        **_versions(),
-        "way": way,
-        "shot": shot,
-        "query": query,
-        "balance": "file" if task_file else balance,
-        "alpha": alpha,
-        "tasks": result.n_tasks,
-        "seed": seed,
-        "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
-        "compute_dtype": _compute_dtype(estimator, dtype),
-        "preset": preset,
-        "params": params or {},
-        **calibration,
-        **{k: v for k, v in result.summary().items() if k != "n_tasks"},
-        "baseline": BASELINE,
-        "baseline_accuracy": base.accuracy,
-        "baseline_ci95": base.ci95,
-    }
-
-
-def cmd_datasets(args: argparse.Namespace) -> int:
-    rows = []
-    for name, (_, description) in DATASETS.items():
-        fs = load_dataset(name)
-        rows.append(
-            {
-                "name": name,
-                "dim": fs.dim,
-                "base": len(fs.classes_in("base")),
-                "novel": len(fs.classes_in("novel")),
-                "samples": int((fs.labels >= 0).sum()),
-                "description": description,
-            }
-        )
-    print(text_table(rows, ["name", "dim", "base", "novel", "samples", "description"]))
-    return 0
-
-
-def run_zero_shot(
-    method: str,
-    fs: FeatureSet,
-    tasks: int,
-    min_classes: int,
-    max_classes: int,
-    query: int,
-    seed: int,
-    dtype: torch.dtype,
-    batch_size: int = 1000,
-    progress: bool = False,
-    params: dict | None = None,
-    device: torch.device | None = None,
-    preset: str | None = None,
-) -> dict:
-    """Zero-shot protocol (EM-Dirichlet): probabilities over all classes, matched clusters."""
-    estimator = make_estimator(method, **(params or {}))
-    if not hasattr(estimator, "predict_zero_shot"):
-        raise ValueError(f"--zero-shot is not available for method {method!r}")
-    zs = sample_zero_shot_tasks(fs, tasks, min_classes, max_classes, query, seed)
-    device = torch.device("cpu") if device is None else device
-    probs = zero_shot_probabilities(fs, zs, estimator.temperature, dtype).to(device)
-    result = evaluate_zero_shot(estimator, probs, zs.query_labels, batch_size, progress)
-    baseline = evaluate_argmax(probs, zs.query_labels, batch_size=batch_size)
-    in_task = evaluate_argmax(probs, zs.query_labels, zs.classes, batch_size)
-    return {
-        "method": method,
-        "dataset": fs.name,
-        **_versions(),
-        "way": f"{min_classes}-{max_classes}",
-        "shot": 0,
-        "query": query,
-        "balance": "natural",
-        "tasks": result.n_tasks,
-        "seed": seed,
-        "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
-        "preset": preset,
-        "params": params or {},
-        **{k: v for k, v in result.summary().items() if k != "n_tasks"},
-        "baseline": "argmax",
-        "baseline_accuracy": baseline.accuracy,
-        "baseline_ci95": baseline.ci95,
-        "argmax_in_task_accuracy": in_task.accuracy,
-        "argmax_in_task_ci95": in_task.ci95,
-    }
-
-
-def _print_tuning(result, choice=None) -> None:
-    """The search trace, then what is used: the search's best, or ``choice``'s fallback."""
-    rows = result.table_rows()
-    print(
-        f"{result.method}: {len(rows)} candidates on base-class episodes, "
-        f"criterion {result.criterion}, {result.seconds:.1f} s"
-    )
-    print(text_table(rows, list(rows[0])))
-    if choice is None or choice.params == result.best:
-        print(f"chosen: {result.best}")
-    else:
-        preset = f"preset {choice.preset!r} with " if choice.preset else ""
-        print(f"chosen: {preset}{choice.params} (kept over the search's best {result.best})")
-
-
-#: ``--preset`` value that runs the estimator's own defaults (no search on base classes)
-DEFAULTS = "defaults"
-
-
-def _auto_by_default(method: str, fs: FeatureSet) -> bool:
-    """Whether ``probfsl run`` tunes ``method`` on ``fs`` when no preset or parameter is
-    given: wherever the data have base classes and the method has a search space."""
-    return method in SEARCH_SPACES and fs.classes_in("base").size > 0
-
-
-def _auto(
-    args: argparse.Namespace,
-    fs: FeatureSet,
-    fixed: dict,
-    device: torch.device,
-    dtype: torch.dtype,
-):
-    """``--preset auto`` / ``probfsl tune``: the search on base classes, or its fallback,
-    in ``dtype`` on ``device``."""
-    if getattr(args, "zero_shot", False):
-        return auto_preset_zero_shot(
-            args.method,
-            fs,
-            args.min_classes,
-            args.max_classes,
-            args.query,
-            n_tasks=args.episodes or 300,
-            seed=args.seed,
-            fixed=fixed,
-            dtype=dtype,
-            device=device,
-            progress=sys.stderr.isatty(),
-        )
-    return auto_preset(
-        args.method,
-        fs,
-        args.way,
-        args.shot,
-        args.query,
-        args.balance,
-        args.alpha,
-        n_episodes=args.episodes,
-        seed=args.seed,
-        criterion=getattr(args, "criterion", "accuracy"),
-        fixed=fixed,
-        dtype=dtype,
-        device=device,
-        progress=sys.stderr.isatty(),
-    )
-
-
-def cmd_tune(args: argparse.Namespace) -> int:
-    if args.out:
-        check_writable(args.out, (".json", ".csv"))
-    device, dtype = _device_and_dtype(args)
-    fixed = parse_params(args.param)
-    search_space(args.method)
-    make_estimator(args.method, **fixed)  # bad hyperparameters fail before loading
-    fs = _load(args)
-    choice = _auto(args, fs, fixed, device, dtype)
-    if choice.result is None:
-        raise ValueError(f"cannot tune {args.method} on {fs.name}: {choice.reason}")
-    if choice.note:
-        _note(choice.note)
-    _print_tuning(choice.result, choice)
-    if args.out:
-        write_results(choice.result.table_rows(), args.out)
-        print(f"wrote {args.out}")
-    return 0
-
-
-def _check_tasks_possible(args: argparse.Namespace, fs: FeatureSet) -> None:
-    """``ValueError`` when ``fs`` cannot give the requested tasks (one is drawn)."""
-    if args.zero_shot:
-        if fs.class_features is None:
-            raise ValueError(
-                f"{fs.name}: --zero-shot needs class embeddings (the file's "
-                "'class_features' array, one row per class)"
-            )
-        sample_zero_shot_tasks(fs, 1, args.min_classes, args.max_classes, args.query, args.seed)
-    elif not args.task_file:
-        try:
-            sample_task_indices(
-                fs, 1, args.way, args.shot, args.query, args.balance, args.alpha, args.seed
-            )
-        except ValueError as err:
-            hint = _task_shape_hint(fs, args.way, args.shot, args.query, args.balance)
-            raise ValueError(f"{err}{hint}") from None
-
-
-def _free_memory() -> int | None:
-    """Bytes of free physical memory (``None`` where the system does not say)."""
-    import os
-
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def _check_batch_memory(args: argparse.Namespace, fs: FeatureSet, dtype: torch.dtype) -> None:
-    """``ValueError`` before any work when one batch of task features (with the copies the
-    engines make, about 4 of them) would not fit in the free memory."""
-    free = _free_memory()
-    if free is None or args.zero_shot:
-        return
-    rows = args.way * args.shot + args.query
-    per_task = 4 * rows * fs.dim * torch.finfo(dtype).bits // 8
-    batch = min(args.batch_size, args.tasks)
-    if batch * per_task > free:
-        fits = max(1, free // (2 * per_task))
-        raise ValueError(
-            f"--batch-size {batch}: one batch needs about {batch * per_task / 2**30:.1f} GiB "
-            f"and {free / 2**30:.1f} GiB are free; use --batch-size {fits} (memory does not "
-            "grow with --tasks: batches are made one at a time)"
-        )
-
-
-def _task_shape_hint(fs: FeatureSet, way: int, shot: int, query: int, balance: str) -> str:
-    """``"; try --way W --query Q"`` with the largest task the novel classes can form at
-    ``shot`` (and ``way`` at most), or ``""`` when none can be formed."""
-    import numpy as np
-
-    rows = fs.rows("novel")
-    sizes = np.sort(np.unique(fs.labels[rows], return_counts=True)[1])
-    if sizes.size < 2 or shot < 1 or sizes.min() <= shot:
-        return ""
-    w = int(min(way, sizes.size)) if way >= 2 else 2
-    if balance == "balanced":
-        q = w * int(min(max(query // max(way, 1), 1), sizes[:w].min() - shot))
-    else:
-        q = int(min(query, sizes[:w].sum() - w * shot))
-    if q < 1:
-        return ""
-    return f"; try --way {w} --query {q} (what the {sizes.size} novel classes can hold)"
-
-
-def cmd_run(args: argparse.Namespace) -> int:
-    # everything that can be checked without the data is checked first
-    if args.out:
-        check_writable(args.out, (".json", ".csv"))
-    device, dtype = _device_and_dtype(args)
-    params = parse_params(args.param)
-    if args.task_file and not Path(args.task_file).is_file():
-        raise ValueError(f"--task-file: file not found: {args.task_file}")
-    preset = None if args.preset == DEFAULTS else args.preset
-    if args.zero_shot and preset not in (None, "auto"):
-        raise ValueError("--zero-shot takes no named --preset (only auto)")
-    if args.zero_shot and args.calibrate == "temperature":
-        raise ValueError("--calibrate temperature applies to few-shot runs, not --zero-shot")
-    # unknown or invalid hyperparameters and presets fail before loading
-    make_estimator(args.method, None if preset == "auto" or args.zero_shot else preset, **params)
-    if preset == "auto":
-        make_estimator(args.method, "auto", **params)  # a method without a search space
-    fs = _load(args)
-    _check_tasks_possible(args, fs)  # before any search on the base classes
-    _check_batch_memory(args, fs, dtype)
-    if args.preset is None and not args.param and _auto_by_default(args.method, fs):
-        _note(
-            f"{args.method}: --preset auto, the default where the data have base classes "
-            f"(hyperparameters tuned on base-class episodes; --preset {DEFAULTS} opts out)"
-        )
-        preset = "auto"
-    calibrate = args.calibrate or ("temperature" if preset == "auto" else "none")
-    if calibrate == "temperature" and fs.classes_in("base").size == 0:
-        if args.calibrate == "temperature":
-            raise ValueError(f"--calibrate temperature needs base classes; {fs.name} has none")
-        calibrate = "none"  # the default with --preset auto: nothing to fit it on
-    if args.task_file and preset == "auto" and not args.zero_shot:
-        # tune for the task file's shape, not the --way/--shot/--query defaults
-        indices = load_task_file(args.task_file)
-        args.way = int(indices["support_labels"].max()) + 1
-        args.shot = indices["support"].shape[1] // args.way
-        args.query = indices["query"].shape[1]
-    auto_note, method = None, args.method
-    if not args.zero_shot:
-        params = _without_base(args.method, fs, None if preset == "auto" else preset, params)
-    if preset == "auto":
-        choice = _auto(args, fs, params, device, dtype)
-        if choice.result is not None and args.preset == "auto":
-            _print_tuning(choice.result, choice)
-        if choice.note:
-            _note(f"--preset auto: {choice.note}")
-        auto_note = choice.describe()
-        run_preset, params = choice.preset, choice.params
-        method = choice.method or args.method
-        if choice.result is not None and args.preset is None:
-            chosen = f"preset {run_preset!r} with {params}" if run_preset else params
-            _note(f"--preset auto chose {method} {chosen} ('probfsl tune' shows the search)")
-    else:
-        run_preset = preset
-    if args.zero_shot:
-        row = run_zero_shot(
-            method,
-            fs,
-            args.tasks,
-            args.min_classes,
-            args.max_classes,
-            args.query,
-            args.seed,
-            dtype,
-            args.batch_size,
-            progress=sys.stderr.isatty(),
-            params=params,
-            device=device,
-            preset=preset,
-        )
-    else:
-        row = run_setting(
-            method,
-            fs,
-            args.way,
-            args.shot,
-            args.query,
-            args.balance,
-            args.alpha,
-            args.tasks,
-            args.seed,
-            device,
-            dtype,
-            progress=sys.stderr.isatty(),
-            task_file=args.task_file,
-            batch_size=args.batch_size,
-            preset=run_preset,
-            params=params,
-            calibrate=calibrate,
-        )
-    if preset == "auto":
-        row["method"] = args.method
-        row["preset"] = "auto" if run_preset is None else f"auto ({run_preset})"
-        if method != args.method:
-            row["preset"] = f"auto ({method})"
-        row["auto"] = auto_note
-    if args.zero_shot:  # hard labels: no calibration columns, and it says so
-        _note("zero-shot predictions are hard labels (clusters matched to classes): no ECE/NLL")
-        columns = [c for c in COLUMNS if c not in ("ece", "nll", "brier")]
-        print(text_table([row], [*columns, "argmax_in_task_accuracy"]))
-    else:
-        print(text_table([row]))
-    if args.out:
-        write_results([row], args.out)
-        print(f"wrote {args.out}")
-    return 0
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    if args.out:
-        check_writable(args.out, (".json", ".csv"))
-    device, dtype = _device_and_dtype(args)
-    if args.threads is None:
-        # 64-d tasks are small: one thread avoids oversubscribing a busy machine
-        torch.set_num_threads(1)
-    fs = load_dataset("omniglot")
-    settings = [(shot, balance) for balance in ("balanced", "dirichlet") for shot in (1, 5)]
-    rows = []
-    tic = time.perf_counter()
-    for shot, balance in settings:
-        for name, info in METHODS.items():
-            # the command line's defaults: the base-episode choice (shipped for the
-            # built-in data, so no search runs here) and temperature calibration
-            auto = _auto_by_default(name, fs)
-            if auto:
-                choice = auto_preset(name, fs, 5, shot, 75, balance, dtype=dtype, device=device)
-            row = run_setting(
-                choice.method or name if auto else name,
-                fs,
-                5,
-                shot,
-                75,
-                balance,
-                2.0,
-                args.tasks or info.demo_tasks,
-                0,
-                device,
-                dtype,
-                progress=False,
-                preset=choice.preset if auto else None,
-                params=choice.params if auto else None,
-                calibrate="temperature" if auto else "none",
-            )
-            row["method"] = name
-            row["ran"] = (choice.method or "auto") if auto else "defaults"
-            rows.append(row)
-    print(
-        "probfsl demo: built-in Omniglot (PCA-64), 5-way, 75 queries, seed 0, "
-        f"{args.dtype} on {device}; each method at the command line's defaults (ran: "
-        "'auto' = tuned on base-class episodes, or the baseline's name where the method "
-        "scored below it there)\n"
-    )
-    print(
-        text_table(
-            rows,
-            [
-                "method",
-                "ran",
-                "shot",
-                "balance",
-                "tasks",
-                "accuracy",
-                "ci95",
-                "baseline_accuracy",
-                "ece",
-                "nll",
-                "brier",
-                "tasks_per_second",
-            ],
-        )
-    )
-    print(f"\n{len(rows)} runs in {time.perf_counter() - tic:.1f} s")
-    if args.out:
-        write_results(rows, args.out)
-        print(f"wrote {args.out}")
-    return 0
-
-
-def select_main(
-    paths: Sequence[str | Path],
-    split: str | None = None,
-    allow_pickle: bool = False,
-    dtype: torch.dtype = torch.float64,
-    device: torch.device | None = None,
-    criterion: str = "episodes",
-    way: int = 5,
-    shot: int = 5,
-    n_query: int = 75,
-    episodes: int = 500,
-    seed: int = 0,
-) -> int:
-    """``probfsl select --features A.npz B.npz ...``: print the evidence ranking
-    (:func:`probfsl.selection.rank_feature_files`).
-
-    One line per file, best first: for ``criterion="episodes"`` the mean conditional
-    log evidence of the query labels per query with its 95 % interval and the paired
-    difference to the best file; for ``"all-rows"`` the log evidence per sample and
-    summed. The last line names the best file. Returns 0.
-    """
-    result = rank_feature_files(
-        paths, split, allow_pickle, dtype, device,
-        criterion=criterion, way=way, shot=shot, n_query=n_query, episodes=episodes, seed=seed,
-    )  # fmt: skip
-    if result.note:
-        _note(result.note)
-    if result.criterion == "all-rows":
-        print(
-            f"evidence ranking on {result.n_samples} samples, {result.n_classes} classes "
-            "(log evidence per sample, summed):"
-        )
-        for i, b in enumerate(result.ranking, 1):
-            flag = f"  [{b.at_boundary} classes at a lambda bound]" if b.at_boundary else ""
-            print(f"{i}. {b.name}  {b.per_sample:.6f}  ({b.log_evidence:.3f}, D={b.dim}){flag}")
-    else:
-        print(
-            f"few-shot evidence on {result.n_episodes} {result.way}-way {result.shot}-shot "
-            f"episodes ({result.n_query} queries, seed {result.seed}) from the {result.source} "
-            f"({result.n_samples} samples, {result.n_classes} classes): mean log p(query "
-            "labels | support) per query, 95% interval, paired difference to the best:"
-        )
-        for i, b in enumerate(result.ranking, 1):
-            diff = "best" if i == 1 else f"{b.diff_to_best:+.4f} +- {b.diff_ci95:.4f}"
-            flag = "  [lambda at a bound]" if b.at_boundary else ""
-            print(
-                f"{i}. {b.name}  {b.score:.4f} +- {b.ci95:.4f}  ({diff}, D={b.dim}, "
-                f"lambda={b.lam:.3g}){flag}"
-            )
-    print(f"best: {result.best}")
-    return 0
-
-
-def cmd_select(args: argparse.Namespace) -> int:
-    device, dtype = _device_and_dtype(args)
-    return select_main(
-        args.features, args.split, args.allow_pickle, dtype, device,
-        args.criterion, args.way, args.shot, args.query, args.episodes, args.seed,
-    )  # fmt: skip
-
-
-def cmd_extract(args: argparse.Namespace) -> int:
-    from probfsl.data.extract import extract_main
-
-    print(
-        extract_main(
-            args.images,
-            args.backbone,
-            args.out,
-            args.image_size,
-            args.batch_size,
-            args.split,
-            base_dir=args.base_dir,
-        )
-    )
-    return 0
-
-
-def cmd_merge(args: argparse.Namespace) -> int:
-    from probfsl.data.loaders import merge_main
-
-    print(merge_main(args.files, args.out))
-    return 0
 
 
 ALLOW_PICKLE_HELP = "load .pkl feature files (unpickling runs code from the file: trusted only)"
@@ -734,6 +59,11 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
+
+    def format_help(self) -> str:
+        if callable(self.epilog):  # made when asked for: it imports every method
+            self.epilog = self.epilog()
+        return super().format_help()
 
     def error(self, message: str):
         self.exit(
@@ -788,6 +118,16 @@ def _methods_epilog() -> str:
     return "\n".join(lines)
 
 
+def _torch_version() -> str:
+    """torch's version from its metadata (without importing it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="probfsl", description="Bayesian few-shot learning on pre-extracted features."
@@ -795,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--version",
         action="version",
-        version=f"probfsl {probfsl.__version__} (torch {torch.__version__})",
+        version=f"probfsl {probfsl.__version__} (torch {_torch_version()})",
     )
     parser.add_argument(
         "--threads",
@@ -805,16 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("datasets", help="list the built-in data sets").set_defaults(func=cmd_datasets)
+    sub.add_parser("datasets", help="list the built-in data sets")
 
     demo = sub.add_parser("demo", help="every method on built-in Omniglot, 1/5-shot, (un)balanced")
     demo.add_argument("--tasks", type=_positive(int), default=None, help="tasks per setting")
     _add_device_dtype(demo)
     demo.add_argument("--out", help="write the results as .json or .csv")
-    demo.set_defaults(func=cmd_demo)
 
     run = sub.add_parser(
-        "run", help="evaluate one method on few-shot tasks", epilog=_methods_epilog()
+        "run", help="evaluate one method on few-shot tasks", epilog=_methods_epilog
     )
     run.add_argument(
         "--method",
@@ -904,7 +243,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-classes", type=_positive(int), default=10, help="zero-shot: most classes"
     )
     run.add_argument("--out", metavar="FILE", help="write the result as .json or .csv")
-    run.set_defaults(func=cmd_run)
 
     tune = sub.add_parser(
         "tune", help="choose a method's hyperparameters on episodes of the base classes"
@@ -939,7 +277,6 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--seed", type=int, default=0)
     _add_device_dtype(tune)
     tune.add_argument("--out", metavar="FILE", help="write the candidates as .json or .csv")
-    tune.set_defaults(func=cmd_tune)
 
     select = sub.add_parser(
         "select", help="rank backbones (feature files of the same samples) by Bayesian evidence"
@@ -953,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     select.add_argument(
         "--criterion",
-        choices=list(CRITERIA),
+        choices=list(SELECT_CRITERIA),
         default="episodes",
         help="episodes (default): mean evidence of the query labels given the support on "
         "few-shot episodes of the base classes; all-rows: summed evidence of all labelled "
@@ -988,7 +325,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_dtype(
         select, "float64", "float64 by default: the evidence sums a log term per sample"
     )
-    select.set_defaults(func=cmd_select)
 
     extract = sub.add_parser(
         "extract", help="features of a folder or zip of images (one subfolder per class)"
@@ -1018,7 +354,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="BASE_IMAGES",
         help="also extract this folder or .zip as the base classes, into the same file",
     )
-    extract.set_defaults(func=cmd_extract)
 
     merge = sub.add_parser(
         "merge",
@@ -1027,7 +362,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     merge.add_argument("files", nargs="+", metavar="FILE.npz")
     merge.add_argument("--out", required=True, metavar="FILE.npz")
-    merge.set_defaults(func=cmd_merge)
     return parser
 
 
@@ -1061,10 +395,11 @@ def _log_to_stderr() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _log_to_stderr()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     try:
-        return args.func(args)
+        commands = import_module("probfsl.commands")
+        if args.threads:
+            commands.torch.set_num_threads(args.threads)
+        return getattr(commands, f"cmd_{args.command}")(args)
     except KeyboardInterrupt:
         print("probfsl: interrupted", file=sys.stderr)
         return 130
@@ -1072,9 +407,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = " ".join(str(err).split()) or type(err).__name__
         print(f"probfsl: error: {message}", file=sys.stderr)
         return 2
-    except (torch.OutOfMemoryError, MemoryError):
-        print("probfsl: error: out of memory: try a smaller --batch-size", file=sys.stderr)
-        return 2
+    except Exception as err:
+        torch = sys.modules.get("torch")
+        if isinstance(err, MemoryError) or (torch and isinstance(err, torch.OutOfMemoryError)):
+            print("probfsl: error: out of memory: try a smaller --batch-size", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 from importlib import import_module
+from typing import TYPE_CHECKING
 
-from probfsl.models.base import FewShotClassifier
+if TYPE_CHECKING:  # the estimators import torch: only when one is built
+    from probfsl.models.base import FewShotClassifier
 
 
 @dataclass(frozen=True)

@@ -233,7 +233,7 @@ def test_bad_arguments_fail_before_loading_and_leave_out_alone(tmp_path, capsys,
     def no_loading(*args, **kwargs):
         raise AssertionError("the data were loaded before the arguments were checked")
 
-    monkeypatch.setattr("probfsl.cli.load_dataset", no_loading)
+    monkeypatch.setattr("probfsl.commands.load_dataset", no_loading)
     out = tmp_path / "r.json"
     out.write_text("previous result\n")
     base = ["run", "--method", "soft-kmeans", "--dataset", "omniglot", "--tasks", "5"]
@@ -429,8 +429,8 @@ def test_device_and_dtype_on_every_computing_subcommand(tmp_path, capsys, monkey
         raise AssertionError("the data were loaded before the device was checked")
 
     files = _select_files(tmp_path)
-    monkeypatch.setattr("probfsl.cli.load_dataset", no_loading)
-    monkeypatch.setattr("probfsl.cli.load_features", no_loading)
+    monkeypatch.setattr("probfsl.commands.load_dataset", no_loading)
+    monkeypatch.setattr("probfsl.commands.load_features", no_loading)
     monkeypatch.setattr("probfsl.selection.load_features", no_loading)
     soft = ["--method", "soft-kmeans", "--dataset", "omniglot"]
     commands = [
@@ -448,7 +448,7 @@ def test_device_and_dtype_on_every_computing_subcommand(tmp_path, capsys, monkey
 
 
 def test_tune_and_auto_run_in_the_dtype_and_on_the_device_given(capsys, monkeypatch):
-    import probfsl.cli as cli
+    import probfsl.commands as cli
 
     seen = []
 
@@ -486,7 +486,7 @@ def test_tune_and_auto_run_in_the_dtype_and_on_the_device_given(capsys, monkeypa
 
 
 def test_select_in_float32_and_float64_ranks_alike(tmp_path, capsys, monkeypatch):
-    import probfsl.cli as cli
+    import probfsl.commands as cli
 
     files = _select_files(tmp_path)
     seen = []
@@ -506,7 +506,7 @@ def test_select_in_float32_and_float64_ranks_alike(tmp_path, capsys, monkeypatch
 
 
 def test_demo_on_the_device_and_dtype_given(capsys, monkeypatch):
-    import probfsl.cli as cli
+    import probfsl.commands as cli
 
     monkeypatch.setattr(cli, "METHODS", {"nearest-centroid": cli.METHODS["nearest-centroid"]})
     rc, out, err = _run(["demo", "--tasks", "3", "--device", "cpu", "--dtype", "float64"], capsys)
@@ -515,7 +515,7 @@ def test_demo_on_the_device_and_dtype_given(capsys, monkeypatch):
 
 
 def test_select_main_prints_ranking(tmp_path, capsys):
-    from probfsl.cli import select_main
+    from probfsl.commands import select_main
 
     bad, good = _select_files(tmp_path)
     for criterion in ("episodes", "all-rows"):  # the default, and the paper's section 3.4
@@ -584,7 +584,7 @@ def test_a_task_shape_the_data_cannot_hold_says_what_would_work(tmp_path, capsys
 
 
 def test_ctrl_c_ends_with_one_line_and_status_130(monkeypatch, capsys):
-    import probfsl.cli as cli
+    import probfsl.commands as cli
 
     def interrupted(args):
         raise KeyboardInterrupt
@@ -595,7 +595,7 @@ def test_ctrl_c_ends_with_one_line_and_status_130(monkeypatch, capsys):
 
 
 def test_tasks_stream_in_batches_and_a_batch_too_large_is_refused(monkeypatch, capsys):
-    import probfsl.cli as cli
+    import probfsl.commands as cli
     import probfsl.data.tasks as tasks
 
     made = []
@@ -615,3 +615,23 @@ def test_tasks_stream_in_batches_and_a_batch_too_large_is_refused(monkeypatch, c
     monkeypatch.setattr(cli, "_free_memory", lambda: 10**6)  # 1 MB free
     rc, _, err = _run([*argv, "--tasks", "1000000"], capsys)
     _one_line_error(rc, err, "--batch-size 1000: one batch needs", "use --batch-size")
+
+
+def test_help_and_argument_errors_need_no_torch():
+    """``probfsl --help``, ``run --help`` and a usage error import neither torch nor a
+    method (the commands module loads once a command runs)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from probfsl.cli import main\n"
+        "for argv in (['--help'], ['run', '--bogus'], ['run', '--method', 'bavardge']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print(sorted(m for m in ('torch', 'probfsl.commands', 'pyro') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

@@ -13,11 +13,12 @@
 from __future__ import annotations
 
 from importlib import resources
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # the loaders import torch: only when data are loaded
+    import numpy as np
 
-from probfsl.data.featureset import FeatureSet
-from probfsl.data.loaders import load_npz
+    from probfsl.data.featureset import FeatureSet
 
 DATASETS = {
     "omniglot": (
@@ -41,6 +42,8 @@ def dataset_path(name: str):
 
 def wordnet_base_classes() -> np.ndarray:
     """The 21 base labels of the suggested WordNet split (the other 20 are novel)."""
+    import numpy as np
+
     return np.random.default_rng(0).permutation(41)[:21]
 
 
@@ -52,6 +55,10 @@ def load_dataset(name: str) -> FeatureSet:
     ``"novel"``; Omniglot's official one-shot runs (Lake et al.) are kept as
     ``"oneshot_train"`` / ``"oneshot_test"`` rows, which tasks never draw from.
     """
+    import numpy as np
+
+    from probfsl.data.loaders import load_npz
+
     path = dataset_path(name)
     with resources.as_file(path) as file:
         base = wordnet_base_classes() if name == "wordnet" else None
