@@ -16,10 +16,8 @@ from importlib import import_module
 
 import probfsl
 from probfsl.data.builtin import DATASETS
-from probfsl.methods import METHODS
+from probfsl.methods import DEFAULTS, METHODS
 
-#: ``--preset`` value that runs the estimator's own defaults (no search on base classes)
-DEFAULTS = "defaults"
 #: ``--dtype`` choices
 DTYPES = ("float32", "float64")
 #: ``probfsl select --criterion`` choices (:data:`probfsl.selection.CRITERIA`)

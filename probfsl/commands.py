@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 
 import probfsl
-from probfsl.cli import DEFAULTS
 from probfsl.data import (
     DATASETS,
     FeatureSet,
@@ -32,7 +31,7 @@ from probfsl.evaluation.protocol import evaluate_stream
 from probfsl.evaluation.tables import COLUMNS
 from probfsl.evaluation.zero_shot import evaluate_argmax, evaluate_zero_shot
 from probfsl.fileio import check_writable
-from probfsl.methods import METHODS, method_info, parse_params
+from probfsl.methods import DEFAULTS, METHODS, method_info, parse_params
 from probfsl.selection import rank_feature_files
 from probfsl.temperature import TemperatureScaled
 from probfsl.tuning import (

@@ -16,6 +16,11 @@ if TYPE_CHECKING:  # the estimators import torch: only when one is built
     from probfsl.models.base import FewShotClassifier
 
 
+#: the preset name that means the estimator's own constructor defaults (on the command
+#: line, where the default is a search on base-class episodes)
+DEFAULTS = "defaults"
+
+
 @dataclass(frozen=True)
 class MethodInfo:
     """A registered method: where its estimator lives and how to describe it."""
