@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="every method on built-in Omniglot, 1/5-shot, (un)balanced")
     demo.add_argument("--tasks", type=_positive(int), default=None, help="tasks per setting")
     _add_device_dtype(demo)
-    demo.add_argument("--out", help="write the results as .json or .csv")
+    demo.add_argument("--out", metavar="FILE", help="write the results as .json or .csv")
 
     run = sub.add_parser(
         "run", help="evaluate one method on few-shot tasks", epilog=_methods_epilog
@@ -245,34 +245,59 @@ def build_parser() -> argparse.ArgumentParser:
     tune = sub.add_parser(
         "tune", help="choose a method's hyperparameters on episodes of the base classes"
     )
-    tune.add_argument("--method", required=True, metavar="NAME")
+    tune.add_argument(
+        "--method",
+        required=True,
+        choices=list(METHODS),
+        metavar="NAME",
+        help=f"one of: {', '.join(METHODS)} (all but nearest-centroid)",
+    )
     tsource = tune.add_mutually_exclusive_group(required=True)
-    tsource.add_argument("--dataset", choices=list(DATASETS), metavar="NAME")
-    tsource.add_argument("--features", metavar="PATH")
+    tsource.add_argument(
+        "--dataset",
+        choices=list(DATASETS),
+        metavar="NAME",
+        help=f"built-in data set: {', '.join(DATASETS)}",
+    )
+    tsource.add_argument("--features", metavar="PATH", help=".npz with features, labels, split")
     tune.add_argument("--allow-pickle", action="store_true", help=ALLOW_PICKLE_HELP)
-    tune.add_argument("--way", type=_positive(int), default=5)
-    tune.add_argument("--shot", type=_positive(int), default=1)
-    tune.add_argument("--query", type=_positive(int), default=75)
-    tune.add_argument("--balance", choices=["balanced", "dirichlet"], default="balanced")
-    tune.add_argument("--alpha", type=_positive(float), default=2.0)
+    tune.add_argument("--way", type=_positive(int), default=5, help="classes per task")
+    tune.add_argument("--shot", type=_positive(int), default=1, help="support samples per class")
+    tune.add_argument("--query", type=_positive(int), default=75, help="queries per task in all")
+    tune.add_argument(
+        "--balance",
+        choices=["balanced", "dirichlet"],
+        default="balanced",
+        help="queries per class: equal, or drawn from a Dirichlet (--alpha)",
+    )
+    tune.add_argument("--alpha", type=_positive(float), default=2.0, help="Dirichlet concentration")
     tune.add_argument(
         "--episodes",
         type=_positive(int),
         default=None,
         help="base-class episodes (zero-shot: tasks) per candidate (default 300; gp-tree 100)",
     )
-    tune.add_argument("--criterion", choices=["accuracy", "objective"], default="accuracy")
+    tune.add_argument(
+        "--criterion",
+        choices=["accuracy", "objective"],
+        default="accuracy",
+        help="rank candidates by base-episode accuracy or by the ELBO / log evidence",
+    )
     tune.add_argument(
         "--zero-shot",
         action="store_true",
         help="tune for zero-shot tasks (em-dirichlet) drawn from the base classes only",
     )
-    tune.add_argument("--min-classes", type=_positive(int), default=3)
-    tune.add_argument("--max-classes", type=_positive(int), default=10)
+    tune.add_argument(
+        "--min-classes", type=_positive(int), default=3, help="zero-shot: fewest classes"
+    )
+    tune.add_argument(
+        "--max-classes", type=_positive(int), default=10, help="zero-shot: most classes"
+    )
     tune.add_argument(
         "--param", action="append", metavar="KEY=VALUE", help="a fixed hyperparameter (repeatable)"
     )
-    tune.add_argument("--seed", type=int, default=0)
+    tune.add_argument("--seed", type=int, default=0, help="seed of the base-class episodes")
     _add_device_dtype(tune)
     tune.add_argument("--out", metavar="FILE", help="write the candidates as .json or .csv")
 
@@ -332,15 +357,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--backbone",
         default="efficientnet-lite0",
         choices=["efficientnet-lite0", "efficientnet-lite1"],
+        help="the pretrained network (weights from its installed package)",
     )
-    extract.add_argument("--out", required=True, metavar="FILE.npz")
+    extract.add_argument(
+        "--out", required=True, metavar="FILE.npz", help="the feature file to write"
+    )
     extract.add_argument(
         "--image-size",
         type=_positive(int),
         default=None,
         help="resize images to this size (default: the backbone's own)",
     )
-    extract.add_argument("--batch-size", type=_positive(int), default=64)
+    extract.add_argument(
+        "--batch-size", type=_positive(int), default=64, help="images per forward pass"
+    )
     extract.add_argument(
         "--split",
         choices=["novel", "base"],
@@ -359,7 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
         "the classes of different files stay distinct",
     )
     merge.add_argument("files", nargs="+", metavar="FILE.npz")
-    merge.add_argument("--out", required=True, metavar="FILE.npz")
+    merge.add_argument(
+        "--out", required=True, metavar="FILE.npz", help="the merged feature file to write"
+    )
     return parser
 
 

@@ -178,10 +178,6 @@ def run_setting(
     calibration = {"calibrate": calibrate}
     if calibrate == "temperature":  # fitted before the timed run
         calibration["temperature"] = estimator.fit_shape(way, shot, query, dtype, device)
-        _note(
-            f"--calibrate temperature: tau = {calibration['temperature']:.3f} "
-            "(fitted on base-class episodes)"
-        )
         if (way, shot, query) in estimator.notes_:
             _note(f"--calibrate temperature: {estimator.notes_[(way, shot, query)]}")
     results = evaluate_stream(
@@ -329,7 +325,7 @@ def _auto(
             fixed=fixed,
             dtype=dtype,
             device=device,
-            progress=sys.stderr.isatty(),
+            progress=True,
         )
     return auto_preset(
         args.method,
@@ -345,7 +341,7 @@ def _auto(
         fixed=fixed,
         dtype=dtype,
         device=device,
-        progress=sys.stderr.isatty(),
+        progress=True,
     )
 
 
@@ -375,7 +371,7 @@ def _check_tasks_possible(args: argparse.Namespace, fs: FeatureSet) -> None:
         if fs.class_features is None:
             raise ValueError(
                 f"{fs.name}: --zero-shot needs class embeddings (the file's "
-                "'class_features' array, one row per class)"
+                "'class_text_features' array, one row per class)"
             )
         sample_zero_shot_tasks(fs, 1, args.min_classes, args.max_classes, args.query, args.seed)
     elif not args.task_file:
@@ -500,7 +496,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             args.seed,
             dtype,
             args.batch_size,
-            progress=sys.stderr.isatty(),
+            progress=True,
             params=params,
             device=device,
             preset=preset,
@@ -518,7 +514,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             args.seed,
             device,
             dtype,
-            progress=sys.stderr.isatty(),
+            progress=True,
             task_file=args.task_file,
             batch_size=args.batch_size,
             preset=run_preset,

@@ -14,6 +14,7 @@ is unchanged. The base episodes are drawn in the dtype and on the device of the 
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Self
 
 import torch
@@ -24,6 +25,8 @@ from probfsl.data.tasks import Episodes, sample_episodes
 from probfsl.evaluation.calibration import apply_temperature, fit_temperature
 from probfsl.models.base import FewShotClassifier
 from probfsl.validation import check_base, check_choice, check_hyperparameter
+
+log = logging.getLogger(__name__)
 
 
 class TemperatureScaled(FewShotClassifier):
@@ -100,6 +103,12 @@ class TemperatureScaled(FewShotClassifier):
             pseudo = copy.deepcopy(self.estimator).fit_featureset(view, dtype, device)
             proba = pseudo.predict_proba(episodes)
             self.temperature_[shape] = fit_temperature(proba, episodes.query_labels)
+            log.info(
+                "temperature scaling: tau = %.3f for %d-way %d-shot %d-query tasks (fitted on "
+                "base-class episodes)",
+                self.temperature_[shape],
+                *shape,
+            )
         return self.temperature_[shape]
 
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:

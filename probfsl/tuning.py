@@ -235,13 +235,13 @@ def _search(
 ) -> TuneResult:
     """Coarse grid, then one refinement around the best; ``score(params) -> row``.
 
-    ``space`` comes checked (:func:`_checked`); ``progress`` shows a bar over the
-    candidates (tqdm, on stderr)."""
-    from tqdm.auto import tqdm
+    ``space`` comes checked (:func:`_checked`); ``progress`` shows the candidates done
+    (:func:`probfsl.progress.progress`)."""
+    from probfsl.progress import progress as progress_display
 
     tic = time.perf_counter()
     grid = _grid(space)
-    bar = tqdm(total=len(grid), desc=f"tuning {method}", unit="cand", disable=not progress)
+    bar = progress_display(len(grid), f"tuning {method}", "candidates", progress)
 
     def scored(params):
         row = score(params)
@@ -258,6 +258,8 @@ def _search(
             seen = [r["params"] for r in trace]
             todo = [p for p in _refinements(space, best_of(trace)) if p not in seen]
             bar.total += len(todo)
+            if hasattr(bar, "refresh"):  # tqdm: redraw with the new total
+                bar.refresh()
             trace += [scored(p) for p in todo]
     return TuneResult(
         method=method,

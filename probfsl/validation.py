@@ -313,14 +313,19 @@ def check_task_tensors(
 def check_base(
     features: Any, labels: Any, min_classes: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Base ``features`` [N, D] (float32/float64, finite; tensor or NumPy array) and
-    integer ``labels`` [N] with at least ``min_classes`` classes, as tensors.
+    """Base ``features`` [N, D] (float32/float64, finite; tensor, NumPy array or pandas
+    DataFrame) and integer ``labels`` [N] with at least ``min_classes`` classes, as tensors.
 
     ``TypeError``/``ValueError`` otherwise. Returns ``(features, labels)``: the features
     as given when already a valid tensor, the labels as ``torch.long`` on their device.
     """
     if features is None:
         raise TypeError("base features must be a tensor or array, got None")
+    # pandas in (a DataFrame's values); the dtype contract stays strict here
+    if hasattr(features, "to_numpy") and not isinstance(features, (np.ndarray, torch.Tensor)):
+        features = as_user_array(features, "base features", features=False)
+    if hasattr(labels, "to_numpy") and not isinstance(labels, (np.ndarray, torch.Tensor)):
+        labels = labels.to_numpy()
     features = as_float_tensor(features, "base features", ndim=2)
     labels = as_label_tensor(labels, "base labels", n=features.shape[0], device=features.device)
     if labels.ndim != 1:

@@ -635,3 +635,19 @@ def test_help_and_argument_errors_need_no_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_long_work_reports_progress_when_not_on_a_terminal(monkeypatch, capsys):
+    import probfsl.progress
+
+    monkeypatch.setattr(probfsl.progress, "EVERY", 0.0)  # a line after every batch
+    argv = ["run", "--method", "nearest-centroid", "--dataset", "omniglot", "--query", "15"]
+    rc, _, err = _run([*argv, "--tasks", "30", "--batch-size", "10"], capsys)
+    assert rc == 0, err
+    lines = [line for line in err.splitlines() if line.startswith("probfsl: note: run: ")]
+    assert len(lines) >= 2, err  # 10/30 and 20/30 at least
+    assert all("/30 tasks (" in line and "s left" in line for line in lines[:2]), err
+    rc, _, err = _run(
+        ["tune", "--method", "slem", "--dataset", "wordnet", "--episodes", "5"], capsys
+    )
+    assert rc == 0 and "probfsl: note: tuning slem: " in err and "candidates (" in err, err

@@ -261,3 +261,23 @@ def test_a_killed_writer_leaves_nothing_after_the_next_write(tmp_path):
         tmp.write_text("x")
         atomic_write_text(target, "{}")
         assert tmp.exists()
+
+
+def test_merge_counts_only_the_classes_a_file_has(tmp_path):
+    from probfsl.data.loaders import merge_main
+
+    fs = make_featureset(n_base=4, n_novel=3, per_class=5, dim=3)
+    base, novel = fs.rows("base"), fs.rows("novel")
+    for name, rows in (("base", base), ("novel", novel)):  # novel keeps labels 4..6
+        np.savez(
+            tmp_path / f"{name}.npz",
+            features=fs.features[rows],
+            labels=fs.labels[rows],
+            split=fs.split[rows],
+        )
+    out = tmp_path / "all.npz"
+    merge_main([tmp_path / "base.npz", tmp_path / "novel.npz"], out)
+    merged = load_npz(out)
+    assert len(merged.class_names) == 7 == np.unique(merged.labels).size  # not 4 + 7
+    assert merged.classes_in("novel").tolist() == [4, 5, 6]
+    np.testing.assert_array_equal(merged.features, fs.features.astype(np.float32))

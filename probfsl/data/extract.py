@@ -141,7 +141,7 @@ def extract_features(
         image_size: square input resolution; default the backbone's native one.
         batch_size: images per forward pass.
         split: value of the ``split`` column for every row.
-        progress: show a tqdm progress bar.
+        progress: show the images done (:func:`probfsl.progress.progress`).
 
     Returns:
         The ``.npz`` fields: ``features`` [N, 1280] float32, ``labels`` [N] int64,
@@ -158,12 +158,12 @@ def extract_features(
     root = Path(images)
     paths, classes = list_images(root)
     model = load_backbone(backbone)
-    from tqdm.auto import tqdm
+    from probfsl.progress import progress as progress_display
 
     names = sorted(set(classes))
     index = {c: i for i, c in enumerate(names)}
     chunks, batch = [], []
-    bar = tqdm(total=len(paths), desc=f"{backbone} {root.name}", disable=not progress, unit="img")
+    bar = progress_display(len(paths), f"{backbone} {root.name}", "images", progress)
     for data in _read(root, paths):
         batch.append(preprocess(data, int(image_size)))
         if len(batch) == batch_size:

@@ -227,8 +227,9 @@ def merge_fields(
 ) -> tuple[dict[str, np.ndarray], list[str]]:
     """Stack feature-file fields into one, each part's classes kept distinct.
 
-    Part ``i``'s labels are shifted by the number of classes of the parts before it,
-    so class 0 of a base file and class 0 of a novel file stay two classes; every row
+    Each part's classes (those it has rows of, whatever their label values) are
+    numbered after the classes of the parts before it, so class 0 of a base file and
+    class 0 of a novel file stay two classes and no class is invented; every row
     keeps its ``split`` (rows of a part without ``split`` are novel) and unlabelled
     rows stay -1. Class names are kept; a name found in several parts becomes
     ``"name (source stem)"`` in each. ``filename`` and ``class_text_features`` are kept
@@ -244,7 +245,12 @@ def merge_fields(
     if len(widths) != 1:
         found = ", ".join(f"{src}: {fs.dim}" for fs, src in zip(sets, sources, strict=True))
         raise ValueError(f"feature files have different feature widths ({found})")
-    names = [list(fs.class_names) for fs in sets]
+    # only the classes a file has rows of (labels need not start at 0 or be contiguous)
+    present = [np.unique(fs.labels[fs.labels >= 0]) for fs in sets]
+    names = [
+        [fs.class_names[c] if c < len(fs.class_names) else str(c) for c in classes]
+        for fs, classes in zip(sets, present, strict=True)
+    ]
     counts: dict[str, int] = {}
     for part in names:
         for n in set(part):
@@ -266,7 +272,8 @@ def merge_fields(
         )
     offsets = np.cumsum([0] + [len(p) for p in names[:-1]])
     labels = [
-        np.where(fs.labels >= 0, fs.labels + off, -1) for fs, off in zip(sets, offsets, strict=True)
+        np.where(fs.labels >= 0, off + np.searchsorted(classes, fs.labels), -1)
+        for fs, classes, off in zip(sets, present, offsets, strict=True)
     ]
     fields = {
         "features": np.concatenate([fs.features.astype(np.float32) for fs in sets]),
@@ -278,7 +285,9 @@ def merge_fields(
         fields["filename"] = np.concatenate([np.asarray(p["filename"]) for p in parts])
     if all(fs.class_features is not None for fs in sets):
         if len({fs.class_features.shape[1] for fs in sets}) == 1:
-            fields["class_text_features"] = np.concatenate([fs.class_features for fs in sets])
+            fields["class_text_features"] = np.concatenate(
+                [fs.class_features[c] for fs, c in zip(sets, present, strict=True)]
+            )
     return fields, notes
 
 

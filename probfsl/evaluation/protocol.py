@@ -9,11 +9,11 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from probfsl.data.tasks import Episodes
 from probfsl.evaluation.calibration import METRICS, calibration_per_task, mean_ci
 from probfsl.models.base import FewShotClassifier
+from probfsl.progress import progress as progress_display
 
 
 @dataclass
@@ -121,7 +121,7 @@ def score_batches(
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     n_tasks, tally = labels.shape[0], _Tally()
-    with tqdm(total=n_tasks, unit="task", disable=not progress, leave=False) as bar:
+    with progress_display(n_tasks, "run", "tasks", progress) as bar:
         for start in range(0, n_tasks, batch_size):
             stop = min(start + batch_size, n_tasks)
             tally.add(tally.timed(predict, start, stop), labels[start:stop])
@@ -154,7 +154,7 @@ def evaluate_stream(
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     tallies = {name: _Tally() for name in estimators}
-    with tqdm(total=n_tasks, unit="task", disable=not progress, leave=False) as bar:
+    with progress_display(n_tasks, "run", "tasks", progress) as bar:
         for start in range(0, n_tasks, batch_size):
             episodes = batch(start, min(start + batch_size, n_tasks))
             for name, estimator in estimators.items():
