@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from probfsl.data.tasks import Episodes
-from probfsl.evaluation.calibration import METRICS, calibration_per_task, mean_ci
+from probfsl.evaluation.calibration import calibration_per_task, mean_ci
 from probfsl.models.base import FewShotClassifier
 from probfsl.progress import progress as progress_display
 
@@ -66,12 +66,16 @@ def accuracy_ci(per_task: np.ndarray) -> tuple[float, float]:
 
 
 class _Tally:
-    """Per-task accuracies and calibration of scored batches, and the time spent."""
+    """Per-task accuracies and calibration of scored batches, and the time spent.
 
-    def __init__(self) -> None:
-        self.per_task: list[np.ndarray] = []
-        self.calibration: dict[str, list[np.ndarray]] = {name: [] for name in METRICS}
-        self.seconds = 0.0
+    The per-task values go into arrays of ``n_tasks`` made once: many small arrays kept
+    across batches would pin the heap between the batches' large, freed feature tensors
+    and let the process grow with the number of tasks."""
+
+    def __init__(self, n_tasks: int) -> None:
+        self.per_task = np.full(n_tasks, np.nan)
+        self.calibration: dict[str, np.ndarray] = {}
+        self.done, self.seconds = 0, 0.0
 
     def timed(self, predict: Callable[..., torch.Tensor], *args) -> torch.Tensor:
         """``predict(*args)``, its time (to the end of the device's work) added."""
@@ -84,16 +88,20 @@ class _Tally:
 
     def add(self, predicted: torch.Tensor, labels: torch.Tensor) -> None:
         labels = labels.to(predicted.device)
+        rows = slice(self.done, self.done + labels.shape[0])
         if predicted.ndim == 3:
             for name, values in calibration_per_task(predicted, labels).items():
-                self.calibration[name].append(values.double().cpu().numpy())
+                if name not in self.calibration:
+                    self.calibration[name] = np.full(self.per_task.size, np.nan)
+                self.calibration[name][rows] = values.double().cpu().numpy()
             predicted = predicted.argmax(-1)
-        self.per_task.append((predicted == labels).double().mean(-1).cpu().numpy())
+        self.per_task[rows] = (predicted == labels).double().mean(-1).cpu().numpy()
+        self.done = rows.stop
 
     def result(self) -> EvalResult:
-        per_task = np.concatenate(self.per_task)
+        per_task = self.per_task[: self.done]
         acc, ci = accuracy_ci(per_task)
-        per_task_calibration = {k: np.concatenate(v) for k, v in self.calibration.items() if v}
+        per_task_calibration = {k: v[: self.done] for k, v in self.calibration.items()}
         return EvalResult(
             accuracy=acc,
             ci95=ci,
@@ -120,7 +128,8 @@ def score_batches(
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
-    n_tasks, tally = labels.shape[0], _Tally()
+    n_tasks = labels.shape[0]
+    tally = _Tally(n_tasks)
     with progress_display(n_tasks, "run", "tasks", progress) as bar:
         for start in range(0, n_tasks, batch_size):
             stop = min(start + batch_size, n_tasks)
@@ -153,7 +162,7 @@ def evaluate_stream(
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
-    tallies = {name: _Tally() for name in estimators}
+    tallies = {name: _Tally(n_tasks) for name in estimators}
     with progress_display(n_tasks, "run", "tasks", progress) as bar:
         for start in range(0, n_tasks, batch_size):
             episodes = batch(start, min(start + batch_size, n_tasks))
