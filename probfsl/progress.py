@@ -62,6 +62,9 @@ class _LogLines:
 
 
 class _Nothing:
+    def __init__(self, total: int) -> None:
+        self.total = total
+
     def update(self, n: int = 1) -> None:
         pass
 
@@ -79,7 +82,7 @@ def progress(total: int, desc: str, unit: str, enabled: bool = True, every: floa
     """A progress display for ``total`` steps of ``unit`` (module docstring); off a
     terminal a line at most every ``every`` seconds (default :data:`EVERY`)."""
     if not enabled:
-        return _Nothing()
+        return _Nothing(total)
     if sys.stderr.isatty():
         from tqdm.auto import tqdm
 

@@ -651,3 +651,22 @@ def test_long_work_reports_progress_when_not_on_a_terminal(monkeypatch, capsys):
         ["tune", "--method", "slem", "--dataset", "wordnet", "--episodes", "5"], capsys
     )
     assert rc == 0 and "probfsl: note: tuning slem: " in err and "candidates (" in err, err
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_progress_displays_take_a_growing_total(enabled, caplog):
+    import logging
+
+    from probfsl.progress import progress
+
+    with caplog.at_level(logging.INFO, logger="probfsl.progress"):
+        with progress(2, "step", "items", enabled, every=0.0) as bar:
+            bar.update()
+            bar.total += 2  # a search adds its refinement round
+            bar.update(2)
+    lines = [r.getMessage() for r in caplog.records if r.name == "probfsl.progress"]
+    if not enabled:
+        assert lines == []
+    else:
+        assert lines[0].startswith("step: 1/2 items (50%)"), lines
+        assert lines[1].startswith("step: 3/4 items (75%)"), lines

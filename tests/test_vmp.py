@@ -720,6 +720,7 @@ def _branching(x):
         (_no_sites, torch.ones(2, 3), "has none"),
         (_no_tasks_plate, torch.ones(2, 3), "no batched 'tasks' plate"),
         (_with_param, torch.ones(2, 3), "pyro.param site.*scale"),
+        (partial(_normal_mean_model, prior_scale=-1.0), torch.ones(2, 3), "'mu'.*scale is outside"),
         (_branching, torch.randn(1, 3), "control flow on a latent value"),
     ],
 )

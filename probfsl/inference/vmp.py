@@ -367,6 +367,26 @@ def _all_finite(*tensors: torch.Tensor | None) -> torch.Tensor:
     return torch.stack(oks).all()
 
 
+def _check_parameters(sites: list[dict]) -> None:
+    """``ValueError`` naming the site and the parameter when a distribution's parameter
+    is outside its constraint (a negative scale, a concentration of 0, ...); one host
+    synchronisation when every parameter is valid."""
+    checks = []
+    for s in sites:
+        base, _ = _unwrap(s["fn"])
+        for name, constraint in getattr(base, "arg_constraints", {}).items():
+            value = base.__dict__.get(name)  # the parameters given, not derived ones
+            if torch.is_tensor(value):
+                checks.append((s["name"], type(base).__name__, name, constraint, value))
+    if not checks:
+        return
+    if bool(torch.stack([c.check(v).all() for *_, c, v in checks]).all()):
+        return
+    for site, fname, name, constraint, value in checks:
+        if not bool(constraint.check(value).all()):
+            raise _refuse(site, fname, "-", f"its parameter {name} is outside {constraint}")
+
+
 def _check_data(args: tuple, kwargs: dict) -> None:
     """``ValueError`` before any tracing: tensor arguments with no task (a leading axis of
     size 0) or no entries."""
@@ -461,8 +481,9 @@ class VMP(Engine):
     def compile(self, *args: Any, **kwargs: Any) -> _Plan:
         """Read the model's sites, parents and parameter maps (module docstring)."""
         _check_data(args, kwargs)
-        try:
-            trace = self._trace(args, kwargs)
+        try:  # parameters are checked below, naming the site (Pyro's check names none)
+            with pyro.validation_enabled(False):
+                trace = self._trace(args, kwargs)
         except (NotImplementedError, RuntimeError, ZeroDivisionError) as err:
             ints = [
                 i
@@ -492,6 +513,7 @@ class VMP(Engine):
         ]
         if not raw:
             raise ValueError("VMP needs a model with sample sites; this model has none")
+        _check_parameters(raw)
         self._check_structure(trace, args, kwargs)
         ref = next((s["value"] for s in raw if s["value"].is_floating_point()), None)
         if ref is None:  # no floating value: the first value's device, the default dtype
