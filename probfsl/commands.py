@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import logging
 import sys
 import time
 from collections.abc import Sequence
@@ -547,6 +548,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
         # 64-d tasks are small: one thread avoids oversubscribing a busy machine
         torch.set_num_threads(1)
     fs = load_dataset("omniglot")
+    # the table says what ran; the per-run notes (fitted temperatures) would bury it
+    quiet = logging.getLogger("probfsl.temperature")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+    try:
+        return _demo(args, fs, device, dtype)
+    finally:
+        quiet.setLevel(level)
+
+
+def _demo(args: argparse.Namespace, fs: FeatureSet, device, dtype) -> int:
+    """The demo's runs and table (:func:`cmd_demo`)."""
     settings = [(shot, balance) for balance in ("balanced", "dirichlet") for shot in (1, 5)]
     rows = []
     tic = time.perf_counter()

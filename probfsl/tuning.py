@@ -442,7 +442,7 @@ def _cached(kind: str, fs: FeatureSet, settings: dict, compute) -> AutoChoice:
         except (TypeError, ValueError):
             choice = None
         if choice is not None:
-            log.info("preset auto: %s read from the cache", settings.get("method"))
+            log.debug("preset auto: %s read from the cache", settings.get("method"))
             return choice
     choice = compute()
     tuning_cache.store(key, choice.to_json())
