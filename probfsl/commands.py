@@ -646,6 +646,7 @@ def select_main(
     result = rank_feature_files(
         paths, split, allow_pickle, dtype, device,
         criterion=criterion, way=way, shot=shot, n_query=n_query, episodes=episodes, seed=seed,
+        progress=True,
     )  # fmt: skip
     if result.note:
         _note(result.note)

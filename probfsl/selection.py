@@ -119,8 +119,10 @@ def rank_feature_files(
     episodes: int = 500,
     seed: int = 0,
     center: bool = True,
+    progress: bool = False,
 ) -> FileRanking:
-    """Rank feature files of the same samples by Bayesian evidence, best first.
+    """Rank feature files of the same samples by Bayesian evidence, best first
+    (``progress``: show the backbones scored).
 
     The files must hold the same rows with the same labels (``ValueError`` otherwise,
     before any computation). The evidence is computed in ``dtype`` on ``device``
@@ -201,7 +203,9 @@ def rank_feature_files(
         str(p): torch.as_tensor(fs.features[rows], dtype=dtype, device=device)
         for p, fs in zip(paths, sets, strict=True)
     }
-    ranking = rank_backbones_on_episodes(features, indices, center=center, dtype=dtype)
+    ranking = rank_backbones_on_episodes(
+        features, indices, center=center, dtype=dtype, progress=progress
+    )
     return FileRanking(
         ranking, int(rows.sum()), n_classes, "episodes", source, note,
         way, shot, n_query, episodes, seed,

@@ -578,6 +578,7 @@ def episode_evidence(
     normalize: bool = True,
     center: bool = True,
     dtype: torch.dtype = torch.float64,
+    progress: bool = False,
 ) -> list[EpisodeScore]:
     """The few-shot evidence of each backbone on the same labelled episodes (input order).
 
@@ -619,8 +620,11 @@ def episode_evidence(
     interpolation) and the predictive collapses (log evidence of about -9e6 per query
     on Omniglot PCA-64, 5-shot). All episodes are computed in batches (one Gram matrix
     and one eigendecomposition per episode, no loop over episodes), in ``dtype``
-    (float64 by default) on the features' device.
+    (float64 by default) on the features' device. ``progress`` shows the backbones done
+    (:func:`probfsl.progress.progress`).
     """
+    from probfsl.progress import progress as progress_display
+
     check_float_dtype("dtype", dtype)
     names, tensors = _feature_list(feature_sets)
     device = tensors[0].device
@@ -638,7 +642,9 @@ def episode_evidence(
     y = torch.nn.functional.one_hot(labels, way).to(dtype)  # [T, N, K]
     y_support = y[:, :n_support].contiguous()
     scores = []
+    bar = progress_display(len(names), "select", "backbones", progress)
     for m, (name, t) in enumerate(zip(names, tensors, strict=True)):
+        bar.update()
         x = t.to(dtype)
         x = _prepare(x, normalize, x.mean(0) if center else None)
         gram = _episode_grams(x, rows)
@@ -665,6 +671,7 @@ def episode_evidence(
                 at_boundary=bool(res.at_boundary.any()),
             )
         )
+    bar.close()
     return scores
 
 
@@ -680,10 +687,12 @@ def rank_backbones_on_episodes(
     normalize: bool = True,
     center: bool = True,
     dtype: torch.dtype = torch.float64,
+    progress: bool = False,
 ) -> list[EpisodeScore]:
     """Backbones ordered by their few-shot evidence (:func:`episode_evidence`), best first,
-    with the paired difference of each to the best on the same episodes."""
-    scores = episode_evidence(feature_sets, indices, normalize, center, dtype)
+    with the paired difference of each to the best on the same episodes; ``progress`` as
+    in :func:`episode_evidence`."""
+    scores = episode_evidence(feature_sets, indices, normalize, center, dtype, progress)
     scores = sorted(scores, key=lambda b: -b.score)
     best = scores[0].per_episode
     for b in scores:
