@@ -192,8 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--batch-size",
         type=_positive(int),
-        default=1000,
-        help="tasks made and scored at once (memory grows with it, not with --tasks)",
+        default=None,
+        help="tasks made and scored at once; memory grows with it, not with --tasks "
+        "(default 1000; on the CPU 100 for gp-tree, 200 for em-dirichlet)",
     )
     run.add_argument(
         "--task-file",

@@ -437,6 +437,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.out:
         check_writable(args.out, (".json", ".csv"))
     device, dtype = _device_and_dtype(args)
+    if args.batch_size is None:
+        info = method_info(args.method)
+        args.batch_size = info.cpu_batch if device.type == "cpu" else 1000
     params = parse_params(args.param)
     if args.task_file and not Path(args.task_file).is_file():
         raise ValueError(f"--task-file: file not found: {args.task_file}")

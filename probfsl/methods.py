@@ -29,6 +29,9 @@ class MethodInfo:
     target: str  # "module:Class"
     description: str
     demo_tasks: int = 500  # tasks per setting in ``probfsl demo`` (keeps it under a minute)
+    #: tasks per batch on the CPU when ``--batch-size`` is not given: small for the slow
+    #: methods, so that progress shows every few seconds (a GPU takes 1000 at once)
+    cpu_batch: int = 1000
 
     def load(self) -> type[FewShotClassifier]:
         module, cls = self.target.split(":")
@@ -63,6 +66,7 @@ METHODS: dict[str, MethodInfo] = {
             "probfsl.models.gptree.few_shot:GPTreeFewShot",
             "Pólya-Gamma GP classifiers in a class tree (Achituve et al., ICML 2021)",
             demo_tasks=30,
+            cpu_batch=100,
         ),
         MethodInfo(
             "evidence-lssvm",
@@ -79,6 +83,7 @@ METHODS: dict[str, MethodInfo] = {
             "probfsl.models.em_dirichlet:EMDirichlet",
             "transductive Dirichlet mixture on the probability simplex (Martin et al., CVPR 2024)",
             demo_tasks=40,
+            cpu_batch=200,
         ),
     ]
 }
