@@ -238,8 +238,13 @@ def test_auto_falls_back_when_base_classes_cannot_form_the_episodes(method, monk
     assert choice.result is not None
     assert "tuned on 2-way 1-shot 6-query base episodes" in choice.note
     reference = (fixed, FALLBACK_PRESETS.get(method, {}).get("balanced"))
-    assert (choice.params, choice.preset) in ((choice.result.best, None), reference)
-    model = make_estimator(method, choice.preset, **choice.params).fit_featureset(fs)
+    if choice.method is None:
+        assert (choice.params, choice.preset) in ((choice.result.best, None), reference)
+    else:  # below nearest centroid on the base episodes: the baseline runs, and it says so
+        assert choice.method == "nearest-centroid" and (choice.params, choice.preset) == ({}, None)
+        assert "running nearest-centroid" in choice.note
+    name = choice.method or method
+    model = make_estimator(name, choice.preset, **choice.params).fit_featureset(fs)
     proba = model.predict_proba(episodes)
     assert torch.isfinite(proba).all()
     torch.testing.assert_close(proba.sum(-1), torch.ones(3, 15))
@@ -384,3 +389,30 @@ def test_a_bad_search_space_is_a_value_error_naming_it(space):
     fs = make_featureset(n_base=12, n_novel=4, per_class=25)
     with pytest.raises(ValueError, match="space"):
         tune("slem", fs, space, n_episodes=5)
+
+
+class WayDependent(FewShotClassifier):
+    """Perfect on 2-way tasks, wrong on 80% of the queries of wider ones (GP-Tree's class
+    tree is one node at 2 ways)."""
+
+    def __init__(self, flip: float = 0.8) -> None:
+        self.flip = flip
+
+    def predict_proba(self, episodes):
+        labels = episodes.query_labels.clone()
+        if episodes.way > 2:
+            n_wrong = round(self.flip * labels.shape[1])
+            labels[:, :n_wrong] = (labels[:, :n_wrong] + 1) % episodes.way
+        return torch.nn.functional.one_hot(labels, episodes.way).float()
+
+
+def test_auto_on_fewer_ways_is_held_against_nearest_centroid_at_the_target_way(monkeypatch):
+    monkeypatch.setitem(
+        METHODS, "waydep", MethodInfo("waydep", "tests.test_tuning:WayDependent", "toy")
+    )
+    monkeypatch.setitem(SEARCH_SPACES, "waydep", {"flip": [0.8, 0.9]})
+    fs = make_featureset(n_base=5, n_novel=6, per_class=12, dim=4)  # 2-way base episodes
+    choice = auto_preset("waydep", fs, 5, 1, 15, n_episodes=10)
+    assert "tuned on 2-way" in choice.note
+    assert choice.method == "nearest-centroid", choice.note
+    assert "5-way 1-shot episodes of all 5 base classes" in choice.note
