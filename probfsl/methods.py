@@ -32,6 +32,10 @@ class MethodInfo:
     #: tasks per batch on the CPU when ``--batch-size`` is not given: small for the slow
     #: methods, so that progress shows every few seconds (a GPU takes 1000 at once)
     cpu_batch: int = 1000
+    #: whether the model's structure changes with the number of classes of a task (GP-Tree:
+    #: its class tree is one node at 2 ways), so that a search on fewer ways than the tasks
+    #: must be checked at the tasks' way
+    way_dependent: bool = False
 
     def load(self) -> type[FewShotClassifier]:
         module, cls = self.target.split(":")
@@ -67,6 +71,7 @@ METHODS: dict[str, MethodInfo] = {
             "Pólya-Gamma GP classifiers in a class tree (Achituve et al., ICML 2021)",
             demo_tasks=30,
             cpu_batch=100,
+            way_dependent=True,
         ),
         MethodInfo(
             "evidence-lssvm",

@@ -608,7 +608,7 @@ def _auto_preset(
             )
             choice.params, choice.preset, accuracy = fixed, preset, reference_accuracy
     where = f"{w}-way {s}-shot base episodes"
-    if w < way:  # the way matters (GP-Tree's class tree): compare at the target way too
+    if w < way and _way_dependent(method):  # GP-Tree's tree: compare at the target way too
         q_full = way * max(1, round(q / w))  # the same queries per class, at the target way
         full = _full_way_comparison(
             method, choice, fs, (way, s, q_full), balance, alpha, seed, dtype, device
@@ -626,6 +626,11 @@ def _auto_preset(
     return choice
 
 
+def _way_dependent(method: str) -> bool:
+    info = methods.METHODS.get(method)
+    return bool(info and info.way_dependent)
+
+
 def _full_way_comparison(
     method, choice, fs, shape, balance, alpha, seed, dtype, device, n_episodes=100
 ) -> tuple[float, float] | None:
@@ -635,9 +640,11 @@ def _full_way_comparison(
     When the base classes are too few for base episodes of the target way (half of them
     play the novel classes), the search runs on fewer ways, where a method whose
     behaviour depends on the way (GP-Tree's class tree is a single node at 2 ways) can
-    look better than it is. Here every base class plays a novel class and the base
-    statistics (centring, scatter) come from the same classes: a slight advantage
-    shared by both sides of the comparison."""
+    look better than it is (:attr:`probfsl.methods.MethodInfo.way_dependent`). Here
+    every base class plays a novel class and the base statistics come from the same
+    classes, which suits a method that only centres on them (GP-Tree, nearest centroid)
+    but not one that uses them as negatives (SLEM): hence only for way-dependent
+    methods."""
     base = fs.rows("base")
     both = FeatureSet(
         features=np.concatenate([fs.features[base], fs.features[base]]),

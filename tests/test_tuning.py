@@ -407,12 +407,14 @@ class WayDependent(FewShotClassifier):
 
 
 def test_auto_on_fewer_ways_is_held_against_nearest_centroid_at_the_target_way(monkeypatch):
-    monkeypatch.setitem(
-        METHODS, "waydep", MethodInfo("waydep", "tests.test_tuning:WayDependent", "toy")
-    )
+    info = MethodInfo("waydep", "tests.test_tuning:WayDependent", "toy", way_dependent=True)
+    monkeypatch.setitem(METHODS, "waydep", info)
     monkeypatch.setitem(SEARCH_SPACES, "waydep", {"flip": [0.8, 0.9]})
     fs = make_featureset(n_base=5, n_novel=6, per_class=12, dim=4)  # 2-way base episodes
     choice = auto_preset("waydep", fs, 5, 1, 15, n_episodes=10)
     assert "tuned on 2-way" in choice.note
     assert choice.method == "nearest-centroid", choice.note
     assert "5-way 1-shot episodes of all 5 base classes" in choice.note
+    # a method not declared way-dependent is judged on the base episodes alone
+    monkeypatch.setitem(METHODS, "waydep", MethodInfo("waydep", info.target, "toy"))
+    assert auto_preset("waydep", fs, 5, 1, 15, n_episodes=10, cache=False).method is None
