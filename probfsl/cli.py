@@ -100,6 +100,36 @@ def _add_device_dtype(
     )
 
 
+def _add_task_shape(parser: argparse.ArgumentParser) -> None:
+    """``--way``, ``--shot``, ``--query``, ``--balance`` and ``--alpha``: the few-shot task
+    setting (:mod:`probfsl.data.tasks`)."""
+    parser.add_argument("--way", type=_positive(int), default=5, help="classes per task")
+    parser.add_argument("--shot", type=_positive(int), default=1, help="support samples per class")
+    parser.add_argument("--query", type=_positive(int), default=75, help="queries per task in all")
+    parser.add_argument(
+        "--balance",
+        choices=["balanced", "dirichlet"],
+        default="balanced",
+        help="queries per class: equal, or drawn from a Dirichlet (--alpha)",
+    )
+    parser.add_argument(
+        "--alpha",
+        type=_positive(float),
+        default=2.0,
+        help="Dirichlet concentration of the unbalanced query counts",
+    )
+
+
+def _add_zero_shot_range(parser: argparse.ArgumentParser) -> None:
+    """``--min-classes`` and ``--max-classes`` of zero-shot tasks."""
+    parser.add_argument(
+        "--min-classes", type=_positive(int), default=3, help="zero-shot: fewest classes"
+    )
+    parser.add_argument(
+        "--max-classes", type=_positive(int), default=10, help="zero-shot: most classes"
+    )
+
+
 def _methods_epilog() -> str:
     """Per method: its named presets and its ``--param`` keys (the estimator's
     hyperparameters)."""
@@ -171,21 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--features", metavar="PATH", help=".npz with features, labels, split (or .pt / .pkl)"
     )
     run.add_argument("--allow-pickle", action="store_true", help=ALLOW_PICKLE_HELP)
-    run.add_argument("--way", type=_positive(int), default=5, help="classes per task")
-    run.add_argument("--shot", type=_positive(int), default=1, help="support samples per class")
-    run.add_argument("--query", type=_positive(int), default=75, help="queries per task in all")
-    run.add_argument(
-        "--balance",
-        choices=["balanced", "dirichlet"],
-        default="balanced",
-        help="queries per class: equal, or drawn from a Dirichlet (--alpha)",
-    )
-    run.add_argument(
-        "--alpha",
-        type=_positive(float),
-        default=2.0,
-        help="Dirichlet concentration of the unbalanced query counts",
-    )
+    _add_task_shape(run)
     run.add_argument("--tasks", type=_positive(int), default=1000, help="tasks to evaluate")
     run.add_argument("--seed", type=int, default=0, help="seed of the tasks (task i: seed, i)")
     _add_device_dtype(run)
@@ -235,12 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="zero-shot tasks (em-dirichlet): 3-10 classes from all classes, "
         "probabilities from the class embeddings",
     )
-    run.add_argument(
-        "--min-classes", type=_positive(int), default=3, help="zero-shot: fewest classes"
-    )
-    run.add_argument(
-        "--max-classes", type=_positive(int), default=10, help="zero-shot: most classes"
-    )
+    _add_zero_shot_range(run)
     run.add_argument("--out", metavar="FILE", help="write the result as .json or .csv")
 
     tune = sub.add_parser(
@@ -262,16 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tsource.add_argument("--features", metavar="PATH", help=".npz with features, labels, split")
     tune.add_argument("--allow-pickle", action="store_true", help=ALLOW_PICKLE_HELP)
-    tune.add_argument("--way", type=_positive(int), default=5, help="classes per task")
-    tune.add_argument("--shot", type=_positive(int), default=1, help="support samples per class")
-    tune.add_argument("--query", type=_positive(int), default=75, help="queries per task in all")
-    tune.add_argument(
-        "--balance",
-        choices=["balanced", "dirichlet"],
-        default="balanced",
-        help="queries per class: equal, or drawn from a Dirichlet (--alpha)",
-    )
-    tune.add_argument("--alpha", type=_positive(float), default=2.0, help="Dirichlet concentration")
+    _add_task_shape(tune)
     tune.add_argument(
         "--episodes",
         type=_positive(int),
@@ -289,12 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="tune for zero-shot tasks (em-dirichlet) drawn from the base classes only",
     )
-    tune.add_argument(
-        "--min-classes", type=_positive(int), default=3, help="zero-shot: fewest classes"
-    )
-    tune.add_argument(
-        "--max-classes", type=_positive(int), default=10, help="zero-shot: most classes"
-    )
+    _add_zero_shot_range(tune)
     tune.add_argument(
         "--param", action="append", metavar="KEY=VALUE", help="a fixed hyperparameter (repeatable)"
     )
