@@ -27,6 +27,7 @@ from probfsl.data import (
     sample_zero_shot_tasks,
 )
 from probfsl.data.simplex import zero_shot_probabilities
+from probfsl.data.tasks import task_file_shape
 from probfsl.evaluation import text_table, write_results
 from probfsl.evaluation.protocol import evaluate_stream
 from probfsl.evaluation.tables import COLUMNS
@@ -163,8 +164,7 @@ def run_setting(
     if task_file:
         indices = load_task_file(task_file)
         tasks = len(indices["query"])
-        way = int(indices["support_labels"].max()) + 1
-        shot, query = indices["support"].shape[1] // way, indices["query"].shape[1]
+        way, shot, query = task_file_shape(indices)
 
         def batch(start: int, stop: int):
             rows = {key: value[start:stop] for key, value in indices.items()}
@@ -468,10 +468,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         calibrate = "none"  # the default with --preset auto: nothing to fit it on
     if args.task_file and preset == "auto" and not args.zero_shot:
         # tune for the task file's shape, not the --way/--shot/--query defaults
-        indices = load_task_file(args.task_file)
-        args.way = int(indices["support_labels"].max()) + 1
-        args.shot = indices["support"].shape[1] // args.way
-        args.query = indices["query"].shape[1]
+        args.way, args.shot, args.query = task_file_shape(load_task_file(args.task_file))
     auto_note, method = None, args.method
     if not args.zero_shot:
         params = _without_base(args.method, fs, None if preset == "auto" else preset, params)

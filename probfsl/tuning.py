@@ -455,10 +455,12 @@ def _version() -> str:
     return __version__
 
 
-def _baseline_accuracy(view: FeatureSet, episodes: Episodes, dtype, device) -> float:
-    """:data:`BASELINE`'s accuracy (%) on ``episodes`` of the base-episode ``view``."""
-    baseline = methods.make_estimator(BASELINE).fit_featureset(view, dtype, device)
-    hits = (baseline.predict(episodes) == episodes.query_labels).double().mean(-1)
+def _accuracy(
+    method: str, preset: str | None, params: dict, view: FeatureSet, episodes, dtype, device
+) -> float:
+    """Accuracy (%) on ``episodes`` of ``method`` fitted on the base classes of ``view``."""
+    model = methods.make_estimator(method, preset, **params).fit_featureset(view, dtype, device)
+    hits = (model.predict(episodes) == episodes.query_labels).double().mean(-1)
     return accuracy_ci(hits.cpu().numpy())[0]
 
 
@@ -587,7 +589,7 @@ def _auto_preset(
     episodes = sample_episodes(  # tune's
         view, n_episodes, *shape, balance, alpha, seed, dtype=dtype, device=device
     )
-    baseline = _baseline_accuracy(view, episodes, dtype, device)
+    baseline = _accuracy(BASELINE, None, {}, view, episodes, dtype, device)
     best = max(result.trace, key=lambda row: row[criterion])
     w, s, q = shape
     choice = AutoChoice(params=result.best, result=result, baseline_accuracy=baseline)
@@ -597,10 +599,7 @@ def _auto_preset(
             f"tuned on {w}-way {s}-shot {q}-query base episodes (the {n_base} base classes "
             f"cannot form {way}-way {shot}-shot {n_query}-query ones)"
         )
-        reference = methods.make_estimator(method, preset, **fixed)
-        reference.fit_featureset(view, dtype, device)
-        hits = (reference.predict(episodes) == episodes.query_labels).double().mean(-1)
-        reference_accuracy = accuracy_ci(hits.cpu().numpy())[0]
+        reference_accuracy = _accuracy(method, preset, fixed, view, episodes, dtype, device)
         if best["accuracy"] - best["ci95"] <= reference_accuracy:
             choice.note += (
                 f"; no candidate beat {used} there ({reference_accuracy:.1f}%) by more than "
@@ -659,10 +658,10 @@ def _full_way_comparison(
         )
     except ValueError:
         return None
-    chosen = methods.make_estimator(choice.method or method, choice.preset, **choice.params)
-    chosen.fit_featureset(both, dtype, device)
-    hits = (chosen.predict(episodes) == episodes.query_labels).double().mean(-1)
-    return accuracy_ci(hits.cpu().numpy())[0], _baseline_accuracy(both, episodes, dtype, device)
+    return (
+        _accuracy(method, choice.preset, choice.params, both, episodes, dtype, device),
+        _accuracy(BASELINE, None, {}, both, episodes, dtype, device),
+    )
 
 
 def auto_preset_zero_shot(

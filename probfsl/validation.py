@@ -322,10 +322,8 @@ def check_base(
     if features is None:
         raise TypeError("base features must be a tensor or array, got None")
     # pandas in (a DataFrame's values); the dtype contract stays strict here
-    if hasattr(features, "to_numpy") and not isinstance(features, (np.ndarray, torch.Tensor)):
-        features = as_user_array(features, "base features", features=False)
-    if hasattr(labels, "to_numpy") and not isinstance(labels, (np.ndarray, torch.Tensor)):
-        labels = labels.to_numpy()
+    features = as_user_array(features, "base features", features=False)
+    labels = as_user_array(labels, "base labels", features=False)
     features = as_float_tensor(features, "base features", ndim=2)
     labels = as_label_tensor(labels, "base labels", n=features.shape[0], device=features.device)
     if labels.ndim != 1:

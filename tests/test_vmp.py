@@ -743,3 +743,17 @@ def test_vmp_refuses_a_model_without_latent_sites_and_bad_settings():
     # the good data still run
     state, info = VMP(_normal_mean_model).fit(torch.randn(2, 3))
     assert bool(torch.isfinite(info.trace).all())
+
+
+def test_vmp_structure_check_leaves_the_random_stream_as_it_was(monkeypatch):
+    """The extra traces of the structure check draw from reseeded streams and restore
+    the user's: the stream after ``fit`` is the one without the check."""
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(1))
+    streams = []
+    for check in (True, False):
+        if not check:
+            monkeypatch.setattr(VMP, "_check_structure", lambda self, *a: None)
+        torch.manual_seed(5)
+        VMP(_normal_mean_model, max_iter=2).fit(x)
+        streams.append(torch.rand(3))
+    assert torch.equal(*streams)

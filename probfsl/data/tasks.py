@@ -514,6 +514,12 @@ def save_task_file(path: str | os.PathLike, indices: dict[str, np.ndarray]) -> P
     return path
 
 
+def task_file_shape(indices: dict[str, np.ndarray]) -> tuple[int, int, int]:
+    """(way, shot, queries) of the tasks of a task file (:func:`load_task_file`)."""
+    way = int(indices["support_labels"].max()) + 1
+    return way, indices["support"].shape[1] // way, indices["query"].shape[1]
+
+
 def load_task_file(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Read an explicit task file written by :func:`save_task_file` or another harness.
 

@@ -665,9 +665,15 @@ class VMP(Engine):
             ]
 
         first = shape(trace)
-        with torch.random.fork_rng(devices=[]), pyro.validation_enabled(False):
+        device = next((v.device for v in (*args, *kwargs.values()) if torch.is_tensor(v)), None)
+        cuda = [device] if device is not None and device.type == "cuda" else []
+        # the user's random streams are left as they were (the CPU's and the data's GPU's)
+        with torch.random.fork_rng(devices=cuda), pyro.validation_enabled(False):
             for seed in (1, 2, 3, 4):
-                torch.manual_seed(seed)
+                torch.random.default_generator.manual_seed(seed)
+                for d in cuda:
+                    with torch.cuda.device(d):
+                        torch.cuda.manual_seed(seed)
                 if shape(self._trace(args, kwargs)) != first:
                     raise ValueError(
                         "VMP cannot follow this model: its sites change with the values of "
