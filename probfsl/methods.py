@@ -102,7 +102,8 @@ def method_info(name: str) -> MethodInfo:
 
 
 def make_estimator(name: str, preset: str | None = None, **params) -> FewShotClassifier:
-    """A new estimator of method ``name`` with hyperparameters ``params``.
+    """A new estimator of method ``name`` with hyperparameters ``params``, checked at
+    once (:meth:`~probfsl.models.base.Hyperparameters.check_params`).
 
     ``preset`` names a published setting of methods that define ``from_preset``.
     ``preset="auto"`` (hyperparameters tuned on base-class episodes) is built one layer
@@ -115,7 +116,7 @@ def make_estimator(name: str, preset: str | None = None, **params) -> FewShotCla
         choices = ", ".join(p for p in accepted if p != "self")
         raise ValueError(f"{name}: unknown hyperparameter(s) {unknown}; accepted: {choices}")
     if preset is None:
-        return cls(**params)
+        return _checked(cls(**params))
     if preset == "auto":
         raise ValueError(
             "preset 'auto' tunes the method on base-class episodes: build it with "
@@ -123,7 +124,16 @@ def make_estimator(name: str, preset: str | None = None, **params) -> FewShotCla
         )
     if not hasattr(cls, "from_preset"):
         raise ValueError(f"method {name!r} has no presets")
-    return cls.from_preset(preset, **params)
+    return _checked(cls.from_preset(preset, **params))
+
+
+def _checked(estimator: FewShotClassifier) -> FewShotClassifier:
+    """``estimator`` after its hyperparameter check (a registered class without one, such
+    as a duck-typed estimator, is returned as it is)."""
+    check = getattr(estimator, "check_params", None)
+    if check is not None:
+        check()
+    return estimator
 
 
 def parse_params(items: list[str] | None) -> dict:

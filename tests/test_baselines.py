@@ -110,4 +110,4 @@ def test_nearest_centroid_prototype_variants(synthetic):
     # "normalized" scores are cosines: invariant to rescaling a prototype
     assert not torch.allclose(mean.predict_proba(ep), cos.predict_proba(ep))
     with pytest.raises(ValueError, match="prototype"):
-        NearestCentroid(prototype="median")
+        NearestCentroid(prototype="median").check_params()

@@ -20,7 +20,7 @@ from probfsl import tuning
 from probfsl.data import load_dataset
 from probfsl.data.tasks import sample_episodes
 from probfsl.estimator_io import checksum
-from probfsl.methods import METHODS, make_estimator
+from probfsl.methods import METHODS, make_estimator, method_info
 from probfsl.models.base import FewShotClassifier
 
 #: small settings for the slow methods (the checks test the interface, not accuracy)
@@ -104,6 +104,24 @@ def test_get_set_params_round_trip(name):
     with pytest.raises(ValueError, match="unknown hyperparameter.*accepted"):
         est.set_params(not_a_parameter=1)
     assert est.get_params() == {**params, key: value}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_init_only_stores(name):
+    """No logic in __init__: any value is stored as given, and refused by check_params
+    (and by set_params, which then leaves the estimator as it was)."""
+    cls = method_info(name).load()
+    junk = {k: object() for k in inspect.signature(cls).parameters}
+    est = cls(**junk)
+    assert all(est.get_params()[k] is v for k, v in junk.items())
+    with pytest.raises((TypeError, ValueError)):
+        est.check_params()
+    good = make_estimator(name, **SMALL.get(name, {}))
+    before = good.get_params()
+    for key in before:
+        with pytest.raises((TypeError, ValueError), match=key):
+            good.set_params(**{key: object()})
+        assert good.get_params() == before
 
 
 @pytest.mark.parametrize("name", NAMES)

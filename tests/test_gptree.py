@@ -198,7 +198,7 @@ def test_bad_input():
     with pytest.raises(ValueError, match="NaN"):
         model.predict_proba(X * np.nan)
     with pytest.raises(ValueError, match="inference"):
-        GPTree(inference="ep")
+        GPTree(inference="ep").fit(X, y)
 
 
 # ---------------------------------------------------------------------- Pyro model, ArviZ

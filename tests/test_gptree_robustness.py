@@ -357,8 +357,14 @@ def test_gptree_rejects_bad_data():
     ],
 )
 def test_gptree_rejects_bad_hyperparameters(kwargs, err, name):
+    model = GPTree(**kwargs)  # __init__ only stores (scikit-learn's convention)
+    assert model.get_params()[name] is kwargs[name]
     with pytest.raises(err, match=name):
-        GPTree(**kwargs)
+        model.check_params()
+    X, y = torch.randn(12, 3), torch.arange(12) % 3
+    with pytest.raises(err, match=name):
+        model.fit(X, y)
+    assert not hasattr(model, "stage_")
 
 
 @pytest.mark.parametrize(
@@ -375,9 +381,15 @@ def test_gptree_rejects_bad_hyperparameters(kwargs, err, name):
         (dict(seed=-1), ValueError, "seed"),
     ],
 )
-def test_few_shot_rejects_bad_hyperparameters(kwargs, err, name):
+def test_few_shot_rejects_bad_hyperparameters(kwargs, err, name, omniglot):
+    clf = GPTreeFewShot(**kwargs)
     with pytest.raises(err, match=name):
-        GPTreeFewShot(**kwargs)
+        clf.check_params()
+    fs, eps = omniglot
+    with pytest.raises(err, match=name):
+        clf.fit_base(*fs.base())
+    with pytest.raises(err, match=name):
+        clf.predict_proba(eps[:2])
 
 
 def test_few_shot_rejects_bad_data(omniglot):
@@ -505,3 +517,13 @@ def test_few_shot_node_batches_change_neither_results_nor_host_syncs(omniglot):
             many.predict_proba(eps[:n_tasks])
         counts.append(counter.total)
     assert counts[0] == counts[1] <= 50, counts
+
+
+def test_gptree_clone_and_set_params():
+    from sklearn.base import clone
+
+    model = GPTree(n_chains=3, vi_iter=1)
+    assert clone(model).get_params() == model.get_params()
+    with pytest.raises(ValueError, match="n_sweeps"):
+        model.set_params(n_sweeps=0)
+    assert model.n_sweeps == 10 and model.set_params(n_sweeps=2).n_sweeps == 2

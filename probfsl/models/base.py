@@ -41,10 +41,67 @@ from probfsl.validation import (
     check_float_dtype,
 )
 
-__all__ = ["BaseMeanCentering", "FewShotClassifier", "episodes_from_arrays"]
+__all__ = ["BaseMeanCentering", "FewShotClassifier", "Hyperparameters", "episodes_from_arrays"]
 
 
-class FewShotClassifier(ABC):
+class Hyperparameters:
+    """scikit-learn's hyperparameter convention: ``__init__`` stores its arguments under
+    their own names and does nothing else; :meth:`get_params`/:meth:`set_params` read and
+    write them (so ``sklearn.base.clone`` works) and :meth:`check_params` validates them,
+    before every fit and prediction."""
+
+    @classmethod
+    def _param_names(cls) -> list[str]:
+        """The hyperparameters: the arguments of ``__init__``."""
+        return [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+
+    def get_params(self, deep: bool = True) -> dict:
+        """Hyperparameters as given to ``__init__``, read from the attributes of the same
+        names (scikit-learn's convention, so ``sklearn.base.clone`` works; ``deep`` is
+        accepted for that interface: no hyperparameter is itself an estimator)."""
+        return {k: getattr(self, k) for k in self._param_names() if hasattr(self, k)}
+
+    def set_params(self, **params: Any) -> Self:
+        """Change hyperparameters; returns ``self``.
+
+        ``ValueError`` listing the accepted names for a name that is not an ``__init__``
+        argument. The new values are stored and checked by :meth:`check_params` (fitted
+        attributes are kept). Fitted statistics derived from a changed hyperparameter
+        (e.g. BAVARDAGE's relative-scale whitening) are refreshed only by a new ``fit``.
+        """
+        accepted = self._param_names()
+        unknown = sorted(set(params) - set(accepted))
+        if unknown:
+            raise ValueError(
+                f"{type(self).__name__}: unknown hyperparameter(s) {unknown}; "
+                f"accepted: {', '.join(accepted)}"
+            )
+        previous = {name: getattr(self, name) for name in params if hasattr(self, name)}
+        for name, value in params.items():
+            setattr(self, name, value)
+        try:
+            return self.check_params()
+        except (TypeError, ValueError):
+            for name in params:  # a refused value leaves the estimator as it was
+                if name in previous:
+                    setattr(self, name, previous[name])
+                else:
+                    delattr(self, name)
+            raise
+
+    def check_params(self) -> Self:
+        """Check the hyperparameters (``TypeError``/``ValueError`` naming the first bad
+        one); returns ``self``. ``__init__`` only stores its arguments (scikit-learn's
+        convention), so this runs before every fit and prediction, and at once in
+        :func:`~probfsl.methods.make_estimator` and :meth:`set_params`."""
+        self._check_params()
+        return self
+
+    def _check_params(self) -> None:
+        """Raise on an invalid hyperparameter; never changes an attribute."""
+
+
+class FewShotClassifier(Hyperparameters, ABC):
     """Batched few-shot classifier: ``[T]`` tasks in, ``[T, Q, K]`` query probabilities out."""
 
     #: whether the method uses the unlabelled queries of a task jointly
@@ -119,36 +176,6 @@ class FewShotClassifier(ABC):
         labels = classes.gather(1, self.predict(episodes))
         labels = labels[0] if single else labels
         return labels if isinstance(query, torch.Tensor) else labels.cpu().numpy()
-
-    @classmethod
-    def _param_names(cls) -> list[str]:
-        """The hyperparameters: the arguments of ``__init__``."""
-        return [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-
-    def get_params(self, deep: bool = True) -> dict:
-        """Hyperparameters as given to ``__init__``, read from the attributes of the same
-        names (scikit-learn's convention, so ``sklearn.base.clone`` works; ``deep`` is
-        accepted for that interface: no hyperparameter is itself an estimator)."""
-        return {k: getattr(self, k) for k in self._param_names() if hasattr(self, k)}
-
-    def set_params(self, **params: Any) -> Self:
-        """Change hyperparameters; returns ``self``.
-
-        ``ValueError`` listing the accepted names for a name that is not an ``__init__``
-        argument. The new values go through ``__init__`` again (its checks apply; fitted
-        attributes are kept). Fitted statistics derived from a changed hyperparameter
-        (e.g. BAVARDAGE's relative-scale whitening) are refreshed only by a new ``fit``.
-        """
-        accepted = self._param_names()
-        unknown = sorted(set(params) - set(accepted))
-        if unknown:
-            raise ValueError(
-                f"{type(self).__name__}: unknown hyperparameter(s) {unknown}; "
-                f"accepted: {', '.join(accepted)}"
-            )
-        current = self.get_params()
-        self.__init__(**{**current, **params})
-        return self
 
     def fitted_state(self) -> dict[str, Any]:
         """The fitted attributes (names ending in ``_``), without ``call_diagnostics``."""

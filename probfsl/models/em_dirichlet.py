@@ -285,7 +285,7 @@ class EMDirichlet(FewShotClassifier):
     def needs_base(self) -> bool:
         return self.center
 
-    def _validate(self) -> None:
+    def _check_params(self) -> None:
         """``TypeError``/``ValueError`` naming the first bad hyperparameter (called before
         any computation by ``fit_base``, ``fit_probabilities`` and ``predict_*``)."""
         check_temperature(self.temperature)
@@ -337,7 +337,7 @@ class EMDirichlet(FewShotClassifier):
         """Store the base-class mean for ``center=True`` (nothing else is learnt).
 
         ``features`` [N, D] and ``labels`` [N]: tensors or NumPy arrays."""
-        self._validate()
+        self._check_params()
         check_base(features, labels)
         self.base_mean_ = as_float_tensor(features, "base features", ndim=2).mean(0)
         return self
@@ -366,7 +366,7 @@ class EMDirichlet(FewShotClassifier):
         Without support (zero-shot) the inner loop defaults to ``BOUNDED_MM``, with
         support to ``REFERENCE_MM`` (see the class docstring).
         """
-        self._validate()
+        self._check_params()
         zero_shot = support is None or (
             isinstance(support, torch.Tensor) and support.ndim == 3 and support.shape[1] == 0
         )
@@ -384,7 +384,7 @@ class EMDirichlet(FewShotClassifier):
         cancel, e.g. D = 1 or points at the base mean): it then has cosine 0 with every
         sample (logit 0), rather than stopping the batch.
         """
-        self._validate()
+        self._check_params()
         class_features = getattr(self, "class_features_", None)
         mean = getattr(self, "base_mean_", None) if self.center else None
         width = None
@@ -431,7 +431,7 @@ class EMDirichlet(FewShotClassifier):
         queries of each task are clustered by Algorithm 2 (no support), then clusters are
         matched to classes (:func:`match_clusters`).
         """
-        self._validate()
+        self._check_params()
         check_probabilities(probs, "probs", ndim=3)
         state = self.fit_probabilities(probs)
         return match_clusters(state.query_r.argmax(-1), probs, matching or self.matching)

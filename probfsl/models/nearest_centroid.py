@@ -37,7 +37,6 @@ class NearestCentroid(BaseMeanCentering, FewShotClassifier):
         self.center = center
         self.prototype = prototype
         self.temperature = temperature
-        self._check_params()
 
     def _check_params(self) -> None:
         check_choice("prototype", self.prototype, self.PROTOTYPES)

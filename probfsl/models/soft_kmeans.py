@@ -27,12 +27,11 @@ class SoftKMeans(BaseMeanCentering, FewShotClassifier):
         self.temperature = temperature
         self.n_iter = n_iter
         self.center = center
-        self._check_params()
 
     def _check_params(self) -> None:
         check_temperature(self.temperature)
         check_flag("center", self.center)
-        self.n_iter = check_hyperparameter("n_iter", self.n_iter, integer=True, low=1)
+        check_hyperparameter("n_iter", self.n_iter, integer=True, low=1)
 
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
         """Query responsibilities ``[T, Q, K]`` after ``n_iter`` soft k-means passes."""
@@ -44,6 +43,6 @@ class SoftKMeans(BaseMeanCentering, FewShotClassifier):
             episodes.support_labels,
             episodes.way,
             self.temperature,
-            self.n_iter,
+            int(self.n_iter),
         )
         return p[:, episodes.support.shape[1] :]

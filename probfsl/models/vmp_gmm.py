@@ -28,7 +28,12 @@ from probfsl.data.tasks import Episodes
 from probfsl.inference.soft_kmeans import soft_kmeans_gram
 from probfsl.inference.vmp import VMP, VMPState
 from probfsl.models.base import FewShotClassifier
-from probfsl.validation import check_base, check_episodes, check_hyperparameter
+from probfsl.validation import (
+    check_base,
+    check_choice,
+    check_episodes,
+    check_hyperparameter,
+)
 
 
 def vmp_gmm_model(
@@ -159,17 +164,23 @@ class VMPGaussianMixture(FewShotClassifier):
         precision: str = "diagonal",
         chunk: int = 50,
     ) -> None:
-        if precision not in ("diagonal", "full"):
-            raise ValueError(f"precision must be 'diagonal' or 'full', got {precision!r}")
-        for name in ("alpha0", "beta0", "a0", "temperature"):
-            check_hyperparameter(name, locals()[name], positive=True)
         self.alpha0, self.beta0, self.a0 = alpha0, beta0, a0
         self.temperature, self.n_kmeans = temperature, n_kmeans
         self.max_iter, self.tol = max_iter, tol
-        self.precision, self.chunk = precision, int(chunk)
+        self.precision, self.chunk = precision, chunk
+
+    def _check_params(self) -> None:
+        """``TypeError``/``ValueError`` naming the first bad hyperparameter."""
+        check_choice("precision", self.precision, ("diagonal", "full"))
+        for name in ("alpha0", "beta0", "a0", "temperature"):
+            check_hyperparameter(name, getattr(self, name), positive=True)
+        for name in ("n_kmeans", "max_iter", "chunk"):
+            check_hyperparameter(name, getattr(self, name), integer=True, low=1)
+        check_hyperparameter("tol", self.tol, nonnegative=True)
 
     def fit_base(self, features: Any, labels: Any) -> Self:
         """Base mean and the average within-class variance of each normalised feature."""
+        self._check_params()
         features, labels = check_base(features, labels)
         self.base_mean_ = features.mean(0)
         x = center_and_normalize(features, self.base_mean_)
@@ -210,8 +221,8 @@ class VMPGaussianMixture(FewShotClassifier):
             way,
             n_support,
             self.temperature,
-            self.n_kmeans,
-            max_iter=self.max_iter,
+            int(self.n_kmeans),
+            max_iter=int(self.max_iter),
             tol=self.tol,
         )
 
@@ -234,6 +245,7 @@ class VMPGaussianMixture(FewShotClassifier):
         return state
 
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
+        self._check_params()
         mean = getattr(self, "base_mean_", None)
         check_episodes(episodes, dim=None if mean is None else mean.shape[0])
         n_s = episodes.support.shape[1]
@@ -242,8 +254,8 @@ class VMPGaussianMixture(FewShotClassifier):
             self.episode_objective_ = state.objective
             return state.q["z"][0][:, n_s:]
         probs, elbo = [], []
-        for start in range(0, len(episodes), self.chunk):
-            state = self._state(episodes[start : start + self.chunk])
+        for start in range(0, len(episodes), int(self.chunk)):
+            state = self._state(episodes[start : start + int(self.chunk)])
             probs.append(state.q["z"][0][:, n_s:])
             elbo.append(state.objective)
         self.episode_objective_ = torch.cat(elbo)

@@ -32,6 +32,7 @@ import torch
 
 from probfsl.inference import gp_nodes as gpn
 from probfsl.inference.base import run
+from probfsl.models.base import Hyperparameters
 from probfsl.models.gptree.model import inducing_slots, node_batch
 from probfsl.models.gptree.tree import Tree, build_tree, hard_kmeans, path_probabilities
 from probfsl.validation import (
@@ -127,7 +128,7 @@ def _check_features_labels(X, y) -> tuple[torch.Tensor, torch.Tensor]:
 # ============================================================================ estimators
 
 
-class GPTree:
+class GPTree(Hyperparameters):
     """GP-Tree multi-class GP classifier with class-incremental stages (spec §3.7).
 
     Args:
@@ -201,45 +202,63 @@ class GPTree:
         dtype: torch.dtype | None = torch.float64,
         record: bool = False,
     ) -> None:
+        self.inference = inference
+        self.n_chains = n_chains
+        self.n_sweeps = n_sweeps
+        self.gibbs_outputscale = gibbs_outputscale
+        self.gibbs_lengthscale = gibbs_lengthscale
+        self.n_inducing = n_inducing
+        self.vi_outputscale = vi_outputscale
+        self.vi_lengthscale = vi_lengthscale
+        self.vi_iter = vi_iter
+        self.vi_lr = vi_lr
+        self.learn_inducing = learn_inducing
+        self.natural_lr = natural_lr
+        self.code_elbo = code_elbo
+        self.pg_sampler = pg_sampler
+        self.kmeans_n_init = kmeans_n_init
+        self.seed = seed
+        self.dtype = dtype
+        self.record = record
+
+    def _check_params(self) -> None:
+        """``TypeError``/``ValueError`` naming the first bad hyperparameter."""
         hp = check_hyperparameter
-        self.inference = check_choice("inference", inference, ("vi", "gibbs"))
-        self.n_chains = hp("n_chains", n_chains, integer=True, low=1)
-        self.n_sweeps = hp("n_sweeps", n_sweeps, integer=True, low=1)
-        self.gibbs_outputscale = hp("gibbs_outputscale", gibbs_outputscale, positive=True)
-        self.gibbs_lengthscale = hp("gibbs_lengthscale", gibbs_lengthscale, positive=True)
-        self.n_inducing = hp("n_inducing", n_inducing, integer=True, low=1)
-        self.vi_outputscale = hp("vi_outputscale", vi_outputscale, positive=True)
-        self.vi_lengthscale = hp("vi_lengthscale", vi_lengthscale, low=1e-2)
-        if vi_lengthscale <= 1e-2:  # the constraint's bound, l > 1e-2
-            raise ValueError(f"vi_lengthscale must exceed 1e-2, got {vi_lengthscale!r}")
-        self.vi_iter = hp("vi_iter", vi_iter, integer=True, nonnegative=True)
-        self.vi_lr = hp("vi_lr", vi_lr, nonnegative=True)
-        self.learn_inducing = check_flag("learn_inducing", learn_inducing)
-        self.natural_lr = hp("natural_lr", natural_lr, positive=True, high=1)
-        self.code_elbo = check_flag("code_elbo", code_elbo)
-        self.pg_sampler = check_choice("pg_sampler", pg_sampler, ("torch", "exact"))
-        self.kmeans_n_init = hp("kmeans_n_init", kmeans_n_init, integer=True, low=1)
-        self.seed = hp("seed", seed, integer=True, nonnegative=True)
-        self.dtype = None if dtype is None else check_float_dtype("dtype", dtype)
-        self.record = check_flag("record", record)
+        check_choice("inference", self.inference, ("vi", "gibbs"))
+        for name in ("n_chains", "n_sweeps", "n_inducing", "kmeans_n_init"):
+            hp(name, getattr(self, name), integer=True, low=1)
+        for name in ("vi_iter", "seed"):
+            hp(name, getattr(self, name), integer=True, nonnegative=True)
+        for name in ("gibbs_outputscale", "gibbs_lengthscale", "vi_outputscale"):
+            hp(name, getattr(self, name), positive=True)
+        hp("vi_lengthscale", self.vi_lengthscale)
+        if self.vi_lengthscale <= 1e-2:  # the constraint's bound, l > 1e-2
+            raise ValueError(f"vi_lengthscale must exceed 1e-2, got {self.vi_lengthscale!r}")
+        hp("vi_lr", self.vi_lr, nonnegative=True)
+        hp("natural_lr", self.natural_lr, positive=True, high=1)
+        for name in ("learn_inducing", "code_elbo", "record"):
+            check_flag(name, getattr(self, name))
+        check_choice("pg_sampler", self.pg_sampler, ("torch", "exact"))
+        if self.dtype is not None:
+            check_float_dtype("dtype", self.dtype)
 
     # ------------------------------------------------------------------ helpers
     def _gibbs_engine(self, stage: int, device) -> gpn.GibbsNodes:
-        gen = torch.Generator(device=device).manual_seed(self.seed + stage)
+        gen = torch.Generator(device=device).manual_seed(int(self.seed) + stage)
         return gpn.GibbsNodes(
-            n_chains=self.n_chains,
+            n_chains=int(self.n_chains),
             outputscale=self.gibbs_outputscale,
             lengthscale=self.gibbs_lengthscale,
             sampler=self.pg_sampler,
             generator=gen,
-            seed=self.seed + stage,
+            seed=int(self.seed) + stage,
             record=self.record,
         )
 
     def _exemplars(self, x: torch.Tensor, seed: int) -> torch.Tensor:
         """m_c inducing inputs of one class: k-means centres (n_init 5, max_iter 200), or
         the points themselves (repeated cyclically) when there are ≤ m_c of them (§3.6)."""
-        m = self.n_inducing
+        m = int(self.n_inducing)
         if len(x) <= m:
             return x[torch.arange(m, device=x.device) % len(x)]
         _, centres = hard_kmeans(x.detach().cpu().double().numpy(), m, n_init=5, seed=seed)
@@ -264,6 +283,7 @@ class GPTree:
     # ------------------------------------------------------------------ base stage
     def fit(self, X, y) -> Self:
         """Base stage: build the tree over the classes of ``y`` and fit every node."""
+        self._check_params()
         X, y = _check_features_labels(X, y)
         X = X.to(X.dtype if self.dtype is None else self.dtype)
         classes = sorted(torch.unique(y).tolist())
@@ -274,14 +294,14 @@ class GPTree:
         self.base_classes_ = classes
         self.classes_ = list(classes)
         self.base_tree_ = build_tree(
-            self._means(feats, classes), classes, self.seed, self.kmeans_n_init
+            self._means(feats, classes), classes, int(self.seed), int(self.kmeans_n_init)
         )
         self.inducing_ = torch.stack(
-            [self._exemplars(feats[c], self.seed) for c in classes]
+            [self._exemplars(feats[c], int(self.seed)) for c in classes]
         )  # [C, m_c, D]
         if self.inference == "gibbs":
             eng = self._gibbs_engine(0, X.device)
-            self.base_groups_ = _fit_gibbs_tree(self.base_tree_, feats, eng, self.n_sweeps)
+            self.base_groups_ = _fit_gibbs_tree(self.base_tree_, feats, eng, int(self.n_sweeps))
             self.elbo_trace_ = None
             self.last_groups_ = self.base_groups_
         else:
@@ -312,7 +332,7 @@ class GPTree:
         groups, kernels, states, zidx = [], [], [], []
         for ids in group_by_size(sizes):
             x, yv, mask = node_batch(tree, ids, feats)
-            idx, zmask = inducing_slots(tree, ids, self.base_classes_, self.n_inducing, x.device)
+            idx, zmask = inducing_slots(tree, ids, self.base_classes_, int(self.n_inducing), x.device)
             kern = gpytorch.kernels.ScaleKernel(
                 gpytorch.kernels.RBFKernel(
                     batch_shape=torch.Size([len(ids)]),
@@ -346,7 +366,7 @@ class GPTree:
             params.append(Z)
         opt = torch.optim.Adam(params, lr=self.vi_lr)
         trace = []
-        for it in range(self.vi_iter + 1):
+        for it in range(int(self.vi_iter) + 1):
             learn = it < self.vi_iter
             total = Z.new_zeros(())  # the sum of node ELBOs, kept on the device
             if learn:
@@ -388,6 +408,7 @@ class GPTree:
 
         ``classes`` (optional) lists the stage's classes; each must have samples.
         """
+        self._check_params()
         if not hasattr(self, "stage_"):
             raise ValueError("call fit (the base stage) before partial_fit")
         X, y = _check_features_labels(X, y)
@@ -412,24 +433,24 @@ class GPTree:
             raise ValueError(f"stage contains classes already seen: {seen}")
         feats = self._by_class(X, y)
         for c in new:
-            self.novel_feats_[c] = self._exemplars(feats[c], self.seed)
+            self.novel_feats_[c] = self._exemplars(feats[c], int(self.seed))
         self.novel_classes_ = self.novel_classes_ + new
         self.classes_ = self.classes_ + new
         stage = self.stage_
         eng = self._gibbs_engine(stage, X.device)
         ncls = self.novel_classes_
         self.novel_tree_ = build_tree(
-            self._means(self.novel_feats_, ncls), ncls, self.seed, self.kmeans_n_init
+            self._means(self.novel_feats_, ncls), ncls, int(self.seed), int(self.kmeans_n_init)
         )
         self.novel_groups_ = _fit_gibbs_tree(
-            self.novel_tree_, self.novel_feats_, eng, self.n_sweeps
+            self.novel_tree_, self.novel_feats_, eng, int(self.n_sweeps)
         )
         base_x = self.inducing_.reshape(-1, self.inducing_.shape[-1])
         nov_x = torch.cat([self.novel_feats_[c] for c in ncls])
         rx = torch.cat([base_x, nov_x])[None]
         ry = torch.cat([base_x.new_zeros(len(base_x)), nov_x.new_ones(len(nov_x))])[None]
         rmask = torch.ones_like(ry, dtype=torch.bool)
-        self.root_ = GibbsGroup([0], eng.fit(rx, ry, rmask, self.n_sweeps))
+        self.root_ = GibbsGroup([0], eng.fit(rx, ry, rmask, int(self.n_sweeps)))
         self.last_groups_ = [self.root_, *self.novel_groups_]
         self.stage_ = stage + 1
         return self

@@ -69,24 +69,36 @@ class GPTreeFewShot(BaseMeanCentering, FewShotClassifier):
         seed: int = 0,
         max_nodes: int = 2000,
     ) -> None:
+        self.n_chains = n_chains
+        self.n_sweeps = n_sweeps
+        self.outputscale = outputscale
+        self.lengthscale = lengthscale
+        self.center = center
+        self.pg_sampler = pg_sampler
+        self.seed = seed
+        self.max_nodes = max_nodes
+
+    def _check_params(self) -> None:
+        """``TypeError``/``ValueError`` naming the first bad hyperparameter."""
         hp = check_hyperparameter
-        self.n_chains = hp("n_chains", n_chains, integer=True, low=1)
-        self.n_sweeps = hp("n_sweeps", n_sweeps, integer=True, low=1)
-        self.outputscale = hp("outputscale", outputscale, positive=True)
-        self.lengthscale = hp("lengthscale", lengthscale, positive=True)
-        self.center = check_flag("center", center)
-        self.pg_sampler = check_choice("pg_sampler", pg_sampler, ("torch", "exact"))
-        self.seed = hp("seed", seed, integer=True, nonnegative=True)
-        self.max_nodes = hp("max_nodes", max_nodes, integer=True, low=1)
+        for name in ("n_chains", "n_sweeps", "max_nodes"):
+            hp(name, getattr(self, name), integer=True, low=1)
+        hp("outputscale", self.outputscale, positive=True)
+        hp("lengthscale", self.lengthscale, positive=True)
+        check_flag("center", self.center)
+        check_choice("pg_sampler", self.pg_sampler, ("torch", "exact"))
+        hp("seed", self.seed, integer=True, nonnegative=True)
 
     def fit_base(self, features, labels) -> Self:
         """Store the mean of the base ``features [N, D]`` (tensor or NumPy array)."""
+        self._check_params()
         features, _ = check_base(features, labels)
         self.base_mean_ = features.mean(0)
         return self
 
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
         """Query class probabilities ``[T, Q, K]`` (rows sum to one), spec §3.2 and §3.5."""
+        self._check_params()
         mean = self.centring_mean()
         check_episodes(episodes, None if mean is None else mean.shape[-1])
         support = center_and_normalize(episodes.support, mean)
@@ -116,28 +128,28 @@ class GPTreeFewShot(BaseMeanCentering, FewShotClassifier):
         node_task_t = torch.as_tensor(node_task, device=dev)
         node_in_t = torch.as_tensor(node_in, device=dev)
         node_right_t = torch.as_tensor(node_right, device=dev)
-        task_keys = _task_keys(episodes.support, labels, self.seed)
+        task_keys = _task_keys(episodes.support, labels, int(self.seed))
         node_keys = mix32(task_keys[node_task_t] ^ mix32(torch.as_tensor(node_pos, device=dev)))
         engine = gpn.GibbsNodes(
-            self.n_chains,
+            int(self.n_chains),
             self.outputscale,
             self.lengthscale,
             sampler=self.pg_sampler,
-            seed=self.seed,
+            seed=int(self.seed),
         )
         V = len(node_task)
         node_probs = query.new_empty(V, Q)
         failed = torch.zeros(V, dtype=torch.bool, device=dev)
         # node batches bound the memory; the node data come from validated episodes, so the
         # engine skips its checks and the factorisations are tested once, after the loop
-        for a in range(0, V, self.max_nodes):
-            sl = slice(a, a + self.max_nodes)
+        for a in range(0, V, int(self.max_nodes)):
+            sl = slice(a, a + int(self.max_nodes))
             tt = node_task_t[sl]
             lab = labels[tt]  # [v, n]
             mask = torch.gather(node_in_t[sl], 1, lab)
             y = torch.gather(node_right_t[sl], 1, lab).to(support.dtype) * mask
             state = engine.fit(
-                support[tt], y, mask, self.n_sweeps, keys=node_keys[sl], checked=False
+                support[tt], y, mask, int(self.n_sweeps), keys=node_keys[sl], checked=False
             )
             failed[sl] = state.chol_failed
             node_probs[sl] = gpn.gibbs_predict(state, query[tt])
