@@ -13,6 +13,7 @@ from pyro.ops.indexing import Vindex
 
 from probfsl.inference import VMP
 from probfsl.inference.base import run
+from probfsl.inference.vmp.compiler import Compiler
 from probfsl.inference.normal_gamma import NormalGammaVB
 from probfsl.inference.vb_mixture import BavardageVB
 from probfsl.models.bavardage import bavardage_model
@@ -299,24 +300,22 @@ def test_vmp_passes_conformance(name):
     check_engine(_cases()[name])
 
 
-class _BrokenLocMessage(VMP):
-    """The message to a Normal mean overstates the data term by 10%."""
+def test_conformance_catches_a_broken_derived_update(monkeypatch):
+    """The message to a Normal mean overstates the data term by 10%: both checks fail."""
+    from probfsl.inference.vmp import messages
 
-    def _message(self, plan, q, child, role, to):
-        out = super()._message(plan, q, child, role, to)
+    exact = messages.message
+
+    def broken_message(plan, q, child, role, to):
+        out = exact(plan, q, child, role, to)
         return [1.1 * out[0], out[1]] if role == "loc" else out
 
-
-def test_conformance_catches_a_broken_derived_update():
     case = _cases()["normal-mean"]
-    mean_h = dict(mu0=0.5, lam0=2.0, tau=1.7)
-    broken = replace(
-        case, make_engine=lambda: _BrokenLocMessage(partial(normal_mean_model, **mean_h))
-    )
+    monkeypatch.setattr(messages, "message", broken_message)
     with pytest.raises(AssertionError):
-        assert_exact_evidence(broken)
+        assert_exact_evidence(case)
     with pytest.raises(AssertionError):
-        check_engine(broken)
+        check_engine(case)
 
 
 # ------------------------------------------------------------------ behaviour
@@ -564,7 +563,7 @@ def test_vmp_gmm_host_syncs_do_not_grow_with_the_tasks():
 def test_precision_coefficients_are_exact_constants():
     """c of a precision c·τ is read off the model as value / parent, (τ^-1/2)^-2 / τ = 1 ± ulp:
     it is snapped to the exact constant (a scalar), so the sweeps never carry a [T, N] tensor."""
-    from probfsl.inference.vmp import _snap
+    from probfsl.inference.vmp.layout import snap as _snap
 
     plan = VMP(partial(normal_gamma_model, lam0=2.0)).compile(_x(t=6, n=9))
     assert plan.sites["x"].params["precision"].coef_dims == ()
@@ -579,7 +578,7 @@ def test_precision_coefficients_are_exact_constants():
 @pytest.mark.parametrize("t", [2, 50])
 def test_contraction_direct_and_pairwise_paths_agree(t):
     """One einsum call (small or no blow-up) and opt_einsum's pairwise path give one sum."""
-    from probfsl.inference.vmp import _contract
+    from probfsl.inference.vmp.einsum import contract as _contract
 
     g = torch.Generator().manual_seed(0)
     r = torch.rand(t, 30, 4, generator=g, dtype=F64)
@@ -616,23 +615,6 @@ def test_argument_as_long_as_the_tasks_batched_equals_one_at_a_time():
         )
 
 
-def test_pairwise_contractions_are_reused_only_for_the_same_operands():
-    from probfsl.inference import vmp as V
-
-    g = torch.Generator().manual_seed(1)
-    r = torch.rand(8, 1000, 5, generator=g, dtype=F64)  # above V._MEMO_MIN entries
-    x = torch.randn(8, 1000, 16, generator=g, dtype=F64)
-    V._MEMO.clear()
-    a = V._pair("abc,abd->acd", [r, x])
-    b = V._pair("abd,abc->acd", [x, r])  # same contraction, other letters and order
-    assert b is a and len(V._MEMO) == 1
-    c = V._pair("abc,abd->acd", [r, x.clone()])  # new operand: computed again
-    assert c is not a and len(V._MEMO) == 2
-    torch.testing.assert_close(a, torch.einsum("abc,abd->acd", r, x), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(c, a, rtol=0, atol=0)
-    V._MEMO.clear()
-
-
 @pytest.mark.parametrize("order", [["pi", "mu", "z"], ["z", "pi", "mu"]])
 def test_elbo_from_the_labels_normaliser_equals_the_full_elbo(order):
     """After q(z) = softmax(η) is updated last, E ln p(z|π) + E ln p(x|z,μ) + H[q(z)] is read
@@ -643,7 +625,7 @@ def test_elbo_from_the_labels_normaliser_equals_the_full_elbo(order):
     state = vmp.init(xs, ys, xq)
     for _ in range(3):
         state, _ = vmp.step(state)
-        full = vmp._elbo(replace(state.plan, cache={}), state.q)
+        full = vmp.elbo(replace(state, plan=replace(state.plan, cache={})))
         torch.testing.assert_close(state.objective, full, rtol=1e-12, atol=0)
         r, _, others = state.plan.cache[("lse", "z")]
         used = r is state.q["z"][0] and all(state.q[n] is v for n, v in others)
@@ -752,7 +734,7 @@ def test_vmp_structure_check_leaves_the_random_stream_as_it_was(monkeypatch):
     streams = []
     for check in (True, False):
         if not check:
-            monkeypatch.setattr(VMP, "_check_structure", lambda self, *a: None)
+            monkeypatch.setattr(Compiler, "_check_structure", lambda self, *a: None)
         torch.manual_seed(5)
         VMP(_normal_mean_model, max_iter=2).fit(x)
         streams.append(torch.rand(3))

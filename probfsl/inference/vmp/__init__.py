@@ -1,0 +1,66 @@
+"""Variational message passing derived from a Pyro model (spec ``vmp.md``).
+
+Winn & Bishop, "Variational Message Passing", JMLR 6 (2005) §3-4; Bishop, *PRML* (2006)
+§10.1-10.4. Given a Pyro model of conjugate-exponential sites with a leading ``tasks``
+plate, :class:`VMP` reads the model's structure from ``pyro.poutine.trace`` and derives
+
+* the mean-field factor of each latent site, in the family of its prior;
+* the coordinate update of each factor, η*_i = E[η_i(pa_i)] + Σ_children m_{c→i}
+  (spec §1), one batched tensor contraction per message;
+* the analytic ELBO Σ_sites E_q[ln p(x | pa)] + Σ_latent H[q] (Winn & Bishop §3.3);
+* a Pyro guide with the model's signature, and the posterior factors as
+  ``torch.distributions`` objects.
+
+**The modules.** :mod:`~probfsl.inference.vmp.compiler` reads the model into a plan
+(:mod:`~probfsl.inference.vmp.layout`: one named axis per plate and per event dimension),
+:mod:`~probfsl.inference.vmp.messages` holds the updates and the bound as contractions over
+named axes (:mod:`~probfsl.inference.vmp.einsum`), :mod:`~probfsl.inference.vmp.checks` the
+refusals, and :mod:`~probfsl.inference.vmp.engine` the engine.
+
+**How the structure is read.** Parents come from Pyro's provenance tracking
+(``pyro.infer.inspect.get_dependencies``), and one run of the model with every latent site
+at a random value (``poutine.condition``) shows which parameters they move. How a parent
+enters a parameter is then *verified* numerically on those values: a location must equal
+the parent's value (broadcast over the child's extra axes, the parent's event axes
+right-aligned with the child's), a precision (1/scale², or a precision matrix) must equal
+c·(parent) with c fixed, a Categorical's probabilities must equal the Dirichlet parent.
+A parent plate missing from the child is a mixture component axis: the child must select
+it by a latent Categorical site (``Vindex(mu)[..., z, :]``) or by a constant index (labels
+given as data); a fixed per-class table selected by a latent site is accepted too.
+Anything else is refused with a ``ValueError`` naming the site, its distribution and the
+parent (spec §5), before any update. Deriving the plan costs a few runs of the model
+(``init``, with the data's device as the default device, so that Pyro's plates and torch's
+samplers put their tensors with the data); the sweeps never run it.
+
+**Supported pairs** (child parameter ← parent): see :data:`SUPPORTED`.
+
+**Partially observed labels.** ``pyro.sample("z", Categorical(pi), obs=labels,
+obs_mask=observed)`` (Pyro's own mechanism: sites ``z_observed`` and ``z_unobserved``) is one
+Categorical factor whose observed entries are fixed one-hot and never updated.
+
+**Initialisation** (spec §4). Latent Categorical sites start from the given responsibilities
+(``init(..., init_resp={site: probs})``), or from one-hot observed entries and
+uniform-plus-noise elsewhere (noise from a fixed seed over the non-task axes, the same for
+every task, so a batch equals its tasks run alone). Every other factor starts at its prior
+and is then updated once from those responsibilities (an M step before the first E step).
+
+**Schedule.** One ``step`` updates every latent site once, in the order the model declares
+them (or ``order``), and makes no host synchronisation. ``fit`` is ``init`` followed by the
+shared loop :func:`probfsl.inference.base.run`: a task whose ELBO moved by less than ``tol``
+(relative) in one sweep has converged, and from then on its factors are kept
+(:meth:`VMP.keep` masks it; the batch is never shrunk); the host asks whether every task
+has converged once every ``check_every`` sweeps.
+
+**Cost of a sweep.** What is fixed is computed once per plan: a coefficient c of
+c·τ (read off the model as 1 ± 1 ulp) is snapped to its exact value and kept as a scalar;
+ln c, m², ln π of fixed parameters and the priors' natural parameters and log-normalisers
+are cached. Expected statistics are cached per factor and reused by the entropies; terms
+without the data's axes stay unbroadcast until the last addition; small contractions are
+one ``einsum`` call, larger ones follow opt_einsum's order. When a Categorical factor
+was updated last, its ELBO terms and its children's are its normaliser Σ_n ln Σ_k e^η_nk.
+"""
+
+from probfsl.inference.vmp.checks import FAMILIES, SUPPORTED
+from probfsl.inference.vmp.engine import VMP, VMPState
+
+__all__ = ["FAMILIES", "SUPPORTED", "VMP", "VMPState"]

@@ -1,0 +1,105 @@
+"""What VMP accepts: the families it knows and the refusals of spec §5.
+
+Every refusal is a ``ValueError`` raised before any sweep that names the site, its
+distribution and the offending parent, and ends with :data:`SUPPORTED`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pyro.distributions as dist
+import torch
+
+FAMILIES = {
+    "Normal": dist.Normal,
+    "Gamma": dist.Gamma,
+    "Dirichlet": dist.Dirichlet,
+    "Categorical": dist.Categorical,
+    "MultivariateNormal": dist.MultivariateNormal,
+    "Wishart": dist.Wishart,
+}
+
+SUPPORTED = (
+    "Normal(loc <- Normal site, scale = (c * tau)^-1/2 <- Gamma site), each optionally "
+    "indexed by a Categorical site or a fixed index; Categorical(probs <- Dirichlet site); "
+    "MultivariateNormal(loc <- MultivariateNormal site, precision_matrix = c * Lambda <- "
+    "Wishart site), optionally indexed likewise; Dirichlet, Gamma and Wishart with fixed "
+    "parameters"
+)
+
+
+def data_device(args: tuple, kwargs: dict) -> contextlib.AbstractContextManager:
+    """The data's device (that of the first tensor argument) as the default device while the
+    model runs (``init`` only): Pyro's plates and torch's samplers create tensors without
+    ``device=``, and they must land with the data. A no-op without tensor arguments."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return torch.device(a.device)
+    return contextlib.nullcontext()
+
+
+def all_finite(*tensors: torch.Tensor | None) -> torch.Tensor:
+    """A 0-d bool tensor (no host sync): every value of ``tensors`` is finite."""
+    oks = [torch.isfinite(t).all() for t in tensors if t is not None]
+    return torch.stack(oks).all()
+
+
+def check_parameters(sites: list[dict]) -> None:
+    """``ValueError`` naming the site and the parameter when a distribution's parameter
+    is outside its constraint (a negative scale, a concentration of 0, ...); one host
+    synchronisation when every parameter is valid."""
+    checks = []
+    for s in sites:
+        base, _ = unwrap(s["fn"])
+        for name, constraint in getattr(base, "arg_constraints", {}).items():
+            value = base.__dict__.get(name)  # the parameters given, not derived ones
+            if torch.is_tensor(value):
+                checks.append((s["name"], type(base).__name__, name, constraint, value))
+    if not checks:
+        return
+    if bool(torch.stack([c.check(v).all() for *_, c, v in checks]).all()):
+        return
+    for site, fname, name, constraint, value in checks:
+        if not bool(constraint.check(value).all()):
+            raise refuse(site, fname, "-", f"its parameter {name} is outside {constraint}")
+
+
+def check_data(args: tuple, kwargs: dict) -> None:
+    """``ValueError`` before any tracing: tensor arguments with no task (a leading axis of
+    size 0) or no entries."""
+    tensors = [(i, a) for i, a in enumerate((*args, *kwargs.values())) if torch.is_tensor(a)]
+    for i, a in tensors:
+        if a.dim() > 0 and a.shape[0] == 0:
+            raise ValueError(f"VMP needs at least one task: argument {i} has 0 rows")
+        if a.numel() == 0:
+            raise ValueError(f"VMP needs data: argument {i} has shape {tuple(a.shape)}")
+
+
+def refuse(site: str, fn: str, parent: str, why: str) -> ValueError:
+    """The refusal of spec §5: names the site, its distribution and the offending parent."""
+    where = f"site {site!r} ({fn})" + ("" if parent == "-" else f" with parent {parent}")
+    return ValueError(f"VMP cannot use {where}: {why}. Supported: {SUPPORTED}")
+
+
+def unwrap(fn):
+    """Strip Independent / Masked / Expanded wrappers: (base, mask or None)."""
+    mask = None
+    while True:
+        if isinstance(fn, torch.distributions.Independent):
+            fn = fn.base_dist
+        elif isinstance(fn, dist.MaskedDistribution):
+            m = fn._mask
+            mask = m if mask is None else mask & m
+            fn = fn.base_dist
+        elif isinstance(fn, dist.ExpandedDistribution):
+            fn = fn.base_dist
+        else:
+            return fn, mask
+
+
+def family_of(fn) -> str | None:
+    for name, cls in FAMILIES.items():
+        if type(fn) is cls:
+            return name
+    return None

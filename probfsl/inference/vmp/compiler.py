@@ -1,0 +1,598 @@
+"""The VMP compiler: a Pyro model and its data read into a
+:class:`~probfsl.inference.vmp.layout.Plan`.
+
+One trace gives the sites, their plates and distributions (:meth:`Compiler.compile`);
+Pyro's provenance tracking (``pyro.infer.inspect.get_dependencies``) gives each site's
+parents; one run of the model with every latent site at a random value
+(``poutine.condition``) shows which parameters they move, and how a parent enters a
+parameter is then verified on those values: a location must equal the parent's value
+(broadcast over the child's extra axes, the parent's event axes right-aligned with the
+child's), a precision must equal c·(parent) with c fixed, a Categorical's probabilities
+must equal the Dirichlet parent. A parent plate missing from the child is a mixture
+component axis, selected by a latent Categorical site or by a fixed index. Anything else
+is refused (:func:`~probfsl.inference.vmp.checks.refuse`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro import poutine
+
+from probfsl.inference.vmp.checks import (
+    all_finite,
+    check_data,
+    check_parameters,
+    data_device,
+    family_of,
+    refuse,
+    unwrap,
+)
+from probfsl.inference.vmp.einsum import ein
+from probfsl.inference.vmp.layout import (
+    TASKS,
+    Param,
+    Plan,
+    Site,
+    canon,
+    dtype_of,
+    param_dims,
+    reduce_constant,
+    snap,
+    to_pyro,
+    unit,
+)
+
+ROLES = {
+    ("Normal", "loc"): ("Normal", "Categorical"),
+    ("Normal", "precision"): ("Gamma", "Categorical"),
+    ("Categorical", "probs"): ("Dirichlet", "Categorical"),
+    ("MultivariateNormal", "loc"): ("MultivariateNormal", "Categorical"),
+    ("MultivariateNormal", "precision"): ("Wishart", "Categorical"),
+}
+
+
+class Compiler:
+    """Reads one model's plan for given data (the module docstring); ``order`` is the
+    latent sites' update order (default: the model's declaration order)."""
+
+    def __init__(self, model: Callable[..., Any], order: list[str] | None = None) -> None:
+        self.model, self.order = model, order
+        self._runs: dict = {}  # parameters of every site under probe values, per kind
+
+    def _trace(self, args, kwargs, values=None):
+        model = self.model if values is None else poutine.condition(self.model, data=values)
+        with torch.no_grad(), data_device(args, kwargs):
+            return poutine.trace(model).get_trace(*args, **kwargs)
+
+    def compile(self, *args: Any, **kwargs: Any) -> Plan:
+        """Read the model's sites, parents and parameter maps (module docstring)."""
+        check_data(args, kwargs)
+        try:  # parameters are checked below, naming the site (Pyro's check names none)
+            with pyro.validation_enabled(False):
+                trace = self._trace(args, kwargs)
+        except (NotImplementedError, RuntimeError, ZeroDivisionError) as err:
+            ints = [
+                i
+                for i, a in enumerate((*args, *kwargs.values()))
+                if torch.is_tensor(a) and not a.is_floating_point()
+            ]
+            hint = (
+                f"; argument(s) {ints} are integer tensors: the data of a continuous site "
+                "must be float32 or float64"
+                if ints
+                else ""
+            )
+            raise ValueError(f"the model failed on these inputs: {err}{hint}") from None
+        params = [n for n, s in trace.nodes.items() if s["type"] == "param"]
+        if params:
+            raise ValueError(
+                f"VMP cannot use the pyro.param site(s) {params}: point-estimated parameters "
+                "are not supported; give them as fixed values or as latent sites with priors"
+            )
+        raw = [
+            s
+            for s in trace.nodes.values()
+            if s["type"] == "sample"
+            and not s["infer"].get("_deterministic")
+            and not isinstance(s["fn"], dist.Delta)
+            and type(s["fn"]).__name__ != "_Subsample"
+        ]
+        if not raw:
+            raise ValueError("VMP needs a model with sample sites; this model has none")
+        check_parameters(raw)
+        self._check_structure(trace, args, kwargs)
+        ref = next((s["value"] for s in raw if s["value"].is_floating_point()), None)
+        if ref is None:  # no floating value: the first value's device, the default dtype
+            ref = torch.zeros((), device=raw[0]["value"].device if raw else "cpu")
+        sizes: dict[str, int] = {}
+        sites: dict[str, Site] = {}
+        for s in raw:
+            name = s["name"]
+            if name.endswith("_observed") and name[:-9] + "_unobserved" in trace.nodes:
+                continue  # merged with its ``_unobserved`` twin below
+            site = self._read_site(s, trace, sizes)
+            sites[site.name] = site
+        latent = [n for n, s in sites.items() if not s.observed]
+        if not latent:
+            raise ValueError(
+                f"VMP needs at least one latent site; every site of the model is observed "
+                f"({sorted(sites)})"
+            )
+        empty = sorted(name for name, size in sizes.items() if size == 0)
+        if empty:
+            raise ValueError(f"VMP needs data: the plate(s) or axes {empty} have size 0")
+        if self.order is not None:
+            if sorted(self.order) != sorted(latent):
+                raise ValueError(f"order must list the latent sites {latent}, got {self.order}")
+            latent = list(self.order)
+        plan = Plan(sites, latent, sizes, {n: [] for n in latent}, ref)
+        self._find_parents(plan, trace, args, kwargs)
+        return plan
+
+    def _read_site(self, s: dict, trace, sizes: dict) -> Site:
+        name, fn = s["name"], s["fn"]
+        base, mask = unwrap(fn)
+        family = family_of(base)
+        merged = name.endswith("_unobserved") and name[:-11] + "_observed" in trace.nodes
+        logical = name[:-11] if merged else name
+        fname = type(base).__name__
+        if family is None:
+            raise refuse(logical, fname, "-", f"{fname} is not a supported family")
+        if s["scale"] != 1.0:
+            raise refuse(logical, fname, "-", "poutine.scale is not supported")
+        frames = [f for f in s["cond_indep_stack"] if f.vectorized]
+        if TASKS not in [f.name for f in frames]:
+            raise refuse(logical, fname, "-", f"the site has no batched {TASKS!r} plate")
+        batch_shape = tuple(fn.batch_shape)
+        by_dim = {f.dim: f for f in frames}
+        keep, dims = [], []
+        for i, size in enumerate(batch_shape):
+            f = by_dim.get(i - len(batch_shape))
+            if f is not None:
+                keep.append(i)
+                dims.append(f.name)
+                sizes[f.name] = f.size
+            elif size != 1:
+                raise refuse(logical, fname, "-", "a batch axis is not declared by a plate")
+        try:
+            full = torch.broadcast_shapes(s["value"].shape, batch_shape + tuple(fn.event_shape))
+        except RuntimeError:
+            raise refuse(logical, fname, "-", "its value does not fit its distribution") from None
+        if tuple(full[: len(batch_shape)]) != batch_shape:
+            raise refuse(logical, fname, "-", "its value has more batch axes than its distribution")
+        event_shape = tuple(full[len(batch_shape) :])
+        for j, size in enumerate(event_shape):
+            dims.append(f"{logical}#e{j}")
+            sizes[dims[-1]] = size
+        order = sorted(range(len(keep)), key=lambda i: dims[i] != TASKS)
+        dims = [dims[i] for i in order] + dims[len(keep) :]
+        site = Site(
+            logical,
+            family,
+            tuple(dims),
+            frames,
+            batch_shape,
+            len(event_shape),
+            bool(s["is_observed"]) and not merged,
+            None,
+            pyro_name=name,
+            event_shape=event_shape,
+        )
+        site.keep, site.perm = keep, order  # how to canonicalise Pyro tensors
+        site.fn_name = fname
+        if family == "Categorical":
+            site.n_cat = base.probs.shape[-1]
+            sizes[f"{logical}#cat"] = site.n_cat
+        if family == "MultivariateNormal":
+            sizes[dims[-1] + "b"] = event_shape[-1]  # the second axis of x xᵀ
+        if family == "Wishart" and site.observed:
+            raise refuse(logical, fname, "-", "an observed Wishart site is not supported")
+        full_mask = s["mask"]
+        if mask is not None:
+            full_mask = mask if full_mask is None else full_mask & mask
+        if merged:
+            obs_site = trace.nodes[logical + "_observed"]
+            obs_mask = torch.as_tensor(obs_site["mask"], device=obs_site["value"].device)
+            obs_mask = canon(site, obs_mask.expand(batch_shape))
+            obs_val = canon(site, obs_site["value"].expand(batch_shape)).long()
+            site.fixed_mask = obs_mask.bool()
+            one_hot = torch.nn.functional.one_hot(obs_val.clamp(0, site.n_cat - 1), site.n_cat)
+            site.fixed = one_hot.to(dtype_of(trace))
+            full_mask = None  # the ~obs_mask of the unobserved twin
+        if full_mask is not None and not (isinstance(full_mask, bool) and full_mask):
+            m = torch.as_tensor(full_mask, device=s["value"].device)
+            m = canon(site, m.expand(batch_shape))
+            if not site.observed and family != "Categorical":
+                raise refuse(logical, fname, "-", "a mask on a latent continuous site")
+            site.mask, site.mask_dims = reduce_constant(m.to(dtype_of(trace)), site.dims[: m.dim()])
+        if site.observed:
+            value = s["value"]
+            if family != "Categorical" and not value.is_floating_point():
+                raise refuse(
+                    logical, fname, "-", f"its data are {value.dtype}; give float32 or float64"
+                )
+            v = canon(site, value.expand(batch_shape + event_shape))
+            site.value = v
+            if family == "Categorical":
+                site.stats = (
+                    torch.nn.functional.one_hot(v.long(), site.n_cat).to(dtype_of(trace)),
+                )
+            elif family == "MultivariateNormal":
+                site.stats = (v, None)  # x xᵀ enters as x ⊗ x (see _mvn_ops)
+            elif family in ("Normal", "Gamma"):
+                site.stats = (v, v.square() if family == "Normal" else v.log())
+            else:
+                site.stats = (v.log(),)
+            square = v.square() if family == "MultivariateNormal" else None  # x xᵀ's terms
+            if family != "Categorical" and not bool(all_finite(v, *site.stats, square)):
+                if not bool(torch.isfinite(v).all()):
+                    raise refuse(logical, fname, "-", "its data hold NaN or infinite values")
+                raise refuse(
+                    logical,
+                    fname,
+                    "-",
+                    f"the sufficient statistics of its data (squares or logarithms) are not "
+                    f"finite in {v.dtype}: rescale the data, or check for zeros or negative "
+                    "values under a Gamma or Dirichlet",
+                )
+        return site
+
+    def _check_structure(self, trace, args, kwargs) -> None:
+        """``ValueError`` when the model's structure (its sites, their distributions and
+        shapes) changes with the values of its latent sites: Python control flow on a
+        latent value, which message passing cannot follow. Checked by tracing the model
+        again with other draws of its latent sites."""
+
+        def shape(t):
+            return [
+                (n, type(s["fn"]).__name__, tuple(s["value"].shape))
+                for n, s in t.nodes.items()
+                if s["type"] == "sample"
+            ]
+
+        first = shape(trace)
+        device = next((v.device for v in (*args, *kwargs.values()) if torch.is_tensor(v)), None)
+        cuda = [device] if device is not None and device.type == "cuda" else []
+        # the user's random streams are left as they were (the CPU's and the data's GPU's)
+        with torch.random.fork_rng(devices=cuda), pyro.validation_enabled(False):
+            for seed in (1, 2, 3, 4):
+                torch.random.default_generator.manual_seed(seed)
+                for d in cuda:
+                    with torch.cuda.device(d):
+                        torch.cuda.manual_seed(seed)
+                if shape(self._trace(args, kwargs)) != first:
+                    raise ValueError(
+                        "VMP cannot follow this model: its sites change with the values of "
+                        "its latent sites (Python control flow on a latent value)"
+                    )
+
+    def _params(self, site: Site, tr_site: dict) -> dict[str, torch.Tensor]:
+        """The site's parameters in its canonical layout (precision for a Normal)."""
+        base, _ = unwrap(tr_site["fn"])
+        full = site.batch_shape + site.event_shape
+        if site.family == "MultivariateNormal":
+            d = site.event_shape[-1]
+            loc = canon(site, base.loc.expand(full))
+            prec = canon(site, base.precision_matrix.expand(full + (d,)))
+            return {"loc": loc, "precision": prec}
+        if site.family == "Wishart":
+            df = canon(site, base.df.expand(site.batch_shape))
+            return {"df": df, "scale": canon(site, base.covariance_matrix.expand(full))}
+        if site.family == "Normal":
+            out = {"loc": base.loc, "precision": base.scale.pow(-2)}
+        elif site.family == "Gamma":
+            out = {"concentration": base.concentration, "rate": base.rate}
+        elif site.family == "Dirichlet":
+            out = {"concentration": base.concentration}
+        else:
+            out = {"probs": base.probs}
+        res = {}
+        for k, v in out.items():
+            extra = (site.n_cat,) if k == "probs" else ()
+            res[k] = canon(site, v.expand(full + extra))
+        return res
+
+    def _probes(self, plan: Plan) -> dict:
+        """A random value of every latent site, canonical layout (for the verifying run)."""
+        g = torch.Generator().manual_seed(2)
+        cpu = dict(generator=g, dtype=torch.float64, device=g.device)
+        out = {}
+        for n in plan.latent:
+            x = plan.sites[n]
+            shape = [plan.sizes[d] for d in x.dims]
+            if x.family == "Normal":
+                v = torch.randn(shape, **cpu)
+            elif x.family == "Gamma":
+                v = 0.5 + torch.rand(shape, **cpu)
+            elif x.family == "Dirichlet":
+                v = torch.rand(shape, **cpu) + 0.05
+                v = v / v.sum(-1, keepdim=True)
+            elif x.family == "MultivariateNormal":
+                v = torch.randn(shape, **cpu)
+            elif x.family == "Wishart":
+                a = torch.randn(shape, **cpu)
+                eye = torch.eye(shape[-1], dtype=a.dtype, device=a.device)
+                v = a @ a.transpose(-1, -2) / shape[-1] + eye
+            else:
+                v = torch.randint(0, x.n_cat, shape, generator=g, device=g.device)
+            ref = plan.ref
+            out[n] = v.to(ref) if v.is_floating_point() else v.to(ref.device)
+        return out
+
+    def _find_parents(self, plan: Plan, trace, args, kwargs) -> None:
+        sites = plan.sites
+        base_values = {
+            sites[n].pyro_name: trace.nodes[sites[n].pyro_name]["value"] for n in plan.latent
+        }
+        # the first trace drew these very values: its parameters are the base ones
+        base_params = {n: self._params(s, trace.nodes[s.pyro_name]) for n, s in sites.items()}
+        self._runs: dict = {"probes": self._probes(plan)}
+        # site-level parents by Pyro's provenance tracking (one run of the model) ...
+        from pyro.infer.inspect import get_dependencies
+
+        deps = None
+        n_tasks = plan.sizes[TASKS]
+        if n_tasks > 1:  # the structure of one task (cheaper); all tasks if that fails
+
+            def first(a):
+                if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == n_tasks:
+                    return a[:1]
+                return a
+
+            with contextlib.suppress(Exception), data_device(args, kwargs):
+                one = get_dependencies(
+                    self.model, tuple(map(first, args)), {k: first(v) for k, v in kwargs.items()}
+                )
+                deps = one["prior_dependencies"]
+        if deps is None:
+            with data_device(args, kwargs):
+                deps = get_dependencies(self.model, args, kwargs)["prior_dependencies"]
+        logical = {sites[n].pyro_name: n for n in plan.latent}
+        # ... and which parameters move when every latent site takes a random value
+        values = dict(base_values)
+        values.update(
+            {sites[n].pyro_name: to_pyro(sites[n], v) for n, v in self._runs["probes"].items()}
+        )
+        tr = self._trace(args, kwargs, values)
+        self._runs["verify"] = {n: self._params(x, tr.nodes[x.pyro_name]) for n, x in sites.items()}
+        for n, s in sites.items():
+            site_pa = [
+                logical[d] for d in deps.get(s.pyro_name, {}) if d in logical and logical[d] != n
+            ]
+            for k, v in base_params[n].items():
+                pa = []
+                if not torch.equal(self._runs["verify"][n][k], v):
+                    fits = ROLES.get((s.family, k), ())
+                    pa = [p for p in site_pa if sites[p].family in fits]
+                    if not pa:
+                        desc = ", ".join(f"{p!r} ({sites[p].fn_name})" for p in site_pa) or "-"
+                        raise refuse(n, s.fn_name, desc, f"its {k} depends on them non-conjugately")
+                s.params[k] = self._param_map(plan, s, k, v, pa, base_values, args, kwargs)
+                p = s.params[k]
+                if p.parent is not None:
+                    plan.children[p.parent].append((n, k))
+                if p.selector is not None and (n, "select") not in plan.children[p.selector]:
+                    plan.children[p.selector].append((n, "select"))
+            self._name_selected_constants(s)
+            self._check_selectors(s)
+
+    @staticmethod
+    def _name_selected_constants(s: Site) -> None:
+        """Give a selected constant table the component axis of the site's selected parents."""
+        named = {p.selector: p.comp for p in s.params.values() if p.parent and p.comp}
+        for p in s.params.values():
+            placeholder = f"{p.selector}#cat"
+            if p.parent is None and p.comp == placeholder and p.selector in named:
+                p.comp = named[p.selector]
+                p.const_dims = tuple(p.comp if d == placeholder else d for d in p.const_dims)
+
+    def _check_selectors(self, s: Site) -> None:
+        gathered = [p for p in s.params.values() if p.comp is not None]
+        if len({(p.comp, p.selector) for p in gathered}) > 1:
+            raise refuse(
+                s.name, s.fn_name, "-", "its parameters select components by different indices"
+            )
+        if len({p.comp for p in gathered if p.index is not None}) > 1 or (
+            len(gathered) > 1 and gathered[0].index is not None
+        ):
+            idx = [p.index for p in gathered]
+            if any(not torch.equal(idx[0], i) for i in idx[1:]):
+                raise refuse(s.name, s.fn_name, "-", "its parameters use different indices")
+
+    def _selected_constant(self, plan, s, key, dims, selector, base_values, args, kwargs):
+        """A fixed per-component table chosen by a Categorical site (``Vindex(c)[..., z]``)."""
+        z = plan.sites[selector]
+        comp = f"{z.name}#cat"
+        shape = [plan.sizes[d] for d in z.dims]
+
+        def run(z_value):
+            values = dict(base_values)
+            values[z.pyro_name] = to_pyro(z, z_value)
+            tr = self._trace(args, kwargs, values)
+            return self._params(s, tr.nodes[s.pyro_name])[key]
+
+        if not set(z.dims) <= set(dims):
+            raise refuse(s.name, s.fn_name, repr(selector), "the selector has axes the child lacks")
+        table = torch.stack(
+            [
+                run(torch.full(shape, k, dtype=torch.long, device=plan.ref.device))
+                for k in range(z.n_cat)
+            ],
+            -1,
+        )
+        g = torch.Generator().manual_seed(3)
+        probe = torch.randint(0, z.n_cat, shape, generator=g, device=g.device)
+        probe = probe.to(plan.ref.device)
+        eff = (
+            probe if z.fixed_mask is None else torch.where(z.fixed_mask, z.fixed.argmax(-1), probe)
+        )
+        one_hot = torch.nn.functional.one_hot(eff, z.n_cat).to(table)
+        expect = ein(
+            dims,
+            [(table, dims + (comp,)), (one_hot, z.dims + (comp,))],
+            dims + (comp,),
+            plan.sizes,
+            table,
+        )
+        if not torch.allclose(run(probe), expect):
+            raise refuse(s.name, s.fn_name, repr(selector), f"its {key} is not selected by it")
+        c, cd = reduce_constant(table, dims + (comp,))
+        return Param(dims, const=c, const_dims=cd, comp=comp, selector=selector)
+
+    def _param_map(self, plan, s: Site, key, value, pa, base_values, args, kwargs) -> Param:
+        sites = plan.sites
+        dims = param_dims(s, key)
+        if not pa:
+            if s.family in ("MultivariateNormal", "Wishart"):  # matrices keep every axis
+                return Param(dims, const=value, const_dims=dims)
+            c, cd = reduce_constant(value, dims)
+            return Param(dims, const=c, const_dims=cd)
+        want = {
+            ("Normal", "loc"): "Normal",
+            ("Normal", "precision"): "Gamma",
+            ("Categorical", "probs"): "Dirichlet",
+            ("MultivariateNormal", "loc"): "MultivariateNormal",
+            ("MultivariateNormal", "precision"): "Wishart",
+        }.get((s.family, key))
+        mains = [p for p in pa if sites[p].family != "Categorical"]
+        selectors = [p for p in pa if sites[p].family == "Categorical"]
+        pa_desc = ", ".join(f"{p!r} ({sites[p].fn_name})" for p in pa)
+        if not mains and len(selectors) == 1 and s.family == "Normal":
+            return self._selected_constant(
+                plan, s, key, dims, selectors[0], base_values, args, kwargs
+            )
+        if (
+            want is None
+            or len(mains) != 1
+            or len(selectors) > 1
+            or sites[mains[0]].family != want
+            or (selectors and s.family == "Categorical")
+        ):
+            raise refuse(s.name, s.fn_name, pa_desc, f"its {key} is not a conjugate function")
+        parent = sites[mains[0]]
+        selector = selectors[0] if selectors else None
+        p_desc = f"{parent.name!r} ({parent.fn_name})"
+        # the parent's event axes, right-aligned with the parameter's trailing axes
+        n_ev = parent.event_dim
+        if n_ev > len(dims):
+            raise refuse(s.name, s.fn_name, p_desc, "the parent has more axes than the child")
+        rename = {d: d for d in parent.dims}
+        for j in range(n_ev):
+            rename[parent.dims[len(parent.dims) - n_ev + j]] = dims[len(dims) - n_ev + j]
+        if parent.family == "MultivariateNormal":  # the second axis of its x xᵀ
+            rename[parent.dims[-1] + "b"] = rename[parent.dims[-1]] + "b"
+        pdims = tuple(rename[d] for d in parent.dims)
+        for d in parent.dims:
+            if rename[d] in dims and plan.sizes[d] != plan.sizes[rename[d]]:
+                raise refuse(s.name, s.fn_name, p_desc, f"axis {rename[d]} differs in size")
+        missing = [d for d in pdims if d not in dims]
+        if len(missing) > 1:
+            raise refuse(s.name, s.fn_name, p_desc, "more than one parent axis is selected")
+        comp = missing[0] if missing else None
+        if selector and comp is None:
+            selector = None  # the site depends on it through another parameter
+        param = Param(dims, parent=parent.name, rename=rename, comp=comp, selector=selector)
+
+        def run(kind, make):
+            """Parameter ``key`` of ``s`` with the latent values ``make()`` (one model run
+            per kind, shared by every parameter)."""
+            if kind not in self._runs:
+                values = dict(base_values)
+                values.update({sites[n].pyro_name: v for n, v in make().items()})
+                tr = self._trace(args, kwargs, values)
+                self._runs[kind] = {
+                    n: self._params(x, tr.nodes[x.pyro_name]) for n, x in sites.items()
+                }
+            return self._runs[kind][s.name][key]
+
+        def probes():
+            return self._runs["probes"]
+
+        if selector and sites[selector].n_cat != plan.sizes[comp]:
+            raise refuse(s.name, s.fn_name, p_desc, f"{selector!r} has the wrong number of values")
+        pshape = [plan.sizes[d] for d in parent.dims]
+        wishart = parent.family == "Wishart"
+
+        def gathered(parent_value, sel_value):
+            """The parent's value selected (and broadcast) into the parameter's layout."""
+            ops = [(parent_value, pdims)]
+            if comp is not None and selector is None:
+                ops.append((param.index, param.index_dims))
+            elif comp is not None:
+                z = sites[selector]
+                eff = sel_value
+                if z.fixed_mask is not None:
+                    eff = torch.where(z.fixed_mask, z.fixed.argmax(-1), sel_value)
+                oh = torch.nn.functional.one_hot(eff, plan.sizes[comp]).to(value)
+                ops.append((oh, z.dims + (comp,)))
+            return ein(dims, ops, dims + ((comp,) if comp else ()), plan.sizes, value)
+
+        def set_coef(c):
+            """c of a precision c * tau (c I for a precision matrix: the scalar is kept)."""
+            if wishart:
+                c = c[..., 0, 0]
+                coef, param.coef_dims = reduce_constant(c, dims[:-2], ulps=8)
+                param.coef = snap(coef)
+                return c[..., None, None]
+            coef, param.coef_dims = reduce_constant(c, dims, ulps=8)
+            param.coef = snap(coef)
+            return c
+
+        c = None
+        if comp is not None and selector is None:
+            # a fixed index: c from a run at unit precision, then a component-coded run
+            if key == "precision":
+                c = set_coef(
+                    run(
+                        "ones",
+                        lambda: {
+                            n: to_pyro(sites[n], unit(plan, sites[n], value))
+                            for n in plan.latent
+                            if sites[n].family in ("Gamma", "Wishart")
+                        },
+                    )
+                )
+            ci = pdims.index(comp)
+            code = torch.arange(plan.sizes[comp], dtype=value.dtype, device=value.device)
+            code = code.reshape([-1 if i == ci else 1 for i in range(len(pdims))]).expand(pshape)
+            coded = code + 1 if key == "precision" else code
+            if wishart:
+                coded = coded[..., :1] * unit(plan, parent, value)
+            got = run(("code", parent.name, comp), lambda: {parent.name: to_pyro(parent, coded)})
+            if key == "precision":
+                got = got / c - 1
+            if wishart:
+                got = got[..., :1, :1].expand(got.shape)
+            idx = got.round().long()
+            idx, idx_dims = reduce_constant(idx, dims)
+            if key == "probs" or not bool(((idx >= 0) & (idx < plan.sizes[comp])).all()):
+                raise refuse(s.name, s.fn_name, p_desc, "the parent is not selected by an index")
+            one_hot = torch.nn.functional.one_hot(idx.clamp(0, plan.sizes[comp] - 1))
+            param.index, param.index_dims = one_hot.to(value.dtype), idx_dims + (comp,)
+        elif selector is not None and not set(sites[selector].dims) <= set(dims):
+            raise refuse(s.name, s.fn_name, p_desc, f"{selector!r} has axes the child lacks")
+        if key == "precision" and c is None:
+            # c from the base run (the values first drawn), checked below on random values
+            base = gathered(
+                canon(parent, base_values[parent.pyro_name]),
+                None
+                if selector is None
+                else canon(sites[selector], base_values[sites[selector].pyro_name]),
+            )
+            c = set_coef(value / base)
+        # verify the hypothesis on random values of every latent site (one shared run)
+        got = run("verify", lambda: {n: to_pyro(sites[n], v) for n, v in probes().items()})
+        expect = gathered(probes()[parent.name], probes().get(selector))
+        if key == "precision":
+            expect = expect * c
+        if not torch.allclose(got, expect):
+            raise refuse(
+                s.name, s.fn_name, p_desc, f"its {key} is not a (selected) copy of the parent"
+            )
+        return param

@@ -1,0 +1,196 @@
+"""The canonical layout of VMP: sites, their parameters and the plan.
+
+Each site's value is laid out with the ``tasks`` axis first, then one named axis per
+other plate and one per event dimension (``"x#e0"``); a Categorical's probabilities add a
+category axis (``"z#cat"``), a precision matrix a second event axis (``"x#e0b"``). Every
+message is an :func:`~probfsl.inference.vmp.einsum.ein` over these names. A
+:class:`Plan` holds what the compiler (:mod:`probfsl.inference.vmp.compiler`) read off the
+model; the sweeps only read it (and its per-plan caches of fixed quantities).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+LOG_2PI = math.log(2 * math.pi)
+TASKS = "tasks"
+
+
+@dataclass
+class Param:
+    """How one parameter of a site is formed (spec §2)."""
+
+    dims: tuple  # axes of the parameter (the site's, plus the category axis for probs)
+    const: torch.Tensor | None = None  # fixed value (reduced axes ``const_dims``)
+    const_dims: tuple = ()
+    parent: str | None = None
+    rename: dict = field(default_factory=dict)  # parent's axes -> the child's names
+    coef: torch.Tensor | None = None  # c of a precision c * tau
+    coef_dims: tuple = ()
+    comp: str | None = None  # the parent's component axis the child selects
+    selector: str | None = None  # latent Categorical site selecting ``comp``
+    index: torch.Tensor | None = None  # fixed one-hot selection [index_dims + comp]
+    index_dims: tuple = ()
+    derived: dict = field(default_factory=dict, init=False, repr=False)  # see derived
+
+
+def derived(p: Param, kind: str) -> torch.Tensor:
+    """A function of a fixed parameter, computed once per plan: ``square`` (m²), ``log``
+    (ln c) and ``log_probs`` (ln π, clamped) of ``const``, ``log_coef`` (ln c) of ``coef``."""
+    t = p.derived.get(kind)
+    if t is None:
+        if kind == "square":
+            t = p.const.square()
+        elif kind == "log":
+            t = p.const.log()
+        elif kind == "log_coef":
+            t = p.coef.log()
+        else:
+            t = p.const.log().clamp_min(torch.finfo(p.const.dtype).min)
+        p.derived[kind] = t
+    return t
+
+
+@dataclass
+class Site:
+    name: str
+    family: str
+    dims: tuple
+    frames: list  # Pyro plate frames of the site
+    batch_shape: tuple  # Pyro batch shape and the site's event_dim
+    event_dim: int
+    observed: bool
+    value: torch.Tensor | None  # canonical observed value
+    mask: torch.Tensor | None = None  # reduced mask and its axes
+    mask_dims: tuple = ()
+    fixed: torch.Tensor | None = None  # latent Categorical: one-hot of observed entries
+    fixed_mask: torch.Tensor | None = None  # [dims] bool: entries that are observed
+    pyro_name: str = ""  # the guide's site name (``z_unobserved`` for obs_mask sites)
+    params: dict = field(default_factory=dict)
+    n_cat: int = 0
+    event_shape: tuple = ()
+    stats: tuple = ()  # ⟨u⟩ of an observed site
+    keep: list = field(default_factory=list)  # Pyro batch axes that are plates ...
+    perm: list = field(default_factory=list)  # ... and their order in the layout
+    fn_name: str = ""  # the distribution's class name, for messages
+
+
+@dataclass
+class Plan:
+    sites: dict  # name -> Site in model order
+    latent: list  # update order
+    sizes: dict  # axis name -> size
+    children: dict  # latent name -> [(child name, role)]
+    ref: torch.Tensor  # a data tensor (dtype and device)
+    cache: dict = field(default_factory=dict)  # name -> (factor, its expected statistics)
+
+
+def reduce_constant(t: torch.Tensor, dims: tuple, ulps: int = 0) -> tuple[torch.Tensor, tuple]:
+    """Drop the axes along which ``t`` is constant (for cheaper contractions); with ``ulps``,
+    constant up to that many units in the last place (the first slice is kept)."""
+
+    eps = ulps * torch.finfo(t.dtype).eps if t.is_floating_point() else 0
+
+    def constant(i: int) -> bool:
+        first = t.narrow(i, 0, 1).expand_as(t)
+        if not ulps:
+            return torch.equal(t, first)
+        return bool(((t - first).abs() <= eps * first.abs()).all())
+
+    if ulps and t.numel():
+        t0 = t.flatten()[0]
+        if bool(((t - t0).abs() <= eps * t0.abs()).all()):
+            return t0, ()
+    keep = [i for i in range(t.dim()) if t.shape[i] > 1 and not constant(i)]
+    index = tuple(slice(None) if i in keep else 0 for i in range(t.dim()))
+    return t[index], tuple(dims[i] for i in keep)
+
+
+def snap(c: torch.Tensor, ulps: int = 8) -> torch.Tensor:
+    """``c`` rounded to 3 digits fewer than its dtype carries, where that moves it by at most
+    ``ulps`` units in the last place. A coefficient read off the model as value / parent
+    (e.g. ((τ^-1/2)^-2) / τ = 1 ± 1 ulp) becomes exact, so :func:`reduce_constant` finds it
+    constant."""
+    if not c.is_floating_point():
+        return c
+    finfo = torch.finfo(c.dtype)
+    digits = max(1, math.floor(-math.log10(finfo.eps)) - 3)
+    x = c.double()
+    a = x.abs()
+    k = digits - 1 - torch.floor(torch.log10(torch.where(a > 0, a, torch.ones_like(a))))
+    up = torch.pow(10.0, k.clamp_min(0))  # exact powers of ten (k <= 22)
+    down = torch.pow(10.0, (-k).clamp_min(0))
+    r = (torch.round(x * up / down) * down / up).to(c.dtype)
+    ok = torch.isfinite(r) & ((r - c).abs() <= ulps * finfo.eps * c.abs())
+    return torch.where(ok, r, c)
+
+
+def dtype_of(trace) -> torch.dtype:
+    """The dtype of the first floating value of a trace (else torch's default)."""
+    for s in trace.nodes.values():
+        v = s.get("value")
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v.dtype
+    return torch.get_default_dtype()
+
+
+def canon(site: Site, t: torch.Tensor) -> torch.Tensor:
+    """A Pyro-shaped tensor (batch axes, then any trailing axes) in canonical layout."""
+    nb = len(site.batch_shape)
+    index = tuple(slice(None) if i in site.keep else 0 for i in range(nb))
+    t = t[index]
+    perm = list(site.perm) + list(range(len(site.keep), t.dim()))
+    return t.permute(perm)
+
+
+def to_pyro(site: Site, t: torch.Tensor) -> torch.Tensor:
+    """A canonical value in the site's full Pyro shape (for ``poutine.condition``)."""
+    return uncanon(site, t).expand(*site.batch_shape, *site.event_shape)
+
+
+def uncanon(site: Site, t: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`canon`: back to the Pyro batch shape (+ trailing axes)."""
+    nk = len(site.keep)
+    inv = [0] * nk
+    for i, p in enumerate(site.perm):
+        inv[p] = i
+    t = t.permute(inv + list(range(nk, t.dim())))
+    shape = [1] * len(site.batch_shape)
+    for j, i in enumerate(site.keep):
+        shape[i] = t.shape[j]
+    return t.reshape(shape + list(t.shape[nk:]))
+
+
+def param_dims(s: Site, key: str) -> tuple:
+    """Axes of a parameter: the site's, plus the category axis of probabilities, plus
+    the second axis of a precision matrix; a Wishart's df has the plate axes only."""
+    if key == "probs":
+        return s.dims + (f"{s.name}#cat",)
+    if s.family == "MultivariateNormal" and key == "precision":
+        return s.dims + (s.dims[-1] + "b",)
+    if s.family == "Wishart" and key == "df":
+        return s.dims[:-2]
+    return s.dims
+
+
+def stat_dims(s: Site) -> tuple:
+    """Axes of each expected sufficient statistic of the site."""
+    d = s.dims
+    return {
+        "Categorical": (d + (f"{s.name}#cat",),),
+        "Dirichlet": (d,),
+        "MultivariateNormal": (d, d + (d[-1] + "b",)),
+        "Wishart": (d, d[:-2]),
+    }.get(s.family, (d, d))
+
+
+def unit(plan: Plan, s: Site, ref: torch.Tensor) -> torch.Tensor:
+    """Ones for a Gamma site, identity matrices for a Wishart site."""
+    shape = [plan.sizes[d] for d in s.dims]
+    if s.family == "Wishart":
+        eye = torch.eye(shape[-1], dtype=ref.dtype, device=ref.device)
+        return eye.expand(shape)
+    return ref.new_ones(shape)

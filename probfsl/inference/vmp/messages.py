@@ -1,0 +1,400 @@
+"""The updates and the bound of VMP: messages, natural parameters and ELBO terms.
+
+Winn & Bishop (2005) §3-4, spec ``vmp.md`` §1-2. For a latent site, η* = E[η(pa)] plus
+the messages of its children (:func:`natural`); a child's message to a parent is the
+coefficient of the parent's sufficient statistics in E ln p(child | pa) (:func:`message`);
+the bound is Σ_sites E ln p(x | pa) + Σ_latent H[q] (:func:`elbo`). Every function takes
+the :class:`~probfsl.inference.vmp.layout.Plan` and the current factors ``q`` (site name
+-> the factor's parameters in the canonical layout) and contracts named axes with
+:func:`~probfsl.inference.vmp.einsum.ein`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from probfsl.inference import expfam
+from probfsl.inference.vmp.einsum import ein
+from probfsl.inference.vmp.layout import LOG_2PI, TASKS, Plan, Site, derived, stat_dims
+
+FIELDS = {
+    "MultivariateNormal": ("loc", "precision"),
+    "Wishart": ("df", "scale"),
+    "Normal": ("loc", "precision"),
+    "Gamma": ("shape", "rate"),
+    "Dirichlet": ("concentration",),
+    "Categorical": ("probs",),
+}
+
+
+BLOCKS = {
+    "MultivariateNormal": expfam.MultivariateNormal,
+    "Wishart": expfam.Wishart,
+    "Normal": expfam.Normal,
+    "Gamma": expfam.Gamma,
+    "Dirichlet": expfam.Dirichlet,
+    "Categorical": expfam.Categorical,
+}
+
+
+def expected_stats(plan: Plan, q: dict, name: str) -> tuple:
+    """⟨u⟩ of a site in its canonical layout: observed values or the factor's moments."""
+    s = plan.sites[name]
+    if s.observed:
+        return s.stats
+    hit = plan.cache.get(name)
+    if hit is not None and hit[0] is q[name]:
+        return hit[1]
+    stats = block_of(s, q[name]).expected_stats()
+    plan.cache[name] = (q[name], stats)
+    return stats
+
+
+def block_of(s: Site, params: tuple):
+    return BLOCKS[s.family](*params)
+
+
+def parent_ops(plan, q, s, key):
+    """Operands of the parameter ``key`` of site ``s``: a list per statistic."""
+    p = s.params[key]
+    if p.parent is None:
+        return None
+    stats = expected_stats(plan, q, p.parent)
+    sd = stat_dims(plan.sites[p.parent])
+    return [(t, tuple(p.rename[d] for d in dims)) for t, dims in zip(stats, sd, strict=True)]
+
+
+def weights(plan, q, s):
+    """The selection weights of a mixture site: (tensor, axes) or None, and comp."""
+    for p in s.params.values():
+        if p.comp is None:
+            continue
+        if p.selector is None:
+            return [(p.index, p.index_dims)], p.comp
+        z = plan.sites[p.selector]
+        r = q[p.selector][0]
+        return [(r, z.dims + (p.comp,))], p.comp
+    return [], None
+
+
+def normal_ops(plan, q, s):
+    """Operand lists of a Normal site's expected log-density (see :meth:`_normal_terms`)."""
+    loc, prec = s.params["loc"], s.params["precision"]
+    X1 = X2 = None
+    if s.observed or s.name in q:
+        x = expected_stats(plan, q, s.name)
+        X1, X2 = [(x[0], s.dims)], [(x[1], s.dims)]
+    mu = parent_ops(plan, q, s, "loc")
+    if mu is None:
+        L1 = [(loc.const, loc.const_dims)]
+        L2 = [(derived(loc, "square"), loc.const_dims)]
+    else:
+        L1, L2 = [mu[0]], [mu[1]]
+    tau = parent_ops(plan, q, s, "precision")
+    if tau is None:
+        c = [(prec.const, prec.const_dims)]
+        lnc = [(derived(prec, "log"), prec.const_dims)]
+        T1, T2 = [], None
+    else:
+        c = [(prec.coef, prec.coef_dims)]
+        lnc = [(derived(prec, "log_coef"), prec.coef_dims)]
+        T1, T2 = [tau[0]], [tau[1]]
+    M = [] if s.mask is None else [(s.mask, s.mask_dims)]
+    W, comp = weights(plan, q, s)
+    return dict(X1=X1, X2=X2, L1=L1, L2=L2, c=c, lnc=lnc, T1=T1, T2=T2, M=M, W=W, comp=comp)
+
+
+def normal_loglik(plan, o, out, weights):
+    """E ln N(x | m, c τ) summed over the site's axes into ``out``:
+    ½(ln c + ⟨ln τ⟩) − ½ ln 2π − ½ c⟨τ⟩(⟨x²⟩ − 2⟨x⟩⟨m⟩ + ⟨m²⟩) (PRML eq. 10.46 per axis)."""
+    over, ref = o["over"], plan.ref
+    mw = o["M"] + weights
+    pr = mw + o["c"] + o["T1"]
+
+    def e(ops):  # broadcastable: terms without the data's axes stay small
+        return ein(out, ops, over, plan.sizes, ref, expand=False)
+
+    small = 0.5 * e(mw + o["lnc"]) - 0.5 * LOG_2PI * e(mw)
+    if o["T2"] is not None:
+        small = small + 0.5 * e(mw + o["T2"])
+    small = small - 0.5 * e(pr + o["L2"])
+    res = e(pr + o["X1"] + o["L1"]) - 0.5 * e(pr + o["X2"]) + small
+    return res.expand([plan.sizes[d] for d in out])
+
+
+def mvn_ops(plan, q, s):
+    """Operand lists of a MultivariateNormal site: E ln N(x | m, c Λ) per vector is
+    ½(D ln c + ⟨ln|Λ|⟩) − (D/2) ln 2π − ½ c tr(⟨Λ⟩(⟨x xᵀ⟩ − 2⟨x⟩⟨m⟩ᵀ + ⟨m mᵀ⟩))
+    (PRML eq. 10.64-10.71, Winn & Bishop Table 2)."""
+    e = s.dims[-1]
+    eb = e + "b"
+
+    def to_b(dims):
+        return tuple(eb if d == e else d for d in dims)
+
+    o = dict(X1=None, X1b=None, X2=None)
+    if s.observed or s.name in q:
+        x = expected_stats(plan, q, s.name)
+        o.update(X1=[(x[0], s.dims)], X1b=[(x[0], to_b(s.dims))], X2=[(x[1], s.dims + (eb,))])
+        if s.observed:  # x xᵀ as two operands: never materialised, [N, D, D] per task
+            o["X2"] = o["X1"] + o["X1b"]
+    mu = parent_ops(plan, q, s, "loc")
+    if mu is None:
+        m = s.params["loc"].const
+        mm = m.unsqueeze(-1) * m.unsqueeze(-2)
+        o.update(L1=[(m, s.dims)], L1b=[(m, to_b(s.dims))], L2=[(mm, s.dims + (eb,))])
+    else:
+        o.update(L1=[mu[0]], L1b=[(mu[0][0], to_b(mu[0][1]))], L2=[mu[1]])
+    prec = s.params["precision"]
+    lam = parent_ops(plan, q, s, "precision")
+    if lam is None:
+        p = prec.const
+        o.update(
+            coef=[],
+            Lam=[(p, prec.const_dims)],
+            ldet=[[(expfam.families._logdet(p), prec.const_dims[:-2])]],
+        )
+    else:
+        d = plan.sizes[e]
+        coef = [(prec.coef, prec.coef_dims)]
+        o.update(
+            coef=coef,
+            Lam=coef + [lam[0]],
+            ldet=[[(d * prec.coef.log(), prec.coef_dims)], [lam[1]]],
+        )
+    o["M"] = [] if s.mask is None else [(s.mask, s.mask_dims)]
+    o["W"], o["comp"] = weights(plan, q, s)
+    o["over"] = s.dims[:-1] + ((o["comp"],) if o["comp"] else ())
+    o["eb"] = eb
+    return o
+
+
+def mvn_loglik(plan, o, out, weights):
+    mw = o["M"] + weights
+
+    def e(ops):
+        return ein(out, ops, o["over"], plan.sizes, plan.ref)
+
+    d = plan.sizes[o["eb"]]
+    total = -0.5 * d * LOG_2PI * e(mw)
+    for ld in o["ldet"]:
+        total = total + 0.5 * e(mw + ld)
+    lam = mw + o["Lam"]
+    quad = e(lam + o["X2"]) - 2 * e(lam + o["X1"] + o["L1b"]) + e(lam + o["L2"])
+    return total - 0.5 * quad
+
+
+def site_elbo(plan: Plan, q: dict, name: str) -> torch.Tensor:
+    """E_q[ln p(x_site | pa)], one value per task."""
+    s, out = plan.sites[name], (TASKS,)
+    if s.family == "Normal":
+        hit = plan.cache.get(("loglik", name))
+        if hit is not None and all(a is q[n] for n, a in zip(hit[0], hit[1], strict=True)):
+            # Σ_k r_nk E ln N(x_n | θ_k), from the message just sent to the selector
+            _, _, loglik, dims, selector = hit
+            ops = [(q[selector][0], dims), (loglik, dims)]
+            return ein(out, ops, dims, plan.sizes, plan.ref)
+        o = normal_ops(plan, q, s)
+        o["over"] = s.dims + ((o["comp"],) if o["comp"] else ())
+        return normal_loglik(plan, o, out, o["W"])
+    if s.family == "MultivariateNormal":
+        o = mvn_ops(plan, q, s)
+        return mvn_loglik(plan, o, out, o["W"])
+    if s.family == "Categorical":
+        R = expected_stats(plan, q, name)[0]
+        cd = s.dims + (f"{s.name}#cat",)
+        pi = parent_ops(plan, q, s, "probs")
+        if pi is None:
+            p = s.params["probs"]
+            pi = [(derived(p, "log_probs"), p.const_dims)]
+        M = [] if s.mask is None else [(s.mask, s.mask_dims)]
+        return ein(out, M + [(R, cd)] + pi, cd, plan.sizes, plan.ref)
+    # E ln p = Σ_i η_i·⟨u_i⟩ − A(η) with η and Σ A fixed (computed once per plan)
+    block, eta, a_total = prior(plan, s)
+    lp = 0
+    for t, u, n in zip(eta, expected_stats(plan, q, name), block._stat_dims, strict=True):
+        lp = lp + expfam.families._sum_last(t * u, n)
+    return sum_tasks(expfam.families._sum_last(lp, block.event_dim)) - a_total
+
+
+def prior(plan: Plan, s: Site) -> tuple:
+    """The fixed prior block of a Gamma, Dirichlet or Wishart site (full layout), its
+    natural parameters and its log-normaliser summed per task, cached in the plan."""
+    hit = plan.cache.get(("prior", s.name))
+    if hit is None:
+        block = prior_block(plan, s)
+        hit = (block, block.natural(), sum_tasks(block.log_normalizer()))
+        plan.cache[("prior", s.name)] = hit
+    return hit
+
+
+def prior_block(plan: Plan, s: Site):
+    """The fixed prior of a Gamma or Dirichlet site, in its full layout."""
+    full = [
+        ein(p.dims, [(p.const, p.const_dims)], (), plan.sizes, p.const) for p in s.params.values()
+    ]
+    return block_of(s, tuple(full))
+
+
+def sum_tasks(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(t.shape[0], -1).sum(-1) if t.dim() > 1 else t
+
+
+def elbo(plan: Plan, q: dict) -> torch.Tensor:
+    total, no_site, no_entropy = 0, set(), set()
+    for name in plan.latent:  # Categorical factors just updated (see _lse_applies)
+        hit = plan.cache.get(("lse", name))
+        if hit is not None and hit[0] is q[name][0]:
+            if all(q[n] is v for n, v in hit[2]):
+                total = total + hit[1]
+                no_site.update([name] + [c for c, _ in plan.children[name]])
+                no_entropy.add(name)
+    for name, s in plan.sites.items():
+        if name not in no_site:
+            total = total + site_elbo(plan, q, name)
+        if not s.observed and name not in no_entropy:
+            total = total + sum_tasks(entropy(plan, q, name))
+    return total
+
+
+def lse_applies(plan: Plan, s: Site) -> bool:
+    """Whether the ELBO terms of a Categorical factor q(z) = softmax(η) may be read off its
+    update: when η is its prior's E ln π plus the per-component E ln N of its children,
+    E ln p(z | π) + Σ_children E ln p(x | z, ·) + H[q(z)] = Σ_n ln Σ_k exp η_nk (the
+    normaliser; PRML eq. 10.46-10.49), valid while no other factor has changed since.
+    Needs no mask, no observed entries, and Normal children only (their E ln N cached)."""
+    kids = plan.children[s.name]
+    return (
+        s.mask is None
+        and s.fixed_mask is None
+        and bool(kids)
+        and all(role == "select" and plan.sites[c].family == "Normal" for c, role in kids)
+    )
+
+
+def entropy(plan: Plan, q: dict, name: str) -> torch.Tensor:
+    """H[q] = A − η·⟨u⟩ with the cached ⟨u⟩ (a Categorical's own form keeps 0 ln 0 = 0)."""
+    s = plan.sites[name]
+    block = block_of(s, q[name])
+    if s.family == "Categorical":
+        return block.entropy()
+    return -block.expected_log_prob(expected_stats(plan, q, name))
+
+
+def natural(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
+    """η* of a latent site: its prior's expected natural parameter plus (``children``)
+    its children's messages (spec §1)."""
+    s, sizes = plan.sites[name], plan.sizes
+    if s.family == "Normal":
+        o = normal_ops(plan, q, s)
+        o["over"] = s.dims + ((o["comp"],) if o["comp"] else ())
+        pr = o["W"] + o["c"] + o["T1"]
+        eta1 = ein(s.dims, pr + o["L1"], o["over"], sizes, plan.ref)
+        eta2 = -0.5 * ein(s.dims, pr, o["over"], sizes, plan.ref)
+        eta = [eta1, eta2]
+    elif s.family == "Categorical":
+        cd = s.dims + (f"{s.name}#cat",)
+        pi = parent_ops(plan, q, s, "probs")
+        if pi is None:
+            p = s.params["probs"]
+            pi = [(derived(p, "log_probs"), p.const_dims)]
+        eta = [ein(cd, pi, cd, sizes, plan.ref)]
+    elif s.family == "MultivariateNormal":
+        o = mvn_ops(plan, q, s)
+        lam = o["W"] + o["Lam"]
+        eta1 = ein(s.dims, lam + o["L1b"], o["over"], sizes, plan.ref)
+        eta2 = -0.5 * ein(s.dims + (o["eb"],), lam, o["over"], sizes, plan.ref)
+        eta = [eta1, eta2]
+    else:
+        natural = prior(plan, s)[1]
+        eta = [
+            t.expand([sizes[d] for d in dims])
+            for t, dims in zip(natural, stat_dims(s), strict=True)
+        ]
+    for child, role in plan.children[name] if children else ():
+        for i, m in enumerate(message(plan, q, child, role, s)):
+            eta[i] = eta[i] + m
+    return tuple(eta)
+
+
+def message(plan, q, child: str, role: str, to: Site) -> list:
+    """m_{child → to}: the coefficients of u(to) in E ln p(child | pa) (spec §2 table)."""
+    c, sizes, ref = plan.sites[child], plan.sizes, plan.ref
+    if c.family == "Categorical":  # role probs, to a Dirichlet
+        p = c.params["probs"]
+        cd = c.dims + (f"{c.name}#cat",)
+        out = tuple(p.rename[d] for d in to.dims)
+        M = [] if c.mask is None else [(c.mask, c.mask_dims)]
+        R = expected_stats(plan, q, child)[0]
+        return [ein(out, M + [(R, cd)], cd, sizes, ref)]
+    if c.family == "MultivariateNormal":
+        return mvn_message(plan, q, c, role, to)
+    o = normal_ops(plan, q, c)
+    o["over"] = c.dims + ((o["comp"],) if o["comp"] else ())
+    mw = o["M"] + o["W"]
+    if role == "select":
+        out = to.dims + (o["comp"],)
+        loglik = normal_loglik(plan, o, out, [])
+        # cached for the ELBO once q(z) is updated: valid while the other factors stay
+        names = [p.parent for p in c.params.values() if p.parent]
+        names += [] if c.observed else [child]
+        plan.cache[("loglik", child)] = (names, [q[n] for n in names], loglik, out, to.name)
+        return [loglik]
+    p = c.params[role]
+    out = tuple(p.rename[d] for d in to.dims)
+
+    def e(ops):
+        return ein(out, ops, o["over"], sizes, ref)
+
+    if role == "loc":
+        pr = mw + o["c"] + o["T1"]
+        return [e(pr + o["X1"]), -0.5 * e(pr)]
+    cc = mw + o["c"]  # role precision, to a Gamma
+    quad = e(cc + o["X2"]) - 2 * e(cc + o["X1"] + o["L1"]) + e(cc + o["L2"])
+    return [-0.5 * quad, 0.5 * e(mw)]
+
+
+def mvn_message(plan, q, c: Site, role: str, to: Site) -> list:
+    """Messages of a MultivariateNormal child: to its mean (⟨cΛ⟩⟨x⟩, −⟨cΛ⟩/2), to its
+    Wishart precision (−c⟨(x − m)(x − m)ᵀ⟩/2, 1/2), to its selector E ln N per component."""
+    o = mvn_ops(plan, q, c)
+    sizes, ref = plan.sizes, plan.ref
+    if role == "select":
+        return [mvn_loglik(plan, o, to.dims + (o["comp"],), [])]
+    p = c.params[role]
+    out1, out2 = (tuple(p.rename[d] for d in dims) for dims in stat_dims(to))
+    mw = o["M"] + o["W"]
+
+    def e(out, ops):
+        return ein(out, ops, o["over"], sizes, ref)
+
+    if role == "loc":
+        lam = mw + o["Lam"]
+        return [e(out1, lam + o["X1b"]), -0.5 * e(out2, lam)]
+    cc = mw + o["coef"]  # role precision, to a Wishart
+    outer = (
+        e(out1, cc + o["X2"])
+        - e(out1, cc + o["X1"] + o["L1b"])
+        - e(out1, cc + o["L1"] + o["X1b"])
+        + e(out1, cc + o["L2"])
+    )
+    return [-0.5 * outer, 0.5 * e(out2, mw)]
+
+
+def update(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
+    s = plan.sites[name]
+    eta = natural(plan, q, name, children)
+    if s.family == "Categorical":
+        m = eta[0].amax(-1, keepdim=True)  # softmax, fewer passes than torch's
+        r = (eta[0] - m).exp_()
+        z = r.sum(-1, keepdim=True)
+        r = r.div_(z)
+        if s.fixed_mask is not None:
+            r = torch.where(s.fixed_mask.unsqueeze(-1), s.fixed, r)
+        elif children and lse_applies(plan, s):
+            lse = sum_tasks((m + z.log()).squeeze(-1))
+            others = [(n, q[n]) for n in plan.latent if n != name]
+            plan.cache[("lse", name)] = (r, lse, others)
+        return (r,)
+    b = BLOCKS[s.family].from_natural(*eta)
+    return tuple(getattr(b, f) for f in FIELDS[s.family])
