@@ -38,6 +38,11 @@ def _pairs(dtype=torch.float64):
             expfam.Gamma(_pos(*b, dtype=dtype), _pos(*b, dtype=dtype)),
             lambda x: (x, x.log()),
         ),
+        "beta": (
+            expfam.Beta(_pos(*b, dtype=dtype), _pos(*b, dtype=dtype)),
+            expfam.Beta(_pos(*b, dtype=dtype), _pos(*b, dtype=dtype)),
+            lambda x: (x.log(), (-x).log1p()),
+        ),
         "dirichlet": (
             expfam.Dirichlet(_pos(*b, 4, dtype=dtype)),
             expfam.Dirichlet(_pos(*b, 4, dtype=dtype)),

@@ -13,11 +13,12 @@ holding its usual parameters as tensors (device and dtype follow them). Every bl
 * ``distribution()``: the equivalent ``torch.distributions`` object.
 
 References: Bishop, *PRML* (2006) §2.4 (the exponential family), Appendix B (the
-Dirichlet, Gamma and Wishart moments and entropies); Winn & Bishop, "Variational Message
+Beta, Dirichlet, Gamma and Wishart moments and entropies); Winn & Bishop, "Variational Message
 Passing", JMLR 6 (2005), Appendix A (the same table as natural parameters).
 """
 
 from probfsl.inference.expfam.families import (
+    Beta,
     Categorical,
     Dirichlet,
     Gamma,
@@ -26,4 +27,4 @@ from probfsl.inference.expfam.families import (
     Wishart,
 )
 
-__all__ = ["Categorical", "Dirichlet", "Gamma", "MultivariateNormal", "Normal", "Wishart"]
+__all__ = ["Beta", "Categorical", "Dirichlet", "Gamma", "MultivariateNormal", "Normal", "Wishart"]

@@ -18,14 +18,23 @@ FAMILIES = {
     "Categorical": dist.Categorical,
     "MultivariateNormal": dist.MultivariateNormal,
     "Wishart": dist.Wishart,
+    "Beta": dist.Beta,
+    "Bernoulli": dist.Bernoulli,
+    "Binomial": dist.Binomial,
+    "Poisson": dist.Poisson,
 }
+#: families that VMP takes as observed sites only (a latent discrete site is a Categorical)
+OBSERVED_ONLY = ("Bernoulli", "Binomial", "Poisson")
 
 SUPPORTED = (
     "Normal(loc <- Normal site, scale = (c * tau)^-1/2 <- Gamma site), each optionally "
     "indexed by a Categorical site or a fixed index; Categorical(probs <- Dirichlet site); "
     "MultivariateNormal(loc <- MultivariateNormal site, precision_matrix = c * Lambda <- "
-    "Wishart site), optionally indexed likewise; Dirichlet, Gamma and Wishart with fixed "
-    "parameters"
+    "Wishart site), optionally indexed likewise; Gamma(rate = c * b <- Gamma site); "
+    "observed Poisson(rate = c * lambda <- Gamma site), Bernoulli and Binomial(probs <- "
+    "Beta site), each optionally indexed by a Categorical site; observed Categorical(probs "
+    "<- Dirichlet site indexed by a Categorical site); Dirichlet, Beta, Gamma and Wishart "
+    "with fixed parameters"
 )
 
 

@@ -25,6 +25,7 @@ import torch
 from pyro import poutine
 
 from probfsl.inference.vmp.checks import (
+    OBSERVED_ONLY,
     all_finite,
     check_data,
     check_parameters,
@@ -54,7 +55,25 @@ ROLES = {
     ("Categorical", "probs"): ("Dirichlet", "Categorical"),
     ("MultivariateNormal", "loc"): ("MultivariateNormal", "Categorical"),
     ("MultivariateNormal", "precision"): ("Wishart", "Categorical"),
+    ("Gamma", "rate"): ("Gamma", "Categorical"),
+    ("Poisson", "rate"): ("Gamma", "Categorical"),
+    ("Bernoulli", "probs"): ("Beta", "Categorical"),
+    ("Binomial", "probs"): ("Beta", "Categorical"),
 }
+#: the conjugate parent family of each parameter that may have one
+WANT = {
+    ("Normal", "loc"): "Normal",
+    ("Normal", "precision"): "Gamma",
+    ("Categorical", "probs"): "Dirichlet",
+    ("MultivariateNormal", "loc"): "MultivariateNormal",
+    ("MultivariateNormal", "precision"): "Wishart",
+    ("Gamma", "rate"): "Gamma",
+    ("Poisson", "rate"): "Gamma",
+    ("Bernoulli", "probs"): "Beta",
+    ("Binomial", "probs"): "Beta",
+}
+#: parameters that are c · parent (c fixed) rather than a copy of the parent
+SCALED = ("precision", "rate")
 
 
 class Compiler:
@@ -191,6 +210,14 @@ class Compiler:
             sizes[f"{logical}#cat"] = site.n_cat
         if family == "MultivariateNormal":
             sizes[dims[-1] + "b"] = event_shape[-1]  # the second axis of x xᵀ
+        if family in OBSERVED_ONLY and not site.observed:
+            raise refuse(
+                logical,
+                fname,
+                "-",
+                f"a latent {fname} site is not supported; declare a latent discrete value "
+                "as a Categorical site",
+            )
         if family == "Wishart" and site.observed:
             raise refuse(logical, fname, "-", "an observed Wishart site is not supported")
         full_mask = s["mask"]
@@ -213,6 +240,14 @@ class Compiler:
             site.mask, site.mask_dims = reduce_constant(m.to(dtype_of(trace)), site.dims[: m.dim()])
         if site.observed:
             value = s["value"]
+            if family in OBSERVED_ONLY:  # counts: whole numbers, taken in the data's dtype
+                if not bool(torch.isfinite(value).all()):
+                    raise refuse(logical, fname, "-", "its data hold NaN or infinite values")
+                if not bool(((value >= 0) & (value == value.round())).all()):
+                    raise refuse(logical, fname, "-", "its data must be whole numbers >= 0")
+                if family == "Bernoulli" and not bool((value <= 1).all()):
+                    raise refuse(logical, fname, "-", "its data must be 0 or 1")
+                value = value.to(dtype_of(trace))
             if family != "Categorical" and not value.is_floating_point():
                 raise refuse(
                     logical, fname, "-", f"its data are {value.dtype}; give float32 or float64"
@@ -227,6 +262,10 @@ class Compiler:
                 site.stats = (v, None)  # x xᵀ enters as x ⊗ x (see _mvn_ops)
             elif family in ("Normal", "Gamma"):
                 site.stats = (v, v.square() if family == "Normal" else v.log())
+            elif family in OBSERVED_ONLY:
+                site.stats = (v,)
+            elif family == "Beta":
+                site.stats = (v.log(), (-v).log1p())
             else:
                 site.stats = (v.log(),)
             square = v.square() if family == "MultivariateNormal" else None  # x xᵀ's terms
@@ -290,11 +329,17 @@ class Compiler:
             out = {"concentration": base.concentration, "rate": base.rate}
         elif site.family == "Dirichlet":
             out = {"concentration": base.concentration}
-        else:
+        elif site.family == "Beta":
+            out = {"concentration1": base.concentration1, "concentration0": base.concentration0}
+        elif site.family == "Poisson":
+            out = {"rate": base.rate}
+        elif site.family == "Binomial":
+            out = {"total_count": base.total_count, "probs": base.probs}
+        else:  # Categorical, Bernoulli
             out = {"probs": base.probs}
         res = {}
         for k, v in out.items():
-            extra = (site.n_cat,) if k == "probs" else ()
+            extra = (site.n_cat,) if site.family == "Categorical" else ()
             res[k] = canon(site, v.expand(full + extra))
         return res
 
@@ -310,6 +355,8 @@ class Compiler:
                 v = torch.randn(shape, **cpu)
             elif x.family == "Gamma":
                 v = 0.5 + torch.rand(shape, **cpu)
+            elif x.family == "Beta":
+                v = 0.05 + 0.9 * torch.rand(shape, **cpu)
             elif x.family == "Dirichlet":
                 v = torch.rand(shape, **cpu) + 0.05
                 v = v / v.sum(-1, keepdim=True)
@@ -453,13 +500,7 @@ class Compiler:
                 return Param(dims, const=value, const_dims=dims)
             c, cd = reduce_constant(value, dims)
             return Param(dims, const=c, const_dims=cd)
-        want = {
-            ("Normal", "loc"): "Normal",
-            ("Normal", "precision"): "Gamma",
-            ("Categorical", "probs"): "Dirichlet",
-            ("MultivariateNormal", "loc"): "MultivariateNormal",
-            ("MultivariateNormal", "precision"): "Wishart",
-        }.get((s.family, key))
+        want = WANT.get((s.family, key))
         mains = [p for p in pa if sites[p].family != "Categorical"]
         selectors = [p for p in pa if sites[p].family == "Categorical"]
         pa_desc = ", ".join(f"{p!r} ({sites[p].fn_name})" for p in pa)
@@ -472,7 +513,7 @@ class Compiler:
             or len(mains) != 1
             or len(selectors) > 1
             or sites[mains[0]].family != want
-            or (selectors and s.family == "Categorical")
+            or (selectors and s.family == "Categorical" and not s.observed)
         ):
             raise refuse(s.name, s.fn_name, pa_desc, f"its {key} is not a conjugate function")
         parent = sites[mains[0]]
@@ -547,7 +588,7 @@ class Compiler:
         c = None
         if comp is not None and selector is None:
             # a fixed index: c from a run at unit precision, then a component-coded run
-            if key == "precision":
+            if key in SCALED:
                 c = set_coef(
                     run(
                         "ones",
@@ -561,11 +602,11 @@ class Compiler:
             ci = pdims.index(comp)
             code = torch.arange(plan.sizes[comp], dtype=value.dtype, device=value.device)
             code = code.reshape([-1 if i == ci else 1 for i in range(len(pdims))]).expand(pshape)
-            coded = code + 1 if key == "precision" else code
+            coded = code + 1 if key in SCALED else code
             if wishart:
                 coded = coded[..., :1] * unit(plan, parent, value)
             got = run(("code", parent.name, comp), lambda: {parent.name: to_pyro(parent, coded)})
-            if key == "precision":
+            if key in SCALED:
                 got = got / c - 1
             if wishart:
                 got = got[..., :1, :1].expand(got.shape)
@@ -577,7 +618,7 @@ class Compiler:
             param.index, param.index_dims = one_hot.to(value.dtype), idx_dims + (comp,)
         elif selector is not None and not set(sites[selector].dims) <= set(dims):
             raise refuse(s.name, s.fn_name, p_desc, f"{selector!r} has axes the child lacks")
-        if key == "precision" and c is None:
+        if key in SCALED and c is None:
             # c from the base run (the values first drawn), checked below on random values
             base = gathered(
                 canon(parent, base_values[parent.pyro_name]),
@@ -589,7 +630,7 @@ class Compiler:
         # verify the hypothesis on random values of every latent site (one shared run)
         got = run("verify", lambda: {n: to_pyro(sites[n], v) for n, v in probes().items()})
         expect = gathered(probes()[parent.name], probes().get(selector))
-        if key == "precision":
+        if key in SCALED:
             expect = expect * c
         if not torch.allclose(got, expect):
             raise refuse(

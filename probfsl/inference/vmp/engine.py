@@ -31,7 +31,8 @@ class VMPState:
     Attributes:
         plan: the structure derived from the model (shared by every state of a fit).
         q: site name -> the factor's parameters: Normal (loc, precision), Gamma (shape,
-            rate), Dirichlet (concentration,), Categorical (probs,).
+            rate), Dirichlet (concentration,), Beta (concentration1, concentration0),
+            Categorical (probs,), MultivariateNormal (loc, precision), Wishart (df, scale).
         objective: the analytic ELBO [T].
     """
 
@@ -194,6 +195,8 @@ class VMP(Engine):
                 d = dist.Gamma(p[0], p[1])
             elif s.family == "Dirichlet":
                 d = dist.Dirichlet(p[0])
+            elif s.family == "Beta":
+                d = dist.Beta(p[0], p[1])
             else:
                 d = dist.Categorical(probs=p[0])
             ev = s.event_dim - {"Dirichlet": 1, "MultivariateNormal": 1, "Wishart": 2}.get(

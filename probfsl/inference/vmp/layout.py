@@ -167,7 +167,7 @@ def uncanon(site: Site, t: torch.Tensor) -> torch.Tensor:
 def param_dims(s: Site, key: str) -> tuple:
     """Axes of a parameter: the site's, plus the category axis of probabilities, plus
     the second axis of a precision matrix; a Wishart's df has the plate axes only."""
-    if key == "probs":
+    if key == "probs" and s.family == "Categorical":
         return s.dims + (f"{s.name}#cat",)
     if s.family == "MultivariateNormal" and key == "precision":
         return s.dims + (s.dims[-1] + "b",)
@@ -184,11 +184,15 @@ def stat_dims(s: Site) -> tuple:
         "Dirichlet": (d,),
         "MultivariateNormal": (d, d + (d[-1] + "b",)),
         "Wishart": (d, d[:-2]),
+        "Bernoulli": (d,),
+        "Binomial": (d,),
+        "Poisson": (d,),
     }.get(s.family, (d, d))
 
 
 def unit(plan: Plan, s: Site, ref: torch.Tensor) -> torch.Tensor:
-    """Ones for a Gamma site, identity matrices for a Wishart site."""
+    """Ones for a Gamma site, identity matrices for a Wishart site (the unit of a scaled
+    parameter c · parent)."""
     shape = [plan.sizes[d] for d in s.dims]
     if s.family == "Wishart":
         eye = torch.eye(shape[-1], dtype=ref.dtype, device=ref.device)
