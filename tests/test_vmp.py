@@ -429,10 +429,10 @@ def _nonlinear_mean(x):
         pyro.sample("x", dist.Normal(mu.tanh().unsqueeze(-1), 1.0).to_event(1), obs=x)
 
 
-def _poisson(x):
+def _latent_gamma_shape(x):
     with pyro.plate("tasks", x.shape[0], dim=-1):
-        rate = pyro.sample("rate", dist.Gamma(x.new_tensor(2.0), 1.0))
-        pyro.sample("x", dist.Poisson(rate.unsqueeze(-1)).to_event(1), obs=x.abs().round())
+        shape = pyro.sample("shape", dist.Gamma(x.new_tensor(2.0), 1.0))
+        pyro.sample("x", dist.Gamma(shape.unsqueeze(-1), 1.0).to_event(1), obs=x.abs() + 0.1)
 
 
 def _no_tasks_plate(x):
@@ -446,7 +446,7 @@ def _no_tasks_plate(x):
         (_lognormal_scale, "sigma", "LogNormal"),
         (_exp_of_gamma, "x", "'tau' (Gamma)"),
         (_nonlinear_mean, "x", "'mu' (Normal)"),
-        (_poisson, "x", "Poisson"),
+        (_latent_gamma_shape, "x", "'shape' (Gamma)"),
         (_no_tasks_plate, "mu", "tasks"),
     ],
 )
