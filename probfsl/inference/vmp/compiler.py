@@ -37,6 +37,7 @@ from probfsl.inference.vmp.checks import (
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.layout import (
     TASKS,
+    LinearTerm,
     Param,
     Plan,
     Site,
@@ -50,7 +51,7 @@ from probfsl.inference.vmp.layout import (
 )
 
 ROLES = {
-    ("Normal", "loc"): ("Normal", "Categorical"),
+    ("Normal", "loc"): ("Normal", "MultivariateNormal", "Categorical"),
     ("Normal", "precision"): ("Gamma", "Categorical"),
     ("Categorical", "probs"): ("Dirichlet", "Categorical"),
     ("MultivariateNormal", "loc"): ("MultivariateNormal", "Categorical"),
@@ -84,9 +85,9 @@ class Compiler:
         self.model, self.order = model, order
         self._runs: dict = {}  # parameters of every site under probe values, per kind
 
-    def _trace(self, args, kwargs, values=None):
+    def _trace(self, args, kwargs, values=None, grad: bool = False):
         model = self.model if values is None else poutine.condition(self.model, data=values)
-        with torch.no_grad(), data_device(args, kwargs):
+        with torch.set_grad_enabled(grad), data_device(args, kwargs):
             return poutine.trace(model).get_trace(*args, **kwargs)
 
     def compile(self, *args: Any, **kwargs: Any) -> Plan:
@@ -420,10 +421,19 @@ class Compiler:
                     if not pa:
                         desc = ", ".join(f"{p!r} ({sites[p].fn_name})" for p in site_pa) or "-"
                         raise refuse(n, s.fn_name, desc, f"its {k} depends on them non-conjugately")
-                s.params[k] = self._param_map(plan, s, k, v, pa, base_values, args, kwargs)
+                try:
+                    s.params[k] = self._param_map(plan, s, k, v, pa, base_values, args, kwargs)
+                except ValueError:
+                    if not (s.family, k) == ("Normal", "loc") or any(
+                        sites[p].family == "Categorical" for p in pa
+                    ):
+                        raise
+                    s.params[k] = self._linear_map(plan, s, k, pa, base_values, args, kwargs)
                 p = s.params[k]
                 if p.parent is not None:
                     plan.children[p.parent].append((n, k))
+                for term in p.terms:
+                    plan.children[term.parent].append((n, k))
                 if p.selector is not None and (n, "select") not in plan.children[p.selector]:
                     plan.children[p.selector].append((n, "select"))
             self._name_selected_constants(s)
@@ -491,6 +501,121 @@ class Compiler:
             raise refuse(s.name, s.fn_name, repr(selector), f"its {key} is not selected by it")
         c, cd = reduce_constant(table, dims + (comp,))
         return Param(dims, const=c, const_dims=cd, comp=comp, selector=selector)
+
+    def _linear_map(self, plan, s: Site, key, pa, base_values, args, kwargs) -> Param:
+        """An affine parameter Σ_k J_k w_k + b of Normal or MultivariateNormal parents
+        (:mod:`~probfsl.inference.vmp.linear_maps`).
+
+        One run of the model with each parent's value a leaf of autograd gives the
+        parameter as a function of the parents. It is affine in a parent when the gradient
+        of ⟨parameter, v⟩ does not depend on that parent (a structural property of the
+        graph: no rounding of numbers); J's columns come from differentiating the map
+        u ↦ Jᵀu once more, b from the base values, and the whole map is then checked on the
+        random values of every latent site."""
+        sites = plan.sites
+        dims = param_dims(s, key)
+        parents = [sites[p] for p in pa]
+        desc = ", ".join(f"{w.name!r} ({w.fn_name})" for w in parents)
+        leaves, values = {}, dict(base_values)
+        for w in parents:
+            leaf = canon(w, base_values[w.pyro_name]).detach().clone().requires_grad_(True)
+            leaves[w.name] = leaf
+            values[w.pyro_name] = to_pyro(w, leaf)
+        tr = self._trace(args, kwargs, values, grad=True)
+        with torch.enable_grad():
+            value = self._params(s, tr.nodes[s.pyro_name])[key]
+        if not value.requires_grad:
+            raise refuse(s.name, s.fn_name, desc, f"its {key} does not depend on them")
+        terms, offset = [], value.detach()
+        for w in parents:
+            axis = self._contracted_axis(s, w, dims, desc)
+            jac = self._jacobian(value, leaves[w.name], w, axis, s, desc)
+            jac_dims = dims + ((axis,) if axis else ())
+            over = dims + ((axis,) if axis else ())
+            offset = offset - ein(
+                dims, [(jac, jac_dims), (leaves[w.name].detach(), w.dims)], over, plan.sizes, jac
+            )
+            jac, jac_dims = reduce_constant(jac, jac_dims)
+            terms.append(LinearTerm(w.name, jac, jac_dims, axis))
+            if axis is not None and w.family == "Normal":
+                w.joint = True
+                plan.sizes[axis + "b"] = plan.sizes[axis]
+        const, const_dims = reduce_constant(offset, dims)
+        param = Param(dims, const=const, const_dims=const_dims, terms=terms)
+        # the affine hypothesis on random values of every latent site (one shared run)
+        probes = self._runs["probes"]
+        got = self._runs["verify"][s.name][key]
+        expect = ein(dims, [(const, const_dims)], dims, plan.sizes, got)
+        for t in terms:
+            w = sites[t.parent]
+            over = dims + ((t.axis,) if t.axis else ())
+            ops = [(t.jac, t.jac_dims), (probes[t.parent], w.dims)]
+            expect = expect + ein(dims, ops, over, plan.sizes, got)
+        scale = got.abs().amax() if got.numel() else got.new_ones(())
+        if not torch.allclose(got, expect, rtol=1e-5, atol=1e-6 * float(scale)):
+            raise refuse(
+                s.name,
+                s.fn_name,
+                desc,
+                f"its {key} is not an affine function of them with fixed coefficients "
+                "(linear maps of Normal sites with observed coefficients are supported; a "
+                "product of two latent sites or a non-linear function is not)",
+            )
+        return param
+
+    @staticmethod
+    def _contracted_axis(s: Site, w: Site, dims: tuple, desc: str) -> str | None:
+        """The parent's axis that a linear map sums over: its last event axis (or none, for
+        an elementwise map); every other parent axis must be one of the child's."""
+        if w.event_dim > 1:
+            raise refuse(
+                s.name, s.fn_name, desc, "a linear map of a parent with more than one event axis"
+            )
+        axis = w.dims[-1] if w.event_dim == 1 and w.dims[-1] not in dims else None
+        extra = [d for d in w.dims if d not in dims and d != axis]
+        if extra:
+            raise refuse(
+                s.name,
+                s.fn_name,
+                desc,
+                f"the map sums over the parent's plate axes {extra}; sum over an event axis "
+                "of the parent instead",
+            )
+        return axis
+
+    @staticmethod
+    def _jacobian(value, leaf, w: Site, axis, s: Site, desc: str) -> torch.Tensor:
+        """∂value/∂leaf, per element of ``value`` and (with ``axis``) per entry of the
+        parent's last event axis; ``ValueError`` unless the map is affine in the leaf."""
+        with torch.enable_grad():
+            v = torch.ones_like(value)
+            (g,) = torch.autograd.grad(value, leaf, v, create_graph=True, allow_unused=True)
+            if g is None:
+                raise refuse(s.name, s.fn_name, desc, "it does not depend on the parent")
+            if g.requires_grad:
+                (h,) = torch.autograd.grad(g.sum(), leaf, retain_graph=True, allow_unused=True)
+                if h is not None:
+                    raise refuse(
+                        s.name,
+                        s.fn_name,
+                        repr(w.name) + f" ({w.fn_name})",
+                        "the parent enters non-linearly (linear maps of Normal sites are "
+                        "supported; this one is not affine in the parent)",
+                    )
+            u = torch.zeros_like(value, requires_grad=True)
+            (gu,) = torch.autograd.grad(value, leaf, u, create_graph=True)
+            if axis is None:
+                (jac,) = torch.autograd.grad(gu.sum(), u, allow_unused=True)
+                return torch.zeros_like(value) if jac is None else jac.detach()
+            cols = []
+            for p in range(leaf.shape[-1]):
+                pick = torch.zeros(leaf.shape[-1], dtype=leaf.dtype, device=leaf.device)
+                pick[p] = 1
+                (col,) = torch.autograd.grad(
+                    (gu * pick).sum(), u, retain_graph=True, allow_unused=True
+                )
+                cols.append(torch.zeros_like(value) if col is None else col.detach())
+            return torch.stack(cols, -1)
 
     def _param_map(self, plan, s: Site, key, value, pa, base_values, args, kwargs) -> Param:
         sites = plan.sites

@@ -185,7 +185,7 @@ class VMP(Engine):
             params = state.q[name]
             p = [layout.uncanon(s, t) for t in params]
             p = [t.expand(*s.batch_shape, *t.shape[len(s.batch_shape) :]) for t in p]
-            if s.family == "MultivariateNormal":
+            if s.family == "MultivariateNormal" or s.joint:
                 d = dist.MultivariateNormal(p[0], precision_matrix=p[1])
             elif s.family == "Wishart":
                 d = dist.Wishart(p[0], covariance_matrix=p[1])
@@ -200,7 +200,7 @@ class VMP(Engine):
             else:
                 d = dist.Categorical(probs=p[0])
             ev = s.event_dim - {"Dirichlet": 1, "MultivariateNormal": 1, "Wishart": 2}.get(
-                s.family, 0
+                s.family, 1 if s.joint else 0
             )
             out[name] = d.to_event(ev) if ev else d
         return out

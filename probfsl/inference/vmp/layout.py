@@ -20,6 +20,19 @@ TASKS = "tasks"
 
 
 @dataclass
+class LinearTerm:
+    """One term J·w of an affine parameter Σ_k J_k w_k + b (spec §7.1): the parent ``w``,
+    the Jacobian ``jac`` with axes ``jac_dims`` (the parameter's axes it varies along, plus
+    ``axis``, the parent's last event axis that the map contracts; ``None`` for an
+    elementwise map such as c · μ)."""
+
+    parent: str
+    jac: torch.Tensor
+    jac_dims: tuple
+    axis: str | None
+
+
+@dataclass
 class Param:
     """How one parameter of a site is formed (spec §2)."""
 
@@ -34,6 +47,7 @@ class Param:
     selector: str | None = None  # latent Categorical site selecting ``comp``
     index: torch.Tensor | None = None  # fixed one-hot selection [index_dims + comp]
     index_dims: tuple = ()
+    terms: list = field(default_factory=list)  # LinearTerm of an affine map (const = b)
     derived: dict = field(default_factory=dict, init=False, repr=False)  # see derived
 
 
@@ -76,6 +90,9 @@ class Site:
     keep: list = field(default_factory=list)  # Pyro batch axes that are plates ...
     perm: list = field(default_factory=list)  # ... and their order in the layout
     fn_name: str = ""  # the distribution's class name, for messages
+    #: a latent Normal whose last event axis a linear map contracts: its factor is one
+    #: MultivariateNormal over that axis (as BayesPy's GaussianARD), not a product
+    joint: bool = False
 
 
 @dataclass

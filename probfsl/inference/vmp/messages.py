@@ -14,69 +14,17 @@ from __future__ import annotations
 import torch
 
 from probfsl.inference import expfam
+from probfsl.inference.vmp import linear_maps
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.layout import LOG_2PI, TASKS, Plan, Site, derived, stat_dims
-
-FIELDS = {
-    "MultivariateNormal": ("loc", "precision"),
-    "Wishart": ("df", "scale"),
-    "Normal": ("loc", "precision"),
-    "Gamma": ("shape", "rate"),
-    "Dirichlet": ("concentration",),
-    "Categorical": ("probs",),
-    "Beta": ("concentration1", "concentration0"),
-}
-
-
-BLOCKS = {
-    "MultivariateNormal": expfam.MultivariateNormal,
-    "Wishart": expfam.Wishart,
-    "Normal": expfam.Normal,
-    "Gamma": expfam.Gamma,
-    "Dirichlet": expfam.Dirichlet,
-    "Categorical": expfam.Categorical,
-    "Beta": expfam.Beta,
-}
-
-
-def expected_stats(plan: Plan, q: dict, name: str) -> tuple:
-    """⟨u⟩ of a site in its canonical layout: observed values or the factor's moments."""
-    s = plan.sites[name]
-    if s.observed:
-        return s.stats
-    hit = plan.cache.get(name)
-    if hit is not None and hit[0] is q[name]:
-        return hit[1]
-    stats = block_of(s, q[name]).expected_stats()
-    plan.cache[name] = (q[name], stats)
-    return stats
-
-
-def block_of(s: Site, params: tuple):
-    return BLOCKS[s.family](*params)
-
-
-def parent_ops(plan, q, s, key):
-    """Operands of the parameter ``key`` of site ``s``: a list per statistic."""
-    p = s.params[key]
-    if p.parent is None:
-        return None
-    stats = expected_stats(plan, q, p.parent)
-    sd = stat_dims(plan.sites[p.parent])
-    return [(t, tuple(p.rename[d] for d in dims)) for t, dims in zip(stats, sd, strict=True)]
-
-
-def weights(plan, q, s):
-    """The selection weights of a mixture site: (tensor, axes) or None, and comp."""
-    for p in s.params.values():
-        if p.comp is None:
-            continue
-        if p.selector is None:
-            return [(p.index, p.index_dims)], p.comp
-        z = plan.sites[p.selector]
-        r = q[p.selector][0]
-        return [(r, z.dims + (p.comp,))], p.comp
-    return [], None
+from probfsl.inference.vmp.moments import (
+    BLOCKS,
+    FIELDS,
+    block_of,
+    expected_stats,
+    parent_ops,
+    weights,
+)
 
 
 def normal_ops(plan, q, s):
@@ -87,7 +35,10 @@ def normal_ops(plan, q, s):
         x = expected_stats(plan, q, s.name)
         X1, X2 = [(x[0], s.dims)], [(x[1], s.dims)]
     mu = parent_ops(plan, q, s, "loc")
-    if mu is None:
+    if loc.terms:
+        mean, second = linear_maps.moments(plan, q, loc)
+        L1, L2 = [(mean, loc.dims)], [(second, loc.dims)]
+    elif mu is None:
         L1 = [(loc.const, loc.const_dims)]
         L2 = [(derived(loc, "square"), loc.const_dims)]
     else:
@@ -280,7 +231,7 @@ def entropy(plan: Plan, q: dict, name: str) -> torch.Tensor:
     """H[q] = A − η·⟨u⟩ with the cached ⟨u⟩ (a Categorical's own form keeps 0 ln 0 = 0)."""
     s = plan.sites[name]
     block = block_of(s, q[name])
-    if s.family == "Categorical":
+    if s.family == "Categorical" or s.joint:
         return block.entropy()
     return -block.expected_log_prob(expected_stats(plan, q, name))
 
@@ -317,8 +268,12 @@ def natural(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
             t.expand([sizes[d] for d in dims])
             for t, dims in zip(natural, stat_dims(s), strict=True)
         ]
+    if s.joint:  # a diagonal prior, a full second natural parameter (matrix messages)
+        eta[1] = torch.diag_embed(eta[1])
     for child, role in plan.children[name] if children else ():
         for i, m in enumerate(message(plan, q, child, role, s)):
+            if s.joint and i == 1 and m.dim() < eta[1].dim():  # an elementwise message
+                m = torch.diag_embed(m)
             eta[i] = eta[i] + m
     return tuple(eta)
 
@@ -349,6 +304,9 @@ def message(plan, q, child: str, role: str, to: Site) -> list:
         plan.cache[("loglik", child)] = (names, [q[n] for n in names], loglik, out, to.name)
         return [loglik]
     p = c.params[role]
+    if p.terms:  # an affine loc (the only parameter with terms)
+        pr = mw + o["c"] + o["T1"]
+        return linear_maps.message(plan, q, p, to.name, pr, o["X1"][0][0])
     out = tuple(p.rename[d] for d in to.dims)
 
     def e(ops):
@@ -404,6 +362,9 @@ def update(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
             others = [(n, q[n]) for n in plan.latent if n != name]
             plan.cache[("lse", name)] = (r, lse, others)
         return (r,)
+    if s.joint:
+        b = expfam.MultivariateNormal.from_natural(*eta)
+        return b.loc, b.precision
     b = BLOCKS[s.family].from_natural(*eta)
     return tuple(getattr(b, f) for f in FIELDS[s.family])
 

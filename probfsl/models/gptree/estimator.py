@@ -332,7 +332,9 @@ class GPTree(Hyperparameters):
         groups, kernels, states, zidx = [], [], [], []
         for ids in group_by_size(sizes):
             x, yv, mask = node_batch(tree, ids, feats)
-            idx, zmask = inducing_slots(tree, ids, self.base_classes_, int(self.n_inducing), x.device)
+            idx, zmask = inducing_slots(
+                tree, ids, self.base_classes_, int(self.n_inducing), x.device
+            )
             kern = gpytorch.kernels.ScaleKernel(
                 gpytorch.kernels.RBFKernel(
                     batch_shape=torch.Size([len(ids)]),
