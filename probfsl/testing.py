@@ -110,20 +110,26 @@ def pyro_elbo_estimate(
 
 
 def assert_elbo_matches_pyro(case: ConformanceCase, n_sigma: float = 5.0) -> None:
-    """Pyro's ELBO of (model, guide) equals the engine's analytic ELBO within MC error."""
+    """Pyro's ELBO of (model, guide) equals the engine's analytic ELBO within MC error
+    (with the engine's point estimates, if it has any, as the model's ``pyro.param``
+    values)."""
     pyro.set_rng_seed(0)
     engine = case.make_engine()
     state, _ = run(engine, engine.init(*case.data), case.n_steps)
     analytic = _elbo_of(case, engine, state).sum().item()
-    mean, se = pyro_elbo_estimate(
-        case.model,
-        engine.guide(state),
-        case.data,
-        case.particles,
-        case.repeats,
-        case.max_plate_nesting,
-        case.vectorize_particles,
-    )
+    points = engine.point_estimates(state) if hasattr(engine, "point_estimates") else {}
+    with pyro.get_param_store().scope():  # the model's pyro.param sites read the estimates
+        for name, value in points.items():
+            pyro.param(name, value)
+        mean, se = pyro_elbo_estimate(
+            case.model,
+            engine.guide(state),
+            case.data,
+            case.particles,
+            case.repeats,
+            case.max_plate_nesting,
+            case.vectorize_particles,
+        )
     tol = n_sigma * se + 1e-6 * max(1.0, abs(analytic))
     assert abs(mean - analytic) <= tol, (
         f"Pyro Trace_ELBO {mean:.6f} ± {se:.2e} disagrees with the analytic ELBO {analytic:.6f}"

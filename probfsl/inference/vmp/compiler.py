@@ -23,6 +23,8 @@ import pyro
 import pyro.distributions as dist
 import torch
 from pyro import poutine
+from pyro.distributions import constraints
+from pyro.poutine.messenger import Messenger
 
 from probfsl.inference.vmp.checks import (
     OBSERVED_ONLY,
@@ -73,6 +75,41 @@ WANT = {
     ("Bernoulli", "probs"): "Beta",
     ("Binomial", "probs"): "Beta",
 }
+#: the family a point-estimated parameter (``pyro.param``) takes from its constraint
+POINT_FAMILIES = (
+    (constraints.positive, "Gamma"),
+    (constraints.real, "Normal"),
+    (constraints.simplex, "Dirichlet"),
+    (constraints.unit_interval, "Beta"),
+)
+
+
+class _StartAt(Messenger):
+    """Gives the lifted ``pyro.param`` sites their initial values (unless a run sets them),
+    so that every trace sees the model's own starting point."""
+
+    def __init__(self, values: dict) -> None:
+        super().__init__()
+        self.values = values
+
+    def _pyro_sample(self, msg) -> None:
+        if msg["name"] in self.values and msg["value"] is None:
+            msg["value"] = self.values[msg["name"]]
+
+
+def _placeholder(family: str, value: torch.Tensor) -> dist.Distribution:
+    """A law of ``family`` with the shape and support of ``value`` (the point sites'
+    stand-in while the compiler traces the model)."""
+    ones = torch.ones_like(value)
+    if family == "Gamma":
+        return dist.Gamma(ones, ones)
+    if family == "Normal":
+        return dist.Normal(torch.zeros_like(value), ones)
+    if family == "Beta":
+        return dist.Beta(ones, ones)
+    return dist.Dirichlet(ones)
+
+
 #: parameters that are c · parent (c fixed) rather than a copy of the parent
 SCALED = ("precision", "rate")
 
@@ -84,6 +121,28 @@ class Compiler:
     def __init__(self, model: Callable[..., Any], order: list[str] | None = None) -> None:
         self.model, self.order = model, order
         self._runs: dict = {}  # parameters of every site under probe values, per kind
+        self.points: dict[str, torch.Tensor] = {}  # pyro.param name -> initial value
+
+    def _lift(self, params: dict) -> None:
+        """Trace each ``pyro.param`` site from now on as a sample site of the family its
+        constraint names (``poutine.lift`` with a placeholder law that only gives it shape
+        and support): positive -> Gamma (a precision or rate), real -> Normal (a location),
+        simplex -> Dirichlet, unit_interval -> Beta. The sweeps never use the placeholder:
+        a point site's update is the maximiser of its children's terms (spec §7.2)."""
+        prior = {}
+        for name, node in params.items():
+            value = node["value"].detach()
+            constraint = node["kwargs"].get("constraint", constraints.real)
+            family = next((f for c, f in POINT_FAMILIES if constraint is c), None)
+            if family is None:
+                raise ValueError(
+                    f"VMP cannot point-estimate the pyro.param site {name!r}: its constraint "
+                    f"{constraint} is none of positive (a precision or rate), real (a "
+                    "location), simplex (probabilities) or unit_interval (a probability)"
+                )
+            prior[name] = _placeholder(family, value)
+            self.points[name] = value
+        self.model = _StartAt(self.points)(poutine.lift(self.model, prior=prior))
 
     def _trace(self, args, kwargs, values=None, grad: bool = False):
         model = self.model if values is None else poutine.condition(self.model, data=values)
@@ -91,7 +150,14 @@ class Compiler:
             return poutine.trace(model).get_trace(*args, **kwargs)
 
     def compile(self, *args: Any, **kwargs: Any) -> Plan:
-        """Read the model's sites, parents and parameter maps (module docstring)."""
+        """Read the model's sites, parents and parameter maps (module docstring).
+
+        The model runs with an empty Pyro parameter store (``pyro.param`` sites take the
+        initial values the model gives them; the user's store is left as it was)."""
+        with pyro.get_param_store().scope():
+            return self._compile(args, kwargs)
+
+    def _compile(self, args: tuple, kwargs: dict) -> Plan:
         check_data(args, kwargs)
         try:  # parameters are checked below, naming the site (Pyro's check names none)
             with pyro.validation_enabled(False):
@@ -109,12 +175,11 @@ class Compiler:
                 else ""
             )
             raise ValueError(f"the model failed on these inputs: {err}{hint}") from None
-        params = [n for n, s in trace.nodes.items() if s["type"] == "param"]
-        if params:
-            raise ValueError(
-                f"VMP cannot use the pyro.param site(s) {params}: point-estimated parameters "
-                "are not supported; give them as fixed values or as latent sites with priors"
-            )
+        params = {n: s for n, s in trace.nodes.items() if s["type"] == "param"}
+        if params:  # point estimates: traced as sample sites of their family from now on
+            self._lift(params)
+            with pyro.validation_enabled(False):
+                trace = self._trace(args, kwargs)
         raw = [
             s
             for s in trace.nodes.values()
@@ -153,6 +218,12 @@ class Compiler:
             latent = list(self.order)
         plan = Plan(sites, latent, sizes, {n: [] for n in latent}, ref)
         self._find_parents(plan, trace, args, kwargs)
+        for name in self.points:
+            if not plan.children[name]:
+                raise ValueError(
+                    f"VMP cannot point-estimate the pyro.param site {name!r}: no site uses it "
+                    "as a parameter"
+                )
         return plan
 
     def _read_site(self, s: dict, trace, sizes: dict) -> Site:
@@ -168,6 +239,12 @@ class Compiler:
             raise refuse(logical, fname, "-", "poutine.scale is not supported")
         frames = [f for f in s["cond_indep_stack"] if f.vectorized]
         if TASKS not in [f.name for f in frames]:
+            if logical in self.points:
+                raise ValueError(
+                    f"VMP cannot point-estimate the pyro.param site {logical!r} outside the "
+                    f"{TASKS!r} plate: declare it inside the plate with one value per task "
+                    "(a leading axis of the tasks' length where the plate puts it)"
+                )
             raise refuse(logical, fname, "-", f"the site has no batched {TASKS!r} plate")
         batch_shape = tuple(fn.batch_shape)
         by_dim = {f.dim: f for f in frames}
@@ -206,6 +283,10 @@ class Compiler:
         )
         site.keep, site.perm = keep, order  # how to canonicalise Pyro tensors
         site.fn_name = fname
+        if logical in self.points:
+            site.point, site.fn_name = True, "pyro.param"
+            init = self.points[logical].to(dtype_of(trace))
+            site.init = canon(site, init.expand(batch_shape + event_shape))
         if family == "Categorical":
             site.n_cat = base.probs.shape[-1]
             sizes[f"{logical}#cat"] = site.n_cat

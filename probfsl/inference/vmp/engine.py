@@ -125,7 +125,14 @@ class VMP(Engine):
             q[name] = (r,)
         if init_resp:
             raise ValueError(f"init_resp names no latent Categorical site: {sorted(init_resp)}")
-        others = [n for n in plan.latent if plan.sites[n].family != "Categorical"]
+        for name in plan.latent:  # point estimates start at the model's initial values
+            if plan.sites[name].point:
+                q[name] = (plan.sites[name].init,)
+        others = [
+            n
+            for n in plan.latent
+            if plan.sites[n].family != "Categorical" and not plan.sites[n].point
+        ]
         for name in others:  # priors first, then one update from the responsibilities
             q[name] = messages.update(plan, q, name, children=False)
         for name in others:
@@ -178,10 +185,13 @@ class VMP(Engine):
         return run(self, state, self.max_iter, tol, self.check_every, self.check_growth)
 
     def posterior(self, state: VMPState) -> dict[str, torch.distributions.Distribution]:
-        """Site name -> the factor q as a batched distribution in the model's shape."""
+        """Site name -> the factor q as a batched distribution in the model's shape (point
+        estimates are :meth:`point_estimates`)."""
         out = {}
         for name in state.plan.latent:
             s = state.plan.sites[name]
+            if s.point:
+                continue
             params = state.q[name]
             p = [layout.uncanon(s, t) for t in params]
             p = [t.expand(*s.batch_shape, *t.shape[len(s.batch_shape) :]) for t in p]
@@ -205,15 +215,25 @@ class VMP(Engine):
             out[name] = d.to_event(ev) if ev else d
         return out
 
+    def point_estimates(self, state: VMPState) -> dict[str, torch.Tensor]:
+        """``pyro.param`` name -> its estimate, in the shape the model gave it."""
+        out = {}
+        for name in state.plan.latent:
+            s = state.plan.sites[name]
+            if s.point:
+                out[name] = layout.to_pyro(s, state.q[name][0])
+        return out
+
     def guide(self, state: VMPState) -> Callable[..., None]:
-        """A Pyro guide with the model's signature sampling every latent site from q."""
+        """A Pyro guide with the model's signature sampling every latent site from q
+        (point estimates are not sampled: :meth:`point_estimates`)."""
         post = self.posterior(state)
         plan = state.plan
 
         def guide(*args, **kwargs) -> None:
             frames = {f.name: f for n in plan.latent for f in plan.sites[n].frames}
             plates = {k: pyro.plate(k, f.size, dim=f.dim) for k, f in frames.items()}
-            for name in plan.latent:
+            for name in post:
                 s = plan.sites[name]
                 d = post[name]
                 if s.fixed_mask is not None:

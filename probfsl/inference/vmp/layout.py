@@ -93,6 +93,10 @@ class Site:
     #: a latent Normal whose last event axis a linear map contracts: its factor is one
     #: MultivariateNormal over that axis (as BayesPy's GaussianARD), not a product
     joint: bool = False
+    #: a ``pyro.param`` site: its factor is a point (the value), updated to the maximiser
+    #: of its children's terms; ``init`` is its initial value in the canonical layout
+    point: bool = False
+    init: torch.Tensor | None = None
 
 
 @dataclass

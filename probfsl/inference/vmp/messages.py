@@ -23,6 +23,7 @@ from probfsl.inference.vmp.moments import (
     block_of,
     expected_stats,
     parent_ops,
+    point_mode,
     weights,
 )
 
@@ -196,6 +197,8 @@ def sum_tasks(t: torch.Tensor) -> torch.Tensor:
 
 
 def elbo(plan: Plan, q: dict) -> torch.Tensor:
+    """Σ_sites E ln p(x | pa) + Σ_latent H[q] per task (Winn & Bishop §3.3); with point
+    estimates θ, the bound of p(data | θ) (variational EM)."""
     total, no_site, no_entropy = 0, set(), set()
     for name in plan.latent:  # Categorical factors just updated (see _lse_applies)
         hit = plan.cache.get(("lse", name))
@@ -205,6 +208,8 @@ def elbo(plan: Plan, q: dict) -> torch.Tensor:
                 no_site.update([name] + [c for c, _ in plan.children[name]])
                 no_entropy.add(name)
     for name, s in plan.sites.items():
+        if s.point:  # a point estimate has neither a prior term nor an entropy
+            continue
         if name not in no_site:
             total = total + site_elbo(plan, q, name)
         if not s.observed and name not in no_entropy:
@@ -240,7 +245,9 @@ def natural(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
     """η* of a latent site: its prior's expected natural parameter plus (``children``)
     its children's messages (spec §1)."""
     s, sizes = plan.sites[name], plan.sizes
-    if s.family == "Normal":
+    if s.point:  # no prior term: the children's messages alone
+        eta = [plan.ref.new_zeros([sizes[d] for d in dims]) for dims in stat_dims(s)]
+    elif s.family == "Normal":
         o = normal_ops(plan, q, s)
         o["over"] = s.dims + ((o["comp"],) if o["comp"] else ())
         pr = o["W"] + o["c"] + o["T1"]
@@ -350,6 +357,8 @@ def mvn_message(plan, q, c: Site, role: str, to: Site) -> list:
 def update(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
     s = plan.sites[name]
     eta = natural(plan, q, name, children)
+    if s.point:
+        return (point_mode(s, eta),)
     if s.family == "Categorical":
         m = eta[0].amax(-1, keepdim=True)  # softmax, fewer passes than torch's
         r = (eta[0] - m).exp_()

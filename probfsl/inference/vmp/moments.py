@@ -45,8 +45,8 @@ def expected_stats(plan: Plan, q: dict, name: str) -> tuple:
     hit = plan.cache.get(name)
     if hit is not None and hit[0] is q[name]:
         return hit[1]
-    stats = block_of(s, q[name]).expected_stats()
-    if s.joint:
+    stats = point_stats(s, q[name][0]) if s.point else block_of(s, q[name]).expected_stats()
+    if s.joint and not s.point:
         stats = (stats[0], stats[1].diagonal(dim1=-2, dim2=-1))
     plan.cache[name] = (q[name], stats)
     return stats
@@ -57,7 +57,12 @@ def second_moment(plan: Plan, q: dict, name: str) -> torch.Tensor:
     hit = plan.cache.get(("second", name))
     if hit is not None and hit[0] is q[name]:
         return hit[1]
-    second = block_of(plan.sites[name], q[name]).expected_stats()[1]
+    s = plan.sites[name]
+    if s.point:
+        value = q[name][0]
+        second = value.unsqueeze(-1) * value.unsqueeze(-2)
+    else:
+        second = block_of(s, q[name]).expected_stats()[1]
     plan.cache[("second", name)] = (q[name], second)
     return second
 
@@ -89,3 +94,28 @@ def weights(plan, q, s):
         r = q[p.selector][0]
         return [(r, z.dims + (p.comp,))], p.comp
     return [], None
+
+
+def point_stats(s: Site, value: torch.Tensor) -> tuple:
+    """u(θ) of a point estimate θ, in the statistics of its family."""
+    if s.family == "Gamma":
+        return value, value.log()
+    if s.family == "Normal":
+        return value, value.square()
+    if s.family == "Beta":
+        return value.log(), (-value).log1p()
+    return (value.log(),)  # Dirichlet
+
+
+def point_mode(s: Site, eta: tuple) -> torch.Tensor:
+    """argmax_θ η·u(θ): the point that maximises its children's terms (spec §7.2), e.g.
+    a precision θ = −η₂/η₁ = Σ ½ / Σ ½⟨(x − m)²⟩ (an EM step of type-II maximum likelihood)."""
+    if s.family == "Gamma":
+        return -eta[1] / eta[0]
+    if s.family == "Normal" and s.joint:
+        return torch.linalg.solve(-2 * eta[1], eta[0])
+    if s.family == "Normal":
+        return -eta[0] / (2 * eta[1])
+    if s.family == "Beta":
+        return eta[0] / (eta[0] + eta[1])
+    return eta[0] / eta[0].sum(-1, keepdim=True)  # Dirichlet

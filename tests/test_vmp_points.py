@@ -1,0 +1,219 @@
+"""Point-estimated parameters in VMP (spec ``vmp.md`` §7.2): ``pyro.param`` sites updated
+in the sweep by the exact maximiser of their terms (variational EM; type-II maximum
+likelihood). The evidence framework's α and β of Bayesian linear regression are checked
+against a NumPy implementation of MacKay's fixed point (Bishop, PRML §3.5.2) and against the
+exact log evidence (its gradient vanishes at the estimates); simpler models against their
+maximum-likelihood closed forms."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.distributions import constraints
+
+from probfsl.inference import VMP
+from probfsl.testing import ConformanceCase, check_engine
+
+F64 = torch.float64
+
+
+def evidence_regression(y, x):
+    """y = Xw + noise, w ~ N(0, α⁻¹ I), noise precision β: α, β type-II estimates per task."""
+    t, n, p = x.shape
+    with pyro.plate("tasks", t, dim=-2):
+        ones = torch.ones(t, 1, dtype=x.dtype)
+        alpha = pyro.param("alpha", ones, constraint=constraints.positive)
+        beta = pyro.param("beta", ones, constraint=constraints.positive)
+        w = pyro.sample("w", dist.Normal(x.new_zeros(p), alpha.rsqrt().unsqueeze(-1)).to_event(1))
+        with pyro.plate("n", n, dim=-1):
+            pyro.sample("y", dist.Normal((x * w).sum(-1), beta.rsqrt()), obs=y)
+
+
+def _regression(t=64, n=30, p=5, noise=0.5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, n, p, generator=g, dtype=F64)
+    w = torch.randn(t, 1, p, generator=g, dtype=F64)
+    return (x * w).sum(-1) + noise * torch.randn(t, n, generator=g, dtype=F64), x
+
+
+def _mackay(y: np.ndarray, x: np.ndarray, iters: int = 5000) -> tuple[float, float]:
+    """α, β maximising the evidence by MacKay's fixed point (PRML eq. 3.91-3.95)."""
+    n, p = x.shape
+    alpha, beta = 1.0, 1.0
+    eig = np.linalg.eigvalsh(x.T @ x)
+    for _ in range(iters):
+        s = np.linalg.inv(alpha * np.eye(p) + beta * x.T @ x)
+        m = beta * s @ x.T @ y
+        gamma = np.sum(beta * eig / (alpha + beta * eig))
+        alpha_new = gamma / (m @ m)
+        beta_new = (n - gamma) / np.sum((y - x @ m) ** 2)
+        if abs(alpha_new - alpha) < 1e-14 * alpha and abs(beta_new - beta) < 1e-14 * beta:
+            break
+        alpha, beta = alpha_new, beta_new
+    return alpha, beta
+
+
+def _log_evidence(y, x, alpha, beta):
+    n = x.shape[-2]
+    cov = (
+        torch.eye(n, dtype=F64) / beta[:, None, None] + x @ x.transpose(1, 2) / alpha[:, None, None]
+    )
+    return dist.MultivariateNormal(torch.zeros(n, dtype=F64), cov).log_prob(y)
+
+
+def test_type_ii_estimates_match_mackay_and_the_exact_evidence():
+    y, x = _regression()
+    vmp = VMP(evidence_regression, tol=1e-14, max_iter=5000)
+    state, info = vmp.fit(y, x)
+    assert bool(info.converged.all())
+    assert bool((info.trace[1:] >= info.trace[:-1] - 1e-9 * info.trace.abs()[:-1]).all())
+    est = vmp.point_estimates(state)
+    alpha, beta = est["alpha"].flatten(), est["beta"].flatten()
+    ref = np.array([_mackay(y[t].numpy(), x[t].numpy()) for t in range(len(y))])
+    np.testing.assert_allclose(alpha.numpy(), ref[:, 0], rtol=1e-5)
+    np.testing.assert_allclose(beta.numpy(), ref[:, 1], rtol=1e-5)
+    # q(w) is exact, so the bound at the estimates is the log evidence, and it is stationary
+    torch.testing.assert_close(
+        state.objective, _log_evidence(y, x, alpha, beta), rtol=1e-10, atol=1e-9
+    )
+    log_a = alpha.log().requires_grad_()
+    log_b = beta.log().requires_grad_()
+    _log_evidence(y, x, log_a.exp(), log_b.exp()).sum().backward()
+    assert log_a.grad.abs().max() < 1e-4 and log_b.grad.abs().max() < 1e-4
+
+
+def normal_location(x):
+    with pyro.plate("tasks", x.shape[0], dim=-2):
+        mu = pyro.param("mu", torch.zeros(x.shape[0], 1, dtype=x.dtype))
+        tau = pyro.sample("tau", dist.Gamma(x.new_tensor(2.0), x.new_tensor(1.0)))
+        with pyro.plate("n", x.shape[1], dim=-1):
+            pyro.sample("x", dist.Normal(mu, tau.rsqrt()), obs=x)
+
+
+def poisson_rate(k):
+    with pyro.plate("tasks", k.shape[0], dim=-2):
+        rate = pyro.param(
+            "rate", torch.ones(k.shape[0], 1, dtype=k.dtype), constraint=constraints.positive
+        )
+        with pyro.plate("n", k.shape[1], dim=-1):
+            pyro.sample("k", dist.Poisson(rate), obs=k)
+
+
+def dirichlet_weights(x):
+    """A mixture of two unit-variance Normals with point-estimated weights."""
+    t, n = x.shape
+    with pyro.plate("tasks", t, dim=-2):
+        pi = pyro.param(
+            "pi", torch.full((t, 1, 2), 0.5, dtype=x.dtype), constraint=constraints.simplex
+        )
+        with pyro.plate("classes", 2, dim=-1):
+            mu = pyro.sample("mu", dist.Normal(x.new_tensor(0.0), 3.0))
+        with pyro.plate("n", n, dim=-1):
+            z = pyro.sample("z", dist.Categorical(pi))
+            pyro.sample(
+                "x", dist.Normal(pyro.ops.indexing.Vindex(mu.unsqueeze(-2))[..., z], 1.0), obs=x
+            )
+
+
+def test_point_location_and_rate_are_the_maximum_likelihood_values():
+    g = torch.Generator().manual_seed(1)
+    x = 1.5 + torch.randn(16, 40, generator=g, dtype=F64)
+    vmp = VMP(normal_location, tol=1e-13, max_iter=500)
+    state, _ = vmp.fit(x)
+    torch.testing.assert_close(
+        vmp.point_estimates(state)["mu"].flatten(), x.mean(1), rtol=1e-10, atol=1e-10
+    )
+    k = torch.poisson(torch.full((16, 30), 4.0, dtype=F64), generator=g)
+    vmp = VMP(poisson_rate)
+    state, _ = vmp.fit(k)
+    torch.testing.assert_close(
+        vmp.point_estimates(state)["rate"].flatten(), k.mean(1), rtol=1e-12, atol=0
+    )
+
+
+def _cases():
+    y, x = _regression(t=3, n=12)
+    g = torch.Generator().manual_seed(2)
+    mix = torch.cat([torch.randn(3, 10, generator=g) - 2, torch.randn(3, 10, generator=g) + 2], 1)
+    return {
+        "evidence-regression": ConformanceCase(
+            make_engine=lambda: VMP(evidence_regression, tol=0),
+            model=evidence_regression,
+            data=(y, x),
+            n_steps=10,
+        ),
+        "normal-location": ConformanceCase(
+            make_engine=lambda: VMP(normal_location, tol=0),
+            model=normal_location,
+            data=(x[..., 0],),
+            n_steps=10,
+        ),
+        "mixture-weights": ConformanceCase(
+            make_engine=lambda: VMP(dirichlet_weights, tol=0),
+            model=dirichlet_weights,
+            data=(mix.double(),),
+            n_steps=10,
+            particles=200,
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_point_models_pass_conformance(name):
+    check_engine(_cases()[name])
+
+
+def test_the_user_parameter_store_is_left_alone():
+    pyro.clear_param_store()
+    pyro.param("alpha", torch.tensor(7.0))
+    y, x = _regression(t=2, n=8)
+    VMP(evidence_regression).fit(y, x)
+    assert set(pyro.get_param_store().keys()) == {"alpha"}
+    assert pyro.param("alpha").item() == 7.0
+    pyro.clear_param_store()
+
+
+def _shared_param(y, x):
+    alpha = pyro.param("alpha", torch.tensor(1.0, dtype=x.dtype), constraint=constraints.positive)
+    with pyro.plate("tasks", x.shape[0], dim=-2):
+        w = pyro.sample("w", dist.Normal(x.new_zeros(x.shape[-1]), alpha.rsqrt()).to_event(1))
+        with pyro.plate("n", x.shape[1], dim=-1):
+            pyro.sample("y", dist.Normal((x * w).sum(-1), 1.0), obs=y)
+
+
+def _interval_param(y, x):
+    with pyro.plate("tasks", x.shape[0], dim=-2):
+        ones = torch.ones(x.shape[0], 1, dtype=x.dtype)
+        alpha = pyro.param("alpha", ones, constraint=constraints.interval(0.0, 5.0))
+        w = pyro.sample(
+            "w", dist.Normal(x.new_zeros(x.shape[-1]), alpha.rsqrt().unsqueeze(-1)).to_event(1)
+        )
+        with pyro.plate("n", x.shape[1], dim=-1):
+            pyro.sample("y", dist.Normal((x * w).sum(-1), 1.0), obs=y)
+
+
+def _unused_param(y, x):
+    with pyro.plate("tasks", x.shape[0], dim=-2):
+        pyro.param(
+            "unused", torch.ones(x.shape[0], 1, dtype=x.dtype), constraint=constraints.positive
+        )
+        w = pyro.sample("w", dist.Normal(x.new_zeros(x.shape[-1]), 1.0).to_event(1))
+        with pyro.plate("n", x.shape[1], dim=-1):
+            pyro.sample("y", dist.Normal((x * w).sum(-1), 1.0), obs=y)
+
+
+@pytest.mark.parametrize(
+    ("model", "words"),
+    [
+        (_shared_param, "'alpha' outside the 'tasks' plate"),
+        (_interval_param, "'alpha': its constraint"),
+        (_unused_param, "'unused': no site uses it"),
+    ],
+)
+def test_unsupported_parameters_are_refused_by_name(model, words):
+    y, x = _regression(t=2, n=6)
+    with pytest.raises(ValueError, match=words):
+        VMP(model).fit(y, x)
