@@ -75,6 +75,8 @@ WANT = {
     ("Bernoulli", "probs"): "Beta",
     ("Binomial", "probs"): "Beta",
 }
+#: families that may enter an affine map (linear maps, Pólya-Gamma logits)
+GAUSSIAN = ("Normal", "MultivariateNormal")
 #: the family a point-estimated parameter (``pyro.param``) takes from its constraint
 POINT_FAMILIES = (
     (constraints.positive, "Gamma"),
@@ -416,8 +418,10 @@ class Compiler:
         elif site.family == "Poisson":
             out = {"rate": base.rate}
         elif site.family == "Binomial":
-            out = {"total_count": base.total_count, "probs": base.probs}
-        else:  # Categorical, Bernoulli
+            out = {"total_count": base.total_count, "probs": base.probs, "logits": base.logits}
+        elif site.family == "Bernoulli":
+            out = {"probs": base.probs, "logits": base.logits}
+        else:  # Categorical
             out = {"probs": base.probs}
         res = {}
         for k, v in out.items():
@@ -495,8 +499,28 @@ class Compiler:
                 logical[d] for d in deps.get(s.pyro_name, {}) if d in logical and logical[d] != n
             ]
             for k, v in base_params[n].items():
+                if k == "logits":  # read only for Pólya-Gamma logits (below)
+                    continue
                 pa = []
-                if not torch.equal(self._runs["verify"][n][k], v):
+                moved = not torch.equal(self._runs["verify"][n][k], v)
+                gaussian = [p for p in site_pa if sites[p].family in GAUSSIAN]
+                if moved and k == "probs" and s.family in ("Bernoulli", "Binomial") and gaussian:
+                    # logits affine in Gaussian sites: Pólya-Gamma augmentation (§7.3)
+                    if len(gaussian) < len(site_pa):
+                        others = ", ".join(repr(p) for p in site_pa if p not in gaussian)
+                        raise refuse(
+                            n,
+                            s.fn_name,
+                            others,
+                            "logits affine in Normal sites are supported; these parents also "
+                            "move its probabilities",
+                        )
+                    p = self._linear_map(plan, s, "logits", gaussian, base_values, args, kwargs)
+                    s.params["logits"] = p
+                    for term in p.terms:
+                        plan.children[term.parent].append((n, "logits"))
+                    continue
+                if moved:
                     fits = ROLES.get((s.family, k), ())
                     pa = [p for p in site_pa if sites[p].family in fits]
                     if not pa:
