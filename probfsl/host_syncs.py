@@ -2,7 +2,7 @@
 
 On a GPU, ``Tensor.item()``, ``Tensor.tolist()``, ``bool(tensor)`` (an ``if`` on a
 tensor, a convergence test written on the host), ``float()``/``int()`` of a tensor,
-``.cpu()`` and ``.numpy()`` copy values to the CPU and stall the device until every
+``.cpu()``, ``.numpy()`` and ``nonzero`` copy values to the CPU and stall the device until every
 queued kernel has run. The counts are the same on the CPU, where nothing stalls, so
 they can be measured and tested without a GPU: :class:`HostSyncCounter` is a
 :class:`torch.overrides.TorchFunctionMode` that counts every torch function called (a
@@ -16,8 +16,9 @@ from collections import Counter
 
 from torch.overrides import TorchFunctionMode
 
-#: the Tensor methods that copy values to the host
-SYNC_METHODS = ("__bool__", "item", "tolist", "__float__", "__int__", "cpu", "numpy")
+#: the Tensor methods that copy values to the host (``nonzero``: its output's shape
+#: depends on the values, so the host waits for them)
+SYNC_METHODS = ("__bool__", "item", "tolist", "__float__", "__int__", "cpu", "numpy", "nonzero")
 
 
 class HostSyncCounter(TorchFunctionMode):

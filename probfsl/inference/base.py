@@ -80,6 +80,18 @@ class Engine(ABC):
     def guide(self, state: Any) -> Callable[..., None]:
         """A Pyro guide, with the model's signature, built from the factors in ``state``."""
 
+    #: engines that can drop converged tasks from the batch set this (and implement
+    #: :meth:`take` and :meth:`put`); :func:`run` then compacts at its checks
+    compacts: bool = False
+
+    def take(self, state: Any, index: torch.Tensor) -> Any:
+        """The state of the tasks ``index`` (``[k]`` long, on the device) alone."""
+        raise NotImplementedError
+
+    def put(self, full: Any, index: torch.Tensor, part: Any) -> Any:
+        """``full`` with the tasks ``index`` replaced by the state ``part`` of those tasks."""
+        raise NotImplementedError
+
     def keep(self, frozen: torch.Tensor, old: Any, new: Any) -> Any:
         """``new`` with the tasks where ``frozen`` (``[T]`` bool) restored from ``old``.
 
@@ -154,28 +166,63 @@ def run(
     With ``tol``, a task has converged once its objective moved by less than ``tol``
     (relative, :func:`converged_tasks`) in one step; from then on its state is frozen
     (:meth:`Engine.keep`), so the batch gives each task the result it would get alone.
-    The test runs on the device after every step; the host asks whether any task is
-    still moving only at the steps of :func:`check_steps` (every ``check_every`` steps,
-    or at gaps growing by ``check_growth``; one synchronisation each), and the loop ends
-    when none is. Since converged tasks are frozen, the schedule changes only when the
-    loop stops, never a task's result. Without ``tol`` all ``n_steps`` steps run and
-    nothing syncs.
+    The test runs on the device after every step; the host asks which tasks are still
+    moving only at the steps of :func:`check_steps` (every ``check_every`` steps, or at
+    gaps growing by ``check_growth``; one synchronisation each), and the loop ends when
+    none is. An engine that ``compacts`` then also drops the converged tasks from the
+    batch (:meth:`Engine.take`; their final state is written back with
+    :meth:`Engine.put`), so later steps cost only what the moving tasks need; between
+    checks they are masked. Since converged tasks are frozen either way, neither the
+    schedule nor the compaction changes a task's result. Without ``tol`` all
+    ``n_steps`` steps run and nothing syncs.
 
     Returns the final state and a :class:`RunInfo` (trace, steps per task, converged).
     """
     checks = set(check_steps(n_steps, check_every, check_growth)) if tol is not None else set()
-    objective = state.objective
-    trace = [objective]
-    active = torch.ones(objective.shape, dtype=torch.bool, device=objective.device)
-    steps = torch.zeros(objective.shape, dtype=torch.long, device=objective.device)
+    compact = tol is not None and engine.compacts
+    full, where = state, None  # the whole batch, and the tasks ``state`` holds (None: all)
+    total = state.objective
+    trace = [total]
+    device = total.device
+    active = torch.ones(total.shape, dtype=torch.bool, device=device)
+    steps = torch.zeros(total.shape, dtype=torch.long, device=device)
+    all_steps = steps
+    still = active
     for i in range(n_steps):
         new, info = engine.step(state)
         steps = steps + active
         if tol is not None:
             new = engine.keep(~active, state, new)
-            active = active & ~converged_tasks(trace[-1], new.objective, tol)
+            active = active & ~converged_tasks(state.objective, new.objective, tol)
         state = new
-        trace.append(state.objective)
-        if i + 1 in checks and not bool(active.any()):
+        total = state.objective if where is None else total.index_copy(0, where, state.objective)
+        trace.append(total)
+        if i + 1 not in checks:
+            continue
+        moving = active.nonzero().squeeze(-1)  # the loop's one synchronisation here
+        if moving.numel() == 0:
             break
-    return state, RunInfo(torch.stack(trace), steps, ~active)
+        if compact and moving.numel() < active.numel():
+            full, all_steps, still = _write_back(
+                engine, full, where, state, all_steps, steps, still, active
+            )
+            where = moving if where is None else where[moving]
+            state = engine.take(state, moving)
+            steps, active = steps[moving], active[moving]
+    if where is None:
+        return state, RunInfo(torch.stack(trace), steps, ~active)
+    full, all_steps, still = _write_back(
+        engine, full, where, state, all_steps, steps, still, active
+    )
+    return full, RunInfo(torch.stack(trace), all_steps, ~still)
+
+
+def _write_back(engine, full, where, state, all_steps, steps, still, active):
+    """The whole batch's state, steps and activity with the working tasks' written in."""
+    if where is None:
+        return state, steps, active
+    return (
+        engine.put(full, where, state),
+        all_steps.index_copy(0, where, steps),
+        still.index_copy(0, where, active),
+    )

@@ -151,6 +151,21 @@ class VMP(Engine):
         objective = messages.elbo(plan, q)
         return VMPState(plan, q, objective), Info(objective)
 
+    compacts = True
+
+    def take(self, state: VMPState, index: torch.Tensor) -> VMPState:
+        """The tasks ``index`` alone: their factors, bound and data (:meth:`Plan.take`)."""
+        q = {n: tuple(t.index_select(0, index) for t in f) for n, f in state.q.items()}
+        return VMPState(state.plan.take(index), q, state.objective.index_select(0, index))
+
+    def put(self, full: VMPState, index: torch.Tensor, part: VMPState) -> VMPState:
+        """``full`` with the factors and bound of the tasks ``index`` from ``part``."""
+        q = {
+            n: tuple(a.index_copy(0, index, b) for a, b in zip(f, part.q[n], strict=True))
+            for n, f in full.q.items()
+        }
+        return VMPState(full.plan, q, full.objective.index_copy(0, index, part.objective))
+
     def keep(self, frozen: torch.Tensor, old: VMPState, new: VMPState) -> VMPState:
         """``new`` with the factors and ELBO of the ``frozen`` tasks ([T] bool) from ``old``.
 

@@ -11,7 +11,7 @@ model; the sweeps only read it (and its per-plan caches of fixed quantities).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -107,6 +107,14 @@ class Plan:
     children: dict  # latent name -> [(child name, role)]
     ref: torch.Tensor  # a data tensor (dtype and device)
     cache: dict = field(default_factory=dict)  # name -> (factor, its expected statistics)
+
+    def take(self, index: torch.Tensor) -> Plan:
+        """The plan of the tasks ``index`` alone: every tensor whose first axis is the
+        tasks axis is indexed, the rest shared (caches start empty)."""
+        sizes = dict(self.sizes)
+        sizes[TASKS] = len(index)
+        sites = {n: _take_site(s, index) for n, s in self.sites.items()}
+        return Plan(sites, self.latent, sizes, self.children, self.ref)
 
 
 def reduce_constant(t: torch.Tensor, dims: tuple, ulps: int = 0) -> tuple[torch.Tensor, tuple]:
@@ -219,3 +227,34 @@ def unit(plan: Plan, s: Site, ref: torch.Tensor) -> torch.Tensor:
         eye = torch.eye(shape[-1], dtype=ref.dtype, device=ref.device)
         return eye.expand(shape)
     return ref.new_ones(shape)
+
+
+def _rows(t: torch.Tensor | None, dims: tuple, index: torch.Tensor):
+    """``t`` at the tasks ``index`` when its first axis (named in ``dims``) is the tasks."""
+    return t if t is None or not dims or dims[0] != TASKS else t.index_select(0, index)
+
+
+def _take_param(p: Param, index: torch.Tensor) -> Param:
+    terms = [
+        LinearTerm(t.parent, _rows(t.jac, t.jac_dims, index), t.jac_dims, t.axis) for t in p.terms
+    ]
+    return replace(
+        p,
+        const=_rows(p.const, p.const_dims, index),
+        coef=_rows(p.coef, p.coef_dims, index),
+        index=_rows(p.index, p.index_dims, index),
+        terms=terms,
+    )
+
+
+def _take_site(s: Site, index: torch.Tensor) -> Site:
+    return replace(
+        s,
+        value=_rows(s.value, s.dims, index),
+        mask=_rows(s.mask, s.mask_dims, index),
+        fixed=_rows(s.fixed, s.dims, index),
+        fixed_mask=_rows(s.fixed_mask, s.dims, index),
+        init=_rows(s.init, s.dims, index),
+        stats=tuple(_rows(t, s.dims, index) for t in s.stats),
+        params={k: _take_param(p, index) for k, p in s.params.items()},
+    )
