@@ -99,6 +99,25 @@ class _StartAt(Messenger):
             msg["value"] = self.values[msg["name"]]
 
 
+def _first_task(args: tuple, kwargs: dict, n_tasks: int | None = None) -> tuple | None:
+    """The arguments sliced to the first task: every tensor whose leading axis has the
+    tasks' length (that of the first tensor argument unless ``n_tasks``); ``None`` when
+    there is one task or none."""
+    if n_tasks is None:
+        n_tasks = next((a.shape[0] for a in (*args, *kwargs.values()) if _batched(a)), 1)
+    if n_tasks <= 1:
+        return None
+
+    def first(a):
+        return a[:1] if _batched(a) and a.shape[0] == n_tasks else a
+
+    return tuple(map(first, args)), {k: first(v) for k, v in kwargs.items()}
+
+
+def _batched(a) -> bool:
+    return isinstance(a, torch.Tensor) and a.dim() > 0
+
+
 def _placeholder(family: str, value: torch.Tensor) -> dist.Distribution:
     """A law of ``family`` with the shape and support of ``value`` (the point sites'
     stand-in while the compiler traces the model)."""
@@ -370,7 +389,8 @@ class Compiler:
         """``ValueError`` when the model's structure (its sites, their distributions and
         shapes) changes with the values of its latent sites: Python control flow on a
         latent value, which message passing cannot follow. Checked by tracing the model
-        again with other draws of its latent sites."""
+        again with other draws of its latent sites, on the first task alone (the arguments
+        sliced to it) where the model runs on it."""
 
         def shape(t):
             return [
@@ -379,6 +399,14 @@ class Compiler:
                 if s["type"] == "sample"
             ]
 
+        one = _first_task(args, kwargs)
+        if one is not None:
+            try:
+                with pyro.validation_enabled(False):
+                    trace = self._trace(*one)
+                args, kwargs = one
+            except Exception:  # the model needs every task: check on all of them
+                pass
         first = shape(trace)
         device = next((v.device for v in (*args, *kwargs.values()) if torch.is_tensor(v)), None)
         cuda = [device] if device is not None and device.type == "cuda" else []
@@ -470,19 +498,10 @@ class Compiler:
         from pyro.infer.inspect import get_dependencies
 
         deps = None
-        n_tasks = plan.sizes[TASKS]
-        if n_tasks > 1:  # the structure of one task (cheaper); all tasks if that fails
-
-            def first(a):
-                if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == n_tasks:
-                    return a[:1]
-                return a
-
+        one = _first_task(args, kwargs, plan.sizes[TASKS])
+        if one is not None:  # the structure of one task (cheaper); all tasks if that fails
             with contextlib.suppress(Exception), data_device(args, kwargs):
-                one = get_dependencies(
-                    self.model, tuple(map(first, args)), {k: first(v) for k, v in kwargs.items()}
-                )
-                deps = one["prior_dependencies"]
+                deps = get_dependencies(self.model, *one)["prior_dependencies"]
         if deps is None:
             with data_device(args, kwargs):
                 deps = get_dependencies(self.model, args, kwargs)["prior_dependencies"]

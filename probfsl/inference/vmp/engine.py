@@ -20,6 +20,7 @@ import torch
 from probfsl.inference.base import Engine, Info, RunInfo, run
 from probfsl.inference.vmp import layout, messages
 from probfsl.inference.vmp.compiler import Compiler
+from probfsl.inference.vmp.einsum import sweeping
 from probfsl.inference.vmp.layout import Plan
 from probfsl.validation import check_hyperparameter
 
@@ -93,7 +94,8 @@ class VMP(Engine):
 
     def elbo(self, state: VMPState) -> torch.Tensor:
         """The analytic ELBO [T]: Σ_sites E ln p(x | pa) + Σ_latent H[q] (Winn & Bishop §3.3)."""
-        return messages.elbo(state.plan, state.q)
+        with sweeping():
+            return messages.elbo(state.plan, state.q)
 
     def init(self, *args: Any, init_resp: dict | None = None, **kwargs: Any) -> VMPState:
         """Derive the plan, initialise the factors (module docstring) and compute the ELBO.
@@ -133,11 +135,12 @@ class VMP(Engine):
             for n in plan.latent
             if plan.sites[n].family != "Categorical" and not plan.sites[n].point
         ]
-        for name in others:  # priors first, then one update from the responsibilities
-            q[name] = messages.update(plan, q, name, children=False)
-        for name in others:
-            q[name] = messages.update(plan, q, name)
-        objective = messages.elbo(plan, q)
+        with sweeping():
+            for name in others:  # priors first, then one update from the responsibilities
+                q[name] = messages.update(plan, q, name, children=False)
+            for name in others:
+                q[name] = messages.update(plan, q, name)
+            objective = messages.elbo(plan, q)
         return VMPState(plan, q, objective)
 
     def step(self, state: VMPState) -> tuple[VMPState, Info]:
@@ -146,9 +149,10 @@ class VMP(Engine):
         No host synchronisation; convergence and freezing are :func:`run`'s (:meth:`keep`).
         """
         plan, q = state.plan, dict(state.q)
-        for name in plan.latent:
-            q[name] = messages.update(plan, q, name)
-        objective = messages.elbo(plan, q)
+        with sweeping():
+            for name in plan.latent:
+                q[name] = messages.update(plan, q, name)
+            objective = messages.elbo(plan, q)
         return VMPState(plan, q, objective), Info(objective)
 
     compacts = True
