@@ -399,19 +399,18 @@ class Compiler:
                 if s["type"] == "sample"
             ]
 
-        one = _first_task(args, kwargs)
-        if one is not None:
-            try:
-                with pyro.validation_enabled(False):
-                    trace = self._trace(*one)
-                args, kwargs = one
-            except Exception:  # the model needs every task: check on all of them
-                pass
-        first = shape(trace)
         device = next((v.device for v in (*args, *kwargs.values()) if torch.is_tensor(v)), None)
         cuda = [device] if device is not None and device.type == "cuda" else []
         # the user's random streams are left as they were (the CPU's and the data's GPU's)
         with torch.random.fork_rng(devices=cuda), pyro.validation_enabled(False):
+            one = _first_task(args, kwargs)
+            if one is not None:
+                try:
+                    trace = self._trace(*one)
+                    args, kwargs = one
+                except Exception:  # the model needs every task: check on all of them
+                    pass
+            first = shape(trace)
             for seed in (1, 2, 3, 4):
                 torch.random.default_generator.manual_seed(seed)
                 for d in cuda:
