@@ -27,14 +27,16 @@ FAMILIES = {
 OBSERVED_ONLY = ("Bernoulli", "Binomial", "Poisson")
 
 SUPPORTED = (
-    "Normal(loc <- Normal site, scale = (c * tau)^-1/2 <- Gamma site), each optionally "
-    "indexed by a Categorical site or a fixed index; Categorical(probs <- Dirichlet site); "
-    "MultivariateNormal(loc <- MultivariateNormal site, precision_matrix = c * Lambda <- "
-    "Wishart site), optionally indexed likewise; Gamma(rate = c * b <- Gamma site); "
-    "observed Poisson(rate = c * lambda <- Gamma site), Bernoulli and Binomial(probs <- "
-    "Beta site), each optionally indexed by a Categorical site; observed Categorical(probs "
-    "<- Dirichlet site indexed by a Categorical site); Dirichlet, Beta, Gamma and Wishart "
-    "with fixed parameters"
+    "Normal(loc <- Normal site or an affine map of Normal/MultivariateNormal sites with "
+    "observed coefficients, scale = (c * tau)^-1/2 <- Gamma site), each optionally indexed "
+    "by a Categorical site or a fixed index; MultivariateNormal(loc <- MultivariateNormal "
+    "site, precision_matrix = c * Lambda <- Wishart site), optionally indexed likewise; "
+    "Gamma(rate = c * b <- Gamma site); Categorical(probs <- Dirichlet site, indexed by a "
+    "Categorical site when observed); observed Poisson(rate = c * lambda <- Gamma site), "
+    "Bernoulli and Binomial(probs <- Beta site, or logits affine in Normal/"
+    "MultivariateNormal sites), each optionally indexed by a Categorical site; Dirichlet, "
+    "Beta, Gamma and Wishart with fixed parameters; pyro.param sites inside the tasks plate "
+    "(point estimates) in place of a Gamma, Normal, Dirichlet or Beta site"
 )
 
 
