@@ -62,6 +62,7 @@ ROLES = {
     ("Poisson", "rate"): ("Gamma", "Categorical"),
     ("Bernoulli", "probs"): ("Beta", "Categorical"),
     ("Binomial", "probs"): ("Beta", "Categorical"),
+    ("Dirichlet", "concentration"): ("Gamma", "Categorical"),  # a point estimate only
 }
 #: the conjugate parent family of each parameter that may have one
 WANT = {
@@ -74,6 +75,7 @@ WANT = {
     ("Poisson", "rate"): "Gamma",
     ("Bernoulli", "probs"): "Beta",
     ("Binomial", "probs"): "Beta",
+    ("Dirichlet", "concentration"): "Gamma",
 }
 #: families that may enter an affine map (linear maps, Pólya-Gamma logits)
 GAUSSIAN = ("Normal", "MultivariateNormal")
@@ -161,7 +163,11 @@ class Compiler:
                     f"{constraint} is none of positive (a precision or rate), real (a "
                     "location), simplex (probabilities) or unit_interval (a probability)"
                 )
-            prior[name] = _placeholder(family, value)
+            law = _placeholder(family, value)
+            event_dim = node["kwargs"].get("event_dim") or 0
+            if family == "Dirichlet":
+                event_dim -= 1  # its last axis is the Dirichlet's own event
+            prior[name] = law.to_event(event_dim) if event_dim > 0 else law
             self.points[name] = value
         self.model = _StartAt(self.points)(poutine.lift(self.model, prior=prior))
 
@@ -240,10 +246,16 @@ class Compiler:
         plan = Plan(sites, latent, sizes, {n: [] for n in latent}, ref)
         self._find_parents(plan, trace, args, kwargs)
         for name in self.points:
-            if not plan.children[name]:
+            roles = {role for _, role in plan.children[name]}
+            if not roles:
                 raise ValueError(
                     f"VMP cannot point-estimate the pyro.param site {name!r}: no site uses it "
                     "as a parameter"
+                )
+            if "concentration" in roles and len(roles) > 1:
+                raise ValueError(
+                    f"VMP cannot point-estimate the pyro.param site {name!r}: it is a "
+                    "Dirichlet's concentration and also enters other sites"
                 )
         return plan
 
@@ -553,6 +565,8 @@ class Compiler:
                         raise
                     s.params[k] = self._linear_map(plan, s, k, pa, base_values, args, kwargs)
                 p = s.params[k]
+                if (s.family, k) == ("Dirichlet", "concentration") and p.parent is not None:
+                    self._check_dirichlet_concentration(s, sites[p.parent])
                 if p.parent is not None:
                     plan.children[p.parent].append((n, k))
                 for term in p.terms:
@@ -685,6 +699,19 @@ class Compiler:
                 "product of two latent sites or a non-linear function is not)",
             )
         return param
+
+    @staticmethod
+    def _check_dirichlet_concentration(s: Site, parent: Site) -> None:
+        """A Dirichlet's concentration may depend on a point estimate (an M step by Minka's
+        fixed point) of an observed Dirichlet, not on a latent site (no conjugate form)."""
+        if not (parent.point and s.observed):
+            raise refuse(
+                s.name,
+                s.fn_name,
+                f"{parent.name!r} ({parent.fn_name})",
+                "the concentration of an observed Dirichlet may be a point estimate "
+                "(pyro.param with constraint positive), not a latent site",
+            )
 
     @staticmethod
     def _contracted_axis(s: Site, w: Site, dims: tuple, desc: str) -> str | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from probfsl.inference import expfam
-from probfsl.inference.vmp import linear_maps, polya_gamma
+from probfsl.inference.vmp import dirichlet_points, linear_maps, polya_gamma
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.layout import LOG_2PI, TASKS, Plan, Site, derived, stat_dims
 from probfsl.inference.vmp.moments import (
@@ -143,6 +143,8 @@ def site_elbo(plan: Plan, q: dict, name: str) -> torch.Tensor:
     s, out = plan.sites[name], (TASKS,)
     if "logits" in s.params:
         return polya_gamma.loglik(plan, q, s, out)
+    if dirichlet_points.is_child(s):
+        return dirichlet_points.loglik(plan, q, s, out, with_weights=True)
     if linear_key(s) is not None:
         return linear_loglik(plan, q, s, out, with_weights=True)
     if s.family == "Normal":
@@ -292,6 +294,8 @@ def message(plan, q, child: str, role: str, to: Site) -> list:
     c, sizes, ref = plan.sites[child], plan.sizes, plan.ref
     if "logits" in c.params:
         return polya_gamma.message(plan, q, c, to)
+    if dirichlet_points.is_child(c):
+        return dirichlet_points.message(plan, q, c, role, to)
     if linear_key(c) is not None:
         return linear_message(plan, q, c, role, to)
     if c.family == "Categorical":  # role probs, to a Dirichlet
@@ -361,6 +365,8 @@ def mvn_message(plan, q, c: Site, role: str, to: Site) -> list:
 def update(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
     s = plan.sites[name]
     eta = natural(plan, q, name, children)
+    if s.point and any(role == "concentration" for _, role in plan.children[name]):
+        return (dirichlet_points.m_step(q[name][0], *eta),)
     if s.point:
         return (point_mode(s, eta),)
     if s.family == "Categorical":
