@@ -323,3 +323,37 @@ def test_posterior_and_guide_of_a_beta_site():
     assert isinstance(post, dist.Beta) and post.batch_shape == (4, 1)
     trace = pyro.poutine.trace(vmp.guide(state)).get_trace(y)
     assert trace.nodes["p"]["value"].shape == (4, 1)
+
+
+def student_t(x, nu=4.0):
+    """A Student-t location model as a Gamma scale mixture: x_n ~ N(μ, (λ u_n)⁻¹) with
+    u_n ~ Gamma(ν/2, ν/2); the precision is the product of two Gamma sites."""
+    with pyro.plate("tasks", x.shape[0], dim=-2):
+        lam = pyro.sample("lam", dist.Gamma(x.new_tensor(2.0), x.new_tensor(1.0)))
+        mu = pyro.sample("mu", dist.Normal(x.new_tensor(0.0), 10.0))
+        with pyro.plate("n", x.shape[1], dim=-1):
+            u = pyro.sample("u", dist.Gamma(x.new_tensor(nu / 2), x.new_tensor(nu / 2)))
+            pyro.sample("x", dist.Normal(mu, (lam * u).rsqrt()), obs=x)
+
+
+def test_student_t_scale_mixture():
+    """Conformance, and robustness: an outlier moves the Student-t location far less than
+    the sample mean, and its own scale weight ⟨u⟩ is the smallest."""
+    g = _g(9)
+    check_engine(
+        ConformanceCase(
+            make_engine=lambda: VMP(student_t, tol=0),
+            model=student_t,
+            data=(torch.randn(3, 10, generator=g, dtype=F64),),
+            n_steps=10,
+        )
+    )
+    x = torch.randn(8, 30, generator=g, dtype=F64)
+    x[:, 0] = 25.0
+    state, _ = VMP(student_t, tol=1e-12, max_iter=2000).fit(x)
+    location = state.q["mu"][0].flatten()
+    assert bool(
+        ((location - x[:, 1:].mean(1)).abs() < 0.25 * (x.mean(1) - x[:, 1:].mean(1)).abs()).all()
+    )
+    weight = state.q["u"][0] / state.q["u"][1]
+    assert bool((weight.argmin(-1) == 0).all())

@@ -569,6 +569,8 @@ class Compiler:
                     self._check_dirichlet_concentration(s, sites[p.parent])
                 if p.parent is not None:
                     plan.children[p.parent].append((n, k))
+                for factor, _ in p.factors:
+                    plan.children[factor].append((n, k))
                 for term in p.terms:
                     plan.children[term.parent].append((n, k))
                 if p.selector is not None and (n, "select") not in plan.children[p.selector]:
@@ -700,6 +702,58 @@ class Compiler:
             )
         return param
 
+    def _product_map(self, plan, s: Site, key, value, mains, base_values) -> Param:
+        """A precision c · Π_k τ_k of several Gamma sites (a scale mixture: a Student-t is a
+        Normal whose precision is λ·u with u ~ Gamma(ν/2, ν/2) per point; spec §7.4). Each
+        factor's axes are the child's (event axes right-aligned); c is read off the first
+        run and checked on the random values of every latent site."""
+        sites, dims = plan.sites, param_dims(s, key)
+        desc = ", ".join(f"{m!r} ({sites[m].fn_name})" for m in mains)
+        renames = []
+        for m in mains:
+            parent = sites[m]
+            rename = {d: d for d in parent.dims}
+            n_ev = parent.event_dim
+            for j in range(n_ev):
+                rename[parent.dims[len(parent.dims) - n_ev + j]] = dims[len(dims) - n_ev + j]
+            if any(rename[d] not in dims for d in parent.dims):
+                raise refuse(
+                    s.name, s.fn_name, desc, "a factor of its precision has axes the child lacks"
+                )
+            renames.append(rename)
+
+        def product(values):
+            total = 1
+            for m, rename in zip(mains, renames, strict=True):
+                total = total * ein(
+                    dims,
+                    [(values[m], tuple(rename[d] for d in sites[m].dims))],
+                    dims,
+                    plan.sizes,
+                    value,
+                )
+            return total
+
+        base = {m: canon(sites[m], base_values[sites[m].pyro_name]) for m in mains}
+        coef, coef_dims = reduce_constant(value / product(base), dims, ulps=8)
+        coef = snap(coef)
+        got = self._runs["verify"][s.name][key]
+        expect = ein(dims, [(coef, coef_dims)], dims, plan.sizes, got) * product(
+            self._runs["probes"]
+        )
+        if not torch.allclose(got, expect):
+            raise refuse(
+                s.name, s.fn_name, desc, f"its {key} is not c times the product of these sites"
+            )
+        return Param(
+            dims,
+            parent=mains[0],
+            rename=renames[0],
+            coef=coef,
+            coef_dims=coef_dims,
+            factors=list(zip(mains[1:], renames[1:], strict=True)),
+        )
+
     @staticmethod
     def _check_dirichlet_concentration(s: Site, parent: Site) -> None:
         """A Dirichlet's concentration may depend on a point estimate (an M step by Minka's
@@ -783,6 +837,9 @@ class Compiler:
             return self._selected_constant(
                 plan, s, key, dims, selectors[0], base_values, args, kwargs
             )
+        if (s.family, key) == ("Normal", "precision") and len(mains) > 1 and not selectors:
+            if all(sites[m].family == "Gamma" for m in mains):
+                return self._product_map(plan, s, key, value, mains, base_values)
         if (
             want is None
             or len(mains) != 1

@@ -48,6 +48,8 @@ class Param:
     index: torch.Tensor | None = None  # fixed one-hot selection [index_dims + comp]
     index_dims: tuple = ()
     terms: list = field(default_factory=list)  # LinearTerm of an affine map (const = b)
+    #: further Gamma parents of a product precision c · parent · Π factors: (name, rename)
+    factors: list = field(default_factory=list)
     derived: dict = field(default_factory=dict, init=False, repr=False)  # see derived
 
 

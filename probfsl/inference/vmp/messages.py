@@ -28,6 +28,20 @@ from probfsl.inference.vmp.moments import (
 )
 
 
+def precision_factors(plan: Plan, q: dict, s: Site) -> list:
+    """(name, [⟨τ⟩ operand, ⟨ln τ⟩ operand]) of each Gamma factor of the precision of the
+    Normal site ``s`` (none when it is fixed)."""
+    p = s.params["precision"]
+    if p.parent is None:
+        return []
+    out = [(p.parent, parent_ops(plan, q, s, "precision"))]
+    for name, rename in p.factors:
+        stats = expected_stats(plan, q, name)
+        dims = tuple(rename[d] for d in plan.sites[name].dims)
+        out.append((name, [(stats[0], dims), (stats[1], dims)]))
+    return out
+
+
 def normal_ops(plan, q, s):
     """Operand lists of a Normal site's expected log-density (see :meth:`_normal_terms`)."""
     loc, prec = s.params["loc"], s.params["precision"]
@@ -44,15 +58,15 @@ def normal_ops(plan, q, s):
         L2 = [(derived(loc, "square"), loc.const_dims)]
     else:
         L1, L2 = [mu[0]], [mu[1]]
-    tau = parent_ops(plan, q, s, "precision")
-    if tau is None:
+    factors = precision_factors(plan, q, s)
+    if not factors:
         c = [(prec.const, prec.const_dims)]
         lnc = [(derived(prec, "log"), prec.const_dims)]
-        T1, T2 = [], None
+        T1, T2 = [], []
     else:
         c = [(prec.coef, prec.coef_dims)]
         lnc = [(derived(prec, "log_coef"), prec.coef_dims)]
-        T1, T2 = [tau[0]], [tau[1]]
+        T1, T2 = [f[0] for _, f in factors], [[f[1]] for _, f in factors]
     M = [] if s.mask is None else [(s.mask, s.mask_dims)]
     W, comp = weights(plan, q, s)
     return dict(X1=X1, X2=X2, L1=L1, L2=L2, c=c, lnc=lnc, T1=T1, T2=T2, M=M, W=W, comp=comp)
@@ -69,8 +83,8 @@ def normal_loglik(plan, o, out, weights):
         return ein(out, ops, over, plan.sizes, ref, expand=False)
 
     small = 0.5 * e(mw + o["lnc"]) - 0.5 * LOG_2PI * e(mw)
-    if o["T2"] is not None:
-        small = small + 0.5 * e(mw + o["T2"])
+    for log_tau in o["T2"]:  # ⟨ln τ⟩ of each factor of the precision
+        small = small + 0.5 * e(mw + log_tau)
     small = small - 0.5 * e(pr + o["L2"])
     res = e(pr + o["X1"] + o["L1"]) - 0.5 * e(pr + o["X2"]) + small
     return res.expand([plan.sizes[d] for d in out])
@@ -322,7 +336,8 @@ def message(plan, q, child: str, role: str, to: Site) -> list:
     if p.terms:  # an affine loc (the only parameter with terms)
         pr = mw + o["c"] + o["T1"]
         return linear_maps.message(plan, q, p, to.name, pr, o["X1"][0][0])
-    out = tuple(p.rename[d] for d in to.dims)
+    rename = p.rename if to.name == p.parent else dict(p.factors)[to.name]
+    out = tuple(rename[d] for d in to.dims)
 
     def e(ops):
         return ein(out, ops, o["over"], sizes, ref)
@@ -330,7 +345,9 @@ def message(plan, q, child: str, role: str, to: Site) -> list:
     if role == "loc":
         pr = mw + o["c"] + o["T1"]
         return [e(pr + o["X1"]), -0.5 * e(pr)]
-    cc = mw + o["c"]  # role precision, to a Gamma
+    # role precision, to a Gamma: the other factors of a product precision stay in
+    others = [f[0] for name, f in precision_factors(plan, q, c) if name != to.name]
+    cc = mw + o["c"] + others
     quad = e(cc + o["X2"]) - 2 * e(cc + o["X1"] + o["L1"]) + e(cc + o["L2"])
     return [-0.5 * quad, 0.5 * e(mw)]
 
