@@ -28,15 +28,18 @@ OBSERVED_ONLY = ("Bernoulli", "Binomial", "Poisson")
 
 SUPPORTED = (
     "Normal(loc <- Normal site or an affine map of Normal/MultivariateNormal sites with "
-    "observed coefficients, scale = (c * tau)^-1/2 <- Gamma site), each optionally indexed "
+    "observed coefficients, scale = (c * tau)^-1/2 <- Gamma site or a product of Gamma "
+    "sites), each optionally indexed "
     "by a Categorical site or a fixed index; MultivariateNormal(loc <- MultivariateNormal "
     "site, precision_matrix = c * Lambda <- Wishart site), optionally indexed likewise; "
     "Gamma(rate = c * b <- Gamma site); Categorical(probs <- Dirichlet site, indexed by a "
     "Categorical site when observed); observed Poisson(rate = c * lambda <- Gamma site), "
     "Bernoulli and Binomial(probs <- Beta site, or logits affine in Normal/"
     "MultivariateNormal sites), each optionally indexed by a Categorical site; Dirichlet, "
-    "Beta, Gamma and Wishart with fixed parameters; pyro.param sites inside the tasks plate "
-    "(point estimates) in place of a Gamma, Normal, Dirichlet or Beta site"
+    "Beta, Gamma and Wishart with fixed parameters; observed Dirichlet(concentration <- a "
+    "positive pyro.param, optionally indexed by a Categorical site); pyro.param sites "
+    "inside the tasks plate (point estimates) in place of a Gamma, Normal, Dirichlet or "
+    "Beta site"
 )
 
 
