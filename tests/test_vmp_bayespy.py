@@ -17,6 +17,7 @@ import torch
 from pyro.ops.indexing import Vindex
 
 from probfsl.inference import VMP
+from tests.test_vmp_families import hmm_data, hmm_model
 
 bn = pytest.importorskip("bayespy.nodes")
 from bayespy.inference import VB  # noqa: E402
@@ -156,3 +157,22 @@ def test_binomial_counts_under_a_beta():
         yn = bn.Binomial(trials[t].numpy().astype(int), p)
         yn.observe(y[t].numpy().astype(int))
         _close(state.objective[t].item(), _bayespy_bound([yn, p]))
+
+
+def test_categorical_markov_chain():
+    """BayesPy's CategoricalMarkovChain with a GaussianARD mixture, updated in the same
+    schedule (the chain before each parent): the same bound on every task."""
+    x, _ = hmm_data()
+    state, _ = VMP(hmm_model, tol=1e-14, max_iter=3000).fit(x)
+    n, k = x.shape[1], 3
+    for t in range(TASKS):
+        pi = bn.Dirichlet(np.ones(k))
+        a = bn.Dirichlet(np.ones(k), plates=(k,))
+        z = bn.CategoricalMarkovChain(pi, a, states=n)
+        mu = bn.GaussianARD(np.linspace(-2, 2, k), 1.0, plates=(k,))
+        tau = bn.Gamma(2.0, 1.0, plates=(k,))
+        y = bn.Mixture(z, bn.GaussianARD, mu, tau)
+        y.observe(x[t].numpy())
+        q = VB(y, z, mu, tau, a, pi)
+        q.update(z, pi, z, a, z, mu, z, tau, repeat=3000, tol=1e-14, verbose=False)
+        _close(state.objective[t].item(), q.compute_lowerbound())

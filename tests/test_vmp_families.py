@@ -357,3 +357,88 @@ def test_student_t_scale_mixture():
     )
     weight = state.q["u"][0] / state.q["u"][1]
     assert bool((weight.argmin(-1) == 0).all())
+
+
+def hmm_model(x, states=3):
+    """A hidden Markov chain with Dirichlet initial and transition probabilities and a
+    Normal observation law per state, as Pyro's DiscreteHMM."""
+    t, n = x.shape
+    with pyro.plate("tasks", t, dim=-1):
+        pi = pyro.sample("pi", dist.Dirichlet(torch.ones(states, dtype=x.dtype)))
+        ones = torch.ones(states, states, dtype=x.dtype)
+        a = pyro.sample("A", dist.Dirichlet(ones).to_event(1))
+        means = torch.linspace(-2, 2, states, dtype=x.dtype)
+        mu = pyro.sample("mu", dist.Normal(means, 1.0).to_event(1))
+        tau = pyro.sample(
+            "tau", dist.Gamma(2.0 * torch.ones(states, dtype=x.dtype), 1.0).to_event(1)
+        )
+        obs = dist.Normal(mu.unsqueeze(-2), tau.rsqrt().unsqueeze(-2))
+        chain = dist.DiscreteHMM(pi.log(), a.log().unsqueeze(-3), obs, duration=n)
+        pyro.sample("x", chain, obs=x)
+
+
+def hmm_data(t=4, n=50, states=3, seed=0):
+    """Sticky chains (stay with probability 0.9) observed in unit-spaced Gaussian noise."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        z = torch.zeros(t, n, dtype=torch.long)
+        for i in range(1, n):
+            stay = torch.rand(t) < 0.9
+            z[:, i] = torch.where(stay, z[:, i - 1], torch.randint(0, states, (t,)))
+        x = torch.linspace(-2, 2, states)[z] + 0.4 * torch.randn(t, n)
+    return x.double(), z
+
+
+def test_forward_backward_matches_enumeration():
+    """γ, Σξ and ln Z of the chain against a sum over all K^N paths (K = 2, N = 5)."""
+    from probfsl.inference.vmp.hmm import forward_backward
+
+    g = _g(10)
+    k, n = 2, 5
+    log_init = torch.randn(3, k, generator=g, dtype=F64)
+    log_trans = torch.randn(3, k, k, generator=g, dtype=F64)
+    log_emit = torch.randn(3, n, k, generator=g, dtype=F64)
+    gamma, pairs, log_z = forward_backward(log_init, log_trans, log_emit)
+    paths = torch.tensor(list(itertools.product(range(k), repeat=n)))  # [P, N]
+    score = log_init[:, paths[:, 0]] + log_emit[:, torch.arange(n), paths].sum(-1)
+    score = score + log_trans[:, paths[:, :-1], paths[:, 1:]].sum(-1)  # [3, P]
+    torch.testing.assert_close(log_z, torch.logsumexp(score, -1), rtol=1e-12, atol=1e-12)
+    weight = torch.softmax(score, -1)
+    want_gamma = torch.einsum("bp,pnk->bnk", weight, torch.nn.functional.one_hot(paths, k).double())
+    torch.testing.assert_close(gamma, want_gamma, rtol=1e-12, atol=1e-12)
+    one = torch.nn.functional.one_hot(paths, k).double()
+    want_pairs = torch.einsum("bp,pnj,pnk->bjk", weight, one[:, :-1], one[:, 1:])
+    torch.testing.assert_close(pairs, want_pairs, rtol=1e-12, atol=1e-12)
+
+
+def test_hidden_markov_chain_conformance():
+    """The chain's bound: monotone, batch-invariant, float32 against float64, on the data's
+    device, no host synchronisation, and below Pyro's exact E_q ln p(x | θ) (Pyro sums out
+    the chain; the bound also holds q(z))."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_vmp_bayespy import hmm_data, hmm_model  # noqa: E402
+
+    from probfsl.testing import (
+        assert_batch_invariant,
+        assert_device_follows,
+        assert_dtype_agreement,
+        assert_monotone,
+        assert_no_host_syncs,
+        pyro_elbo_estimate,
+    )
+
+    x, z = hmm_data(t=3, n=30)
+    case = ConformanceCase(
+        make_engine=lambda: VMP(hmm_model, tol=0), model=hmm_model, data=(x,), n_steps=8
+    )
+    for check in (assert_monotone, assert_batch_invariant, assert_dtype_agreement):
+        check(case)
+    assert_device_follows(case)
+    assert_no_host_syncs(case)
+    vmp = VMP(hmm_model, tol=1e-12, max_iter=500)
+    state, _ = vmp.fit(x)
+    mean, se = pyro_elbo_estimate(hmm_model, vmp.guide(state), (x,), 200, 5, max_plate_nesting=1)
+    assert state.objective.sum().item() <= mean + 5 * se

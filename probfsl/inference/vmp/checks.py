@@ -22,9 +22,10 @@ FAMILIES = {
     "Bernoulli": dist.Bernoulli,
     "Binomial": dist.Binomial,
     "Poisson": dist.Poisson,
+    "DiscreteHMM": dist.DiscreteHMM,
 }
 #: families that VMP takes as observed sites only (a latent discrete site is a Categorical)
-OBSERVED_ONLY = ("Bernoulli", "Binomial", "Poisson")
+OBSERVED_ONLY = ("Bernoulli", "Binomial", "Poisson", "DiscreteHMM")
 
 SUPPORTED = (
     "Normal(loc <- Normal site or an affine map of Normal/MultivariateNormal sites with "
@@ -39,7 +40,9 @@ SUPPORTED = (
     "Beta, Gamma and Wishart with fixed parameters; observed Dirichlet(concentration <- a "
     "positive pyro.param, optionally indexed by a Categorical site); pyro.param sites "
     "inside the tasks plate (point estimates) in place of a Gamma, Normal, Dirichlet or "
-    "Beta site"
+    "Beta site; an observed DiscreteHMM (a Categorical Markov chain, updated by "
+    "forward-backward) with logits log(Dirichlet sites) and a Normal observation law whose "
+    "loc and precision are Normal and Gamma sites per state"
 )
 
 

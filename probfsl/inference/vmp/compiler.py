@@ -63,6 +63,10 @@ ROLES = {
     ("Bernoulli", "probs"): ("Beta", "Categorical"),
     ("Binomial", "probs"): ("Beta", "Categorical"),
     ("Dirichlet", "concentration"): ("Gamma", "Categorical"),  # a point estimate only
+    ("DiscreteHMM", "initial_logits"): ("Dirichlet",),
+    ("DiscreteHMM", "transition_logits"): ("Dirichlet",),
+    ("DiscreteHMM", "loc"): ("Normal",),
+    ("DiscreteHMM", "precision"): ("Gamma",),
 }
 #: the conjugate parent family of each parameter that may have one
 WANT = {
@@ -76,9 +80,17 @@ WANT = {
     ("Bernoulli", "probs"): "Beta",
     ("Binomial", "probs"): "Beta",
     ("Dirichlet", "concentration"): "Gamma",
+    ("DiscreteHMM", "initial_logits"): "Dirichlet",
+    ("DiscreteHMM", "transition_logits"): "Dirichlet",
+    ("DiscreteHMM", "loc"): "Normal",
+    ("DiscreteHMM", "precision"): "Gamma",
 }
+#: parameters that are the logarithm of their parent (a DiscreteHMM's logits)
+LOG_KEYS = ("initial_logits", "transition_logits")
 #: families that may enter an affine map (linear maps, Pólya-Gamma logits)
 GAUSSIAN = ("Normal", "MultivariateNormal")
+#: observed families whose data are counts
+COUNTS = ("Bernoulli", "Binomial", "Poisson")
 #: the family a point-estimated parameter (``pyro.param``) takes from its constraint
 POINT_FAMILIES = (
     (constraints.positive, "Gamma"),
@@ -323,6 +335,9 @@ class Compiler:
         if family == "Categorical":
             site.n_cat = base.probs.shape[-1]
             sizes[f"{logical}#cat"] = site.n_cat
+        if family == "DiscreteHMM":
+            self._check_hmm(logical, fname, base)
+            sizes[f"{logical}#s"] = sizes[f"{logical}#s2"] = base.initial_logits.shape[-1]
         if family == "MultivariateNormal":
             sizes[dims[-1] + "b"] = event_shape[-1]  # the second axis of x xᵀ
         if family in OBSERVED_ONLY and not site.observed:
@@ -355,7 +370,7 @@ class Compiler:
             site.mask, site.mask_dims = reduce_constant(m.to(dtype_of(trace)), site.dims[: m.dim()])
         if site.observed:
             value = s["value"]
-            if family in OBSERVED_ONLY:  # counts: whole numbers, taken in the data's dtype
+            if family in COUNTS:  # whole numbers, taken in the data's dtype
                 if not bool(torch.isfinite(value).all()):
                     raise refuse(logical, fname, "-", "its data hold NaN or infinite values")
                 if not bool(((value >= 0) & (value == value.round())).all()):
@@ -377,6 +392,8 @@ class Compiler:
                 site.stats = (v, None)  # x xᵀ enters as x ⊗ x (see _mvn_ops)
             elif family in ("Normal", "Gamma"):
                 site.stats = (v, v.square() if family == "Normal" else v.log())
+            elif family == "DiscreteHMM":
+                site.stats = (v, v.square())
             elif family in OBSERVED_ONLY:
                 site.stats = (v,)
             elif family == "Beta":
@@ -456,6 +473,18 @@ class Compiler:
             out = {"concentration1": base.concentration1, "concentration0": base.concentration0}
         elif site.family == "Poisson":
             out = {"rate": base.rate}
+        elif site.family == "DiscreteHMM":  # the time axis (size 1: homogeneous) dropped
+            obs, _ = unwrap(base.observation_dist)
+            states = base.initial_logits.shape[-1]
+            batch = site.batch_shape
+            return {
+                "initial_logits": canon(site, base.initial_logits.expand(batch + (states,))),
+                "transition_logits": canon(
+                    site, base.transition_logits.expand(batch + (1, states, states))[..., 0, :, :]
+                ),
+                "loc": canon(site, obs.loc.expand(batch + (1, states))[..., 0, :]),
+                "precision": canon(site, obs.scale.pow(-2).expand(batch + (1, states))[..., 0, :]),
+            }
         elif site.family == "Binomial":
             out = {"total_count": base.total_count, "probs": base.probs, "logits": base.logits}
         elif site.family == "Bernoulli":
@@ -556,6 +585,7 @@ class Compiler:
                     if not pa:
                         desc = ", ".join(f"{p!r} ({sites[p].fn_name})" for p in site_pa) or "-"
                         raise refuse(n, s.fn_name, desc, f"its {k} depends on them non-conjugately")
+                    pa = self._movers(plan, s, k, v, pa, base_values, args, kwargs)
                 try:
                     s.params[k] = self._param_map(plan, s, k, v, pa, base_values, args, kwargs)
                 except ValueError:
@@ -753,6 +783,41 @@ class Compiler:
             coef_dims=coef_dims,
             factors=list(zip(mains[1:], renames[1:], strict=True)),
         )
+
+    def _movers(self, plan, s: Site, key, value, pa, base_values, args, kwargs) -> list:
+        """The candidates of ``pa`` that move parameter ``key`` of ``s`` (site-level
+        provenance names every parent of the site; where two candidates share a family,
+        one run with each at its random value alone tells them apart)."""
+        sites = plan.sites
+        families = [sites[p].family for p in pa if sites[p].family != "Categorical"]
+        if len(families) == len(set(families)):
+            return pa
+        movers = []
+        for p in pa:
+            if sites[p].family == "Categorical":
+                movers.append(p)
+                continue
+            kind = ("alone", p)
+            if kind not in self._runs:
+                values = dict(base_values)
+                probe = self._runs["probes"][p]
+                values[sites[p].pyro_name] = to_pyro(sites[p], probe)
+                tr = self._trace(args, kwargs, values)
+                self._runs[kind] = {
+                    n: self._params(x, tr.nodes[x.pyro_name]) for n, x in sites.items()
+                }
+            if not torch.equal(self._runs[kind][s.name][key], value):
+                movers.append(p)
+        return movers
+
+    @staticmethod
+    def _check_hmm(name: str, fname: str, hmm) -> None:
+        """A DiscreteHMM VMP can follow: homogeneous, with a Normal observation law."""
+        obs, _ = unwrap(hmm.observation_dist)
+        if type(obs) is not dist.Normal or obs.event_shape:
+            raise refuse(name, fname, "-", "its observation law must be a scalar Normal")
+        if hmm.transition_logits.dim() >= 3 and hmm.transition_logits.shape[-3] != 1:
+            raise refuse(name, fname, "-", "its transitions must not change with time")
 
     @staticmethod
     def _check_dirichlet_concentration(s: Site, parent: Site) -> None:
@@ -964,6 +1029,8 @@ class Compiler:
         expect = gathered(probes()[parent.name], probes().get(selector))
         if key in SCALED:
             expect = expect * c
+        if key in LOG_KEYS:
+            expect = expect.log()
         if not torch.allclose(got, expect):
             raise refuse(
                 s.name, s.fn_name, p_desc, f"its {key} is not a (selected) copy of the parent"

@@ -200,6 +200,9 @@ def param_dims(s: Site, key: str) -> tuple:
     the second axis of a precision matrix; a Wishart's df has the plate axes only."""
     if key == "probs" and s.family == "Categorical":
         return s.dims + (f"{s.name}#cat",)
+    if s.family == "DiscreteHMM":  # per state (and state pair), the time axis dropped
+        states = (f"{s.name}#s", f"{s.name}#s2") if key == "transition_logits" else (f"{s.name}#s",)
+        return s.dims[:-1] + states
     if s.family == "MultivariateNormal" and key == "precision":
         return s.dims + (s.dims[-1] + "b",)
     if s.family == "Wishart" and key == "df":
@@ -218,6 +221,7 @@ def stat_dims(s: Site) -> tuple:
         "Bernoulli": (d,),
         "Binomial": (d,),
         "Poisson": (d,),
+        "DiscreteHMM": (d, d),
     }.get(s.family, (d, d))
 
 

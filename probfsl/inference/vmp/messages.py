@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from probfsl.inference import expfam
-from probfsl.inference.vmp import dirichlet_points, linear_maps, polya_gamma
+from probfsl.inference.vmp import dirichlet_points, hmm, linear_maps, polya_gamma
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.layout import LOG_2PI, TASKS, Plan, Site, derived, stat_dims
 from probfsl.inference.vmp.moments import (
@@ -155,6 +155,8 @@ def mvn_loglik(plan, o, out, weights):
 def site_elbo(plan: Plan, q: dict, name: str) -> torch.Tensor:
     """E_q[ln p(x_site | pa)], one value per task."""
     s, out = plan.sites[name], (TASKS,)
+    if s.family == "DiscreteHMM":
+        return hmm.loglik(plan, q, s, out)
     if "logits" in s.params:
         return polya_gamma.loglik(plan, q, s, out)
     if dirichlet_points.is_child(s):
@@ -306,6 +308,8 @@ def natural(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
 def message(plan, q, child: str, role: str, to: Site) -> list:
     """m_{child → to}: the coefficients of u(to) in E ln p(child | pa) (spec §2 table)."""
     c, sizes, ref = plan.sites[child], plan.sizes, plan.ref
+    if c.family == "DiscreteHMM":
+        return hmm.message(plan, q, c, role, to)
     if "logits" in c.params:
         return polya_gamma.message(plan, q, c, to)
     if dirichlet_points.is_child(c):

@@ -1,0 +1,150 @@
+"""A Categorical Markov chain as one structured factor: Pyro's ``DiscreteHMM`` observed,
+with Dirichlet initial and transition probabilities and a Normal observation law per
+state (spec ``vmp.md`` §7.5; Beal, *Variational algorithms for approximate Bayesian
+inference*, 2003, ch. 3; BayesPy's ``CategoricalMarkovChain``).
+
+The hidden chain z_1..z_N is not a site: its factor q(z) is the exact chain given the
+expected log-potentials ⟨ln π⟩, ⟨ln A⟩ and E ln N(x_n | μ_k, τ_k), computed by
+forward-backward whenever it is read (batched over tasks, a loop over time). Its messages
+are the expected counts: γ_1 to π, Σ_n ξ_n to A, and the state-weighted data to each
+state's mean and precision. With q(z) at its optimum the chain's part of the bound,
+E ln p(x, z | θ) + H[q(z)], is the forward pass's normaliser ln Z̃, so every update of a
+parent is followed by an optimal q(z) and the bound never falls.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from probfsl.inference.vmp.einsum import ein
+from probfsl.inference.vmp.layout import Plan, Site, derived
+from probfsl.inference.vmp.moments import parent_ops
+
+LOG_2PI = math.log(2 * math.pi)
+
+
+def _expected(plan: Plan, q: dict, s: Site, key: str, stat: int) -> tuple:
+    """(operand, axes) of the expected statistic ``stat`` of a parameter's parent, or of
+    the fixed parameter (its value, its square or its logarithm)."""
+    p = s.params[key]
+    ops = parent_ops(plan, q, s, key)
+    if ops is not None:
+        return ops[stat]
+    kind = {0: None, 1: "square" if key == "loc" else "log"}[stat]
+    return (p.const if kind is None else derived(p, kind)), p.const_dims
+
+
+def _chain(plan: Plan, q: dict, s: Site) -> tuple:
+    """(γ [T, N, K], Σ_n ξ_n [T, K, K], ln Z̃ [T]) under the current factors, cached while
+    the parents' factors are the same objects."""
+    parents = [p.parent for p in s.params.values() if p.parent is not None]
+    hit = plan.cache.get(("hmm", s.name))
+    if hit is not None and all(q[n] is f for n, f in zip(parents, hit[0], strict=True)):
+        return hit[1]
+    sizes, ref = plan.sizes, plan.ref
+    state, batch = f"{s.name}#s", s.dims[:-1]
+    log_init = ein(
+        batch + (state,), [_pot(plan, q, s, "initial_logits")], batch + (state,), sizes, ref
+    )
+    trans_dims = batch + (state, f"{s.name}#s2")
+    log_trans = ein(trans_dims, [_pot(plan, q, s, "transition_logits")], trans_dims, sizes, ref)
+    log_emit = emission(plan, q, s)  # [batch, N, K]
+    result = forward_backward(log_init, log_trans, log_emit)
+    plan.cache[("hmm", s.name)] = ([q[n] for n in parents], result)
+    return result
+
+
+def _pot(plan: Plan, q: dict, s: Site, key: str) -> tuple:
+    """⟨ln π⟩ or ⟨ln A⟩ (from a Dirichlet parent) or the fixed logits."""
+    p = s.params[key]
+    ops = parent_ops(plan, q, s, key)
+    return ops[0] if ops is not None else (p.const, p.const_dims)
+
+
+def _precision(plan: Plan, q: dict, s: Site) -> tuple[list, list]:
+    """Operands of ⟨c τ⟩ and the terms of ⟨ln(c τ)⟩ of the observation precision."""
+    p = s.params["precision"]
+    ops = parent_ops(plan, q, s, "precision")
+    if ops is None:
+        return [(p.const, p.const_dims)], [[(derived(p, "log"), p.const_dims)]]
+    coef = (p.coef, p.coef_dims)
+    return [coef, ops[0]], [[(derived(p, "log_coef"), p.coef_dims)], [ops[1]]]
+
+
+def emission(plan: Plan, q: dict, s: Site) -> torch.Tensor:
+    """E ln N(x_n | μ_k, (c τ_k)⁻¹) [batch, N, K]: ½⟨ln cτ⟩ − ½ ln 2π − ½⟨cτ⟩(x² − 2x⟨μ⟩ + ⟨μ²⟩)."""
+    sizes, ref = plan.sizes, plan.ref
+    out = s.dims + (f"{s.name}#s",)
+    prec, log_prec = _precision(plan, q, s)
+    x, x2 = (s.stats[0], s.dims), (s.stats[1], s.dims)
+    mu, mu2 = _expected(plan, q, s, "loc", 0), _expected(plan, q, s, "loc", 1)
+    total = -0.5 * LOG_2PI * torch.ones((), dtype=ref.dtype, device=ref.device)
+    for term in log_prec:
+        total = total + 0.5 * ein(out, term, out, sizes, ref)
+    quad = (
+        ein(out, prec + [x2], out, sizes, ref)
+        - 2 * ein(out, prec + [x, mu], out, sizes, ref)
+        + ein(out, prec + [mu2], out, sizes, ref)
+    )
+    return total - 0.5 * quad
+
+
+def forward_backward(
+    log_init: torch.Tensor, log_trans: torch.Tensor, log_emit: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Posterior marginals γ [B, N, K], summed pairwise marginals Σ_n ξ_n [B, K, K] and the
+    log normaliser [B] of a chain with log-potentials (batched; Rabiner 1989, in logs)."""
+    n = log_emit.shape[-2]
+    alpha = [log_init + log_emit[..., 0, :]]
+    for t in range(1, n):
+        step = torch.logsumexp(alpha[-1].unsqueeze(-1) + log_trans, -2)
+        alpha.append(step + log_emit[..., t, :])
+    log_z = torch.logsumexp(alpha[-1], -1)
+    beta = [torch.zeros_like(log_init)]
+    pairs = torch.zeros_like(log_trans)
+    for t in range(n - 1, 0, -1):
+        ahead = (log_emit[..., t, :] + beta[0]).unsqueeze(-2)  # [B, 1, K]
+        joint = alpha[t - 1].unsqueeze(-1) + log_trans + ahead - log_z[..., None, None]
+        pairs = pairs + joint.exp()
+        beta.insert(0, torch.logsumexp(log_trans + ahead, -1))
+    gamma = (torch.stack(alpha, -2) + torch.stack(beta, -2) - log_z[..., None, None]).exp()
+    return gamma, pairs, log_z
+
+
+def loglik(plan: Plan, q: dict, s: Site, out: tuple) -> torch.Tensor:
+    """The chain's part of the bound, ln Z̃, summed into ``out``."""
+    _, _, log_z = _chain(plan, q, s)
+    return ein(out, [(log_z, s.dims[:-1])], s.dims[:-1], plan.sizes, plan.ref)
+
+
+def message(plan: Plan, q: dict, s: Site, role: str, to: Site) -> list:
+    """The expected counts (module docstring) as the natural-parameter message to ``to``."""
+    sizes, ref = plan.sizes, plan.ref
+    gamma, pairs, _ = _chain(plan, q, s)
+    state = f"{s.name}#s"
+    g = (gamma, s.dims + (state,))
+    p = s.params[role]
+    out = tuple(p.rename[d] for d in to.dims)
+    if role == "initial_logits":
+        return [ein(out, [(gamma[..., 0, :], s.dims[:-1] + (state,))], out, sizes, ref)]
+    if role == "transition_logits":
+        dims = s.dims[:-1] + (state, f"{s.name}#s2")
+        return [ein(out, [(pairs, dims)], out, sizes, ref)]
+    over = s.dims + (state,)
+    x, x2 = (s.stats[0], s.dims), (s.stats[1], s.dims)
+    prec, _ = _precision(plan, q, s)
+    if role == "loc":
+        return [
+            ein(out, [g] + prec + [x], over, sizes, ref),
+            -0.5 * ein(out, [g] + prec, over, sizes, ref),
+        ]
+    coef = [(p.coef, p.coef_dims)]  # role precision, to the Gamma τ of c τ
+    mu, mu2 = _expected(plan, q, s, "loc", 0), _expected(plan, q, s, "loc", 1)
+    quad = (
+        ein(out, [g] + coef + [x2], over, sizes, ref)
+        - 2 * ein(out, [g] + coef + [x, mu], over, sizes, ref)
+        + ein(out, [g] + coef + [mu2], over, sizes, ref)
+    )
+    return [-0.5 * quad, 0.5 * ein(out, [g], over, sizes, ref)]
