@@ -346,14 +346,62 @@ def message(plan, q, child: str, role: str, to: Site) -> list:
     def e(ops):
         return ein(out, ops, o["over"], sizes, ref)
 
+    # role precision, to a Gamma: the other factors of a product precision stay in
+    others = [f[0] for name, f in precision_factors(plan, q, c) if name != to.name]
+    rest = o["c"] + (o["T1"] if role == "loc" else others + o["L1"] + o["L2"])
+    if _weighted_applies(plan, c, out, rest):
+        return _weighted_message(plan, q, c, o, role, out, others)
     if role == "loc":
         pr = mw + o["c"] + o["T1"]
         return [e(pr + o["X1"]), -0.5 * e(pr)]
-    # role precision, to a Gamma: the other factors of a product precision stay in
-    others = [f[0] for name, f in precision_factors(plan, q, c) if name != to.name]
     cc = mw + o["c"] + others
     quad = e(cc + o["X2"]) - 2 * e(cc + o["X1"] + o["L1"]) + e(cc + o["L2"])
     return [-0.5 * quad, 0.5 * e(mw)]
+
+
+def _weighted_applies(plan: Plan, c: Site, out: tuple, rest: list) -> bool:
+    """Whether the messages of the mixture child ``c`` can be read off its weighted
+    statistics Σ_n r_nk (1, x_n, x_n²) in the parent's axes ``out``: its selector is a
+    latent Categorical and every other operand already lives in those axes."""
+    selected = any(p.selector is not None for p in c.params.values())
+    return selected and all(set(dims) <= set(out) for _, dims in rest)
+
+
+def _weighted(plan: Plan, q: dict, c: Site, o: dict, out: tuple, power: int) -> torch.Tensor:
+    """Σ over the child's own axes of mask × q(z) × ⟨x^power⟩ in the axes ``out``: the
+    mixture's sufficient statistics, computed once per update of q(z) (and of the child's
+    factor if it is latent) and shared by the messages to the means and precisions."""
+    selector = next(p.selector for p in c.params.values() if p.selector is not None)
+    key = ("weighted", c.name, out, power)
+    deps = (q[selector],) if c.observed else (q[selector], q[c.name])
+    hit = plan.cache.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], deps, strict=True)):
+        return hit[1]
+    data = {0: [], 1: o["X1"], 2: o["X2"]}[power]
+    value = ein(out, o["M"] + o["W"] + data, o["over"], plan.sizes, plan.ref)
+    plan.cache[key] = (deps, value)
+    return value
+
+
+def _weighted_message(plan, q, c: Site, o: dict, role: str, out: tuple, others: list) -> list:
+    """The messages of a Normal mixture child from its weighted statistics S0, S1, S2:
+    to the mean (c⟨τ⟩ S1, −½ c⟨τ⟩ S0); to the precision
+    (−½ c (S2 − 2 S1⟨μ⟩ + S0⟨μ²⟩), ½ S0) (PRML eq. 10.51-10.53)."""
+    sizes, ref = plan.sizes, plan.ref
+
+    def w(power):
+        return [(_weighted(plan, q, c, o, out, power), out)]
+
+    if role == "loc":
+        pr = o["c"] + o["T1"]
+        return [ein(out, pr + w(1), out, sizes, ref), -0.5 * ein(out, pr + w(0), out, sizes, ref)]
+    cc = o["c"] + others
+    quad = (
+        ein(out, cc + w(2), out, sizes, ref)
+        - 2 * ein(out, cc + w(1) + o["L1"], out, sizes, ref)
+        + ein(out, cc + w(0) + o["L2"], out, sizes, ref)
+    )
+    return [-0.5 * quad, 0.5 * ein(out, w(0), out, sizes, ref)]
 
 
 def mvn_message(plan, q, c: Site, role: str, to: Site) -> list:
