@@ -118,6 +118,31 @@ def dirichlet_weights(x):
             )
 
 
+def evidence_regression_outside(y, x):
+    """The same model with the parameters declared before the plates, one per task."""
+    t, n, p = x.shape
+    ones = torch.ones(t, 1, dtype=x.dtype)
+    alpha = pyro.param("alpha", ones, constraint=constraints.positive)
+    beta = pyro.param("beta", ones, constraint=constraints.positive)
+    with pyro.plate("tasks", t, dim=-2):
+        w = pyro.sample("w", dist.Normal(x.new_zeros(p), alpha.rsqrt().unsqueeze(-1)).to_event(1))
+        with pyro.plate("n", n, dim=-1):
+            pyro.sample("y", dist.Normal((x * w).sum(-1), beta.rsqrt()), obs=y)
+
+
+def test_parameters_declared_outside_the_plate_are_the_same_estimates():
+    y, x = _regression(t=8)
+    inside = VMP(evidence_regression, tol=1e-12, max_iter=2000)
+    outside = VMP(evidence_regression_outside, tol=1e-12, max_iter=2000)
+    a, _ = inside.fit(y, x)
+    b, _ = outside.fit(y, x)
+    torch.testing.assert_close(a.objective, b.objective, rtol=1e-12, atol=0)
+    for name in ("alpha", "beta"):
+        torch.testing.assert_close(
+            inside.point_estimates(a)[name], outside.point_estimates(b)[name], rtol=1e-12, atol=0
+        )
+
+
 def test_point_location_and_rate_are_the_maximum_likelihood_values():
     g = torch.Generator().manual_seed(1)
     x = 1.5 + torch.randn(16, 40, generator=g, dtype=F64)
@@ -208,7 +233,7 @@ def _unused_param(y, x):
 @pytest.mark.parametrize(
     ("model", "words"),
     [
-        (_shared_param, "'alpha' outside the 'tasks' plate"),
+        (_shared_param, "'alpha': it needs one value per task"),
         (_interval_param, "'alpha': its constraint"),
         (_unused_param, "'unused': no site uses it"),
     ],

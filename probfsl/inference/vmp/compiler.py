@@ -283,15 +283,11 @@ class Compiler:
         if s["scale"] != 1.0:
             raise refuse(logical, fname, "-", "poutine.scale is not supported")
         frames = [f for f in s["cond_indep_stack"] if f.vectorized]
-        if TASKS not in [f.name for f in frames]:
-            if logical in self.points:
-                raise ValueError(
-                    f"VMP cannot point-estimate the pyro.param site {logical!r} outside the "
-                    f"{TASKS!r} plate: declare it inside the plate with one value per task "
-                    "(a leading axis of the tasks' length where the plate puts it)"
-                )
-            raise refuse(logical, fname, "-", f"the site has no batched {TASKS!r} plate")
         batch_shape = tuple(fn.batch_shape)
+        if TASKS not in [f.name for f in frames] and logical in self.points:
+            frames = frames + self._tasks_frame_of_point(logical, trace, batch_shape)
+        if TASKS not in [f.name for f in frames]:
+            raise refuse(logical, fname, "-", f"the site has no batched {TASKS!r} plate")
         by_dim = {f.dim: f for f in frames}
         keep, dims = [], []
         for i, size in enumerate(batch_shape):
@@ -783,6 +779,29 @@ class Compiler:
             coef_dims=coef_dims,
             factors=list(zip(mains[1:], renames[1:], strict=True)),
         )
+
+    @staticmethod
+    def _tasks_frame_of_point(name: str, trace, batch_shape: tuple) -> list:
+        """The ``tasks`` plate of a ``pyro.param`` declared outside it: its axis at the
+        plate's position must have the tasks' length (one value per task)."""
+        frame = next(
+            (
+                f
+                for node in trace.nodes.values()
+                if node["type"] == "sample"
+                for f in node["cond_indep_stack"]
+                if f.name == TASKS and f.vectorized
+            ),
+            None,
+        )
+        at = None if frame is None else len(batch_shape) + frame.dim
+        if frame is None or at < 0 or batch_shape[at] != frame.size:
+            raise ValueError(
+                f"VMP cannot point-estimate the pyro.param site {name!r}: it needs one value "
+                f"per task, an axis of the tasks' length where the {TASKS!r} plate puts it "
+                "(a parameter shared by every task would couple the tasks)"
+            )
+        return [frame]
 
     def _movers(self, plan, s: Site, key, value, pa, base_values, args, kwargs) -> list:
         """The candidates of ``pa`` that move parameter ``key`` of ``s`` (site-level
