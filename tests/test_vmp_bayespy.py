@@ -176,3 +176,20 @@ def test_categorical_markov_chain():
         q = VB(y, z, mu, tau, a, pi)
         q.update(z, pi, z, a, z, mu, z, tau, repeat=3000, tol=1e-14, verbose=False)
         _close(state.objective[t].item(), q.compute_lowerbound())
+
+
+def test_gaussian_markov_chain():
+    """BayesPy's GaussianMarkovChain with a Gamma innovation precision, observed through
+    GaussianARD: the same bound on every task."""
+    from tests.test_vmp_families import random_walk, walk_data
+
+    x = walk_data(t=TASKS)
+    state, _ = VMP(lambda x: random_walk(x, tau="gamma"), tol=1e-14, max_iter=3000).fit(x)
+    for t in range(TASKS):
+        tau = bn.Gamma(2.0, 0.5, plates=(1,))
+        chain = bn.GaussianMarkovChain(
+            np.zeros(1), np.array([[0.25]]), np.array([[1.0]]), tau, n=x.shape[1]
+        )
+        y = bn.GaussianARD(chain, 1.0, shape=(1,))
+        y.observe(x[t].numpy()[:, None])
+        _close(state.objective[t].item(), _bayespy_bound([y, chain, tau], (), (chain, tau)))

@@ -442,3 +442,59 @@ def test_hidden_markov_chain_conformance():
     state, _ = vmp.fit(x)
     mean, se = pyro_elbo_estimate(hmm_model, vmp.guide(state), (x,), 200, 5, max_plate_nesting=1)
     assert state.objective.sum().item() <= mean + 5 * se
+
+
+def random_walk(x, step=0.5, noise=1.0, tau=None):
+    """A Gaussian random walk observed in noise, written as a loop of Normal sites (with
+    ``tau`` a latent Gamma innovation precision when it is ``"gamma"``)."""
+    t, n = x.shape
+    with pyro.plate("tasks", t):
+        precision = step**-2
+        if tau == "gamma":
+            precision = pyro.sample("tau", dist.Gamma(x.new_tensor(2.0), x.new_tensor(0.5)))
+        s = pyro.sample("s0", dist.Normal(x.new_tensor(0.0), 2.0))
+        pyro.sample("x0", dist.Normal(s, noise), obs=x[:, 0])
+        for i in range(1, n):
+            s = pyro.sample(f"s{i}", dist.Normal(s, precision**-0.5))
+            pyro.sample(f"x{i}", dist.Normal(s, noise), obs=x[:, i])
+
+
+def walk_data(t=16, n=12, seed=11):
+    g = _g(seed)
+    walk = (0.5 * torch.randn(t, n, generator=g, dtype=F64)).cumsum(1)
+    return walk + torch.randn(t, n, generator=g, dtype=F64)
+
+
+def test_gaussian_markov_chain_is_one_exact_factor():
+    """The walk's steps form one joint factor: with fixed precisions the bound is the log
+    evidence (s ~ N(0, 4 + 0.25 min(i, j)), x = s + noise) after one sweep."""
+    x = walk_data()
+    vmp = VMP(random_walk, tol=1e-13)
+    assert list(vmp.compile(x).chains.values())[0] == [f"s{i}" for i in range(12)]
+    state, info = vmp.fit(x)
+    i = torch.arange(12, dtype=F64)
+    cov = 4.0 + 0.25 * torch.minimum(i[:, None], i[None, :]) + torch.eye(12, dtype=F64)
+    evidence = dist.MultivariateNormal(torch.zeros(12, dtype=F64), cov).log_prob(x)
+    torch.testing.assert_close(state.objective, evidence, rtol=1e-12, atol=1e-11)
+    assert int(info.n_steps.max()) <= 2
+
+
+def test_gaussian_markov_chain_conformance():
+    from probfsl.testing import (
+        assert_batch_invariant,
+        assert_device_follows,
+        assert_dtype_agreement,
+        assert_monotone,
+        assert_no_host_syncs,
+    )
+
+    def model(x):
+        return random_walk(x, tau="gamma")
+
+    case = ConformanceCase(
+        make_engine=lambda: VMP(model, tol=0), model=model, data=(walk_data(t=3),), n_steps=10
+    )
+    for check in (assert_monotone, assert_batch_invariant, assert_dtype_agreement):
+        check(case)
+    assert_device_follows(case)
+    assert_no_host_syncs(case)

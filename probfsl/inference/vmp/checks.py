@@ -42,7 +42,8 @@ SUPPORTED = (
     "inside the tasks plate (point estimates) in place of a Gamma, Normal, Dirichlet or "
     "Beta site; an observed DiscreteHMM (a Categorical Markov chain, updated by "
     "forward-backward) with logits log(Dirichlet sites) and a Normal observation law whose "
-    "loc and precision are Normal and Gamma sites per state"
+    "loc and precision are Normal and Gamma sites per state; latent Normal sites each the "
+    "mean of the next form one Gaussian Markov chain factor"
 )
 
 

@@ -257,6 +257,7 @@ class Compiler:
             latent = list(self.order)
         plan = Plan(sites, latent, sizes, {n: [] for n in latent}, ref)
         self._find_parents(plan, trace, args, kwargs)
+        self._find_chains(plan)
         for name in self.points:
             roles = {role for _, role in plan.children[name]}
             if not roles:
@@ -779,6 +780,42 @@ class Compiler:
             coef_dims=coef_dims,
             factors=list(zip(mains[1:], renames[1:], strict=True)),
         )
+
+    @staticmethod
+    def _find_chains(plan: Plan) -> None:
+        """Gaussian Markov chains: latent Normal sites s_1, s_2, ... each of whose mean is
+        the one before it (same axes, no selection), the first with any prior. Each chain
+        gets one joint factor (:mod:`~probfsl.inference.vmp.gaussian_chain`)."""
+        sites = plan.sites
+
+        def link(s: Site) -> str | None:
+            if s.family != "Normal" or s.observed or s.point or s.joint or s.mask is not None:
+                return None
+            p = s.params.get("loc")
+            if p is None or p.parent is None or p.comp is not None or p.terms:
+                return None
+            pred = sites[p.parent]
+            same = pred.dims == s.dims and all(p.rename[d] == d for d in pred.dims)
+            special = pred.point or pred.joint or pred.mask is not None
+            plain = pred.family == "Normal" and not special
+            if not (same and plain and s.params["precision"].comp is None):
+                return None
+            return pred.name
+
+        successor: dict = {}
+        for name in plan.latent:
+            pred = link(sites[name])
+            if pred is not None:
+                successor[pred] = None if pred in successor else name  # a fork: no chain
+        heads = [n for n, nxt in successor.items() if nxt and n not in successor.values()]
+        for head in heads:
+            members = [head]
+            while successor.get(members[-1]):
+                members.append(successor[members[-1]])
+            name = f"chain:{head}"
+            plan.chains[name] = members
+            for position, member in enumerate(members):
+                sites[member].chain = (name, position)
 
     @staticmethod
     def _tasks_frame_of_point(name: str, trace, batch_shape: tuple) -> list:

@@ -18,7 +18,7 @@ import pyro.distributions as dist
 import torch
 
 from probfsl.inference.base import Engine, Info, RunInfo, run
-from probfsl.inference.vmp import layout, messages
+from probfsl.inference.vmp import gaussian_chain, layout, messages
 from probfsl.inference.vmp.compiler import Compiler
 from probfsl.inference.vmp.einsum import sweeping
 from probfsl.inference.vmp.layout import Plan
@@ -87,6 +87,20 @@ class VMP(Engine):
         self.model, self.max_iter, self.tol = model, int(max_iter), float(tol)
         self.check_every, self.order, self.seed = int(check_every), order, seed
 
+    @staticmethod
+    def _update(plan: Plan, q: dict, name: str, children: bool = True) -> None:
+        """Update the factor of site ``name`` in ``q``: a Gaussian chain as a whole, at its
+        first site."""
+        s = plan.sites[name]
+        if s.chain is None:
+            q[name] = messages.update(plan, q, name, children)
+        elif s.chain[1] == 0:
+            q.update(
+                gaussian_chain.update(
+                    plan, q, s.chain[0], messages.natural, messages.message, children
+                )
+            )
+
     def compile(self, *args: Any, **kwargs: Any) -> Plan:
         """Read the model's sites, parents and parameter maps for these data
         (:mod:`~probfsl.inference.vmp.compiler`)."""
@@ -136,10 +150,9 @@ class VMP(Engine):
             if plan.sites[n].family != "Categorical" and not plan.sites[n].point
         ]
         with sweeping():
-            for name in others:  # priors first, then one update from the responsibilities
-                q[name] = messages.update(plan, q, name, children=False)
-            for name in others:
-                q[name] = messages.update(plan, q, name)
+            for children in (False, True):  # priors first, then one update from the labels
+                for name in others:
+                    self._update(plan, q, name, children)
             objective = messages.elbo(plan, q)
         return VMPState(plan, q, objective)
 
@@ -151,7 +164,7 @@ class VMP(Engine):
         plan, q = state.plan, dict(state.q)
         with sweeping():
             for name in plan.latent:
-                q[name] = messages.update(plan, q, name)
+                self._update(plan, q, name)
             objective = messages.elbo(plan, q)
         return VMPState(plan, q, objective), Info(objective)
 

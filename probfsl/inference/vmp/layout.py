@@ -99,6 +99,9 @@ class Site:
     #: of its children's terms; ``init`` is its initial value in the canonical layout
     point: bool = False
     init: torch.Tensor | None = None
+    #: (chain name, position) of a latent Normal in a Gaussian Markov chain (the chain's
+    #: factor is joint: :mod:`~probfsl.inference.vmp.gaussian_chain`)
+    chain: tuple | None = None
 
 
 @dataclass
@@ -109,6 +112,7 @@ class Plan:
     children: dict  # latent name -> [(child name, role)]
     ref: torch.Tensor  # a data tensor (dtype and device)
     cache: dict = field(default_factory=dict)  # name -> (factor, its expected statistics)
+    chains: dict = field(default_factory=dict)  # chain name -> its member sites in order
 
     def take(self, index: torch.Tensor) -> Plan:
         """The plan of the tasks ``index`` alone: every tensor whose first axis is the
@@ -116,7 +120,7 @@ class Plan:
         sizes = dict(self.sizes)
         sizes[TASKS] = len(index)
         sites = {n: _take_site(s, index) for n, s in self.sites.items()}
-        return Plan(sites, self.latent, sizes, self.children, self.ref)
+        return Plan(sites, self.latent, sizes, self.children, self.ref, chains=self.chains)
 
 
 def reduce_constant(t: torch.Tensor, dims: tuple, ulps: int = 0) -> tuple[torch.Tensor, tuple]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from probfsl.inference import expfam
-from probfsl.inference.vmp import dirichlet_points, hmm, linear_maps, polya_gamma
+from probfsl.inference.vmp import dirichlet_points, gaussian_chain, hmm, linear_maps, polya_gamma
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.layout import LOG_2PI, TASKS, Plan, Site, derived, stat_dims
 from probfsl.inference.vmp.moments import (
@@ -42,8 +42,10 @@ def precision_factors(plan: Plan, q: dict, s: Site) -> list:
     return out
 
 
-def normal_ops(plan, q, s):
-    """Operand lists of a Normal site's expected log-density (see :meth:`_normal_terms`)."""
+def normal_ops(plan, q, s, chain: bool = True):
+    """Operand lists of a Normal site's expected log-density (:func:`normal_loglik`); for a
+    step of a Gaussian chain (``chain``), ``XL`` holds the joint ⟨x m⟩ that replaces the
+    product ⟨x⟩⟨m⟩ of independent factors."""
     loc, prec = s.params["loc"], s.params["precision"]
     X1 = X2 = None
     if s.observed or s.name in q:
@@ -69,7 +71,10 @@ def normal_ops(plan, q, s):
         T1, T2 = [f[0] for _, f in factors], [[f[1]] for _, f in factors]
     M = [] if s.mask is None else [(s.mask, s.mask_dims)]
     W, comp = weights(plan, q, s)
-    return dict(X1=X1, X2=X2, L1=L1, L2=L2, c=c, lnc=lnc, T1=T1, T2=T2, M=M, W=W, comp=comp)
+    XL = X1 + L1 if X1 is not None else None
+    if chain and s.chain and s.chain[1] and s.chain[0] in q:
+        XL = [(gaussian_chain.cross_moment(plan, q, s), s.dims)]
+    return dict(X1=X1, X2=X2, L1=L1, L2=L2, XL=XL, c=c, lnc=lnc, T1=T1, T2=T2, M=M, W=W, comp=comp)
 
 
 def normal_loglik(plan, o, out, weights):
@@ -86,7 +91,7 @@ def normal_loglik(plan, o, out, weights):
     for log_tau in o["T2"]:  # ⟨ln τ⟩ of each factor of the precision
         small = small + 0.5 * e(mw + log_tau)
     small = small - 0.5 * e(pr + o["L2"])
-    res = e(pr + o["X1"] + o["L1"]) - 0.5 * e(pr + o["X2"]) + small
+    res = e(pr + o["XL"]) - 0.5 * e(pr + o["X2"]) + small
     return res.expand([plan.sizes[d] for d in out])
 
 
@@ -255,6 +260,8 @@ def lse_applies(plan: Plan, s: Site) -> bool:
 def entropy(plan: Plan, q: dict, name: str) -> torch.Tensor:
     """H[q] = A − η·⟨u⟩ with the cached ⟨u⟩ (a Categorical's own form keeps 0 ln 0 = 0)."""
     s = plan.sites[name]
+    if s.chain:
+        return gaussian_chain.entropy(plan, q, s)
     block = block_of(s, q[name])
     if s.family == "Categorical" or s.joint:
         return block.entropy()
@@ -355,7 +362,7 @@ def message(plan, q, child: str, role: str, to: Site) -> list:
         pr = mw + o["c"] + o["T1"]
         return [e(pr + o["X1"]), -0.5 * e(pr)]
     cc = mw + o["c"] + others
-    quad = e(cc + o["X2"]) - 2 * e(cc + o["X1"] + o["L1"]) + e(cc + o["L2"])
+    quad = e(cc + o["X2"]) - 2 * e(cc + o["XL"]) + e(cc + o["L2"])
     return [-0.5 * quad, 0.5 * e(mw)]
 
 

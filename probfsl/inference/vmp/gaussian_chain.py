@@ -1,0 +1,95 @@
+"""A Gaussian Markov chain as one joint factor (spec ``vmp.md`` §7.5; BayesPy's
+``GaussianMarkovChain``).
+
+Latent Normal sites s_1, ..., s_N of which each is the mean of the next,
+s_t ~ N(s_{t−1}, (c_t τ_t)⁻¹), written as a loop in Pyro, are updated together: their
+joint q is Gaussian with a tridiagonal precision per element,
+
+    Λ_tt = λ_t + λ_{t+1} − 2 η₂(t),   Λ_{t,t−1} = −λ_t,   h_t = η₁(t),
+
+where λ_t = ⟨c_t τ_t⟩, and η(t) holds the first site's prior and the messages of every
+child outside the chain (observations, a precision's children). The factor is solved
+exactly (a batched Cholesky, the smoother's answer); the sites keep their marginal
+(mean, precision) and the chain its lag-one covariances and log-determinant, from which
+the pairwise terms ⟨s_t s_{t−1}⟩ and the joint entropy ½ N ln(2πe) + ½ ln|Σ| follow.
+Mean-field over the steps would lose the covariances between neighbours.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from probfsl.inference.vmp.einsum import ein
+from probfsl.inference.vmp.layout import Plan, Site
+
+
+def cross_moment(plan: Plan, q: dict, s: Site) -> torch.Tensor:
+    """⟨s_t s_{t−1}⟩ = Cov(s_t, s_{t−1}) + ⟨s_t⟩⟨s_{t−1}⟩ of a chain member (t ≥ 1)."""
+    name, t = s.chain
+    pred = plan.chains[name][t - 1]
+    return q[name][0][..., t - 1] + q[s.name][0] * q[pred][0]
+
+
+def entropy(plan: Plan, q: dict, s: Site) -> torch.Tensor:
+    """The chain's joint entropy, counted on its first site (zero on the others)."""
+    name, t = s.chain
+    if t:
+        return torch.zeros_like(q[s.name][0])
+    n = len(plan.chains[name])
+    return 0.5 * n * (1 + math.log(2 * math.pi)) + 0.5 * q[name][1]
+
+
+def update(plan: Plan, q: dict, name: str, natural, message, children: bool = True) -> dict:
+    """The joint factor of chain ``name``: new (mean, precision) of every member and the
+    chain's (lag-one covariances [..., N−1], ln|Σ|). ``natural`` and ``message`` are the
+    engine's (the first member's prior, the external children's messages)."""
+    members = plan.chains[name]
+    sites = [plan.sites[m] for m in members]
+    h, diag = [], []
+    for t, (m, s) in enumerate(zip(members, sites, strict=True)):
+        if t == 0:
+            eta1, eta2 = natural(plan, q, m, children=False)
+        else:
+            eta1 = torch.zeros_like(q[m][0]) if m in q else plan.ref.new_zeros(())
+            eta2 = torch.zeros_like(eta1)
+        for child, role in plan.children[m] if children else ():
+            if role == "loc" and plan.sites[child].chain and plan.sites[child].chain[0] == name:
+                continue  # the next step: inside the joint factor
+            m1, m2 = message(plan, q, child, role, s)
+            eta1, eta2 = eta1 + m1, eta2 + m2
+        h.append(eta1)
+        diag.append(-2 * eta2)
+    shape = [plan.sizes[d] for d in sites[0].dims]
+    h = torch.stack([x.expand(shape) for x in h], -1)
+    lam = [_precision(plan, q, s).expand(shape) for s in sites[1:]]  # λ_2 .. λ_N
+    n = len(members)
+    prec = torch.diag_embed(torch.stack([x.expand(shape) for x in diag], -1))
+    for t in range(1, n):
+        prec[..., t, t] += lam[t - 1]
+        prec[..., t - 1, t - 1] += lam[t - 1]
+        prec[..., t, t - 1] -= lam[t - 1]
+        prec[..., t - 1, t] -= lam[t - 1]
+    chol = torch.linalg.cholesky(prec)
+    cov = torch.cholesky_inverse(chol)
+    mean = torch.cholesky_solve(h.unsqueeze(-1), chol).squeeze(-1)
+    var = cov.diagonal(dim1=-2, dim2=-1)
+    out = {m: (mean[..., t], var[..., t].reciprocal()) for t, m in enumerate(members)}
+    lag = torch.stack([cov[..., t, t - 1] for t in range(1, n)], -1)
+    log_det = -2 * chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+    out[name] = (lag, log_det)
+    return out
+
+
+def _precision(plan: Plan, q: dict, s: Site) -> torch.Tensor:
+    """λ_t = ⟨c τ_t⟩ of a member's step, in its axes."""
+    from probfsl.inference.vmp.messages import precision_factors
+
+    p = s.params["precision"]
+    factors = precision_factors(plan, q, s)
+    if factors:
+        ops = [(p.coef, p.coef_dims)] + [stats[0] for _, stats in factors]
+    else:
+        ops = [(p.const, p.const_dims)]
+    return ein(s.dims, ops, s.dims, plan.sizes, plan.ref)
