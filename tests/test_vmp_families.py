@@ -256,9 +256,9 @@ def test_new_families_pass_conformance(name):
 def test_conformance_catches_a_broken_count_message(monkeypatch):
     """A Bernoulli child's message to its Beta parent drops 10% of the successes: the
     exact-evidence check fails."""
-    from probfsl.inference.vmp import messages
+    from probfsl.inference.vmp import conjugate_children
 
-    exact = messages.linear_terms
+    exact = conjugate_children.linear_terms
 
     def broken(plan, q, s):
         coefs, const = exact(plan, q, s)
@@ -266,7 +266,7 @@ def test_conformance_catches_a_broken_count_message(monkeypatch):
             coefs = [[(0.9 * sign, ops) for sign, ops in coefs[0]], coefs[1]]
         return coefs, const
 
-    monkeypatch.setattr(messages, "linear_terms", broken)
+    monkeypatch.setattr(conjugate_children, "linear_terms", broken)
     with pytest.raises(AssertionError):
         assert_exact_evidence(_cases()["beta-bernoulli"])
 

@@ -4,7 +4,10 @@ Winn & Bishop, "Variational Message Passing", JMLR 6 (2005) §3-4; Bishop, *PRML
 §10.1-10.4. Given a Pyro model of conjugate-exponential sites with a leading ``tasks``
 plate, :class:`VMP` reads the model's structure from ``pyro.poutine.trace`` and derives
 
-* the mean-field factor of each latent site, in the family of its prior;
+* the factor of each latent site, in the family of its prior (mean-field, except where
+  a structured factor is exact: a joint Gaussian over an event axis that a linear map
+  sums, a Gaussian Markov chain, the hidden chain of a ``DiscreteHMM``; ``pyro.param``
+  sites are point estimates);
 * the coordinate update of each factor, η*_i = E[η_i(pa_i)] + Σ_children m_{c→i}
   (spec §1), one batched tensor contraction per message;
 * the analytic ELBO Σ_sites E_q[ln p(x | pa)] + Σ_latent H[q] (Winn & Bishop §3.3);
@@ -12,10 +15,18 @@ plate, :class:`VMP` reads the model's structure from ``pyro.poutine.trace`` and 
   ``torch.distributions`` objects.
 
 **The modules.** :mod:`~probfsl.inference.vmp.compiler` reads the model into a plan
-(:mod:`~probfsl.inference.vmp.layout`: one named axis per plate and per event dimension),
-:mod:`~probfsl.inference.vmp.messages` holds the updates and the bound as contractions over
-named axes (:mod:`~probfsl.inference.vmp.einsum`), :mod:`~probfsl.inference.vmp.checks` the
-refusals, and :mod:`~probfsl.inference.vmp.engine` the engine.
+(:mod:`~probfsl.inference.vmp.layout`: one named axis per plate and per event dimension);
+:mod:`~probfsl.inference.vmp.moments` gives every factor's expected statistics;
+:mod:`~probfsl.inference.vmp.messages` dispatches the updates and the bound to the
+families, one module each: :mod:`~probfsl.inference.vmp.normal`,
+:mod:`~probfsl.inference.vmp.mvn`, :mod:`~probfsl.inference.vmp.conjugate_children`
+(Poisson, Bernoulli, Binomial, Gamma rates, selected Categoricals),
+:mod:`~probfsl.inference.vmp.linear_maps`, :mod:`~probfsl.inference.vmp.polya_gamma`,
+:mod:`~probfsl.inference.vmp.dirichlet_points`, :mod:`~probfsl.inference.vmp.hmm` and
+:mod:`~probfsl.inference.vmp.gaussian_chain`; contractions over named axes are
+:mod:`~probfsl.inference.vmp.einsum`'s, refusals :mod:`~probfsl.inference.vmp.checks`'s,
+and :mod:`~probfsl.inference.vmp.engine` is the engine. Linear maps are found by automatic
+differentiation (structurally); copies and scaled copies of a parent by the runs below.
 
 **How the structure is read.** Parents come from Pyro's provenance tracking
 (``pyro.infer.inspect.get_dependencies``), and one run of the model with every latent site
@@ -48,8 +59,9 @@ and is then updated once from those responsibilities (an M step before the first
 them (or ``order``), and makes no host synchronisation. ``fit`` is ``init`` followed by the
 shared loop :func:`probfsl.inference.base.run`: a task whose ELBO moved by less than ``tol``
 (relative) in one sweep has converged, and from then on its factors are kept
-(:meth:`VMP.keep` masks it; the batch is never shrunk); the host asks whether every task
-has converged once every ``check_every`` sweeps.
+(:meth:`VMP.keep` masks it); at each check (the host asks which tasks still move after
+``check_every`` sweeps, then at growing gaps) the converged tasks leave the batch
+(:meth:`VMP.take`, :meth:`VMP.put`).
 
 **Cost of a sweep.** What is fixed is computed once per plan: a coefficient c of
 c·τ (read off the model as 1 ± 1 ulp) is snapped to its exact value and kept as a scalar;

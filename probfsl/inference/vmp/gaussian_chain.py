@@ -84,7 +84,7 @@ def update(plan: Plan, q: dict, name: str, natural, message, children: bool = Tr
 
 def _precision(plan: Plan, q: dict, s: Site) -> torch.Tensor:
     """λ_t = ⟨c τ_t⟩ of a member's step, in its axes."""
-    from probfsl.inference.vmp.messages import precision_factors
+    from probfsl.inference.vmp.normal import precision_factors
 
     p = s.params["precision"]
     factors = precision_factors(plan, q, s)

@@ -1,0 +1,179 @@
+"""The Normal family in VMP: a Normal site's expected log-density, its natural parameter
+given its parents, and its messages to them (Winn & Bishop 2005, Table 1; PRML §10.1-10.2).
+
+Operands are gathered once per call (:func:`ops`): the site's own statistics (⟨x⟩, ⟨x²⟩),
+its mean's (a parent's, a fixed value's, or an affine map's moments), and its precision's
+(c times a product of Gamma factors, or a fixed value), with the mask and the selection
+weights of a mixture. A mixture child's messages to its means and precisions come from
+its weighted statistics, computed once per update of the labels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from probfsl.inference.vmp import gaussian_chain, linear_maps
+from probfsl.inference.vmp.einsum import ein
+from probfsl.inference.vmp.layout import LOG_2PI, Plan, Site, derived
+from probfsl.inference.vmp.moments import expected_stats, parent_ops, weights
+
+
+def natural(plan: Plan, q: dict, s: Site) -> list:
+    """E[η] of a latent Normal given its parents: (c⟨τ⟩⟨m⟩, −½ c⟨τ⟩)."""
+    o = ops(plan, q, s)
+    o["over"] = s.dims + ((o["comp"],) if o["comp"] else ())
+    pr = o["W"] + o["c"] + o["T1"]
+    eta1 = ein(s.dims, pr + o["L1"], o["over"], plan.sizes, plan.ref)
+    eta2 = -0.5 * ein(s.dims, pr, o["over"], plan.sizes, plan.ref)
+    return [eta1, eta2]
+
+
+def precision_factors(plan: Plan, q: dict, s: Site) -> list:
+    """(name, [⟨τ⟩ operand, ⟨ln τ⟩ operand]) of each Gamma factor of the precision of the
+    Normal site ``s`` (none when it is fixed)."""
+    p = s.params["precision"]
+    if p.parent is None:
+        return []
+    out = [(p.parent, parent_ops(plan, q, s, "precision"))]
+    for name, rename in p.factors:
+        stats = expected_stats(plan, q, name)
+        dims = tuple(rename[d] for d in plan.sites[name].dims)
+        out.append((name, [(stats[0], dims), (stats[1], dims)]))
+    return out
+
+
+def ops(plan, q, s, chain: bool = True):
+    """Operand lists of a Normal site's expected log-density (:func:`loglik`); for a
+    step of a Gaussian chain (``chain``), ``XL`` holds the joint ⟨x m⟩ that replaces the
+    product ⟨x⟩⟨m⟩ of independent factors."""
+    loc, prec = s.params["loc"], s.params["precision"]
+    X1 = X2 = None
+    if s.observed or s.name in q:
+        x = expected_stats(plan, q, s.name)
+        X1, X2 = [(x[0], s.dims)], [(x[1], s.dims)]
+    mu = parent_ops(plan, q, s, "loc")
+    if loc.terms:
+        mean, second = linear_maps.moments(plan, q, loc)
+        L1, L2 = [(mean, loc.dims)], [(second, loc.dims)]
+    elif mu is None:
+        L1 = [(loc.const, loc.const_dims)]
+        L2 = [(derived(loc, "square"), loc.const_dims)]
+    else:
+        L1, L2 = [mu[0]], [mu[1]]
+    factors = precision_factors(plan, q, s)
+    if not factors:
+        c = [(prec.const, prec.const_dims)]
+        lnc = [(derived(prec, "log"), prec.const_dims)]
+        T1, T2 = [], []
+    else:
+        c = [(prec.coef, prec.coef_dims)]
+        lnc = [(derived(prec, "log_coef"), prec.coef_dims)]
+        T1, T2 = [f[0] for _, f in factors], [[f[1]] for _, f in factors]
+    M = [] if s.mask is None else [(s.mask, s.mask_dims)]
+    W, comp = weights(plan, q, s)
+    XL = X1 + L1 if X1 is not None else None
+    if chain and s.chain and s.chain[1] and s.chain[0] in q:
+        XL = [(gaussian_chain.cross_moment(plan, q, s), s.dims)]
+    return dict(X1=X1, X2=X2, L1=L1, L2=L2, XL=XL, c=c, lnc=lnc, T1=T1, T2=T2, M=M, W=W, comp=comp)
+
+
+def loglik(plan, o, out, weights):
+    """E ln N(x | m, c τ) summed over the site's axes into ``out``:
+    ½(ln c + ⟨ln τ⟩) − ½ ln 2π − ½ c⟨τ⟩(⟨x²⟩ − 2⟨x⟩⟨m⟩ + ⟨m²⟩) (PRML eq. 10.46 per axis)."""
+    over, ref = o["over"], plan.ref
+    mw = o["M"] + weights
+    pr = mw + o["c"] + o["T1"]
+
+    def e(ops):  # broadcastable: terms without the data's axes stay small
+        return ein(out, ops, over, plan.sizes, ref, expand=False)
+
+    small = 0.5 * e(mw + o["lnc"]) - 0.5 * LOG_2PI * e(mw)
+    for log_tau in o["T2"]:  # ⟨ln τ⟩ of each factor of the precision
+        small = small + 0.5 * e(mw + log_tau)
+    small = small - 0.5 * e(pr + o["L2"])
+    res = e(pr + o["XL"]) - 0.5 * e(pr + o["X2"]) + small
+    return res.expand([plan.sizes[d] for d in out])
+
+
+def _weighted_applies(plan: Plan, c: Site, out: tuple, rest: list) -> bool:
+    """Whether the messages of the mixture child ``c`` can be read off its weighted
+    statistics Σ_n r_nk (1, x_n, x_n²) in the parent's axes ``out``: its selector is a
+    latent Categorical and every other operand already lives in those axes."""
+    selected = any(p.selector is not None for p in c.params.values())
+    return selected and all(set(dims) <= set(out) for _, dims in rest)
+
+
+def _weighted(plan: Plan, q: dict, c: Site, o: dict, out: tuple, power: int) -> torch.Tensor:
+    """Σ over the child's own axes of mask × q(z) × ⟨x^power⟩ in the axes ``out``: the
+    mixture's sufficient statistics, computed once per update of q(z) (and of the child's
+    factor if it is latent) and shared by the messages to the means and precisions."""
+    selector = next(p.selector for p in c.params.values() if p.selector is not None)
+    key = ("weighted", c.name, out, power)
+    deps = (q[selector],) if c.observed else (q[selector], q[c.name])
+    hit = plan.cache.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], deps, strict=True)):
+        return hit[1]
+    data = {0: [], 1: o["X1"], 2: o["X2"]}[power]
+    value = ein(out, o["M"] + o["W"] + data, o["over"], plan.sizes, plan.ref)
+    plan.cache[key] = (deps, value)
+    return value
+
+
+def _weighted_message(plan, q, c: Site, o: dict, role: str, out: tuple, others: list) -> list:
+    """The messages of a Normal mixture child from its weighted statistics S0, S1, S2:
+    to the mean (c⟨τ⟩ S1, −½ c⟨τ⟩ S0); to the precision
+    (−½ c (S2 − 2 S1⟨μ⟩ + S0⟨μ²⟩), ½ S0) (PRML eq. 10.51-10.53)."""
+    sizes, ref = plan.sizes, plan.ref
+
+    def w(power):
+        return [(_weighted(plan, q, c, o, out, power), out)]
+
+    if role == "loc":
+        pr = o["c"] + o["T1"]
+        return [ein(out, pr + w(1), out, sizes, ref), -0.5 * ein(out, pr + w(0), out, sizes, ref)]
+    cc = o["c"] + others
+    quad = (
+        ein(out, cc + w(2), out, sizes, ref)
+        - 2 * ein(out, cc + w(1) + o["L1"], out, sizes, ref)
+        + ein(out, cc + w(0) + o["L2"], out, sizes, ref)
+    )
+    return [-0.5 * quad, 0.5 * ein(out, w(0), out, sizes, ref)]
+
+
+def message(plan: Plan, q: dict, c: Site, role: str, to: Site) -> list:
+    """m_{c → to} of a Normal child: to its mean (c⟨τ⟩⟨x⟩, −½ c⟨τ⟩), to a Gamma factor of
+    its precision (−½ c Π_other⟨τ⟩ ⟨(x − m)²⟩, ½), to its selector E ln N per component
+    (PRML eq. 10.46-10.53; an affine mean: :mod:`~probfsl.inference.vmp.linear_maps`)."""
+    sizes, ref, child = plan.sizes, plan.ref, c.name
+    o = ops(plan, q, c)
+    o["over"] = c.dims + ((o["comp"],) if o["comp"] else ())
+    mw = o["M"] + o["W"]
+    if role == "select":
+        out = to.dims + (o["comp"],)
+        per_component = loglik(plan, o, out, [])
+        # cached for the ELBO once q(z) is updated: valid while the other factors stay
+        names = [p.parent for p in c.params.values() if p.parent]
+        names += [] if c.observed else [child]
+        plan.cache[("loglik", child)] = (names, [q[n] for n in names], per_component, out, to.name)
+        return [per_component]
+    p = c.params[role]
+    if p.terms:  # an affine loc (the only parameter with terms)
+        pr = mw + o["c"] + o["T1"]
+        return linear_maps.message(plan, q, p, to.name, pr, o["X1"][0][0])
+    rename = p.rename if to.name == p.parent else dict(p.factors)[to.name]
+    out = tuple(rename[d] for d in to.dims)
+
+    def e(ops):
+        return ein(out, ops, o["over"], sizes, ref)
+
+    # role precision, to a Gamma: the other factors of a product precision stay in
+    others = [f[0] for name, f in precision_factors(plan, q, c) if name != to.name]
+    rest = o["c"] + (o["T1"] if role == "loc" else others + o["L1"] + o["L2"])
+    if _weighted_applies(plan, c, out, rest):
+        return _weighted_message(plan, q, c, o, role, out, others)
+    if role == "loc":
+        pr = mw + o["c"] + o["T1"]
+        return [e(pr + o["X1"]), -0.5 * e(pr)]
+    cc = mw + o["c"] + others
+    quad = e(cc + o["X2"]) - 2 * e(cc + o["XL"]) + e(cc + o["L2"])
+    return [-0.5 * quad, 0.5 * e(mw)]
