@@ -17,7 +17,8 @@ import torch
 from pyro.ops.indexing import Vindex
 
 from probfsl.inference import VMP
-from tests.test_vmp_families import hmm_data, hmm_model
+from tests.test_vmp_families import gamma_gamma_hierarchy, hmm_data, hmm_model
+from tests.test_vmp_linear import regression_with_hyperpriors
 
 bn = pytest.importorskip("bayespy.nodes")
 from bayespy.inference import VB  # noqa: E402
@@ -49,17 +50,7 @@ def test_linear_regression_with_gamma_hyperpriors():
     w = torch.randn(TASKS, 1, 3, generator=_g(1), dtype=F64)
     y = (x * w).sum(-1) + 0.4 * torch.randn(TASKS, 25, generator=_g(2), dtype=F64)
 
-    def model(y, x):
-        t, n, p = x.shape
-        with pyro.plate("tasks", t, dim=-2):
-            alpha = pyro.sample("alpha", dist.Gamma(x.new_tensor(1.0), x.new_tensor(1.0)))
-            beta = pyro.sample("beta", dist.Gamma(x.new_tensor(1.0), x.new_tensor(0.1)))
-            scale = alpha.rsqrt().unsqueeze(-1)
-            w = pyro.sample("w", dist.Normal(x.new_zeros(p), scale).to_event(1))
-            with pyro.plate("n", n, dim=-1):
-                pyro.sample("y", dist.Normal((x * w).sum(-1), beta.rsqrt()), obs=y)
-
-    state, _ = VMP(model, tol=1e-14, max_iter=3000).fit(y, x)
+    state, _ = VMP(regression_with_hyperpriors, tol=1e-14, max_iter=3000).fit(y, x)
     for t in range(TASKS):
         alpha, beta = bn.Gamma(1.0, 1.0), bn.Gamma(1.0, 0.1)
         wn = bn.GaussianARD(0, alpha, shape=(3,))
@@ -73,14 +64,6 @@ def test_gamma_rates_with_a_gamma_parent():
     x = 0.7 * torch.randn(TASKS, 3, 8, generator=_g(3), dtype=F64)
     k = torch.poisson(torch.full((TASKS, 3, 10), 3.0, dtype=F64), generator=_g(4))
 
-    def gaussian(x):
-        with pyro.plate("tasks", x.shape[0], dim=-3):
-            b = pyro.sample("b", dist.Gamma(x.new_tensor(2.0), x.new_tensor(1.0)))
-            with pyro.plate("groups", x.shape[1], dim=-2):
-                tau = pyro.sample("tau", dist.Gamma(x.new_tensor(3.0), b))
-                with pyro.plate("n", x.shape[2], dim=-1):
-                    pyro.sample("x", dist.Normal(x.new_tensor(0.0), tau.rsqrt()), obs=x)
-
     def counts(k):
         with pyro.plate("tasks", k.shape[0], dim=-3):
             b = pyro.sample("b", dist.Gamma(k.new_tensor(2.0), k.new_tensor(1.0)))
@@ -89,7 +72,7 @@ def test_gamma_rates_with_a_gamma_parent():
                 with pyro.plate("n", k.shape[2], dim=-1):
                     pyro.sample("k", dist.Poisson(lam), obs=k)
 
-    s_gauss, _ = VMP(gaussian, tol=1e-14, max_iter=3000).fit(x)
+    s_gauss, _ = VMP(gamma_gamma_hierarchy, tol=1e-14, max_iter=3000).fit(x)
     s_counts, _ = VMP(counts, tol=1e-14, max_iter=3000).fit(k)
     for t in range(TASKS):
         b = bn.Gamma(2.0, 1.0)
