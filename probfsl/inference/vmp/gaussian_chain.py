@@ -23,6 +23,7 @@ import torch
 
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.layout import Plan, Site
+from probfsl.inference.vmp.moments import precision_factors
 
 
 def cross_moment(plan: Plan, q: dict, s: Site) -> torch.Tensor:
@@ -84,8 +85,6 @@ def update(plan: Plan, q: dict, name: str, natural, message, children: bool = Tr
 
 def _precision(plan: Plan, q: dict, s: Site) -> torch.Tensor:
     """λ_t = ⟨c τ_t⟩ of a member's step, in its axes."""
-    from probfsl.inference.vmp.normal import precision_factors
-
     p = s.params["precision"]
     factors = precision_factors(plan, q, s)
     if factors:

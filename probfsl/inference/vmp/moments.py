@@ -119,3 +119,17 @@ def point_mode(s: Site, eta: tuple) -> torch.Tensor:
     if s.family == "Beta":
         return eta[0] / (eta[0] + eta[1])
     return eta[0] / eta[0].sum(-1, keepdim=True)  # Dirichlet
+
+
+def precision_factors(plan: Plan, q: dict, s: Site) -> list:
+    """(name, [⟨τ⟩ operand, ⟨ln τ⟩ operand]) of each Gamma factor of the precision of the
+    Normal site ``s`` (none when it is fixed)."""
+    p = s.params["precision"]
+    if p.parent is None:
+        return []
+    out = [(p.parent, parent_ops(plan, q, s, "precision"))]
+    for name, rename in p.factors:
+        stats = expected_stats(plan, q, name)
+        dims = tuple(rename[d] for d in plan.sites[name].dims)
+        out.append((name, [(stats[0], dims), (stats[1], dims)]))
+    return out

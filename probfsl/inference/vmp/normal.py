@@ -15,7 +15,7 @@ import torch
 from probfsl.inference.vmp import gaussian_chain, linear_maps
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.layout import LOG_2PI, Plan, Site, derived
-from probfsl.inference.vmp.moments import expected_stats, parent_ops, weights
+from probfsl.inference.vmp.moments import expected_stats, parent_ops, precision_factors, weights
 
 
 def natural(plan: Plan, q: dict, s: Site) -> list:
@@ -26,20 +26,6 @@ def natural(plan: Plan, q: dict, s: Site) -> list:
     eta1 = ein(s.dims, pr + o["L1"], o["over"], plan.sizes, plan.ref)
     eta2 = -0.5 * ein(s.dims, pr, o["over"], plan.sizes, plan.ref)
     return [eta1, eta2]
-
-
-def precision_factors(plan: Plan, q: dict, s: Site) -> list:
-    """(name, [⟨τ⟩ operand, ⟨ln τ⟩ operand]) of each Gamma factor of the precision of the
-    Normal site ``s`` (none when it is fixed)."""
-    p = s.params["precision"]
-    if p.parent is None:
-        return []
-    out = [(p.parent, parent_ops(plan, q, s, "precision"))]
-    for name, rename in p.factors:
-        stats = expected_stats(plan, q, name)
-        dims = tuple(rename[d] for d in plan.sites[name].dims)
-        out.append((name, [(stats[0], dims), (stats[1], dims)]))
-    return out
 
 
 def ops(plan, q, s, chain: bool = True):
