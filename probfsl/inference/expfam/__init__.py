@@ -1,5 +1,6 @@
 """Exponential-family blocks for conjugate variational inference.
 
+One module a family, on the shared algebra of :mod:`~probfsl.inference.expfam.block`.
 Each block is a batched factor q(x) = exp(η·u(x) − A(η) + h(x)) over any leading shape,
 holding its usual parameters as tensors (device and dtype follow them). Every block gives
 
@@ -17,14 +18,12 @@ Beta, Dirichlet, Gamma and Wishart moments and entropies); Winn & Bishop, "Varia
 Passing", JMLR 6 (2005), Appendix A (the same table as natural parameters).
 """
 
-from probfsl.inference.expfam.families import (
-    Beta,
-    Categorical,
-    Dirichlet,
-    Gamma,
-    MultivariateNormal,
-    Normal,
-    Wishart,
-)
+from probfsl.inference.expfam.beta import Beta
+from probfsl.inference.expfam.categorical import Categorical
+from probfsl.inference.expfam.dirichlet import Dirichlet
+from probfsl.inference.expfam.gamma import Gamma
+from probfsl.inference.expfam.multivariate_normal import MultivariateNormal
+from probfsl.inference.expfam.normal import Normal
+from probfsl.inference.expfam.wishart import Wishart
 
 __all__ = ["Beta", "Categorical", "Dirichlet", "Gamma", "MultivariateNormal", "Normal", "Wishart"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from probfsl.inference import expfam
+from probfsl.inference.expfam.block import sum_last
 from probfsl.inference.vmp import (
     conjugate_children,
     dirichlet_points,
@@ -72,8 +73,8 @@ def site_elbo(plan: Plan, q: dict, name: str) -> torch.Tensor:
     block, eta, a_total = prior(plan, s)
     lp = 0
     for t, u, n in zip(eta, expected_stats(plan, q, name), block._stat_dims, strict=True):
-        lp = lp + expfam.families._sum_last(t * u, n)
-    return sum_tasks(expfam.families._sum_last(lp, block.event_dim)) - a_total
+        lp = lp + sum_last(t * u, n)
+    return sum_tasks(sum_last(lp, block.event_dim)) - a_total
 
 
 def prior(plan: Plan, s: Site) -> tuple:

@@ -5,7 +5,7 @@ and a Wishart precision (optionally selected), its natural parameter and its mes
 
 from __future__ import annotations
 
-from probfsl.inference import expfam
+from probfsl.inference.expfam.block import logdet
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.layout import LOG_2PI, Plan, Site, stat_dims
 from probfsl.inference.vmp.moments import expected_stats, parent_ops, weights
@@ -50,7 +50,7 @@ def ops(plan, q, s):
         o.update(
             coef=[],
             Lam=[(p, prec.const_dims)],
-            ldet=[[(expfam.families._logdet(p), prec.const_dims[:-2])]],
+            ldet=[[(logdet(p), prec.const_dims[:-2])]],
         )
     else:
         d = plan.sizes[e]

@@ -1,0 +1,83 @@
+"""The algebra every exponential-family block shares (see the package docstring).
+
+Every block has ``event_dim``: how many trailing batch dimensions are summed in its
+log-normaliser, entropy, KL and expected log-density (``Normal(loc [T, D], p, event_dim=1)``
+is a diagonal Gaussian over R^D). With base measure h(x) = 0 throughout, ln q(x) = η·u(x) − A,
+so H[q] = A − η·⟨u⟩ and KL(q ‖ p) = −H[q] − E_q[ln p] (PRML eq. 2.194, B.17-B.82).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+
+import torch
+
+LOG_2PI = math.log(2 * math.pi)
+
+
+def sum_last(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``x`` summed over its ``n`` trailing dimensions."""
+    return x.sum(tuple(range(-n, 0))) if n else x
+
+
+def logdet(m: torch.Tensor) -> torch.Tensor:
+    """ln|m| of symmetric positive-definite matrices, by Cholesky."""
+    return 2 * torch.linalg.cholesky(m).diagonal(dim1=-2, dim2=-1).log().sum(-1)
+
+
+def spd_inverse(m: torch.Tensor) -> torch.Tensor:
+    """m⁻¹ of symmetric positive-definite matrices, by Cholesky."""
+    return torch.cholesky_inverse(torch.linalg.cholesky(m))
+
+
+class Block(ABC):
+    """Shared algebra of the blocks: η·⟨u⟩ − A, entropy and KL from the natural form.
+
+    A block supplies its natural parameters η, expected sufficient statistics ⟨u⟩, its
+    per-variable log-normaliser A(η) and the matching ``torch.distributions`` law
+    (:meth:`_law`); the rest follows."""
+
+    event_dim: int = 0
+    #: trailing dimensions of each sufficient statistic that belong to one variable
+    _stat_dims: tuple[int, ...] = ()
+
+    @abstractmethod
+    def natural(self) -> tuple[torch.Tensor, ...]:
+        """Natural parameters η, one tensor per sufficient statistic."""
+
+    @abstractmethod
+    def expected_stats(self) -> tuple[torch.Tensor, ...]:
+        """Expected sufficient statistics ⟨u(x)⟩ under this block."""
+
+    @abstractmethod
+    def _log_normalizer(self) -> torch.Tensor:
+        """A(η) per variable (before summing the ``event_dim`` trailing dimensions)."""
+
+    @abstractmethod
+    def _law(self) -> torch.distributions.Distribution:
+        """The same law as a ``torch.distributions`` object, per variable."""
+
+    def distribution(self) -> torch.distributions.Distribution:
+        """This block as a batched ``torch.distributions`` law (``event_dim`` as events)."""
+        d = self._law()
+        return torch.distributions.Independent(d, self.event_dim) if self.event_dim else d
+
+    def log_normalizer(self) -> torch.Tensor:
+        """A(η), summed over the ``event_dim`` trailing dimensions."""
+        return sum_last(self._log_normalizer(), self.event_dim)
+
+    def expected_log_prob(self, stats: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """E[ln self(x)] = η·⟨u(x)⟩ − A(η) for the expected statistics ``stats`` of x."""
+        total = 0
+        for eta, s, n in zip(self.natural(), stats, self._stat_dims, strict=True):
+            total = total + sum_last(eta * s, n)
+        return sum_last(total - self._log_normalizer(), self.event_dim)
+
+    def entropy(self) -> torch.Tensor:
+        """H[q] = A − η·⟨u⟩."""
+        return -self.expected_log_prob(self.expected_stats())
+
+    def kl(self, other: Block) -> torch.Tensor:
+        """KL(self ‖ other) = E_self[ln self − ln other]."""
+        return -self.entropy() - other.expected_log_prob(self.expected_stats())

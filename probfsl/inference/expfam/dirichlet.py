@@ -1,0 +1,36 @@
+"""The Dirichlet block over the last dimension."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from probfsl.inference.expfam.block import Block
+
+
+@dataclass
+class Dirichlet(Block):
+    """Dirichlet(α) over the last dimension; u = ln π, η = α − 1 (PRML B.16-B.19)."""
+
+    concentration: torch.Tensor
+    event_dim: int = 0
+    _stat_dims = (1,)
+
+    @classmethod
+    def from_natural(cls, eta: torch.Tensor, event_dim: int = 0) -> Dirichlet:
+        return cls(eta + 1, event_dim)
+
+    def natural(self):
+        return (self.concentration - 1,)
+
+    def expected_stats(self):
+        a = self.concentration
+        return (torch.special.digamma(a) - torch.special.digamma(a.sum(-1, keepdim=True)),)
+
+    def _log_normalizer(self):
+        a = self.concentration
+        return torch.lgamma(a).sum(-1) - torch.lgamma(a.sum(-1))
+
+    def _law(self) -> torch.distributions.Distribution:
+        return torch.distributions.Dirichlet(self.concentration)
