@@ -113,6 +113,32 @@ class _StartAt(Messenger):
             msg["value"] = self.values[msg["name"]]
 
 
+#: what a parameter may be, said in a refusal beside what it is
+NEARBY = {
+    ("Normal", "loc"): "a Normal or MultivariateNormal site (a copy, or an affine map with "
+    "observed coefficients), optionally selected by a Categorical site",
+    ("Normal", "precision"): "c times a Gamma site or a product of Gamma sites, written as "
+    "scale = (c * tau) ** -0.5",
+    ("MultivariateNormal", "loc"): "a MultivariateNormal site, optionally selected",
+    ("MultivariateNormal", "precision"): "c times a Wishart site",
+    ("Gamma", "rate"): "c times a Gamma site",
+    ("Gamma", "concentration"): "fixed",
+    ("Categorical", "probs"): "a Dirichlet site (selected by a Categorical site when the "
+    "Categorical is observed)",
+    ("Poisson", "rate"): "c times a Gamma site",
+    ("Bernoulli", "probs"): "a Beta site, or logits affine in Normal sites (Pólya-Gamma)",
+    ("Binomial", "probs"): "a Beta site, or logits affine in Normal sites (Pólya-Gamma)",
+    ("Dirichlet", "concentration"): "fixed, or a positive pyro.param of an observed Dirichlet",
+    ("Beta", "concentration1"): "fixed",
+    ("Beta", "concentration0"): "fixed",
+}
+
+
+def _nearby(family: str, key: str) -> str:
+    hint = NEARBY.get((family, key))
+    return f"; its {key} may be {hint}" if hint else ""
+
+
 def _first_task(args: tuple, kwargs: dict, n_tasks: int | None = None) -> tuple | None:
     """The arguments sliced to the first task: every tensor whose leading axis has the
     tasks' length (that of the first tensor argument unless ``n_tasks``); ``None`` when
@@ -581,7 +607,8 @@ class Compiler:
                     pa = [p for p in site_pa if sites[p].family in fits]
                     if not pa:
                         desc = ", ".join(f"{p!r} ({sites[p].fn_name})" for p in site_pa) or "-"
-                        raise refuse(n, s.fn_name, desc, f"its {k} depends on them non-conjugately")
+                        why = f"its {k} depends on them non-conjugately{_nearby(s.family, k)}"
+                        raise refuse(n, s.fn_name, desc, why)
                     pa = self._movers(plan, s, k, v, pa, base_values, args, kwargs)
                 try:
                     s.params[k] = self._param_map(plan, s, k, v, pa, base_values, args, kwargs)
@@ -968,7 +995,8 @@ class Compiler:
             or sites[mains[0]].family != want
             or (selectors and s.family == "Categorical" and not s.observed)
         ):
-            raise refuse(s.name, s.fn_name, pa_desc, f"its {key} is not a conjugate function")
+            why = f"its {key} is not a conjugate function{_nearby(s.family, key)}"
+            raise refuse(s.name, s.fn_name, pa_desc, why)
         parent = sites[mains[0]]
         selector = selectors[0] if selectors else None
         p_desc = f"{parent.name!r} ({parent.fn_name})"
