@@ -60,7 +60,21 @@ def ops(plan, q, s, chain: bool = True):
     XL = X1 + L1 if X1 is not None else None
     if chain and s.chain and s.chain[1] and s.chain[0] in q:
         XL = [(gaussian_chain.cross_moment(plan, q, s), s.dims)]
-    return dict(X1=X1, X2=X2, L1=L1, L2=L2, XL=XL, c=c, lnc=lnc, T1=T1, T2=T2, M=M, W=W, comp=comp)
+    return dict(
+        name=s.name,
+        X1=X1,
+        X2=X2,
+        L1=L1,
+        L2=L2,
+        XL=XL,
+        c=c,
+        lnc=lnc,
+        T1=T1,
+        T2=T2,
+        M=M,
+        W=W,
+        comp=comp,
+    )
 
 
 def loglik(plan, o, out, weights):
@@ -77,6 +91,12 @@ def loglik(plan, o, out, weights):
     for log_tau in o["T2"]:  # ⟨ln τ⟩ of each factor of the precision
         small = small + 0.5 * e(mw + log_tau)
     small = small - 0.5 * e(pr + o["L2"])
+    if o["XL"] is not None and o["XL"][0] is o["X1"][0] and len(o["L1"]) == 1:
+        # ⟨x⟩⟨m⟩ − ½⟨x²⟩ as one contraction over (x, x²) · (⟨m⟩, −½)
+        (m, m_dims), power = o["L1"][0], "#power"
+        coef = torch.stack([m, torch.full_like(m, -0.5)], -1)
+        res = e(pr + [(_powers(plan, o), o["X1"][0][1] + (power,)), (coef, m_dims + (power,))])
+        return (res + small).expand([plan.sizes[d] for d in out])
     res = e(pr + o["XL"]) - 0.5 * e(pr + o["X2"]) + small
     return res.expand([plan.sizes[d] for d in out])
 
@@ -87,6 +107,16 @@ def _weighted_applies(plan: Plan, c: Site, out: tuple, rest: list) -> bool:
     latent Categorical and every other operand already lives in those axes."""
     selected = any(p.selector is not None for p in c.params.values())
     return selected and all(set(dims) <= set(out) for _, dims in rest)
+
+
+def _powers(plan: Plan, o: dict) -> torch.Tensor:
+    """(⟨x⟩, ⟨x²⟩) stacked on a last axis (cached with the statistics they come from)."""
+    x1, x2 = o["X1"][0][0], o["X2"][0][0]
+    key = ("powers", o["name"])
+    hit = plan.cache.get(key)
+    if hit is None or hit[0] is not x1 or hit[1] is not x2:
+        hit = plan.cache[key] = (x1, x2, torch.stack([x1, x2], -1))
+    return hit[2]
 
 
 def _weighted(plan: Plan, q: dict, c: Site, o: dict, out: tuple, power: int) -> torch.Tensor:
