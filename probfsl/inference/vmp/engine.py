@@ -31,9 +31,11 @@ class VMPState:
 
     Attributes:
         plan: the structure derived from the model (shared by every state of a fit).
-        q: site name -> the factor's parameters: Normal (loc, precision), Gamma (shape,
-            rate), Dirichlet (concentration,), Beta (concentration1, concentration0),
-            Categorical (probs,), MultivariateNormal (loc, precision), Wishart (df, scale).
+        q: site name -> the factor's parameters: Normal (loc, precision; a joint Normal's
+            precision is a matrix over its last event axis), Gamma (shape, rate), Dirichlet
+            (concentration,), Beta (concentration1, concentration0), Categorical (probs,),
+            MultivariateNormal (loc, precision), Wishart (df, scale), a point estimate
+            (value,); a Gaussian chain's name -> (lag-one covariances, ln|Σ|).
         objective: the analytic ELBO [T].
     """
 
