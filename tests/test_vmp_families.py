@@ -498,3 +498,14 @@ def test_gaussian_markov_chain_conformance():
         check(case)
     assert_device_follows(case)
     assert_no_host_syncs(case)
+
+
+def test_a_bad_beta_prior_is_refused_naming_the_site():
+    def model(y):
+        with pyro.plate("tasks", y.shape[0], dim=-2):
+            q = pyro.sample("q", dist.Beta(y.new_tensor(-1.0), y.new_tensor(2.0)))
+            with pyro.plate("n", y.shape[1], dim=-1):
+                pyro.sample("y", dist.Bernoulli(q), obs=y)
+
+    with pytest.raises(ValueError, match="site 'q' \\(Beta\\).*concentration1 is outside"):
+        VMP(model).fit(torch.ones(2, 3, dtype=F64))

@@ -72,6 +72,8 @@ def check_parameters(sites: list[dict]) -> None:
         base, _ = unwrap(s["fn"])
         for name, constraint in getattr(base, "arg_constraints", {}).items():
             value = base.__dict__.get(name)  # the parameters given, not derived ones
+            if value is None and isinstance(base, dist.Beta):  # held by its Dirichlet
+                value = getattr(base, name)
             if torch.is_tensor(value):
                 checks.append((s["name"], type(base).__name__, name, constraint, value))
     if not checks:
