@@ -176,3 +176,16 @@ def test_gaussian_markov_chain():
         y = bn.GaussianARD(chain, 1.0, shape=(1,))
         y.observe(x[t].numpy()[:, None])
         _close(state.objective[t].item(), _bayespy_bound([y, chain, tau], (), (chain, tau)))
+
+
+def test_product_of_two_gaussians():
+    """``c * mu`` with both latent: BayesPy's SumMultiply of two GaussianARD nodes."""
+    from tests.test_vmp_linear import scaled_mean
+
+    y = 1.5 + 0.5 * torch.randn(TASKS, 10, generator=_g(12), dtype=F64)
+    state, _ = VMP(scaled_mean, tol=1e-14, max_iter=3000).fit(y)
+    for t in range(TASKS):
+        c, mu = bn.GaussianARD(1.0, 1.0), bn.GaussianARD(0.0, 0.25)
+        yn = bn.GaussianARD(bn.SumMultiply(",->", c, mu), 4.0, plates=(10,))
+        yn.observe(y[t].numpy())
+        _close(state.objective[t].item(), _bayespy_bound([yn, c, mu], (), (c, mu)))

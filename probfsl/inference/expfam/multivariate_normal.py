@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from probfsl.inference.expfam.block import LOG_2PI, Block, logdet, spd_inverse
+from probfsl.inference.expfam.block import LOG_2PI, Block, logdet, spd_inverse, sum_last
 
 
 @dataclass
@@ -37,6 +37,12 @@ class MultivariateNormal(Block):
         m, p = self.loc, self.precision
         quad = (m * (p @ m.unsqueeze(-1)).squeeze(-1)).sum(-1)
         return 0.5 * (quad - logdet(p) + m.shape[-1] * LOG_2PI)
+
+    def entropy(self) -> torch.Tensor:
+        """½ D (1 + ln 2π) − ½ ln|P|, in closed form (A − η·⟨u⟩ cancels mᵀPm against
+        itself, which float32 cannot afford for large, precise means)."""
+        d = self.loc.shape[-1]
+        return sum_last(0.5 * d * (1 + LOG_2PI) - 0.5 * logdet(self.precision), self.event_dim)
 
     def _law(self) -> torch.distributions.Distribution:
         return torch.distributions.MultivariateNormal(self.loc, precision_matrix=self.precision)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from probfsl.inference.expfam.block import LOG_2PI, Block
+from probfsl.inference.expfam.block import LOG_2PI, Block, sum_last
 
 
 @dataclass
@@ -31,6 +31,10 @@ class Normal(Block):
 
     def _log_normalizer(self):
         return 0.5 * (self.precision * self.loc.square() - self.precision.log() + LOG_2PI)
+
+    def entropy(self) -> torch.Tensor:
+        """½(1 + ln 2π − ln λ), in closed form (A − η·⟨u⟩ cancels λm² against itself)."""
+        return sum_last(0.5 * (1 + LOG_2PI - self.precision.log()), self.event_dim)
 
     def _law(self) -> torch.distributions.Distribution:
         return torch.distributions.Normal(self.loc, self.precision.rsqrt())

@@ -39,6 +39,7 @@ from probfsl.inference.vmp.checks import (
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.layout import (
     TASKS,
+    BilinearTerm,
     LinearTerm,
     Param,
     Plan,
@@ -115,8 +116,8 @@ class _StartAt(Messenger):
 
 #: what a parameter may be, said in a refusal beside what it is
 NEARBY = {
-    ("Normal", "loc"): "a Normal or MultivariateNormal site (a copy, or an affine map with "
-    "observed coefficients), optionally selected by a Categorical site",
+    ("Normal", "loc"): "a Normal or MultivariateNormal site (a copy, an affine map with "
+    "observed coefficients, or a product of two), optionally selected by a Categorical site",
     ("Normal", "precision"): "c times a Gamma site or a product of Gamma sites, written as "
     "scale = (c * tau) ** -0.5",
     ("MultivariateNormal", "loc"): "a MultivariateNormal site, optionally selected",
@@ -617,7 +618,12 @@ class Compiler:
                         sites[p].family == "Categorical" for p in pa
                     ):
                         raise
-                    s.params[k] = self._linear_map(plan, s, k, pa, base_values, args, kwargs)
+                    try:
+                        s.params[k] = self._linear_map(plan, s, k, pa, base_values, args, kwargs)
+                    except ValueError:
+                        if len(pa) != 2:
+                            raise
+                        s.params[k] = self._bilinear_map(plan, s, k, pa, base_values, args, kwargs)
                 p = s.params[k]
                 if (s.family, k) == ("Dirichlet", "concentration") and p.parent is not None:
                     self._check_dirichlet_concentration(s, sites[p.parent])
@@ -627,6 +633,9 @@ class Compiler:
                     plan.children[factor].append((n, k))
                 for term in p.terms:
                     plan.children[term.parent].append((n, k))
+                if p.bilinear is not None:
+                    plan.children[p.bilinear.u].append((n, k))
+                    plan.children[p.bilinear.v].append((n, k))
                 if p.selector is not None and (n, "select") not in plan.children[p.selector]:
                     plan.children[p.selector].append((n, "select"))
             self._name_selected_constants(s)
@@ -751,8 +760,8 @@ class Compiler:
                 s.fn_name,
                 desc,
                 f"its {key} is not an affine function of them with fixed coefficients "
-                "(linear maps of Normal sites with observed coefficients are supported; a "
-                "product of two latent sites or a non-linear function is not)",
+                "(linear maps of Normal sites with observed coefficients, and products of "
+                "two of them, are supported; a non-linear function is not)",
             )
         return param
 
@@ -914,6 +923,92 @@ class Compiler:
                 "the concentration of an observed Dirichlet may be a point estimate "
                 "(pyro.param with constraint positive), not a latent site",
             )
+
+    def _bilinear_map(self, plan, s: Site, key, pa, base_values, args, kwargs) -> Param:
+        """A parameter b + B(u, v) bilinear in two latent Gaussian sites, e.g. ``c * mu`` or
+        ``(W * x).sum(-1)`` with both factors latent (mean-field between them). H =
+        ∂²B/∂u∂v comes from automatic differentiation (each column of J_u differentiated
+        in v), b from the base values, and the map is checked on random values of every
+        latent site."""
+        sites, dims = plan.sites, param_dims(s, key)
+        u, v = sites[pa[0]], sites[pa[1]]
+        desc = f"{u.name!r} ({u.fn_name}), {v.name!r} ({v.fn_name})"
+        axis_u = self._contracted_axis(s, u, dims, desc)
+        axis_v = self._contracted_axis(s, v, dims, desc)
+        leaves, values = {}, dict(base_values)
+        for w in (u, v):
+            leaf = canon(w, base_values[w.pyro_name]).detach().clone().requires_grad_(True)
+            leaves[w.name] = leaf
+            values[w.pyro_name] = to_pyro(w, leaf)
+        tr = self._trace(args, kwargs, values, grad=True)
+        with torch.enable_grad():
+            value = self._params(s, tr.nodes[s.pyro_name])[key]
+            h = self._mixed_derivative(value, leaves[u.name], leaves[v.name], axis_u, axis_v)
+        h_dims = dims + tuple(a for a in (axis_u, axis_v) if a)
+        over = h_dims
+        product = ein(
+            dims,
+            [(h, h_dims), (leaves[u.name].detach(), u.dims), (leaves[v.name].detach(), v.dims)],
+            over,
+            plan.sizes,
+            h,
+        )
+        const, const_dims = reduce_constant(value.detach() - product, dims)
+        h, h_dims_kept = reduce_constant(h, h_dims)
+        term = BilinearTerm(u.name, v.name, h, h_dims_kept, axis_u, axis_v)
+        probes = self._runs["probes"]
+        got = self._runs["verify"][s.name][key]
+        ops = [(h, h_dims_kept), (probes[u.name], u.dims), (probes[v.name], v.dims)]
+        expect = ein(dims, [(const, const_dims)], dims, plan.sizes, got)
+        expect = expect + ein(dims, ops, over, plan.sizes, got)
+        scale = got.abs().amax() if got.numel() else got.new_ones(())
+        if not torch.allclose(got, expect, rtol=1e-5, atol=1e-6 * float(scale)):
+            raise refuse(
+                s.name,
+                s.fn_name,
+                desc,
+                f"its {key} is neither affine in these sites nor a product of two of them "
+                "(affine maps and bilinear products of Normal sites are supported)",
+            )
+        for w, axis in ((u, axis_u), (v, axis_v)):
+            if axis is not None and w.family == "Normal":
+                w.joint = True
+                plan.sizes[axis + "b"] = plan.sizes[axis]
+        return Param(dims, const=const, const_dims=const_dims, bilinear=term)
+
+    @staticmethod
+    def _mixed_derivative(value, leaf_u, leaf_v, axis_u, axis_v) -> torch.Tensor:
+        """∂²value/∂u_a∂v_b per element of ``value`` [..., A, B] (A, B present where the
+        parent's last axis is contracted), by differentiating u ↦ J_uᵀU, then each
+        column of J_u in v the same way."""
+        n_u = leaf_u.shape[-1] if axis_u else 1
+        n_v = leaf_v.shape[-1] if axis_v else 1
+        dummy = torch.zeros_like(value, requires_grad=True)
+        (gu,) = torch.autograd.grad(value, leaf_u, dummy, create_graph=True)
+        rows = []
+        for a in range(n_u):
+            pick = torch.zeros(n_u, dtype=leaf_u.dtype, device=leaf_u.device)
+            pick[a] = 1
+            weight = pick if axis_u else 1
+            (col,) = torch.autograd.grad((gu * weight).sum(), dummy, create_graph=True)
+            second = torch.zeros_like(col, requires_grad=True)
+            (gv,) = torch.autograd.grad(col, leaf_v, second, create_graph=True, allow_unused=True)
+            entries = []
+            for b in range(n_v):
+                pick_v = torch.zeros(n_v, dtype=leaf_v.dtype, device=leaf_v.device)
+                pick_v[b] = 1
+                if gv is None:
+                    entries.append(torch.zeros_like(value))
+                    continue
+                (h,) = torch.autograd.grad(
+                    (gv * (pick_v if axis_v else 1)).sum(),
+                    second,
+                    retain_graph=True,
+                    allow_unused=True,
+                )
+                entries.append(torch.zeros_like(value) if h is None else h.detach())
+            rows.append(torch.stack(entries, -1) if axis_v else entries[0])
+        return torch.stack(rows, -2 if axis_v else -1) if axis_u else rows[0]
 
     @staticmethod
     def _contracted_axis(s: Site, w: Site, dims: tuple, desc: str) -> str | None:

@@ -33,6 +33,21 @@ class LinearTerm:
 
 
 @dataclass
+class BilinearTerm:
+    """The term B(u, v) of a parameter b + B(u, v), bilinear in two latent Gaussian sites
+    (BayesPy's ``SumMultiply`` of two Gaussian nodes): ``h`` is ∂²B/∂u∂v with axes
+    ``h_dims`` (the parameter's, then each parent's contracted axis, ``None`` where the
+    parent maps elementwise)."""
+
+    u: str
+    v: str
+    h: torch.Tensor
+    h_dims: tuple
+    axis_u: str | None
+    axis_v: str | None
+
+
+@dataclass
 class Param:
     """How one parameter of a site is formed (spec §2)."""
 
@@ -48,6 +63,7 @@ class Param:
     index: torch.Tensor | None = None  # fixed one-hot selection [index_dims + comp]
     index_dims: tuple = ()
     terms: list = field(default_factory=list)  # LinearTerm of an affine map (const = b)
+    bilinear: BilinearTerm | None = None  # a product of two latent Gaussians (const = b)
     #: further Gamma parents of a product precision c · parent · Π factors: (name, rename)
     factors: list = field(default_factory=list)
     derived: dict = field(default_factory=dict, init=False, repr=False)  # see derived
@@ -248,8 +264,12 @@ def _take_param(p: Param, index: torch.Tensor) -> Param:
     terms = [
         LinearTerm(t.parent, _rows(t.jac, t.jac_dims, index), t.jac_dims, t.axis) for t in p.terms
     ]
+    bilinear = p.bilinear
+    if bilinear is not None:
+        bilinear = replace(bilinear, h=_rows(bilinear.h, bilinear.h_dims, index))
     return replace(
         p,
+        bilinear=bilinear,
         const=_rows(p.const, p.const_dims, index),
         coef=_rows(p.coef, p.coef_dims, index),
         index=_rows(p.index, p.index_dims, index),

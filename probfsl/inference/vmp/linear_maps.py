@@ -1,4 +1,5 @@
-"""Affine maps of Gaussian sites: y ~ Normal(Σ_k J_k w_k + b, (c β)^-1/2) (spec ``vmp.md`` §7.1).
+"""Affine and bilinear maps of Gaussian sites: y ~ Normal(Σ_k J_k w_k + b, (c β)^-1/2), or
+y ~ Normal(B(u, v) + b, ...) with B bilinear in two latent sites (spec ``vmp.md`` §7.1).
 
 BayesPy's ``Dot``, ``SumMultiply`` and ``Add``, read off a plain Pyro model: ``X @ w``,
 ``(X * w).sum(-1)``, ``a + b`` and ``c * mu`` with observed coefficients. The compiler
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from probfsl.inference.vmp.einsum import ein
-from probfsl.inference.vmp.layout import LinearTerm, Param, Plan
+from probfsl.inference.vmp.layout import BilinearTerm, LinearTerm, Param, Plan
 from probfsl.inference.vmp.moments import expected_stats, second_moment
 
 
@@ -37,8 +38,86 @@ def term_mean(plan: Plan, q: dict, p: Param, term: LinearTerm) -> torch.Tensor:
     return ein(p.dims, [(term.jac, term.jac_dims), (m, w.dims)], over, plan.sizes, plan.ref)
 
 
+def _second(plan: Plan, q: dict, name: str, axis: str | None) -> tuple:
+    """⟨w wᵀ⟩ over the contracted axis (its axes) or ⟨w²⟩ elementwise (no axis)."""
+    w = plan.sites[name]
+    if axis is None:
+        return expected_stats(plan, q, name)[1], w.dims
+    return second_moment(plan, q, name), w.dims + (axis + "b",)
+
+
+def _second_copy(dims: tuple, axis: str | None) -> tuple:
+    """``dims`` with ``axis`` renamed to its second copy (unchanged without one)."""
+    return tuple(d + "b" if d == axis else d for d in dims)
+
+
+def _covariance(plan: Plan, q: dict, name: str, axis: str | None) -> tuple:
+    """Cov w over the contracted axis (⟨w wᵀ⟩ − ⟨w⟩⟨w⟩ᵀ), or Var w elementwise."""
+    w = plan.sites[name]
+    mean = expected_stats(plan, q, name)[0]
+    if axis is None:
+        return expected_stats(plan, q, name)[1] - mean.square(), w.dims
+    second = second_moment(plan, q, name)
+    return second - mean.unsqueeze(-1) * mean.unsqueeze(-2), w.dims + (axis + "b",)
+
+
+def _paired_h(term: BilinearTerm, which: tuple) -> tuple:
+    """H's axes with the contracted axes of ``which`` parents renamed to second copies."""
+    rename = {a: a + "b" for a in which if a}
+    return tuple(rename.get(d, d) for d in term.h_dims)
+
+
+def bilinear_moments(plan: Plan, q: dict, p: Param) -> tuple[torch.Tensor, torch.Tensor]:
+    """(⟨loc⟩, ⟨loc²⟩) of b + B(u, v) under q(u) q(v):
+    ⟨B⟩ = H·⟨u⟩·⟨v⟩, ⟨B²⟩ = H H ⟨u uᵀ⟩ ⟨v vᵀ⟩ (contracted over both pairs of axes)."""
+    t, sizes, ref = p.bilinear, plan.sizes, plan.ref
+    u, v = plan.sites[t.u], plan.sites[t.v]
+    mean_u, mean_v = expected_stats(plan, q, t.u)[0], expected_stats(plan, q, t.v)[0]
+    h = (t.h, t.h_dims)
+    over = p.dims + tuple(a for a in (t.axis_u, t.axis_v) if a)
+    product = ein(p.dims, [h, (mean_u, u.dims), (mean_v, v.dims)], over, sizes, ref)
+    # Var B = H H (Cov u ⊗ ⟨v vᵀ⟩ + ⟨u⟩⟨u⟩ᵀ ⊗ Cov v): from covariances, not E[B²] − ⟨B⟩²,
+    # which cancels badly in float32
+    sv = _second(plan, q, t.v, t.axis_v)
+    cov_u, cov_v = _covariance(plan, q, t.u, t.axis_u), _covariance(plan, q, t.v, t.axis_v)
+    outer_u = [(mean_u, u.dims), (mean_u, _second_copy(u.dims, t.axis_u))]
+    paired = (t.h, _paired_h(t, (t.axis_u, t.axis_v)))
+    over2 = over + tuple(a + "b" for a in (t.axis_u, t.axis_v) if a)
+    var = ein(p.dims, [h, paired, cov_u, sv], over2, sizes, ref)
+    var = var + ein(p.dims, [h, paired, cov_v] + outer_u, over2, sizes, ref)
+    mean = ein(p.dims, [(p.const, p.const_dims)], p.dims, sizes, ref) + product
+    return mean, mean.square() + var
+
+
+def bilinear_message(
+    plan: Plan, q: dict, p: Param, parent: str, precision: list, data: torch.Tensor
+) -> list:
+    """m_{y → parent} for b + B(u, v): the map is linear in the parent with Jacobian H⟨other⟩,
+    whose second moment is H H ⟨other otherᵀ⟩ (mean-field between u and v)."""
+    t, sizes, ref = p.bilinear, plan.sizes, plan.ref
+    mine, other = (t.axis_u, t.axis_v) if parent == t.u else (t.axis_v, t.axis_u)
+    other_name = t.v if parent == t.u else t.u
+    w, o = plan.sites[parent], plan.sites[other_name]
+    mean_o = expected_stats(plan, q, other_name)[0]
+    h = (t.h, t.h_dims)
+    residual = data - ein(p.dims, [(p.const, p.const_dims)], p.dims, sizes, ref)
+    over = p.dims + tuple(a for a in (t.axis_u, t.axis_v) if a)
+    eta1 = ein(w.dims, precision + [(residual, p.dims), h, (mean_o, o.dims)], over, sizes, ref)
+    so = _second(plan, q, other_name, other)
+    if mine is None:
+        paired = (t.h, _paired_h(t, (other,)))
+        over2 = over + ((other + "b",) if other else ())
+        return [eta1, -0.5 * ein(w.dims, precision + [h, paired, so], over2, sizes, ref)]
+    paired = (t.h, _paired_h(t, (mine, other)))
+    out = w.dims + (mine + "b",)
+    over2 = over + tuple(a + "b" for a in (mine, other) if a)
+    return [eta1, -0.5 * ein(out, precision + [h, paired, so], over2, sizes, ref)]
+
+
 def moments(plan: Plan, q: dict, p: Param) -> tuple[torch.Tensor, torch.Tensor]:
     """(⟨loc⟩, ⟨loc²⟩) of an affine parameter, each in the parameter's axes."""
+    if p.bilinear is not None:
+        return bilinear_moments(plan, q, p)
     sizes, ref = plan.sizes, plan.ref
     mean = ein(p.dims, [(p.const, p.const_dims)], p.dims, sizes, ref)
     var = 0
@@ -63,6 +142,8 @@ def message(
 ) -> list:
     """m_{y → parent} for the affine parameter ``p`` of a Normal child with expected value
     ``data`` (in ``p.dims``) and precision operands ``precision`` (mask, c, ⟨β⟩)."""
+    if p.bilinear is not None:
+        return bilinear_message(plan, q, p, parent, precision, data)
     sizes, ref = plan.sizes, plan.ref
     term = next(t for t in p.terms if t.parent == parent)
     w = plan.sites[parent]

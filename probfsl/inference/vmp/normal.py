@@ -38,7 +38,7 @@ def ops(plan, q, s, chain: bool = True):
         x = expected_stats(plan, q, s.name)
         X1, X2 = [(x[0], s.dims)], [(x[1], s.dims)]
     mu = parent_ops(plan, q, s, "loc")
-    if loc.terms:
+    if loc.terms or loc.bilinear is not None:
         mean, second = linear_maps.moments(plan, q, loc)
         L1, L2 = [(mean, loc.dims)], [(second, loc.dims)]
     elif mu is None:
@@ -173,7 +173,7 @@ def message(plan: Plan, q: dict, c: Site, role: str, to: Site) -> list:
         plan.cache[("loglik", child)] = (names, [q[n] for n in names], per_component, out, to.name)
         return [per_component]
     p = c.params[role]
-    if p.terms:  # an affine loc (the only parameter with terms)
+    if p.terms or p.bilinear is not None:  # an affine or bilinear loc
         pr = mw + o["c"] + o["T1"]
         return linear_maps.message(plan, q, p, to.name, pr, o["X1"][0][0])
     rename = p.rename if to.name == p.parent else dict(p.factors)[to.name]
