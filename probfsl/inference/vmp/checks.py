@@ -29,8 +29,8 @@ OBSERVED_ONLY = ("Bernoulli", "Binomial", "Poisson", "DiscreteHMM")
 
 SUPPORTED = (
     "Normal(loc <- Normal site, an affine map of Normal/MultivariateNormal sites with "
-    "observed coefficients or a product of two of them, scale = (c * tau)^-1/2 <- Gamma site or a product of Gamma "
-    "sites), each optionally indexed "
+    "observed coefficients or a product of two of them, scale = (c * tau)^-1/2 <- Gamma "
+    "site or a product of Gamma sites), each optionally indexed "
     "by a Categorical site or a fixed index; MultivariateNormal(loc <- MultivariateNormal "
     "site, precision_matrix = c * Lambda <- Wishart site), optionally indexed likewise; "
     "Gamma(rate = c * b <- Gamma site); Categorical(probs <- Dirichlet site, indexed by a "
