@@ -140,6 +140,13 @@ def _nearby(family: str, key: str) -> str:
     return f"; its {key} may be {hint}" if hint else ""
 
 
+def _matches(got: torch.Tensor, expect: torch.Tensor) -> bool:
+    """Whether a parameter's random-value run agrees with the map read off the model
+    (relative 1e-5, absolute 1e-6 of its largest entry)."""
+    scale = got.abs().amax() if got.numel() else got.new_ones(())
+    return torch.allclose(got, expect, rtol=1e-5, atol=1e-6 * float(scale))
+
+
 def _first_task(args: tuple, kwargs: dict, n_tasks: int | None = None) -> tuple | None:
     """The arguments sliced to the first task: every tensor whose leading axis has the
     tasks' length (that of the first tensor argument unless ``n_tasks``); ``None`` when
@@ -718,14 +725,7 @@ class Compiler:
         dims = param_dims(s, key)
         parents = [sites[p] for p in pa]
         desc = ", ".join(f"{w.name!r} ({w.fn_name})" for w in parents)
-        leaves, values = {}, dict(base_values)
-        for w in parents:
-            leaf = canon(w, base_values[w.pyro_name]).detach().clone().requires_grad_(True)
-            leaves[w.name] = leaf
-            values[w.pyro_name] = to_pyro(w, leaf)
-        tr = self._trace(args, kwargs, values, grad=True)
-        with torch.enable_grad():
-            value = self._params(s, tr.nodes[s.pyro_name])[key]
+        value, leaves = self._as_function(s, key, parents, base_values, args, kwargs)
         if not value.requires_grad:
             raise refuse(s.name, s.fn_name, desc, f"its {key} does not depend on them")
         terms, offset = [], value.detach()
@@ -753,8 +753,7 @@ class Compiler:
             over = dims + ((t.axis,) if t.axis else ())
             ops = [(t.jac, t.jac_dims), (probes[t.parent], w.dims)]
             expect = expect + ein(dims, ops, over, plan.sizes, got)
-        scale = got.abs().amax() if got.numel() else got.new_ones(())
-        if not torch.allclose(got, expect, rtol=1e-5, atol=1e-6 * float(scale)):
+        if not _matches(got, expect):
             raise refuse(
                 s.name,
                 s.fn_name,
@@ -924,6 +923,18 @@ class Compiler:
                 "(pyro.param with constraint positive), not a latent site",
             )
 
+    def _as_function(self, s: Site, key, parents, base_values, args, kwargs) -> tuple:
+        """Parameter ``key`` of ``s`` from one run with each parent's value a leaf of
+        autograd (at its base value), and those leaves by name."""
+        leaves, values = {}, dict(base_values)
+        for w in parents:
+            leaf = canon(w, base_values[w.pyro_name]).detach().clone().requires_grad_(True)
+            leaves[w.name] = leaf
+            values[w.pyro_name] = to_pyro(w, leaf)
+        tr = self._trace(args, kwargs, values, grad=True)
+        with torch.enable_grad():
+            return self._params(s, tr.nodes[s.pyro_name])[key], leaves
+
     def _bilinear_map(self, plan, s: Site, key, pa, base_values, args, kwargs) -> Param:
         """A parameter b + B(u, v) bilinear in two latent Gaussian sites, e.g. ``c * mu`` or
         ``(W * x).sum(-1)`` with both factors latent (mean-field between them). H =
@@ -935,14 +946,8 @@ class Compiler:
         desc = f"{u.name!r} ({u.fn_name}), {v.name!r} ({v.fn_name})"
         axis_u = self._contracted_axis(s, u, dims, desc)
         axis_v = self._contracted_axis(s, v, dims, desc)
-        leaves, values = {}, dict(base_values)
-        for w in (u, v):
-            leaf = canon(w, base_values[w.pyro_name]).detach().clone().requires_grad_(True)
-            leaves[w.name] = leaf
-            values[w.pyro_name] = to_pyro(w, leaf)
-        tr = self._trace(args, kwargs, values, grad=True)
+        value, leaves = self._as_function(s, key, (u, v), base_values, args, kwargs)
         with torch.enable_grad():
-            value = self._params(s, tr.nodes[s.pyro_name])[key]
             h = self._mixed_derivative(value, leaves[u.name], leaves[v.name], axis_u, axis_v)
         h_dims = dims + tuple(a for a in (axis_u, axis_v) if a)
         over = h_dims
@@ -961,8 +966,7 @@ class Compiler:
         ops = [(h, h_dims_kept), (probes[u.name], u.dims), (probes[v.name], v.dims)]
         expect = ein(dims, [(const, const_dims)], dims, plan.sizes, got)
         expect = expect + ein(dims, ops, over, plan.sizes, got)
-        scale = got.abs().amax() if got.numel() else got.new_ones(())
-        if not torch.allclose(got, expect, rtol=1e-5, atol=1e-6 * float(scale)):
+        if not _matches(got, expect):
             raise refuse(
                 s.name,
                 s.fn_name,
