@@ -178,7 +178,7 @@ def _product_of_three_latents(y, x):
 
 @pytest.mark.parametrize(
     ("model", "words"),
-    [(_exp_map, "enters non-linearly"), (_product_of_three_latents, "affine function")],
+    [(_exp_map, "enters through exp"), (_product_of_three_latents, "affine function")],
 )
 def test_non_linear_maps_are_refused_naming_the_site(model, words):
     y, x = _regression(t=2, n=5)

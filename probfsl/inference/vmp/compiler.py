@@ -140,6 +140,65 @@ def _nearby(family: str, key: str) -> str:
     return f"; its {key} may be {hint}" if hint else ""
 
 
+#: autograd nodes that keep a map affine in its input
+_AFFINE_NODES = (
+    "Add",
+    "Sub",
+    "Neg",
+    "Mul",
+    "Div",
+    "Sum",
+    "Mean",
+    "MatMul",
+    "Mm",
+    "Bmm",
+    "Mv",
+    "Dot",
+    "Expand",
+    "View",
+    "Reshape",
+    "Unsqueeze",
+    "Squeeze",
+    "Permute",
+    "Transpose",
+    "T",
+    "Index",
+    "Select",
+    "Slice",
+    "Cat",
+    "Stack",
+    "Clone",
+    "ToCopy",
+    "Unsafe",
+    "AsStrided",
+    "Alias",
+)
+
+
+def _through(value: torch.Tensor, leaf: torch.Tensor) -> str:
+    """The operations on the paths from ``leaf`` to ``value`` that are not affine (``exp``,
+    ``pow``, ...), read off the autograd graph, for a refusal to name."""
+    reaches: dict = {}
+
+    def visit(node) -> bool:
+        if node is None:
+            return False
+        if node not in reaches:
+            reaches[node] = False  # a graph has no cycles; this guards the recursion
+            hit = getattr(node, "variable", None) is leaf
+            reaches[node] = any([visit(child) for child, _ in node.next_functions]) or hit
+        return reaches[node]
+
+    visit(value.grad_fn)
+    names = {
+        type(node).__name__.removesuffix("Backward0").removesuffix("Backward1")
+        for node, hit in reaches.items()
+        if hit and type(node).__name__ != "AccumulateGrad"
+    }
+    found = sorted(n.lower() for n in names if not n.startswith(_AFFINE_NODES))
+    return ", ".join(found) or "a non-affine function"
+
+
 def _matches(got: torch.Tensor, expect: torch.Tensor) -> bool:
     """Whether a parameter's random-value run agrees with the map read off the model
     (relative 1e-5, absolute 1e-6 of its largest entry)."""
@@ -1051,7 +1110,7 @@ class Compiler:
                         s.fn_name,
                         repr(w.name) + f" ({w.fn_name})",
                         "the parent enters non-linearly (linear maps of Normal sites are "
-                        "supported; this one is not affine in the parent)",
+                        f"supported; this parent enters through {_through(value, leaf)})",
                     )
             u = torch.zeros_like(value, requires_grad=True)
             (gu,) = torch.autograd.grad(value, leaf, u, create_graph=True)
