@@ -171,6 +171,35 @@ def test_run_freezes_converged_tasks_and_syncs_once_per_check():
     assert len(info_free.trace) == 8 and not info_free.converged.any()
 
 
+class _CompactingNormalGamma(NormalGammaVB):
+    """The hand-written engine with the contract's default take/put switched on."""
+
+    compacts = True
+
+
+def test_default_compaction_gives_every_task_its_own_result():
+    """Engine.take/put's defaults (every tensor of the state with the batch's leading
+    length): compacting at the checks changes no task's state, steps or trace, and the
+    syncs stay one per check."""
+    x = torch.randn(6, 9, generator=torch.Generator().manual_seed(3)).double()
+    x[3] *= 40.0
+    plain = NormalGammaVB(0.5, 2.0, 2.0, 1.5)
+    compacting = _CompactingNormalGamma(0.5, 2.0, 2.0, 1.5)
+    state, info = run(plain, plain.init(x), 200, tol=1e-10, check_every=4)
+    with HostSyncCounter() as counter:
+        packed, packed_info = run(compacting, compacting.init(x), 200, tol=1e-10, check_every=4)
+    assert counter.total == (len(packed_info.trace) - 1) // 4
+    for name in ("mu_mean", "objective"):
+        torch.testing.assert_close(getattr(packed, name), getattr(state, name), rtol=1e-12, atol=0)
+    torch.testing.assert_close(packed_info.trace, info.trace, rtol=1e-12, atol=0)
+    assert torch.equal(packed_info.n_steps, info.n_steps)
+    assert torch.equal(packed_info.converged, info.converged)
+    part = compacting.take(state, torch.tensor([3, 1]))
+    assert part.objective.shape == (2,) and torch.equal(part.mu_mean, state.mu_mean[[3, 1]])
+    back = compacting.put(state, torch.tensor([3, 1]), part)
+    torch.testing.assert_close(back.mu_mean, state.mu_mean, rtol=0, atol=0)
+
+
 def test_growing_check_schedule_changes_when_the_loop_stops_not_the_results():
     """check_growth > 1: checks at 2, 4, 7, 12, 19, ...; one sync per check made; every
     task's result is the one of the fixed schedule (frozen tasks never change)."""

@@ -80,17 +80,23 @@ class Engine(ABC):
     def guide(self, state: Any) -> Callable[..., None]:
         """A Pyro guide, with the model's signature, built from the factors in ``state``."""
 
-    #: engines that can drop converged tasks from the batch set this (and implement
-    #: :meth:`take` and :meth:`put`); :func:`run` then compacts at its checks
+    #: whether :func:`run` drops converged tasks from the batch at its checks (with
+    #: :meth:`take` and :meth:`put`); an engine sets it once those fit its state
     compacts: bool = False
 
     def take(self, state: Any, index: torch.Tensor) -> Any:
-        """The state of the tasks ``index`` (``[k]`` long, on the device) alone."""
-        raise NotImplementedError
+        """The state of the tasks ``index`` (``[k]`` long, on the device) alone.
+
+        The default indexes, like :meth:`keep`, every tensor field whose leading
+        dimension is the batch's ``T`` (the length of ``state.objective``); engines whose
+        state holds other tensors of that length override it."""
+        return _walk(state, lambda t: t.index_select(0, index), len(state.objective))
 
     def put(self, full: Any, index: torch.Tensor, part: Any) -> Any:
-        """``full`` with the tasks ``index`` replaced by the state ``part`` of those tasks."""
-        raise NotImplementedError
+        """``full`` with the tasks ``index`` replaced by the state ``part`` of those tasks
+        (the default writes every tensor field :meth:`take` indexes)."""
+        n = len(full.objective)
+        return _merge(full, part, lambda a, b: a.index_copy(0, index, b), n)
 
     def keep(self, frozen: torch.Tensor, old: Any, new: Any) -> Any:
         """``new`` with the tasks where ``frozen`` (``[T]`` bool) restored from ``old``.
@@ -101,33 +107,55 @@ class Engine(ABC):
         taken from ``new``. Engines whose state holds tensors with a leading dimension
         that is not the task override it.
         """
-        return _select(frozen, old, new)
+
+        def where(new_t: torch.Tensor, old_t: torch.Tensor) -> torch.Tensor:
+            if new_t.shape != old_t.shape:
+                return new_t
+            return torch.where(frozen.reshape(-1, *[1] * (new_t.dim() - 1)), old_t, new_t)
+
+        return _merge(new, old, where, frozen.shape[0])
 
 
-def _select(frozen: torch.Tensor, old: Any, new: Any) -> Any:
-    if isinstance(new, torch.Tensor):
-        if (
-            isinstance(old, torch.Tensor)
-            and new.dim() >= 1
-            and new.shape == old.shape
-            and new.shape[0] == frozen.shape[0]
-        ):
-            return torch.where(frozen.reshape(-1, *[1] * (new.dim() - 1)), old, new)
-        return new
-    if dataclasses.is_dataclass(new) and not isinstance(new, type):
+def _walk(state: Any, fn: Callable, n: int) -> Any:
+    """``state`` with ``fn`` applied to every tensor whose leading dimension is ``n``
+    (dataclasses, named tuples, tuples, lists and dicts are walked)."""
+    if isinstance(state, torch.Tensor):
+        return fn(state) if state.dim() >= 1 and state.shape[0] == n else state
+    if dataclasses.is_dataclass(state) and not isinstance(state, type):
         changes = {
-            f.name: _select(frozen, getattr(old, f.name), getattr(new, f.name))
-            for f in dataclasses.fields(new)
+            f.name: _walk(getattr(state, f.name), fn, n)
+            for f in dataclasses.fields(state)
             if f.init
         }
-        return dataclasses.replace(new, **changes)
-    if isinstance(new, tuple) and hasattr(new, "_fields"):
-        return type(new)(*(_select(frozen, o, n) for o, n in zip(old, new, strict=True)))
-    if isinstance(new, (tuple, list)):
-        return type(new)(_select(frozen, o, n) for o, n in zip(old, new, strict=True))
-    if isinstance(new, dict):
-        return {k: _select(frozen, old[k], v) if k in old else v for k, v in new.items()}
-    return new
+        return dataclasses.replace(state, **changes)
+    if isinstance(state, tuple) and hasattr(state, "_fields"):
+        return type(state)(*(_walk(x, fn, n) for x in state))
+    if isinstance(state, (tuple, list)):
+        return type(state)(_walk(x, fn, n) for x in state)
+    if isinstance(state, dict):
+        return {k: _walk(v, fn, n) for k, v in state.items()}
+    return state
+
+
+def _merge(full: Any, part: Any, fn: Callable, n: int) -> Any:
+    """``full`` with ``fn(full_tensor, part_tensor)`` for every tensor of ``full`` whose
+    leading dimension is ``n`` (the structure walked as in :func:`_walk`)."""
+    if isinstance(full, torch.Tensor):
+        return fn(full, part) if full.dim() >= 1 and full.shape[0] == n else full
+    if dataclasses.is_dataclass(full) and not isinstance(full, type):
+        changes = {
+            f.name: _merge(getattr(full, f.name), getattr(part, f.name), fn, n)
+            for f in dataclasses.fields(full)
+            if f.init
+        }
+        return dataclasses.replace(full, **changes)
+    if isinstance(full, tuple) and hasattr(full, "_fields"):
+        return type(full)(*(_merge(a, b, fn, n) for a, b in zip(full, part, strict=True)))
+    if isinstance(full, (tuple, list)):
+        return type(full)(_merge(a, b, fn, n) for a, b in zip(full, part, strict=True))
+    if isinstance(full, dict):
+        return {k: _merge(v, part[k], fn, n) if k in part else v for k, v in full.items()}
+    return full
 
 
 def converged_tasks(previous: torch.Tensor, current: torch.Tensor, tol: float) -> torch.Tensor:
