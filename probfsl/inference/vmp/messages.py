@@ -63,18 +63,24 @@ def site_elbo(plan: Plan, q: dict, name: str) -> torch.Tensor:
     if s.family == "Categorical":
         R = expected_stats(plan, q, name)[0]
         cd = s.dims + (f"{s.name}#cat",)
-        pi = parent_ops(plan, q, s, "probs")
-        if pi is None:
-            p = s.params["probs"]
-            pi = [(derived(p, "log_probs"), p.const_dims)]
         M = [] if s.mask is None else [(s.mask, s.mask_dims)]
-        return ein(out, M + [(R, cd)] + pi, cd, plan.sizes, plan.ref)
+        return ein(out, M + [(R, cd), _log_probs(plan, q, s)], cd, plan.sizes, plan.ref)
     # E ln p = Σ_i η_i·⟨u_i⟩ − A(η) with η and Σ A fixed (computed once per plan)
     block, eta, a_total = prior(plan, s)
     lp = 0
     for t, u, n in zip(eta, expected_stats(plan, q, name), block._stat_dims, strict=True):
         lp = lp + sum_last(t * u, n)
     return sum_tasks(sum_last(lp, block.event_dim)) - a_total
+
+
+def _log_probs(plan: Plan, q: dict, s: Site) -> tuple:
+    """⟨ln π⟩ of a Categorical site's probabilities (a Dirichlet parent's, or the fixed
+    ones' logarithm) as (tensor, axes)."""
+    pi = parent_ops(plan, q, s, "probs")
+    if pi is not None:
+        return pi[0]
+    p = s.params["probs"]
+    return derived(p, "log_probs"), p.const_dims
 
 
 def prior(plan: Plan, s: Site) -> tuple:
@@ -137,12 +143,13 @@ def lse_applies(plan: Plan, s: Site) -> bool:
 
 
 def entropy(plan: Plan, q: dict, name: str) -> torch.Tensor:
-    """H[q] = A − η·⟨u⟩ with the cached ⟨u⟩ (a Categorical's own form keeps 0 ln 0 = 0)."""
+    """H[q]: in closed form for Categorical (0 ln 0 = 0) and Gaussian factors, A − η·⟨u⟩
+    with the cached ⟨u⟩ for the others; a Gaussian chain's joint entropy."""
     s = plan.sites[name]
     if s.chain:
         return gaussian_chain.entropy(plan, q, s)
     block = block_of(s, q[name])
-    if s.family == "Categorical" or s.joint:
+    if s.family in ("Categorical", "Normal", "MultivariateNormal"):
         return block.entropy()
     return -block.expected_log_prob(expected_stats(plan, q, name))
 
@@ -157,11 +164,7 @@ def natural(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
         eta = normal.natural(plan, q, s)
     elif s.family == "Categorical":
         cd = s.dims + (f"{s.name}#cat",)
-        pi = parent_ops(plan, q, s, "probs")
-        if pi is None:
-            p = s.params["probs"]
-            pi = [(derived(p, "log_probs"), p.const_dims)]
-        eta = [ein(cd, pi, cd, sizes, plan.ref)]
+        eta = [ein(cd, [_log_probs(plan, q, s)], cd, sizes, plan.ref)]
     elif s.family == "Gamma" and s.params["rate"].parent is not None:
         eta = conjugate_children.gamma_rate_natural(plan, q, s)
     elif s.family == "MultivariateNormal":
@@ -206,6 +209,8 @@ def message(plan, q, child: str, role: str, to: Site) -> list:
 
 
 def update(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
+    """The new factor of site ``name`` from its natural parameters (:func:`natural`): a
+    softmax, a point's maximiser, or the family's block from η."""
     s = plan.sites[name]
     eta = natural(plan, q, name, children)
     if s.point and any(role == "concentration" for _, role in plan.children[name]):
