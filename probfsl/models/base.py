@@ -41,7 +41,26 @@ from probfsl.validation import (
     check_float_dtype,
 )
 
-__all__ = ["BaseMeanCentering", "FewShotClassifier", "Hyperparameters", "episodes_from_arrays"]
+__all__ = [
+    "ENGINES",
+    "BaseMeanCentering",
+    "FewShotClassifier",
+    "Hyperparameters",
+    "check_engine",
+    "episodes_from_arrays",
+]
+
+#: inference engines of the five methods of the papers: ``"handwritten"``, the closed-form
+#: updates derived by hand for the method; ``"derived"``, the updates that variational
+#: message passing derives from the method's Pyro declaration (:mod:`probfsl.derived`)
+ENGINES = ("handwritten", "derived")
+
+
+def check_engine(engine: Any) -> str:
+    """``engine`` if it is one of :data:`ENGINES`; ``ValueError`` listing them otherwise."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {list(ENGINES)}, got {engine!r}")
+    return engine
 
 
 class Hyperparameters:

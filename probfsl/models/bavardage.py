@@ -53,7 +53,7 @@ from probfsl.inference.plda import (
 )
 from probfsl.inference.soft_kmeans import soft_kmeans_gram
 from probfsl.inference.vb_mixture import BavardageVB, VBMixtureState, fit_bavardage_vb
-from probfsl.models.base import FewShotClassifier
+from probfsl.models.base import FewShotClassifier, check_engine
 from probfsl.validation import (
     as_float_tensor,
     as_label_tensor,
@@ -237,6 +237,7 @@ class Bavardage(FewShotClassifier):
         scatter: str = "code",
         scale: str = "code",
         trace_elbo: bool = False,
+        engine: str = "handwritten",
     ) -> None:
         self.temperature_km = temperature_km
         self.temperature_vb = temperature_vb
@@ -253,6 +254,7 @@ class Bavardage(FewShotClassifier):
         self.scatter = scatter
         self.scale = scale
         self.trace_elbo = trace_elbo
+        self.engine = engine
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> Bavardage:
@@ -264,6 +266,7 @@ class Bavardage(FewShotClassifier):
     def _check_params(self) -> None:
         """``TypeError``/``ValueError`` naming the first bad hyperparameter (called by
         ``fit_base`` and ``predict_proba`` before any computation)."""
+        check_engine(self.engine)
         check_choice("whitening", self.whitening, WHITENINGS)
         check_choice("scale", self.scale, SCALES)
         check_choice("mode", self.mode, MODES)

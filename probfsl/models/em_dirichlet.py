@@ -42,7 +42,7 @@ from probfsl.inference.dirichlet_mm import (
     EMDirichletEngine,
     gather_alpha,
 )
-from probfsl.models.base import FewShotClassifier
+from probfsl.models.base import FewShotClassifier, check_engine
 from probfsl.validation import (
     as_float_tensor,
     check_base,
@@ -265,6 +265,7 @@ class EMDirichlet(FewShotClassifier):
         matching: str = "hungarian",
         solver: str | None = None,
         compiled: bool | None = None,
+        engine: str = "handwritten",
     ) -> None:
         self.hard = hard
         self.lambda_coef = lambda_coef
@@ -279,6 +280,7 @@ class EMDirichlet(FewShotClassifier):
         self.matching = matching
         self.solver = solver
         self.compiled = compiled
+        self.engine = engine
 
     # -- configuration ------------------------------------------------------------------
     @property
@@ -288,6 +290,7 @@ class EMDirichlet(FewShotClassifier):
     def _check_params(self) -> None:
         """``TypeError``/``ValueError`` naming the first bad hyperparameter (called before
         any computation by ``fit_base``, ``fit_probabilities`` and ``predict_*``)."""
+        check_engine(self.engine)
         check_temperature(self.temperature)
         check_hyperparameter("k_eff", self.k_eff, integer=True, low=1)
         for name in ("n_iter", "mm_max_iter", "mm_check_every"):

@@ -54,7 +54,7 @@ from probfsl.inference.evidence import (
     spectrum,
     spectrum_from_gram,
 )
-from probfsl.models.base import FewShotClassifier
+from probfsl.models.base import FewShotClassifier, check_engine
 from probfsl.validation import (
     FLOAT_DTYPES,
     as_float_tensor,
@@ -271,6 +271,7 @@ class EvidenceLSSVM(FewShotClassifier):
         score: str = "sum",
         lambda_mode: str = "shared",
         dtype: torch.dtype = torch.float64,
+        engine: str = "handwritten",
     ) -> None:
         self.normalize = normalize
         self.center = center
@@ -282,6 +283,7 @@ class EvidenceLSSVM(FewShotClassifier):
         self.score = score
         self.lambda_mode = lambda_mode
         self.dtype = dtype
+        self.engine = engine
 
     call_diagnostics = ("last_lambda_", "last_log_evidence_", "last_at_boundary_", "last_at_limit_")
 
@@ -303,6 +305,7 @@ class EvidenceLSSVM(FewShotClassifier):
 
     def _check_params(self) -> None:
         """``TypeError``/``ValueError`` naming the first bad hyperparameter."""
+        check_engine(self.engine)
         check_choice("score", self.score, SCORES)
         check_choice("lambda_mode", self.lambda_mode, ("per_class", "shared"))
         check_hyperparameter("lam_init", self.lam_init, positive=True)

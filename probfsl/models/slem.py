@@ -55,7 +55,7 @@ from probfsl.inference.woodbury import (
     slem_similarity,
     slem_woodbury,
 )
-from probfsl.models.base import FewShotClassifier
+from probfsl.models.base import FewShotClassifier, check_engine
 from probfsl.validation import as_float_tensor, check_base, check_episodes, check_hyperparameter
 
 
@@ -197,14 +197,17 @@ class SLEM(FewShotClassifier):
         rel_lam: float = 10.0,
         normalize: bool = True,
         temperature: float = 1.0,
+        engine: str = "handwritten",
     ) -> None:
         self.lam = lam
         self.rel_lam = rel_lam
         self.normalize = normalize
         self.temperature = temperature
+        self.engine = engine
 
     def _check_params(self) -> None:
         """``TypeError``/``ValueError`` naming the first bad hyperparameter."""
+        check_engine(self.engine)
         _check_lam(self.lam, self.rel_lam)
         check_hyperparameter("temperature", self.temperature, positive=True)
         if not isinstance(self.normalize, bool):

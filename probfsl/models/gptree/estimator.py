@@ -32,7 +32,7 @@ import torch
 
 from probfsl.inference import gp_nodes as gpn
 from probfsl.inference.base import run
-from probfsl.models.base import Hyperparameters
+from probfsl.models.base import Hyperparameters, check_engine
 from probfsl.models.gptree.model import inducing_slots, node_batch
 from probfsl.models.gptree.tree import Tree, build_tree, hard_kmeans, path_probabilities
 from probfsl.validation import (
@@ -201,6 +201,7 @@ class GPTree(Hyperparameters):
         seed: int = 42,
         dtype: torch.dtype | None = torch.float64,
         record: bool = False,
+        engine: str = "handwritten",
     ) -> None:
         self.inference = inference
         self.n_chains = n_chains
@@ -220,10 +221,12 @@ class GPTree(Hyperparameters):
         self.seed = seed
         self.dtype = dtype
         self.record = record
+        self.engine = engine
 
     def _check_params(self) -> None:
         """``TypeError``/``ValueError`` naming the first bad hyperparameter."""
         hp = check_hyperparameter
+        check_engine(self.engine)
         check_choice("inference", self.inference, ("vi", "gibbs"))
         for name in ("n_chains", "n_sweeps", "n_inducing", "kmeans_n_init"):
             hp(name, getattr(self, name), integer=True, low=1)
