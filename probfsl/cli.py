@@ -239,6 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a hyperparameter of the method (repeatable), e.g. whitening=global",
     )
     run.add_argument(
+        "--engine",
+        choices=["handwritten", "derived"],
+        default=None,
+        help="the methods of the papers: their hand-written updates (default) or the "
+        "updates derived by variational message passing from their Pyro declaration",
+    )
+    run.add_argument(
         "--calibrate",
         choices=["none", "temperature"],
         default=None,

@@ -432,6 +432,21 @@ def _task_shape_hint(fs: FeatureSet, way: int, shot: int, query: int, balance: s
     return f"; try --way {w} --query {q} (what the {sizes.size} novel classes can hold)"
 
 
+def _engine_param(method: str, engine: str, params: dict) -> str:
+    """``--engine``'s value for ``method``; ``ValueError`` for a method with one engine or
+    a ``--param engine=...`` that says otherwise."""
+    if "engine" not in inspect.signature(method_info(method).load().__init__).parameters:
+        with_engines = [
+            m
+            for m, info in METHODS.items()
+            if "engine" in inspect.signature(info.load().__init__).parameters
+        ]
+        raise ValueError(f"--engine: {method} has one engine; methods with two: {with_engines}")
+    if params.get("engine", engine) != engine:
+        raise ValueError(f"--engine {engine} and --param engine={params['engine']} disagree")
+    return engine
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     # everything that can be checked without the data is checked first
     if args.out:
@@ -441,6 +456,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         info = method_info(args.method)
         args.batch_size = info.cpu_batch if device.type == "cpu" else 1000
     params = parse_params(args.param)
+    if args.engine is not None:
+        params["engine"] = _engine_param(args.method, args.engine, params)
     if args.task_file and not Path(args.task_file).is_file():
         raise ValueError(f"--task-file: file not found: {args.task_file}")
     preset = None if args.preset == DEFAULTS else args.preset

@@ -222,10 +222,12 @@ class BavardageVB(Engine):
         empty = x.new_zeros(x.shape[0])
         state = VBMixtureState(x, support_labels, x, resp, None, empty, empty, empty)
         if self.projection != "identity":
-            state = replace(state, u=self._project(x, resp))
+            state = replace(state, u=self.rows(x, resp))
         return self.m_step(state)
 
-    def _project(self, x: torch.Tensor, resp: torch.Tensor) -> torch.Tensor:
+    def rows(self, x: torch.Tensor, resp: torch.Tensor) -> torch.Tensor:
+        """u = x P with P the adaptive PLDA projection of the responsibilities ``resp``
+        (spec §3.5, eq. 8-9): the model's data, for every mode but ``"identity"``."""
         if self.projection == "adaptive_gram":
             return centroid_projection_gram(x, resp, self.gamma)
         return centroid_projection(x, resp, self.gamma, self.metric)
@@ -245,7 +247,7 @@ class BavardageVB(Engine):
         """
         if self.projection not in ("adaptive", "adaptive_gram"):
             return state
-        return replace(state, u=self._project(state.x, state.resp))
+        return replace(state, u=self.rows(state.x, state.resp))
 
     def m_step(self, state: VBMixtureState) -> VBMixtureState:
         """Spec §3.6 (paper eq. 3-4): q(π) and q(μ) given q(z), and the ELBO after it.

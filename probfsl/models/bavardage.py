@@ -206,6 +206,10 @@ class Bavardage(FewShotClassifier):
         trace_elbo: keep the ELBO after every VB iteration in ``elbo_trace_`` (a
             diagnostic that costs nothing: the VB loop computes it anyway; the final ELBO
             is always in ``state_.objective``).
+        engine: ``"handwritten"`` (the closed-form VB updates of
+            :mod:`probfsl.inference.vb_mixture`) or ``"derived"`` (the same loop with the
+            updates that VMP derives from :func:`bavardage_model`,
+            :mod:`probfsl.derived.bavardage`).
 
     Fitted attributes: ``base_mean_``, ``scatter_``, ``precision_``, ``whitening_``,
     ``s_max_`` and ``temperature_vb_`` (the values used, in the code's units),
@@ -475,7 +479,12 @@ class Bavardage(FewShotClassifier):
         if engine is None:
             self.state_, self.elbo_trace_ = None, None
             return resp[:, episodes.support.shape[1] :]
-        state, info = fit_bavardage_vb(engine, *data, n_iter=int(self.n_vb))
+        if self.engine == "derived":  # the same loop, its updates derived by VMP
+            from probfsl.derived import bavardage as derived
+
+            state, info = derived.fit(engine, *data, n_iter=int(self.n_vb))
+        else:
+            state, info = fit_bavardage_vb(engine, *data, n_iter=int(self.n_vb))
         self.state_ = state
         self.elbo_trace_ = info.trace if self.trace_elbo else None
         return state.query_resp

@@ -163,12 +163,22 @@ class VMP(Engine):
 
         No host synchronisation; convergence and freezing are :func:`run`'s (:meth:`keep`).
         """
+        new = self.update(state, state.plan.latent)
+        return new, Info(new.objective)
+
+    def update(self, state: VMPState, names: list[str]) -> VMPState:
+        """The coordinate updates of the latent sites ``names``, in that order, then the
+        ELBO: one block of a schedule of one's own (:meth:`step` is the block of every
+        latent site)."""
         plan, q = state.plan, dict(state.q)
+        unknown = sorted(set(names) - set(plan.latent))
+        if unknown:
+            raise ValueError(f"not latent sites of the model: {unknown}")
         with sweeping():
-            for name in plan.latent:
+            for name in names:
                 self._update(plan, q, name)
             objective = messages.elbo(plan, q)
-        return VMPState(plan, q, objective), Info(objective)
+        return VMPState(plan, q, objective)
 
     compacts = True
 
