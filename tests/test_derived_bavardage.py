@@ -51,6 +51,7 @@ def test_derived_equals_handwritten(omniglot, params):
     torch.testing.assert_close(trace_d, trace_h, rtol=1e-10, atol=1e-8)
     torch.testing.assert_close(s_d.mean, s_h.mean, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(s_d.beta, s_h.beta)
+    torch.testing.assert_close(s_d.u, s_h.u)
     if params.get("balanced"):
         assert s_d.alpha is None and s_h.alpha is None
     else:

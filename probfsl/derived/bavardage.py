@@ -26,6 +26,7 @@ estimator reads it unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 
@@ -38,10 +39,10 @@ from probfsl.inference.vmp import VMP, VMPState
 from probfsl.models.bavardage import bavardage_model
 
 
-def declared_engine(engine: BavardageVB) -> VMP:
-    """VMP on :func:`~probfsl.models.bavardage.bavardage_model` with the hand-written
-    engine's hyperparameters (τ, α_o, β_o, balanced, count_support)."""
-    model = partial(
+def declared_model(engine: BavardageVB) -> Callable[..., None]:
+    """:func:`~probfsl.models.bavardage.bavardage_model` with the hand-written engine's
+    hyperparameters (τ, α_o, β_o, balanced, count_support)."""
+    return partial(
         bavardage_model,
         way=engine.way,
         tau=engine.tau,
@@ -50,24 +51,30 @@ def declared_engine(engine: BavardageVB) -> VMP:
         balanced=engine.balanced,
         count_support=engine.count_support,
     )
-    return VMP(model, order=["z", "mu"] if engine.balanced else ["z", "pi", "mu"])
 
 
-def fit(
+def run_blocks(
+    model: Callable[..., None],
     engine: BavardageVB,
     support: torch.Tensor,
     support_labels: torch.Tensor,
     query: torch.Tensor,
     resp: torch.Tensor,
     n_iter: int = 5,
-) -> tuple[VBMixtureState, RunInfo]:
-    """``n_iter`` blocks (map, M, E) from the responsibilities ``resp`` [T, N, K] (module
-    docstring): the state and info :func:`~probfsl.inference.vb_mixture.fit_bavardage_vb`
-    returns, the trace [n_iter + 1, T] holding the ELBO after each M step and, last, after
-    the final E step."""
+) -> tuple[VMPState, torch.Tensor, torch.Tensor]:
+    """``n_iter`` blocks (map, every other latent site, the queries' ``z``; module
+    docstring) of any mixture ``model(u_support, support_labels, u_query)`` with a latent
+    Categorical ``z`` over the queries, from the responsibilities ``resp`` [T, N, K]; the
+    map is ``engine``'s (:meth:`~probfsl.inference.vb_mixture.BavardageVB.rows`).
+
+    Returns the last VMP state, the responsibilities [T, N, K] (the support's one-hot) and
+    the ELBO trace [n_iter + 1, T]: after each block's first sweep and, last, after the
+    final update of ``z``. A model with other sites than BAVARDAGE's (a latent precision,
+    say) runs unchanged: VMP derives its updates.
+    """
     if n_iter < 1:
         raise ValueError(f"n_iter must be at least 1, got {n_iter}")
-    vmp, n_s = declared_engine(engine), support.shape[1]
+    vmp, n_s = VMP(model), support.shape[1]
     x = torch.cat([support, query], 1)
     onehot = one_hot_support(support_labels, engine.way, x.dtype)
     resp = torch.cat([onehot, resp[:, n_s:].to(x)], 1)
@@ -82,10 +89,27 @@ def fit(
         state = vmp.update(state, ["z"])
         resp = torch.cat([onehot, state.q["z"][0]], 1)
     trace.append(state.objective)
+    return state, resp, torch.stack(trace)
+
+
+def fit(
+    engine: BavardageVB,
+    support: torch.Tensor,
+    support_labels: torch.Tensor,
+    query: torch.Tensor,
+    resp: torch.Tensor,
+    n_iter: int = 5,
+) -> tuple[VBMixtureState, RunInfo]:
+    """BAVARDAGE's loop on its declaration (:func:`run_blocks` of :func:`declared_model`):
+    the state and info :func:`~probfsl.inference.vb_mixture.fit_bavardage_vb` returns."""
+    model = declared_model(engine)
+    state, resp, trace = run_blocks(model, engine, support, support_labels, query, resp, n_iter)
+    x = torch.cat([support, query], 1)
+    u = state.plan.sites["u_support"].value  # the last block's rows
+    u = torch.cat([u, state.plan.sites["u_query"].value], 1)
     out = _as_mixture_state(engine, state, x, support_labels, u, resp)
     steps = torch.full_like(support_labels[:, 0], n_iter - 1)  # as the hand-written loop
-    info = RunInfo(torch.stack(trace), steps, torch.zeros_like(steps, dtype=torch.bool))
-    return out, info
+    return out, RunInfo(trace, steps, torch.zeros_like(steps, dtype=torch.bool))
 
 
 def _as_mixture_state(
