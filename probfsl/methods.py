@@ -61,6 +61,11 @@ METHODS: dict[str, MethodInfo] = {
             "transductive VB Gaussian mixture with adaptive PLDA (Hu et al., AISTATS 2023)",
         ),
         MethodInfo(
+            "bavardage-gamma",
+            "probfsl.models.bavardage_gamma:BavardageGamma",
+            "BAVARDAGE with per-class diagonal Gamma precisions, derived by VMP",
+        ),
+        MethodInfo(
             "vmp-gmm",
             "probfsl.models.vmp_gmm:VMPGaussianMixture",
             "VB mixture, per-class diagonal Gamma precision, derived by VMP (Winn & Bishop, 2005)",

@@ -33,6 +33,7 @@ CHANGE = {
     "nearest-centroid": ("center", False),
     "soft-kmeans": ("n_iter", 3),
     "bavardage": ("n_vb", 3),
+    "bavardage-gamma": ("a0", 3.0),
     "vmp-gmm": ("max_iter", 10),
     "gp-tree": ("seed", 3),
     "evidence-lssvm": ("temperature", 5.0),

@@ -63,9 +63,12 @@ def run_blocks(
     n_iter: int = 5,
 ) -> tuple[VMPState, torch.Tensor, torch.Tensor]:
     """``n_iter`` blocks (map, every other latent site, the queries' ``z``; module
-    docstring) of any mixture ``model(u_support, support_labels, u_query)`` with a latent
-    Categorical ``z`` over the queries, from the responsibilities ``resp`` [T, N, K]; the
-    map is ``engine``'s (:meth:`~probfsl.inference.vb_mixture.BavardageVB.rows`).
+    docstring) of any mixture ``model(u_support, support_labels, u_query)`` whose rows are
+    observed Normal sites named ``u_support`` and ``u_query`` and whose queries' classes
+    are a latent Categorical ``z``, from the responsibilities ``resp`` [T, N, K]; the map
+    is ``engine``'s (:meth:`~probfsl.inference.vb_mixture.BavardageVB.rows`). The model
+    is derived once; each block starts its factors afresh on the new rows
+    (:meth:`~probfsl.inference.vmp.layout.Plan.observe`, :meth:`VMP.start`).
 
     Returns the last VMP state, the responsibilities [T, N, K] (the support's one-hot) and
     the ELBO trace [n_iter + 1, T]: after each block's first sweep and, last, after the
@@ -78,13 +81,17 @@ def run_blocks(
     x = torch.cat([support, query], 1)
     onehot = one_hot_support(support_labels, engine.way, x.dtype)
     resp = torch.cat([onehot, resp[:, n_s:].to(x)], 1)
-    u, trace = x, []
+    u, plan, trace = x, None, []
     for block in range(n_iter):
         if engine.projection in ("adaptive", "adaptive_gram") or (
             engine.projection == "frozen" and block == 0
         ):
             u = engine.rows(x, resp)
-        state = vmp.init(u[:, :n_s], support_labels, u[:, n_s:], init_resp={"z": resp[:, n_s:]})
+        if plan is None:  # derived once; later blocks change the rows only
+            plan = vmp.compile(u[:, :n_s], support_labels, u[:, n_s:])
+        else:
+            plan = plan.observe(u_support=u[:, :n_s], u_query=u[:, n_s:])
+        state = vmp.start(plan, init_resp={"z": resp[:, n_s:]})
         trace.append(state.objective)
         state = vmp.update(state, ["z"])
         resp = torch.cat([onehot, state.q["z"][0]], 1)

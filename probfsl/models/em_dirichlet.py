@@ -245,6 +245,11 @@ class EMDirichlet(FewShotClassifier):
             H100, 10,000 WordNet 5-shot tasks: 0.45 s, against 7.7 s eagerly); ``False``: always
             eager; ``True``: also compiled (without graphs) on the CPU. The first call of
             a shape compiles (seconds). Same arithmetic, rounded differently by fusion.
+        engine: ``"handwritten"`` (default: the closed-form updates of
+            :mod:`probfsl.inference.dirichlet_mm`) or ``"derived"``: the updates VMP derives
+            from the Pyro declaration :func:`probfsl.derived.em_dirichlet.em_dirichlet_model`,
+            with the same initialisation, block order and inner loop, hence the same steps
+            (soft variant only: ``hard=True`` is refused).
     """
 
     transductive = True
@@ -367,9 +372,16 @@ class EMDirichlet(FewShotClassifier):
         """Run Algorithm 2 on probability vectors; keeps ``state_`` and ``trace_`` [steps+1, T].
 
         Without support (zero-shot) the inner loop defaults to ``BOUNDED_MM``, with
-        support to ``REFERENCE_MM`` (see the class docstring).
+        support to ``REFERENCE_MM`` (see the class docstring). With ``engine="derived"``
+        the updates are VMP's on the declaration
+        (:func:`probfsl.derived.em_dirichlet.fit_probabilities`).
         """
         self._check_params()
+        if self.engine == "derived":
+            from probfsl.derived.em_dirichlet import fit_probabilities
+
+            self.state_, self.trace_ = fit_probabilities(self, query, support, support_labels)
+            return self.state_
         zero_shot = support is None or (
             isinstance(support, torch.Tensor) and support.ndim == 3 and support.shape[1] == 0
         )

@@ -222,6 +222,11 @@ class EvidenceLSSVM(FewShotClassifier):
             difference 5e-3); with the float64 upcast float32 and float64 inputs give the
             same labels (300 built-in Omniglot and WordNet 5-way tasks, 1 and 5 shots:
             4,500 of 4,500 queries agree).
+        engine: ``"handwritten"`` (default: :mod:`probfsl.inference.evidence`) or
+            ``"derived"``: the episodes' evidence maximised by variational message passing
+            derived from the Pyro declaration of the regression
+            (:func:`probfsl.derived.evidence.derived_proba`; ``fit_intercept=False`` and
+            ``paper_exact=False`` only; ``fit`` on features stays hand-written).
 
     **1-shot tasks: the nearest class mean.** With one support sample per class (more
     generally when N <= D and each one-vs-rest target can be interpolated), the profile
@@ -424,6 +429,8 @@ class EvidenceLSSVM(FewShotClassifier):
         in_dtype = episodes.support.dtype
         support = _prepare(episodes.support.to(self.dtype), self.normalize, mean)
         query = _prepare(episodes.query.to(self.dtype), self.normalize, mean)
+        if self.engine == "derived":
+            return self._derived_proba(support, query, episodes).to(in_dtype)
         y = torch.nn.functional.one_hot(episodes.support_labels, episodes.way).to(self.dtype)
         sp = spectrum(support, y, self.fit_intercept)
         res = self._solve(sp, warn=False)  # one-shot classes have no finite maximiser
@@ -437,6 +444,25 @@ class EvidenceLSSVM(FewShotClassifier):
         if self.fit_intercept:
             scores = scores + y.mean(-2, keepdim=True) - support.mean(-2, keepdim=True) @ w
         return torch.softmax(self.temperature * scores, -1).to(in_dtype)
+
+    def _derived_proba(
+        self, support: torch.Tensor, query: torch.Tensor, episodes: Episodes
+    ) -> torch.Tensor:
+        """``engine="derived"``: :func:`probfsl.derived.evidence.derived_proba` on the
+        prepared support and query, with the same per-call diagnostics."""
+        from probfsl.derived.evidence import derived_proba
+
+        if self.fit_intercept or self.paper_exact:
+            raise ValueError(
+                "engine='derived' supports fit_intercept=False and paper_exact=False only"
+            )
+        proba, res = derived_proba(
+            support, episodes.support_labels, query, episodes.way, self.temperature,
+            self.lambda_mode,
+        )  # fmt: skip
+        self.last_lambda_, self.last_log_evidence_ = res.lam, res.log_evidence
+        self.last_at_boundary_, self.last_at_limit_ = res.at_boundary, res.at_limit
+        return proba
 
 
 # ---------------------------------------------------------------------------------------

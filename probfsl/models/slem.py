@@ -187,6 +187,10 @@ class SLEM(FewShotClassifier):
             ``benchmarks/bench_evidence.py``).
         normalize: L2-normalise features (after subtracting the base mean) first.
         temperature: multiplies the scores in the softmax.
+        engine: ``"handwritten"`` (one Cholesky factor of ``A``, the Woodbury form) or
+            ``"derived"`` (the MAP of :func:`slem_model` with one exemplar per class, by
+            the updates VMP derives: :mod:`probfsl.derived.slem`; it keeps the
+            preprocessed base features as ``negatives_``).
     """
 
     needs_base = True
@@ -232,6 +236,8 @@ class SLEM(FewShotClassifier):
         lam = default_lambda(neg, self.rel_lam) if self.lam is None else self.lam
         self.factor_ = factor_negatives(neg, lam)
         self.lam_ = self.factor_.lam
+        if self.engine == "derived":  # the declared model takes the negatives as data
+            self.negatives_ = neg
         return self
 
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
@@ -253,5 +259,17 @@ class SLEM(FewShotClassifier):
         support = self._prep(episodes.support, self.base_mean_)
         query = self._prep(episodes.query, self.base_mean_)
         means = class_means(support, one_hot_support(episodes.support_labels, episodes.way, dtype))
-        scores = lda_scores(query, means, factor)
+        if self.engine == "derived":
+            scores = self._derived_scores(query, means)
+        else:
+            scores = lda_scores(query, means, factor)
         return torch.softmax(self.temperature * scores, -1)
+
+    def _derived_scores(self, query: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
+        """The scores from the MAP that VMP derives (:mod:`probfsl.derived.slem`)."""
+        from probfsl.derived import slem as derived
+
+        if getattr(self, "negatives_", None) is None:
+            raise ValueError("engine='derived' needs the negatives: call fit_base with it set")
+        negatives = self.negatives_.to(query)
+        return derived.lda_scores(query, means, negatives, self.lam_.to(query))

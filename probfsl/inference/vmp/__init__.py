@@ -22,8 +22,9 @@ families, one module each: :mod:`~probfsl.inference.vmp.normal`,
 :mod:`~probfsl.inference.vmp.mvn`, :mod:`~probfsl.inference.vmp.conjugate_children`
 (Poisson, Bernoulli, Binomial, Gamma rates, selected Categoricals),
 :mod:`~probfsl.inference.vmp.linear_maps`, :mod:`~probfsl.inference.vmp.polya_gamma`,
-:mod:`~probfsl.inference.vmp.dirichlet_points`, :mod:`~probfsl.inference.vmp.hmm` and
-:mod:`~probfsl.inference.vmp.gaussian_chain`; contractions over named axes are
+:mod:`~probfsl.inference.vmp.dirichlet_points`, :mod:`~probfsl.inference.vmp.hmm`,
+:mod:`~probfsl.inference.vmp.gaussian_chain` and :mod:`~probfsl.inference.vmp.at_prior`
+(sites kept at their prior, q = p); contractions over named axes are
 :mod:`~probfsl.inference.vmp.einsum`'s, refusals :mod:`~probfsl.inference.vmp.checks`'s,
 and :mod:`~probfsl.inference.vmp.engine` is the engine. Linear maps are found by automatic
 differentiation (structurally); copies and scaled copies of a parent by the runs below.

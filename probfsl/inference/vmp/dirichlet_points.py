@@ -8,9 +8,19 @@ of sufficient statistics S_kj = Σ_n r_nk ln p_nj and R_k = Σ_n r_nk, with whic
 F(α_k) = R_k [ln Γ(Σ_j α_kj) − Σ_j ln Γ(α_kj)] + Σ_j (α_kj − 1) S_kj is concave. The M step
 is Minka's fixed point α_j ← ψ⁻¹(ψ(Σ_i α_i) + S_j / R) (Minka, *Estimating a Dirichlet
 distribution*, 2000, eq. 9), each iteration of which raises F, so the bound never falls.
+
+Another solver of the same M step may stand in for Minka's while a fit runs
+(:func:`solved_by`): a function ``(alpha, S, R) -> alpha`` that does not lower F, e.g. the
+MM-quadratic of EM-Dirichlet's Algorithm 1 with the reference code's stopping rule
+(:mod:`probfsl.derived.em_dirichlet`), so that a derived engine follows a hand-written one
+step for step.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 
 import torch
 
@@ -20,6 +30,23 @@ from probfsl.inference.vmp.moments import parent_ops, weights
 
 #: fixed-point iterations per sweep (each raises the bound)
 INNER = 5
+
+#: an M step: (alpha [..., K], S [..., K], R [..., K] (the weight, expanded)) -> alpha
+MStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+_SOLVER: ContextVar[MStep | None] = ContextVar("dirichlet_m_step", default=None)
+
+
+@contextlib.contextmanager
+def solved_by(solver: MStep) -> Iterator[None]:
+    """Within the block, every point-estimated Dirichlet concentration is updated by
+    ``solver(alpha, S, R)`` instead of Minka's fixed point (:func:`m_step`). The solver
+    must not lower F (the bound would fall otherwise) and, like every update, must make no
+    host synchronisation."""
+    token = _SOLVER.set(solver)
+    try:
+        yield
+    finally:
+        _SOLVER.reset(token)
 
 
 def is_child(s: Site) -> bool:
@@ -68,7 +95,10 @@ def _inverse_digamma(y: torch.Tensor, steps: int = 5) -> torch.Tensor:
 
 def m_step(alpha: torch.Tensor, stat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Minka's fixed point from ``alpha`` for the statistics (S, R); components without
-    weight keep their value."""
+    weight keep their value. Within :func:`solved_by`, that block's solver instead."""
+    solver = _SOLVER.get()
+    if solver is not None:
+        return solver(alpha, stat, weight)
     has = weight > 0
     mean_log = stat / torch.where(has, weight, torch.ones_like(weight))
     for _ in range(INNER):

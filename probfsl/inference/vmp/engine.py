@@ -119,7 +119,11 @@ class VMP(Engine):
         ``init_resp`` maps latent Categorical site names to initial probabilities in the
         site's Pyro shape plus the category axis (observed entries are reset to one-hot).
         """
-        plan = self.compile(*args, **kwargs)
+        return self.start(self.compile(*args, **kwargs), init_resp)
+
+    def start(self, plan: Plan, init_resp: dict | None = None) -> VMPState:
+        """:meth:`init` on a plan already derived (:meth:`compile`, or a plan with new
+        data, :meth:`~probfsl.inference.vmp.layout.Plan.observe`)."""
         sizes, ref = plan.sizes, plan.ref
         init_resp = dict(init_resp or {})
         q: dict = {}

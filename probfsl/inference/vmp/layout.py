@@ -118,6 +118,9 @@ class Site:
     #: (chain name, position) of a latent Normal in a Gaussian Markov chain (the chain's
     #: factor is joint: :mod:`~probfsl.inference.vmp.gaussian_chain`)
     chain: tuple | None = None
+    #: a latent Gaussian whose factor is its prior, q = p, never updated (``infer={"q":
+    #: "prior"}``: :mod:`~probfsl.inference.vmp.at_prior`)
+    at_prior: bool = False
 
 
 @dataclass
@@ -137,6 +140,26 @@ class Plan:
         sizes[TASKS] = len(index)
         sites = {n: _take_site(s, index) for n, s in self.sites.items()}
         return Plan(sites, self.latent, sizes, self.children, self.ref, chains=self.chains)
+
+    def observe(self, **values: torch.Tensor) -> Plan:
+        """This plan with new observations of Normal sites, given by name in the model's
+        shapes (a schedule that changes the data between blocks, e.g. BAVARDAGE's
+        projected rows). Every map read off the model is kept, so a value may change
+        only where the model uses it as that site's observation and nowhere else; the
+        caches start empty. ``ValueError`` for a site that is not an observed Normal, a
+        new shape, or values that are not finite."""
+        sites = dict(self.sites)
+        for name, value in values.items():
+            s = sites.get(name)
+            if s is None or not s.observed or s.family != "Normal":
+                raise ValueError(f"{name!r} is not an observed Normal site of the model")
+            v = canon(s, value.to(self.ref.dtype).expand(*s.batch_shape, *s.event_shape))
+            if v.shape != s.value.shape:
+                raise ValueError(f"{name!r}: shape {tuple(value.shape)} differs from the model's")
+            if not bool(torch.isfinite(v).all()):
+                raise ValueError(f"{name!r}: the data hold NaN or infinite values")
+            sites[name] = replace(s, value=v, stats=(v, v.square()))
+        return Plan(sites, self.latent, self.sizes, self.children, self.ref, chains=self.chains)
 
 
 def reduce_constant(t: torch.Tensor, dims: tuple, ulps: int = 0) -> tuple[torch.Tensor, tuple]:

@@ -115,9 +115,19 @@ def bilinear_message(
 
 
 def moments(plan: Plan, q: dict, p: Param) -> tuple[torch.Tensor, torch.Tensor]:
-    """(⟨loc⟩, ⟨loc²⟩) of an affine parameter, each in the parameter's axes."""
+    """(⟨loc⟩, ⟨loc²⟩) of an affine parameter, each in the parameter's axes; kept with the
+    factors they come from (a sweep asks for them once per message and bound term)."""
     if p.bilinear is not None:
         return bilinear_moments(plan, q, p)
+    deps = tuple(q[t.parent] for t in p.terms)
+    hit = p.derived.get("moments")
+    if hit is not None and all(a is b for a, b in zip(hit[0], deps, strict=True)):
+        return hit[1]
+    p.derived["moments"] = (deps, _moments(plan, q, p))
+    return p.derived["moments"][1]
+
+
+def _moments(plan: Plan, q: dict, p: Param) -> tuple[torch.Tensor, torch.Tensor]:
     sizes, ref = plan.sizes, plan.ref
     mean = ein(p.dims, [(p.const, p.const_dims)], p.dims, sizes, ref)
     var = 0

@@ -162,9 +162,10 @@ def natural(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
         eta = [plan.ref.new_zeros([sizes[d] for d in dims]) for dims in stat_dims(s)]
     elif s.family == "Normal":
         eta = normal.natural(plan, q, s)
-    elif s.family == "Categorical":
+    elif s.family == "Categorical":  # a mask (or a tempering scale) weighs the prior
         cd = s.dims + (f"{s.name}#cat",)
-        eta = [ein(cd, [_log_probs(plan, q, s)], cd, sizes, plan.ref)]
+        M = [] if s.mask is None else [(s.mask, s.mask_dims)]
+        eta = [ein(cd, M + [_log_probs(plan, q, s)], cd, sizes, plan.ref)]
     elif s.family == "Gamma" and s.params["rate"].parent is not None:
         eta = conjugate_children.gamma_rate_natural(plan, q, s)
     elif s.family == "MultivariateNormal":
@@ -177,7 +178,7 @@ def natural(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
         ]
     if s.joint:  # a diagonal prior, a full second natural parameter (matrix messages)
         eta[1] = torch.diag_embed(eta[1])
-    for child, role in plan.children[name] if children else ():
+    for child, role in plan.children[name] if children and not s.at_prior else ():
         for i, m in enumerate(message(plan, q, child, role, s)):
             if s.joint and i == 1 and m.dim() < eta[1].dim():  # an elementwise message
                 m = torch.diag_embed(m)

@@ -104,7 +104,9 @@ def point_stats(s: Site, value: torch.Tensor) -> tuple:
         return value, value.square()
     if s.family == "Beta":
         return value.log(), (-value).log1p()
-    return (value.log(),)  # Dirichlet
+    # Dirichlet: a probability of exactly 0 (a component no entry takes) has ln π clamped
+    # at ln(tiny) as fixed probabilities are, so that its terms 0 · ln π stay 0
+    return (value.clamp_min(torch.finfo(value.dtype).tiny).log(),)
 
 
 def point_mode(s: Site, eta: tuple) -> torch.Tensor:

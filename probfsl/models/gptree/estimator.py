@@ -30,6 +30,7 @@ from typing import Self
 import numpy as np
 import torch
 
+from probfsl.derived.gp_tree import DerivedVINodes
 from probfsl.inference import gp_nodes as gpn
 from probfsl.inference.base import run
 from probfsl.models.base import Hyperparameters, check_engine
@@ -170,6 +171,13 @@ class GPTree(Hyperparameters):
             computes in the dtype of the base stage's ``X``. :meth:`predict_proba` returns
             probabilities in the dtype of its own ``X``.
         record: keep every Gibbs sweep of the latest stage, for :meth:`to_datatree`.
+        engine: ``"handwritten"`` (:class:`~probfsl.inference.gp_nodes.VINodes`) or
+            ``"derived"``: the VI base nodes' q(f̄) and Pólya-Gamma factors from
+            variational message passing on their Pyro declaration
+            (:class:`~probfsl.derived.gp_tree.DerivedVINodes`; the same posteriors, the
+            kernel's gradient steps unchanged). Only with ``inference="vi"``: the Gibbs
+            sampler is not a message-passing derivation, and novel stages are always
+            the hand-written Gibbs nodes.
 
     Every tensor is created on the device of the base stage's ``X``; later stages and
     predictions move their ``X`` there.
@@ -228,6 +236,12 @@ class GPTree(Hyperparameters):
         hp = check_hyperparameter
         check_engine(self.engine)
         check_choice("inference", self.inference, ("vi", "gibbs"))
+        if self.engine == "derived" and self.inference == "gibbs":
+            raise ValueError(
+                "engine='derived' needs inference='vi': the derived engine is variational "
+                "message passing on the VI nodes' declaration, and the Gibbs sampler is not "
+                "a message-passing derivation"
+            )
         for name in ("n_chains", "n_sweeps", "n_inducing", "kmeans_n_init"):
             hp(name, getattr(self, name), integer=True, low=1)
         for name in ("vi_iter", "seed"):
@@ -320,7 +334,8 @@ class GPTree(Hyperparameters):
 
     def _fit_vi(self, feats: dict[int, torch.Tensor]) -> tuple[list[VIGroup], np.ndarray]:
         """Joint VI of all base nodes (§3.3–3.4): per iteration, one closed-form step of
-        :class:`~probfsl.inference.gp_nodes.VINodes` (c, then q(f̄)) driven by
+        :class:`~probfsl.inference.gp_nodes.VINodes` (c, then q(f̄); derived by
+        :class:`~probfsl.derived.gp_tree.DerivedVINodes` with ``engine="derived"``) driven by
         :func:`~probfsl.inference.base.run`, then one Adam step on per-node (outputscale,
         lengthscale) of a batched gpytorch ScaleKernel(RBF) and on X̄ (the gradient loop
         outside the engine contract, see the module docstring)."""
@@ -331,7 +346,8 @@ class GPTree(Hyperparameters):
         tree = self.base_tree_
         Z = torch.nn.Parameter(self.inducing_.clone(), requires_grad=self.learn_inducing)
         sizes = [sum(len(feats[c]) for c in n.classes) for n in tree.nodes]
-        engine = gpn.VINodes(natural_lr=self.natural_lr, code_elbo=self.code_elbo)
+        nodes = DerivedVINodes if self.engine == "derived" else gpn.VINodes
+        engine = nodes(natural_lr=self.natural_lr, code_elbo=self.code_elbo)
         groups, kernels, states, zidx = [], [], [], []
         for ids in group_by_size(sizes):
             x, yv, mask = node_batch(tree, ids, feats)

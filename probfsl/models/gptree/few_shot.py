@@ -18,7 +18,7 @@ from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
 from probfsl.inference import gp_nodes as gpn
 from probfsl.inference.polya_gamma import mix32
-from probfsl.models.base import BaseMeanCentering, FewShotClassifier
+from probfsl.models.base import BaseMeanCentering, FewShotClassifier, check_engine
 from probfsl.models.gptree.tree import build_tree
 from probfsl.validation import (
     check_base,
@@ -56,6 +56,10 @@ class GPTreeFewShot(BaseMeanCentering, FewShotClassifier):
         pg_sampler: ``"torch"`` or ``"exact"``.
         seed: seed of every task's random streams.
         max_nodes: nodes per sampler batch (memory bound; larger batches are split).
+        engine: ``"handwritten"`` only. ``"derived"`` is refused: the few-shot nodes are
+            sampled by block Gibbs on the exact kernel (§3.2), and variational message
+            passing derives a variational posterior, not those draws (the derived VI
+            nodes are :class:`~probfsl.models.gptree.GPTree`'s, with ``inference="vi"``).
     """
 
     def __init__(
@@ -68,6 +72,7 @@ class GPTreeFewShot(BaseMeanCentering, FewShotClassifier):
         pg_sampler: str = "torch",
         seed: int = 0,
         max_nodes: int = 2000,
+        engine: str = "handwritten",
     ) -> None:
         self.n_chains = n_chains
         self.n_sweeps = n_sweeps
@@ -77,6 +82,7 @@ class GPTreeFewShot(BaseMeanCentering, FewShotClassifier):
         self.pg_sampler = pg_sampler
         self.seed = seed
         self.max_nodes = max_nodes
+        self.engine = engine
 
     def _check_params(self) -> None:
         """``TypeError``/``ValueError`` naming the first bad hyperparameter."""
@@ -88,6 +94,13 @@ class GPTreeFewShot(BaseMeanCentering, FewShotClassifier):
         check_flag("center", self.center)
         check_choice("pg_sampler", self.pg_sampler, ("torch", "exact"))
         hp("seed", self.seed, integer=True, nonnegative=True)
+        if check_engine(self.engine) == "derived":
+            raise ValueError(
+                "gp-tree (GPTreeFewShot) has no derived engine: its nodes are sampled by "
+                "block Gibbs on the exact kernel (spec §3.2), which variational message "
+                "passing does not derive; use engine='handwritten', or GPTree with "
+                "inference='vi' for the derived VI nodes"
+            )
 
     def fit_base(self, features, labels) -> Self:
         """Store the mean of the base ``features [N, D]`` (tensor or NumPy array)."""

@@ -1,0 +1,174 @@
+"""GP-Tree's VI nodes with ``engine="derived"``: q(f̄) and the Pólya-Gamma factors derived
+by VMP from the node's declaration (:mod:`probfsl.derived.gp_tree`) equal the hand-written
+:class:`~probfsl.inference.gp_nodes.VINodes` (Achituve et al., ICML 2021, §3.3; spec
+``gptree.md`` §3.3), and the estimator's labels are unchanged."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+
+from probfsl.derived import gp_tree
+from probfsl.derived.gp_tree import DerivedVINodes
+from probfsl.inference import VMP
+from probfsl.inference import gp_nodes as gpn
+from probfsl.inference.base import run
+from probfsl.inference.vmp import at_prior
+from probfsl.models.gptree import GPTree, GPTreeFewShot, gptree_model
+from probfsl.testing import ConformanceCase, assert_monotone, assert_no_host_syncs
+
+warnings.filterwarnings("ignore", message=".*torch.jit.*")
+
+D64 = torch.float64
+
+
+def _nodes(V=3, n=9, M=4, D=3, seed=0, dtype=D64):
+    """A batch of V nodes, one padded in its points and one in its inducing points."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(V, n, D, generator=g, dtype=dtype)
+    y = (x[..., 0] + 0.3 * torch.randn(V, n, generator=g, dtype=dtype) > 0).to(dtype)
+    mask = torch.ones(V, n, dtype=torch.bool)
+    mask[1, 6:] = False
+    z = torch.randn(V, M, D, generator=g, dtype=dtype)
+    zmask = torch.ones(V, M, dtype=torch.bool)
+    zmask[2, 2:] = False
+    s = torch.tensor([4.0, 16.0, 128.0], dtype=dtype)[:V]
+    ls = torch.full((V,), 1.0, dtype=dtype)
+    return x, y, mask, z, zmask, s, ls
+
+
+def _fit(engine: gpn.VINodes, data: tuple, n_steps: int = 6) -> gpn.VIState:
+    return run(engine, engine.init(*data), n_steps)[0]
+
+
+def _gap(a: gpn.VIState, b: gpn.VIState) -> float:
+    """The largest difference of the two states' q(f̄) means and covariances and of their
+    Pólya-Gamma tilts on real points."""
+    (mu_a, s_a, _), (mu_b, s_b, _) = a.moments, b.moments
+    dc = (a.c - b.c) * a.terms.mask
+    return max(
+        float((mu_a - mu_b).abs().max()), float((s_a - s_b).abs().max()), float(dc.abs().max())
+    )
+
+
+@pytest.mark.parametrize("natural_lr", [1.0, 0.4])
+def test_derived_nodes_equal_the_hand_written_ones(natural_lr):
+    """μ̃, Σ̃ and c after every step equal VINodes' to 1e-8 (float64), padding included;
+    the derived bound is the paper's at the new q(f̄) with c re-optimised (§3.3)."""
+    data = _nodes()
+    hand, derived = gpn.VINodes(natural_lr=natural_lr), DerivedVINodes(natural_lr=natural_lr)
+    a, b = hand.init(*data), derived.init(*data)
+    for _ in range(5):
+        a, b = hand.step(a)[0], derived.step(b)[0]
+        assert _gap(a, b) < 1e-8
+        mu, sigma, _ = b.moments
+        best = gpn.vi_elbo(b.terms, mu, sigma, hand.update_c(b.terms, mu, sigma))
+        torch.testing.assert_close(b.objective, best, rtol=1e-10, atol=1e-10)
+        assert bool((b.objective >= a.objective - 1e-10).all())  # c re-optimised: tighter
+
+
+def test_a_sweep_raises_the_bound_without_host_synchronisation():
+    """The engine contract: a monotone bound; a step on compiled kernel terms (one VMP
+    sweep) makes no host synchronisation."""
+    case = ConformanceCase(
+        make_engine=DerivedVINodes, model=gptree_model, data=_nodes(), n_steps=6, step_syncs=0
+    )
+    assert_monotone(case)
+    assert_no_host_syncs(case)
+
+
+def test_estimator_labels_and_posteriors_are_unchanged():
+    """GPTree(inference="vi"): the same base-node posteriors (kernel and X̄ gradient steps
+    included), the same probabilities and labels with either engine."""
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(4, 5)) * 2.5
+    X = np.concatenate([c + rng.normal(size=(6, 5)) for c in centres])
+    y = np.repeat(np.arange(4), 6)
+    Xt = np.concatenate([c + rng.normal(size=(3, 5)) for c in centres])
+    kw = dict(inference="vi", vi_iter=2, n_inducing=2, kmeans_n_init=2)
+    hand = GPTree(**kw).fit(X, y)
+    derived = GPTree(engine="derived", **kw).fit(X, y)
+    for ga, gb in zip(hand.base_groups_, derived.base_groups_, strict=True):
+        assert isinstance(gb.engine, DerivedVINodes) and ga.node_ids == gb.node_ids
+        assert _gap(ga.state, gb.state) < 1e-8
+    torch.testing.assert_close(derived.inducing_, hand.inducing_, rtol=0, atol=1e-8)
+    Xt = torch.as_tensor(Xt, dtype=D64)
+    torch.testing.assert_close(derived.predict_proba(Xt), hand.predict_proba(Xt), rtol=0, atol=1e-8)
+    assert torch.equal(derived.predict(Xt), hand.predict(Xt))
+
+
+def test_float32_agrees_with_float64():
+    """The derived nodes in float32 follow the float64 ones (and the float32 hand-written)."""
+    data = _nodes()
+    d32 = tuple(t.float() if t.is_floating_point() else t for t in data)
+    s64, s32 = _fit(DerivedVINodes(), data), _fit(DerivedVINodes(), d32)
+    h32 = _fit(gpn.VINodes(), d32)
+    assert s32.eta.dtype == torch.float32 and s32.objective.dtype == torch.float32
+    for a, b in zip(s32.moments[:2], s64.moments[:2], strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(s32.objective.double(), s64.objective, rtol=1e-5, atol=1e-5)
+    assert _gap(s32, h32) < 1e-5
+
+
+def test_dropping_the_conditional_variance_is_caught(monkeypatch):
+    """Broken declarations: without K̃ in the Pólya-Gamma tilt, or with a mean-field factor
+    per ε_i instead of q(f | u) = p(f | u), the posteriors leave VINodes' by far more
+    than the 1e-8 the exact derivation meets."""
+    data = _nodes()
+    exact = _fit(gpn.VINodes(), data)
+    node_data = gp_tree.node_data
+
+    def no_ktilde(data, t):
+        y, mask, A, ktilde, tril = node_data(data, t)
+        return y, mask, A, torch.full_like(ktilde, 1e-12), tril
+
+    with monkeypatch.context() as m:
+        m.setattr(gp_tree, "node_data", no_ktilde)
+        assert _gap(_fit(DerivedVINodes(), data), exact) > 1e-3
+    with monkeypatch.context() as m:
+        m.setattr(at_prior, "marked", lambda node: False)  # ε updated from its child
+        assert _gap(_fit(DerivedVINodes(), data), exact) > 1e-3
+
+
+def test_engine_choices_are_checked():
+    X = np.random.default_rng(0).normal(size=(12, 3))
+    y = np.repeat(np.arange(3), 4)
+    with pytest.raises(ValueError, match="engine='derived' needs inference='vi'"):
+        GPTree(inference="gibbs", engine="derived").fit(X, y)
+    with pytest.raises(ValueError, match="engine must be one of"):
+        GPTree(engine="vmp").fit(X, y)
+    with pytest.raises(ValueError, match="no derived engine.*block Gibbs"):
+        GPTreeFewShot(engine="derived", center=False)._check_params()
+    with pytest.raises(ValueError, match="engine must be one of"):
+        GPTreeFewShot(engine="vmp")._check_params()
+    GPTreeFewShot(center=False)._check_params()
+
+
+def _prior_on_an_observed_site(x):
+    with pyro.plate("tasks", x.shape[0], dim=-1):
+        m = pyro.sample("m", dist.Normal(x.new_zeros(()), 1.0))
+        pyro.sample("x", dist.Normal(m, 1.0), obs=x, infer={"q": "prior"})
+
+
+def _prior_with_a_latent_parent(x):
+    with pyro.plate("tasks", x.shape[0], dim=-1):
+        m = pyro.sample("m", dist.Normal(x.new_zeros(()), 1.0))
+        e = pyro.sample("e", dist.Normal(m, 1.0), infer={"q": "prior"})
+        pyro.sample("x", dist.Normal(e, 1.0), obs=x)
+
+
+@pytest.mark.parametrize(
+    ("model", "why"),
+    [
+        (_prior_on_an_observed_site, "only a latent site"),
+        (_prior_with_a_latent_parent, "needs fixed parameters"),
+    ],
+)
+def test_a_site_kept_at_its_prior_is_refused_outside_its_vocabulary(model, why):
+    with pytest.raises(ValueError, match=why):
+        VMP(model).init(torch.randn(3, dtype=D64))
