@@ -131,6 +131,31 @@ def test_params_and_presets_reach_the_estimator(tmp_path):
     assert json.loads(a.read_text())["accuracy"] != json.loads(b.read_text())["accuracy"]
 
 
+@pytest.mark.parametrize("method", ["bavardage", "evidence-lssvm", "em-dirichlet"])
+def test_engine_derived_gives_the_hand_written_result(tmp_path, method):
+    """``--engine derived`` runs the method's declaration through VMP: same accuracy and
+    per-task results as the hand-written engine on the same tasks."""
+    base = ["run", "--method", method, "--dataset", "omniglot", "--tasks", "12"]
+    base += ["--preset", "defaults", "--shot", "5", "--query", "20"]
+    results = {}
+    for engine in ("handwritten", "derived"):
+        out = tmp_path / f"{engine}.json"
+        assert main([*base, "--engine", engine, "--out", str(out)]) == 0
+        results[engine] = json.loads(out.read_text())
+    assert results["derived"]["params"] == {"engine": "derived"}
+    for key in ("accuracy", "ci95", "nll"):
+        assert results["derived"][key] == pytest.approx(results["handwritten"][key], abs=1e-6)
+
+
+def test_engine_is_refused_where_a_method_has_one(capsys):
+    base = ["run", "--dataset", "omniglot", "--tasks", "5"]
+    assert main([*base, "--method", "soft-kmeans", "--engine", "derived"]) == 2
+    assert "has one engine" in capsys.readouterr().err
+    argv = [*base, "--method", "slem", "--engine", "derived", "--param", "engine='handwritten'"]
+    assert main(argv) == 2
+    assert "disagree" in capsys.readouterr().err
+
+
 def test_unknown_hyperparameter_and_preset_are_one_line_errors(capsys):
     base = ["run", "--method", "bavardage", "--dataset", "omniglot", "--tasks", "5"]
     assert main([*base, "--param", "nope=1"]) == 2

@@ -32,10 +32,10 @@ exact factor q(z) given the point estimates and, for ``lambda`` and ``beta``, th
 maximiser of their terms given q(z): the EM (conditional maximisation) map of type-II
 maximum likelihood. With q(z) exact, the bound after a sweep is the log evidence.
 
-**What this module chooses** (the paper's acceleration, Algorithm 1, as the issue
-allows): that EM map alone needs thousands of sweeps on 5-shot tasks (2,600 on
-average on Omniglot, some more than 20,000). :class:`DerivedEvidenceEngine` therefore
-runs the derived updates in the paper's schedule:
+**What this module chooses** (the paper's acceleration, Algorithm 1): that EM map alone
+needs thousands of sweeps on 5-shot tasks (2,600 on average on Omniglot, some more than
+20,000). :class:`DerivedEvidenceEngine` therefore runs the derived updates in the
+paper's schedule:
 
 * ``beta`` is profiled at fixed ``lambda`` (eq. 16) by two derived (beta, z) sweeps
   and Aitken's delta-squared step on ``1/beta`` (the derived beta map is affine in
