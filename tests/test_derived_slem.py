@@ -82,3 +82,42 @@ def test_a_broken_intercept_update_is_caught(monkeypatch):
     omega, _ = derived.exemplar_weights(means, negatives, lam)
     ref, _ = slem_woodbury(means.reshape(-1, 12), factor_negatives(negatives, lam), 1.0)
     assert (omega.reshape(-1, 12) - ref).abs().max() > 1e-4
+
+
+def test_a_one_line_variation_runs_through_the_language():
+    """SLEM's declaration with the ridge λ given a Gamma hyperprior (one line changed)
+    runs through VMP as it is; as the hyperprior concentrates on λ the MAP weights come
+    back to SLEM's closed form."""
+    import math
+
+    import pyro
+    import pyro.distributions as dist
+
+    from probfsl.inference import VMP
+
+    def model(means, negatives, lam, theta=1.0, shape=1e8):
+        t, k, d = means.shape
+        n = negatives.shape[0]
+        with pyro.plate("tasks", t, dim=-2), pyro.plate("classes", k, dim=-1):
+            nu = pyro.param("nu", means.new_zeros(t, k))
+            # the changed line: λ ~ Gamma(shape, shape / λ), mean λ, instead of λ fixed
+            prec = pyro.sample("lam", dist.Gamma(means.new_tensor(shape), shape / lam))
+            zeros = means.new_zeros(d)
+            omega = pyro.sample("omega", dist.Normal(zeros, prec.rsqrt()[..., None]).to_event(1))
+            positive = (omega * means).sum(-1) + nu
+            pyro.sample("positive", dist.Normal(positive, theta**-0.5), obs=means.new_ones(t, k))
+            scores = omega @ negatives.mT + nu.unsqueeze(-1)
+            pyro.sample(
+                "negatives",
+                dist.Normal(scores, math.sqrt(n)).to_event(1),
+                obs=-scores.new_ones(()),
+            )
+
+    negatives, means, _ = _problem()
+    lam = torch.tensor(0.3, dtype=torch.float64)
+    vmp = VMP(model, max_iter=500, tol=1e-14)
+    state, _ = vmp.fit(means, negatives, lam)
+    ref, _ = slem_woodbury(means.reshape(-1, 12), factor_negatives(negatives, lam), 1.0)
+    torch.testing.assert_close(state.q["omega"][0].reshape(-1, 12), ref, rtol=0, atol=1e-5)
+    loose, _ = VMP(model, max_iter=500, tol=1e-14).fit(means, negatives, lam, shape=2.0)
+    assert (loose.q["omega"][0].reshape(-1, 12) - ref).abs().max() > 1e-3
