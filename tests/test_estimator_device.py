@@ -40,7 +40,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 #: every method, and the derived engine of each method that has one ("name+derived")
 NAMES = sorted(METHODS) + [
-    f"{m}+derived" for m in ("bavardage", "em-dirichlet", "evidence-lssvm", "slem")
+    f"{m}+derived" for m in ("bavardage", "em-dirichlet", "evidence-lssvm", "gp-tree", "slem")
 ]
 
 

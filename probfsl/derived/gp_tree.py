@@ -140,3 +140,45 @@ class DerivedVINodes(gpn.VINodes):
             new = VMPState(new.plan, q, self.vmp.elbo(VMPState(new.plan, q, new.objective)))
         out = self._state(data, t, new, c)
         return out, Info(out.objective)
+
+
+def gp_tree_exact_node(y: torch.Tensor, mask: torch.Tensor, k: torch.Tensor) -> None:
+    """A batch of GP-Tree's few-shot nodes on the exact kernel (spec §3.2), one row
+    (task) per node: ``y [V, n]`` node labels, ``mask [V, n]`` the node's points, ``k [V,
+    n, n]`` their kernel matrix (identity rows on the other points). f ~ N(0, K);
+    y_i ~ Bernoulli(σ(f_i)) on the node's points, Pólya-Gamma augmented in VMP."""
+    v, n = y.shape
+    with pyro.plate("tasks", v, dim=-2):
+        f = pyro.sample("f", dist.MultivariateNormal(y.new_zeros(v, 1, n), k.unsqueeze(-3)))
+        with pyro.plate("points", n, dim=-1):
+            pyro.sample("y", dist.Bernoulli(logits=f.squeeze(-2)).mask(mask), obs=y)
+
+
+def exact_node_probs(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    mask: torch.Tensor,
+    x_star: torch.Tensor,
+    outputscale: float,
+    lengthscale: float,
+    jitter: float = 1e-3,
+    tol: float = 1e-8,
+    max_iter: int = 200,
+) -> torch.Tensor:
+    """p(y_v = 1 | x*) ``[V, N]`` of the few-shot nodes (``x [V, n, D]``, ``x_star [V, N,
+    D]``) from the q(f) = N(m, S) VMP derives from :func:`gp_tree_exact_node`: the
+    predictive f* ~ N(k*ᵀK⁻¹m, k** − k*ᵀK⁻¹k* + k*ᵀK⁻¹SK⁻¹k*), averaged through the
+    sigmoid by Gauss–Hermite, as the hand-written Gibbs nodes average over their chains
+    (``gibbs_predict``). ``jitter`` is the Gibbs engine's."""
+    x, x_star, mask = gpn.normalize(x), gpn.normalize(x_star), mask.bool()
+    s = x.new_full(x.shape[:1], outputscale)
+    ls = x.new_full(x.shape[:1], lengthscale)
+    k = gpn.masked_gram(gpn.rbf_kernel(x, x, s, ls), mask, jitter)
+    state, _ = VMP(gp_tree_exact_node, max_iter=max_iter, tol=tol).fit(y.to(x), mask, k)
+    m, prec = state.q["f"]
+    cov = torch.cholesky_inverse(torch.linalg.cholesky(prec))
+    ks = gpn.rbf_kernel(x, x_star, s, ls) * mask.to(x.dtype).unsqueeze(-1)
+    a = torch.cholesky_solve(ks, torch.linalg.cholesky(k))  # K⁻¹ k*  [V, n, N]
+    mean = (a * m.unsqueeze(-1)).sum(-2)
+    var = s.unsqueeze(-1) - (ks * a).sum(-2) + (a * (cov @ a)).sum(-2)
+    return gpn.gauss_hermite_sigmoid(mean, var.clamp_min(1e-12))

@@ -1159,8 +1159,20 @@ class Compiler:
             if axis is None:
                 (jac,) = torch.autograd.grad(gu.sum(), u, allow_unused=True)
                 return torch.zeros_like(value) if jac is None else jac.detach()
+            n_cols = leaf.shape[-1]
+            picks = torch.eye(n_cols, dtype=leaf.dtype, device=leaf.device)
+            picks = picks.reshape(n_cols, *[1] * (leaf.dim() - 1), n_cols).expand(
+                n_cols, *leaf.shape
+            )
+            with contextlib.suppress(RuntimeError):  # every column at once, where vmap can
+                (cols,) = torch.autograd.grad(
+                    gu, u, picks, retain_graph=True, allow_unused=True, is_grads_batched=True
+                )
+                if cols is None:
+                    return torch.zeros(*value.shape, n_cols, dtype=value.dtype, device=value.device)
+                return cols.detach().movedim(0, -1)
             cols = []
-            for p in range(leaf.shape[-1]):
+            for p in range(n_cols):
                 pick = torch.zeros(leaf.shape[-1], dtype=leaf.dtype, device=leaf.device)
                 pick[p] = 1
                 (col,) = torch.autograd.grad(

@@ -16,6 +16,7 @@ import torch
 
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
+from probfsl.derived import gp_tree as derived_gp_tree
 from probfsl.inference import gp_nodes as gpn
 from probfsl.inference.polya_gamma import mix32
 from probfsl.models.base import BaseMeanCentering, FewShotClassifier, check_engine
@@ -56,10 +57,12 @@ class GPTreeFewShot(BaseMeanCentering, FewShotClassifier):
         pg_sampler: ``"torch"`` or ``"exact"``.
         seed: seed of every task's random streams.
         max_nodes: nodes per sampler batch (memory bound; larger batches are split).
-        engine: ``"handwritten"`` only. ``"derived"`` is refused: the few-shot nodes are
-            sampled by block Gibbs on the exact kernel (§3.2), and variational message
-            passing derives a variational posterior, not those draws (the derived VI
-            nodes are :class:`~probfsl.models.gptree.GPTree`'s, with ``inference="vi"``).
+        engine: ``"handwritten"`` (block Gibbs sampling of each node on the exact kernel,
+            §3.2) or ``"derived"``: the same node model, :func:`~probfsl.derived.gp_tree.
+            gp_tree_exact_node`, with the mean-field Pólya-Gamma posterior that
+            variational message passing derives for it in place of the Gibbs draws
+            (deterministic; ``n_chains``, ``n_sweeps``, ``pg_sampler`` and ``seed`` then
+            play no part).
     """
 
     def __init__(
@@ -94,13 +97,7 @@ class GPTreeFewShot(BaseMeanCentering, FewShotClassifier):
         check_flag("center", self.center)
         check_choice("pg_sampler", self.pg_sampler, ("torch", "exact"))
         hp("seed", self.seed, integer=True, nonnegative=True)
-        if check_engine(self.engine) == "derived":
-            raise ValueError(
-                "gp-tree (GPTreeFewShot) has no derived engine: its nodes are sampled by "
-                "block Gibbs on the exact kernel (spec §3.2), which variational message "
-                "passing does not derive; use engine='handwritten', or GPTree with "
-                "inference='vi' for the derived VI nodes"
-            )
+        check_engine(self.engine)
 
     def fit_base(self, features, labels) -> Self:
         """Store the mean of the base ``features [N, D]`` (tensor or NumPy array)."""
@@ -161,6 +158,11 @@ class GPTreeFewShot(BaseMeanCentering, FewShotClassifier):
             lab = labels[tt]  # [v, n]
             mask = torch.gather(node_in_t[sl], 1, lab)
             y = torch.gather(node_right_t[sl], 1, lab).to(support.dtype) * mask
+            if self.engine == "derived":  # q(f) by VMP on the node's declaration
+                node_probs[sl] = derived_gp_tree.exact_node_probs(
+                    support[tt], y, mask, query[tt], self.outputscale, self.lengthscale
+                )
+                continue
             state = engine.fit(
                 support[tt], y, mask, int(self.n_sweeps), keys=node_keys[sl], checked=False
             )
