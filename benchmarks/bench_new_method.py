@@ -122,15 +122,20 @@ def table(rows: list[dict]) -> str:
         "(the first n tasks of the same run for every method). Written by",
         "`benchmarks/bench_new_method.py`.",
         "",
-        "| data | shot | " + " | ".join(methods) + " |",
-        "|---|---|" + "---|" * len(methods),
     ]
-    for data, shot in settings:
-        row = [data, str(shot)]
-        for m in methods:
-            r = cells.get((data, shot, m))
-            row.append("" if r is None else f"{r['accuracy']:.2f} ± {r['ci95']:.2f} ({r['tasks']})")
-        lines.append("| " + " | ".join(row) + " |")
+
+    def table(cell) -> list[str]:
+        """One row per setting, one column per method, ``cell(result)`` in each."""
+        out = ["| data | shot | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
+        for data, shot in settings:
+            row = [data, str(shot)]
+            for m in methods:
+                r = cells.get((data, shot, m))
+                row.append("" if r is None else cell(r))
+            out.append("| " + " | ".join(row) + " |")
+        return out
+
+    lines += table(lambda r: f"{r['accuracy']:.2f} ± {r['ci95']:.2f} ({r['tasks']})")
     diffs = sorted((k, r) for k, r in cells.items() if k[2] == PAIRED)
     if diffs:
         lines += [
@@ -161,15 +166,8 @@ def table(rows: list[dict]) -> str:
         "",
         "Seconds per cell (wall clock, including fit_base; 2 shared CPU cores):",
         "",
-        "| data | shot | " + " | ".join(methods) + " |",
-        "|---|---|" + "---|" * len(methods),
     ]
-    for data, shot in settings:
-        row = [data, str(shot)]
-        for m in methods:
-            r = cells.get((data, shot, m))
-            row.append("" if r is None else f"{r['wall_seconds']:.0f}")
-        lines.append("| " + " | ".join(row) + " |")
+    lines += table(lambda r: f"{r['wall_seconds']:.0f}")
     return "\n".join(lines) + "\n"
 
 

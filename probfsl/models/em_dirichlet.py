@@ -102,6 +102,10 @@ def em_dirichlet_model(
     is a categorical prior on the classes tempered by lambda/|Q| (lambda = |Q| is plain
     EM). Support labels only select alpha (they carry no pi term, as in the paper).
 
+    alpha and pi are sample sites here (a Delta guide scores the hand-written engine under
+    ``Trace_ELBO``); :func:`probfsl.derived.em_dirichlet.em_dirichlet_model` is the same
+    model with them as ``pyro.param`` point estimates, the form VMP derives from.
+
     Args:
         query: ``[B, Q, K]`` probability vectors.
         support, support_labels: ``[B, S, K]`` and ``[B, S]`` (few-shot), or None.
