@@ -105,6 +105,10 @@ def compare_gp_tree(fs, n_classes: int, per_class: int, rounds: int) -> dict:
     )
 
 
+def _key(row: dict) -> tuple:
+    return row["method"], row["data"], row["shot"]
+
+
 def write(rows: list[dict], threads: str, rounds: int) -> None:
     """The table so far into ``derived.md`` and ``derived.json``."""
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
@@ -144,12 +148,14 @@ def main() -> None:
         "--gp-tree-classes", type=int, default=30, help="novel classes for GP-Tree (0: skip)"
     )
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--merge", action="store_true", help="keep the stored rows of others")
     parser.add_argument("--threads", default="1")
     args = parser.parse_args()
     torch.set_num_threads(int(args.threads))
     sets = [(name, load_dataset(name)) for name in args.datasets]
     sets += [(Path(p).stem, load_features(p)) for p in args.features]
-    rows = []
+    stored = RESULTS / "derived.json"
+    rows = json.loads(stored.read_text()) if args.merge and stored.is_file() else []
     for name, fs in sets:
         for shot in (1, 5):
             for method in args.methods:
@@ -160,7 +166,7 @@ def main() -> None:
                 row = compare(method, fs, tasks.to(dtype=torch.float64), args.rounds)
                 row.update(method=method, data=name, dim=fs.dim, shot=shot, tasks=n)
                 print(row, flush=True)
-                rows.append(row)
+                rows = [r for r in rows if _key(r) != _key(row)] + [row]
                 write(rows, args.threads, args.rounds)
     if args.gp_tree_classes:
         fs = load_dataset("omniglot")
@@ -168,7 +174,7 @@ def main() -> None:
         row.update(method="gp-tree (VI nodes)", data="omniglot", dim=fs.dim, shot=10)
         row.update(tasks=f"{args.gp_tree_classes} classes")
         print(row, flush=True)
-        rows.append(row)
+        rows = [r for r in rows if _key(r) != _key(row)] + [row]
         write(rows, args.threads, args.rounds)
 
 

@@ -295,9 +295,9 @@ def bayespy_part(args) -> None:
 
 # ---------------------------------------------------------------- hand-written engines
 def handwritten(args) -> None:
+    from probfsl.derived.bavardage import bavardage_model
     from probfsl.inference.normal_gamma import NormalGammaVB
     from probfsl.inference.vb_mixture import BavardageVB
-    from probfsl.models.bavardage import bavardage_model
     from probfsl.models.normal_gamma import normal_gamma_model
 
     rows = []

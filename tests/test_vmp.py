@@ -11,12 +11,12 @@ import pytest
 import torch
 from pyro.ops.indexing import Vindex
 
+from probfsl.derived.bavardage import bavardage_model
 from probfsl.inference import VMP
 from probfsl.inference.base import run
 from probfsl.inference.normal_gamma import NormalGammaVB
 from probfsl.inference.vb_mixture import BavardageVB
 from probfsl.inference.vmp.compiler import Compiler
-from probfsl.models.bavardage import bavardage_model
 from probfsl.models.normal_gamma import normal_gamma_model, normal_mean_model
 from probfsl.testing import ConformanceCase, assert_exact_evidence, check_engine
 

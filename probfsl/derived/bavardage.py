@@ -4,7 +4,7 @@ Hu, Pateux & Gripon, "Adaptive Dimension Reduction and Variational Inference for
 Transductive Few-Shot Classification" (AISTATS 2023), Algorithm 1; spec ``bavardage.md``
 §3.5-3.9.
 
-The declaration is :func:`probfsl.models.bavardage.bavardage_model`: the Gaussian mixture
+The declaration is :func:`bavardage_model`: the Gaussian mixture
 on u = x P (Dirichlet weights, Normal class means, the support's classes observed, the
 queries' latent). P, the adaptive PLDA projection, is a point-estimated linear map of the
 rows x: it is not a maximiser of the bound but the paper's own rule (the LDA directions
@@ -30,17 +30,71 @@ from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 
+import pyro
+import pyro.distributions as dist
 import torch
 
 from probfsl.inference.base import RunInfo
 from probfsl.inference.class_stats import one_hot_support
 from probfsl.inference.vb_mixture import BavardageVB, VBMixtureState
 from probfsl.inference.vmp import VMP, VMPState
-from probfsl.models.bavardage import bavardage_model
+
+
+def bavardage_model(
+    u_support: torch.Tensor,
+    support_labels: torch.Tensor,
+    u_query: torch.Tensor,
+    way: int,
+    tau: float = 4.0,
+    alpha0: float = 2.0,
+    beta0: float = 10.0,
+    balanced: bool = False,
+    count_support: bool = False,
+) -> None:
+    """The Gaussian mixture of spec §2 for a batch of tasks, in the reduced space.
+
+    In production (:class:`Bavardage`, ``mode="bavardage"``) the data are the projected
+    rows u = x P_b of the current VB block, P_b the adaptive PLDA projection: a fixed
+    input of the block, not a random variable (module docstring). The hyperparameters
+    are the estimator's: ``tau`` = ``temperature_vb_``, ``alpha0``, ``beta0``,
+    ``balanced`` and ``count_support``.
+
+    Args:
+        u_support: [T, S, d] projected support features (their classes are observed).
+        support_labels: [T, S] task-local labels in 0..K-1.
+        u_query: [T, Q, d] projected query features.
+        way: K.
+        tau: τ = T_vb, the fixed precision Λ = τ I.
+        alpha0, beta0: the priors' α_o and β_o (m_o = 0).
+        balanced: π fixed uniform (the reference code's balanced mode), no ``pi`` site.
+        count_support: the paper's variant where the support labels are draws of π too
+            (an observed ``y_support`` site); by default, as in the code, only the
+            query assignments are drawn from π.
+    """
+    t, d = u_support.shape[0], u_support.shape[-1]
+    ref = u_support
+    scale_u = ref.new_tensor(tau).rsqrt()
+    with pyro.plate("tasks", t, dim=-2):
+        if balanced:
+            pi = ref.new_full((1, way), 1.0 / way)
+        else:
+            pi = pyro.sample("pi", dist.Dirichlet(ref.new_full((1, way), alpha0)))
+        with pyro.plate("classes", way, dim=-1):
+            prior_scale = ref.new_tensor(beta0 * tau).rsqrt()
+            mu = pyro.sample("mu", dist.Normal(ref.new_zeros(d), prior_scale).to_event(1))
+        onehot_s = one_hot_support(support_labels, way, ref.dtype)
+        with pyro.plate("support", u_support.shape[1], dim=-1):
+            if count_support:
+                pyro.sample("y_support", dist.Categorical(probs=pi), obs=support_labels)
+            pyro.sample("u_support", dist.Normal(onehot_s @ mu, scale_u).to_event(1), obs=u_support)
+        with pyro.plate("queries", u_query.shape[1], dim=-1):
+            z = pyro.sample("z", dist.Categorical(probs=pi))
+            onehot_q = torch.nn.functional.one_hot(z, way).to(ref)
+            pyro.sample("u_query", dist.Normal(onehot_q @ mu, scale_u).to_event(1), obs=u_query)
 
 
 def declared_model(engine: BavardageVB) -> Callable[..., None]:
-    """:func:`~probfsl.models.bavardage.bavardage_model` with the hand-written engine's
+    """:func:`~probfsl.derived.bavardage.bavardage_model` with the hand-written engine's
     hyperparameters (τ, α_o, β_o, balanced, count_support)."""
     return partial(
         bavardage_model,

@@ -31,7 +31,7 @@ assignments) has no derived engine.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import pyro
 import pyro.distributions as dist
@@ -51,9 +51,6 @@ from probfsl.inference.dirichlet_mm import (
 )
 from probfsl.inference.vmp import VMP, VMPState, dirichlet_points
 from probfsl.validation import check_task_tensors
-
-if TYPE_CHECKING:
-    from probfsl.models.em_dirichlet import EMDirichlet
 
 #: the block order of one outer iteration (paper Algorithm 2; see the module docstring)
 ORDER = ["alpha", "c", "pi"]
@@ -177,7 +174,9 @@ class EMDirichletVMP(VMP):
 
 
 def fit_probabilities(
-    estimator: EMDirichlet,
+    make_engine: Callable[[bool], EMDirichletEngine],
+    n_iter: int,
+    tol: float,
     query: torch.Tensor,
     support: torch.Tensor | None = None,
     support_labels: torch.Tensor | None = None,
@@ -185,8 +184,10 @@ def fit_probabilities(
     """EM-Dirichlet (soft) on probability vectors by VMP on :func:`em_dirichlet_model`.
 
     Args:
-        estimator: an :class:`~probfsl.models.em_dirichlet.EMDirichlet`; its
-            hyperparameters (lambda, inner loop, ``n_iter``, ``tol``) are used.
+        make_engine: the hand-written engine of the estimator for zero-shot (True) or
+            few-shot (False) data (:meth:`~probfsl.models.em_dirichlet.EMDirichlet.
+            make_engine`): its λ, its inner loop and its ``hard`` flag are used.
+        n_iter, tol: the outer iterations and their tolerance.
         query: ``[B, Q, K]`` probability vectors.
         support, support_labels: ``[B, S, K]`` and ``[B, S]`` (few-shot), or None.
 
@@ -195,11 +196,6 @@ def fit_probabilities(
         as ``objective``, inner iterations of each task's last alpha step) and the trace
         of J ``[steps + 1, B]`` (minus the ELBO).
     """
-    if estimator.hard:
-        raise ValueError(
-            "engine='derived' runs the soft EM-Dirichlet only: one-hot assignments (hard=True) "
-            "are not a variational update"
-        )
     check_probabilities(query, "query", ndim=3)
     if (support is None) != (support_labels is None):
         raise ValueError("support and support_labels must be given together")
@@ -210,10 +206,13 @@ def fit_probabilities(
     check_probabilities(support, "support", ndim=3, allow_empty=True)
     check_task_tensors(support, support_labels, query, k, partial_support=True)
     zero_shot = support.shape[1] == 0
-    engine = estimator.make_engine(zero_shot)
+    engine = make_engine(zero_shot)
+    if engine.hard:
+        raise ValueError(
+            "engine='derived' runs the soft EM-Dirichlet only: one-hot assignments (hard=True) "
+            "are not a variational update"
+        )
     coef = engine.coef(k)
-    n_iter = estimator.n_iter if estimator.n_iter is not None else 20
-    tol = estimator.tol if estimator.tol is not None else 0.0
     alpha_step = AlphaStep(engine)
     vmp = EMDirichletVMP(alpha_step, coef, max_iter=n_iter, tol=tol)
     given = (None, None) if zero_shot else (support, support_labels.long())

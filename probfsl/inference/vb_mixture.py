@@ -4,7 +4,7 @@ Hu, Pateux & Gripon, "Adaptive Dimension Reduction and Variational Inference for
 Transductive Few-Shot Classification" (AISTATS 2023), §3.3-3.4, Algorithm 1 and
 Appendix 6.2 (eq. 3-5, 24); implementation spec ``bavardage.md`` §3.5-3.9.
 
-The model (:func:`probfsl.models.bavardage.bavardage_model`) in the reduced space
+The model (:func:`probfsl.derived.bavardage.bavardage_model`) in the reduced space
 u ∈ R^d, Λ = τ I: π ~ Dir(α_o 1_K) (or fixed uniform, "balanced"),
 μ_k ~ N(m_o = 0, (β_o τ)^{-1} I), z_n ~ Cat(π) for the queries, u_n ~ N(μ_{z_n}, τ^{-1} I),
 the support z observed. The mean-field factors are q(π) = Dir(α),
@@ -379,7 +379,7 @@ class BavardageVB(Engine):
 
     # ------------------------------------------------------------------ guide
     def guide(self, state: VBMixtureState):
-        """Pyro guide for :func:`probfsl.models.bavardage.bavardage_model` (data = u).
+        """Pyro guide for :func:`probfsl.derived.bavardage.bavardage_model` (data = u).
 
         It samples ``pi`` (unbalanced), ``mu`` and the query labels ``z`` from the factors
         of ``state`` whatever its arguments (the model's data), which only set the shapes.

@@ -12,7 +12,7 @@ Here each class k has its own diagonal precision
     u_n | z_n ~ Normal(μ_{z_n}, τ_{z_n}^{-1})
 
 and everything else is BAVARDAGE's (:func:`bavardage_gamma_model`: its declaration,
-:func:`probfsl.models.bavardage.bavardage_model` with the fixed τ replaced by the Gamma
+:func:`probfsl.derived.bavardage.bavardage_model` with the fixed τ replaced by the Gamma
 site). No update is written by hand: variational message passing (Winn & Bishop,
 "Variational Message Passing", JMLR 2005; :class:`probfsl.inference.VMP`) derives the
 q(τ_k) factors, their messages and the new ELBO terms, and
@@ -51,7 +51,7 @@ def bavardage_gamma_model(
     beta0: float = 10.0,
     balanced: bool = False,
 ) -> None:
-    """BAVARDAGE's mixture (:func:`~probfsl.models.bavardage.bavardage_model`) with a
+    """BAVARDAGE's mixture (:func:`~probfsl.derived.bavardage.bavardage_model`) with a
     per-class diagonal precision τ_k ~ Π_d Gamma(a0, a0 / tau) (module docstring).
 
     Args:

@@ -384,7 +384,11 @@ class EMDirichlet(FewShotClassifier):
         if self.engine == "derived":
             from probfsl.derived.em_dirichlet import fit_probabilities
 
-            self.state_, self.trace_ = fit_probabilities(self, query, support, support_labels)
+            n_iter = self.n_iter if self.n_iter is not None else 20
+            tol = self.tol if self.tol is not None else 0.0
+            self.state_, self.trace_ = fit_probabilities(
+                self.make_engine, n_iter, tol, query, support, support_labels
+            )
             return self.state_
         zero_shot = support is None or (
             isinstance(support, torch.Tensor) and support.ndim == 3 and support.shape[1] == 0
