@@ -9,6 +9,7 @@ import torch
 from probfsl.derived import slem as derived
 from probfsl.inference.vmp import moments
 from probfsl.inference.woodbury import factor_negatives, lda_scores, slem_woodbury
+from probfsl.models import slem as slem_module
 from probfsl.models.slem import SLEM
 
 
@@ -39,7 +40,7 @@ def test_scores_equal_the_lda_scores():
     torch.testing.assert_close(ours, ref, rtol=0, atol=1e-8)
 
 
-def test_estimator_engines_agree():
+def test_estimator_engines_agree(monkeypatch):
     """The few-shot estimator gives the same probabilities with either engine."""
     g = torch.Generator().manual_seed(1)
     base = torch.randn(200, 10, generator=g, dtype=torch.float64)
@@ -52,6 +53,11 @@ def test_estimator_engines_agree():
         est = SLEM(rel_lam=0.5, engine=engine).fit_base(base, labels)
         probs[engine] = est.fit_predict(support, support_labels, query)
     torch.testing.assert_close(probs["derived"], probs["handwritten"], rtol=0, atol=1e-9)
+    # tasks taken one at a time (a memory budget of one task) give the same answer
+    monkeypatch.setattr(slem_module, "DERIVED_MEMORY", 1)
+    est = SLEM(rel_lam=0.5, engine="derived").fit_base(base, labels)
+    one_by_one = est.fit_predict(support, support_labels, query)
+    torch.testing.assert_close(one_by_one, probs["derived"], rtol=0, atol=1e-12)
 
 
 def test_float32_follows_float64():

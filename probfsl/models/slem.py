@@ -164,6 +164,11 @@ class SLEMEncoder:
         return slem_similarity(da, None if b is None else self.transform(b))
 
 
+#: bytes of q(ω) precision matrices that ``engine="derived"`` holds at once (tasks are
+#: taken in chunks that fit)
+DERIVED_MEMORY = 1 << 29
+
+
 class SLEM(FewShotClassifier):
     """Few-shot SLEM / shrinkage LDA against the base set (spec §1, §3 "Several positives").
 
@@ -272,4 +277,13 @@ class SLEM(FewShotClassifier):
         if getattr(self, "negatives_", None) is None:
             raise ValueError("engine='derived' needs the negatives: call fit_base with it set")
         negatives = self.negatives_.to(query)
-        return derived.lda_scores(query, means, negatives, self.lam_.to(query))
+        lam = self.lam_.to(query)
+        # q(ω) holds a d x d precision per class of a task: chunks of tasks bound it
+        per_task = means.shape[1] * means.shape[2] ** 2 * means.element_size()
+        chunk = max(1, DERIVED_MEMORY // per_task)
+        return torch.cat(
+            [
+                derived.lda_scores(query[a : a + chunk], means[a : a + chunk], negatives, lam)
+                for a in range(0, means.shape[0], chunk)
+            ]
+        )
