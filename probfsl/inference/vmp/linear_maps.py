@@ -147,6 +147,42 @@ def _moments(plan: Plan, q: dict, p: Param) -> tuple[torch.Tensor, torch.Tensor]
     return mean, mean.square() + var
 
 
+def mean(plan: Plan, q: dict, p: Param) -> torch.Tensor:
+    """⟨loc⟩ = b + Σ_k J_k⟨w_k⟩ of an affine parameter, in its axes (with the cache of
+    :func:`moments`)."""
+    if p.bilinear is not None:
+        return moments(plan, q, p)[0]
+    deps = tuple(q[t.parent] for t in p.terms)
+    hit = p.derived.get("mean")
+    if hit is not None and all(a is b for a, b in zip(hit[0], deps, strict=True)):
+        return hit[1]
+    sizes, ref = plan.sizes, plan.ref
+    value = ein(p.dims, [(p.const, p.const_dims)], p.dims, sizes, ref)
+    for term in p.terms:
+        value = value + term_mean(plan, q, p, term)
+    p.derived["mean"] = (deps, value)
+    return value
+
+
+def second_moment_terms(plan: Plan, q: dict, p: Param) -> list[list]:
+    """⟨loc²⟩ as a sum of products: ``[[(⟨loc⟩², axes)], J_1 Cov(w_1) J_1ᵀ, ...]``, each
+    an operand list for :func:`~probfsl.inference.vmp.einsum.ein`. A caller that sums
+    ⟨loc²⟩ against its own operands contracts each product as a whole, so a map over many
+    rows (a design matrix against a joint Gaussian) sums J Jᵀ over its rows first instead
+    of forming each row's variance (:func:`moments` forms them)."""
+    if p.bilinear is not None:
+        return [[(moments(plan, q, p)[1], p.dims)]]
+    terms = [[(mean(plan, q, p).square(), p.dims)]]
+    for term in p.terms:
+        j = (term.jac, term.jac_dims)
+        cov = _covariance(plan, q, term.parent, term.axis)
+        if term.axis is None:
+            terms.append([j, j, cov])
+        else:
+            terms.append([j, cov, (term.jac, _paired(term))])
+    return terms
+
+
 def message(
     plan: Plan, q: dict, p: Param, parent: str, precision: list, data: torch.Tensor
 ) -> list:
@@ -157,8 +193,7 @@ def message(
     sizes, ref = plan.sizes, plan.ref
     term = next(t for t in p.terms if t.parent == parent)
     w = plan.sites[parent]
-    mean, _ = moments(plan, q, p)
-    residual = data - mean + term_mean(plan, q, p, term)
+    residual = data - mean(plan, q, p) + term_mean(plan, q, p, term)
     j = (term.jac, term.jac_dims)
     over = p.dims + ((term.axis,) if term.axis else ())
     eta1 = ein(w.dims, precision + [(residual, p.dims), j], over, sizes, ref)

@@ -29,9 +29,11 @@ def natural(plan: Plan, q: dict, s: Site) -> list:
 
 
 def ops(plan, q, s, chain: bool = True):
-    """Operand lists of a Normal site's expected log-density (:func:`loglik`); for a
-    step of a Gaussian chain (``chain``), ``XL`` holds the joint ⟨x m⟩ that replaces the
-    product ⟨x⟩⟨m⟩ of independent factors."""
+    """Operand lists of a Normal site's expected log-density (:func:`loglik`); ``L2``,
+    the mean's second moment, is a sum of operand lists (an affine mean's variance
+    stays factored: :func:`~probfsl.inference.vmp.linear_maps.second_moment_terms`); for
+    a step of a Gaussian chain (``chain``), ``XL`` holds the joint ⟨x m⟩ that replaces
+    the product ⟨x⟩⟨m⟩ of independent factors."""
     loc, prec = s.params["loc"], s.params["precision"]
     X1 = X2 = None
     if s.observed or s.name in q:
@@ -39,13 +41,13 @@ def ops(plan, q, s, chain: bool = True):
         X1, X2 = [(x[0], s.dims)], [(x[1], s.dims)]
     mu = parent_ops(plan, q, s, "loc")
     if loc.terms or loc.bilinear is not None:
-        mean, second = linear_maps.moments(plan, q, loc)
-        L1, L2 = [(mean, loc.dims)], [(second, loc.dims)]
+        L1 = [(linear_maps.mean(plan, q, loc), loc.dims)]
+        L2 = linear_maps.second_moment_terms(plan, q, loc)
     elif mu is None:
         L1 = [(loc.const, loc.const_dims)]
-        L2 = [(derived(loc, "square"), loc.const_dims)]
+        L2 = [[(derived(loc, "square"), loc.const_dims)]]
     else:
-        L1, L2 = [mu[0]], [mu[1]]
+        L1, L2 = [mu[0]], [[mu[1]]]
     factors = precision_factors(plan, q, s)
     if not factors:
         c = [(prec.const, prec.const_dims)]
@@ -62,6 +64,7 @@ def ops(plan, q, s, chain: bool = True):
         XL = [(gaussian_chain.cross_moment(plan, q, s), s.dims)]
     return dict(
         name=s.name,
+        observed=s.observed,
         X1=X1,
         X2=X2,
         L1=L1,
@@ -90,12 +93,18 @@ def loglik(plan, o, out, weights):
     small = 0.5 * e(mw + o["lnc"]) - 0.5 * LOG_2PI * e(mw)
     for log_tau in o["T2"]:  # ⟨ln τ⟩ of each factor of the precision
         small = small + 0.5 * e(mw + log_tau)
-    small = small - 0.5 * e(pr + o["L2"])
-    if o["XL"] is not None and o["XL"][0] is o["X1"][0] and len(o["L1"]) == 1:
-        # ⟨x⟩⟨m⟩ − ½⟨x²⟩ as one contraction over (x, x²) · (⟨m⟩, −½)
+    small = small - 0.5 * sum(e(pr + t) for t in o["L2"])
+    if o["observed"] and o["XL"] is not None and o["XL"][0] is o["X1"][0] and len(o["L1"]) == 1:
+        # observed x: ⟨x⟩⟨m⟩ − ½⟨x²⟩ as one contraction over (x, x²) · (⟨m⟩, −½), the
+        # power axis before the last one (contiguous blocks to stack)
         (m, m_dims), power = o["L1"][0], "#power"
-        coef = torch.stack([m, torch.full_like(m, -0.5)], -1)
-        res = e(pr + [(_powers(plan, o), o["X1"][0][1] + (power,)), (coef, m_dims + (power,))])
+        coef = torch.stack([m, torch.full_like(m, -0.5)], max(m.dim() - 1, 0))
+        x_dims = o["X1"][0][1]
+        ops = [
+            (_powers(plan, o), x_dims[:-1] + (power,) + x_dims[-1:]),
+            (coef, m_dims[:-1] + (power,) + m_dims[-1:]),
+        ]
+        res = e(pr + ops)
         return (res + small).expand([plan.sizes[d] for d in out])
     res = e(pr + o["XL"]) - 0.5 * e(pr + o["X2"]) + small
     return res.expand([plan.sizes[d] for d in out])
@@ -110,12 +119,13 @@ def _weighted_applies(plan: Plan, c: Site, out: tuple, rest: list) -> bool:
 
 
 def _powers(plan: Plan, o: dict) -> torch.Tensor:
-    """(⟨x⟩, ⟨x²⟩) stacked on a last axis (cached with the statistics they come from)."""
+    """(x, x²) of an observed site stacked on an axis before its last one (cached with the
+    statistics they come from)."""
     x1, x2 = o["X1"][0][0], o["X2"][0][0]
     key = ("powers", o["name"])
     hit = plan.cache.get(key)
     if hit is None or hit[0] is not x1 or hit[1] is not x2:
-        hit = plan.cache[key] = (x1, x2, torch.stack([x1, x2], -1))
+        hit = plan.cache[key] = (x1, x2, torch.stack([x1, x2], x1.dim() - 1))
     return hit[2]
 
 
@@ -151,7 +161,7 @@ def _weighted_message(plan, q, c: Site, o: dict, role: str, out: tuple, others: 
     quad = (
         ein(out, cc + w(2), out, sizes, ref)
         - 2 * ein(out, cc + w(1) + o["L1"], out, sizes, ref)
-        + ein(out, cc + w(0) + o["L2"], out, sizes, ref)
+        + sum(ein(out, cc + w(0) + t, out, sizes, ref) for t in o["L2"])
     )
     return [-0.5 * quad, 0.5 * ein(out, w(0), out, sizes, ref)]
 
@@ -184,12 +194,13 @@ def message(plan: Plan, q: dict, c: Site, role: str, to: Site) -> list:
 
     # role precision, to a Gamma: the other factors of a product precision stay in
     others = [f[0] for name, f in precision_factors(plan, q, c) if name != to.name]
-    rest = o["c"] + (o["T1"] if role == "loc" else others + o["L1"] + o["L2"])
+    second = [op for t in o["L2"] for op in t]
+    rest = o["c"] + (o["T1"] if role == "loc" else others + o["L1"] + second)
     if _weighted_applies(plan, c, out, rest):
         return _weighted_message(plan, q, c, o, role, out, others)
     if role == "loc":
         pr = mw + o["c"] + o["T1"]
         return [e(pr + o["X1"]), -0.5 * e(pr)]
     cc = mw + o["c"] + others
-    quad = e(cc + o["X2"]) - 2 * e(cc + o["XL"]) + e(cc + o["L2"])
+    quad = e(cc + o["X2"]) - 2 * e(cc + o["XL"]) + sum(e(cc + t) for t in o["L2"])
     return [-0.5 * quad, 0.5 * e(mw)]
