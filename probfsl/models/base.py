@@ -37,6 +37,7 @@ from probfsl.validation import (
     as_label_tensor,
     as_user_array,
     check_base,
+    check_choice,
     check_episodes,
     check_float_dtype,
 )
@@ -58,9 +59,7 @@ ENGINES = ("handwritten", "derived")
 
 def check_engine(engine: Any) -> str:
     """``engine`` if it is one of :data:`ENGINES`; ``ValueError`` listing them otherwise."""
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {list(ENGINES)}, got {engine!r}")
-    return engine
+    return check_choice("engine", engine, ENGINES)
 
 
 class Hyperparameters:
