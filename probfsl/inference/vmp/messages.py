@@ -30,6 +30,10 @@ from probfsl.inference.vmp.moments import (
     BLOCKS,
     FIELDS,
     block_of,
+    broadcast_add,
+    broadcast_shape,
+    compact,
+    compact_block,
     expected_stats,
     parent_ops,
     point_mode,
@@ -89,7 +93,13 @@ def prior(plan: Plan, s: Site) -> tuple:
     hit = plan.cache.get(("prior", s.name))
     if hit is None:
         block = prior_block(plan, s)
-        hit = (block, block.natural(), sum_tasks(block.log_normalizer()))
+        natural = block.natural()
+        if s.family == "Gamma":  # computed on the distinct values, broadcast (stride 0)
+            small = compact_block(s, tuple(getattr(block, f) for f in FIELDS["Gamma"]))
+            natural = tuple(
+                t.expand(f.shape) for t, f in zip(small.natural(), natural, strict=True)
+            )
+        hit = (block, natural, sum_tasks(block.log_normalizer()))
         plan.cache[("prior", s.name)] = hit
     return hit
 
@@ -143,11 +153,17 @@ def lse_applies(plan: Plan, s: Site) -> bool:
 
 
 def entropy(plan: Plan, q: dict, name: str) -> torch.Tensor:
-    """H[q]: in closed form for Categorical (0 ln 0 = 0) and Gaussian factors, A − η·⟨u⟩
+    """H[q]: in closed form for Categorical (0 ln 0 = 0), Gaussian and Gamma factors, A − η·⟨u⟩
     with the cached ⟨u⟩ for the others; a Gaussian chain's joint entropy."""
     s = plan.sites[name]
     if s.chain:
         return gaussian_chain.entropy(plan, q, s)
+    if s.family == "Gamma":
+        # a − ln b + ln Γ(a) + (1 − a) ψ(a) = ln Γ(a) + a − a ψ(a) + ⟨ln τ⟩ (⟨ln τ⟩ cached),
+        # the terms in a once per distinct shape (:func:`compact`)
+        a = compact(q[name][0])
+        h = torch.lgamma(a) + a - a * torch.special.digamma(a)
+        return (h + expected_stats(plan, q, name)[1]).expand(broadcast_shape(q[name]))
     block = block_of(s, q[name])
     if s.family in ("Categorical", "Normal", "MultivariateNormal"):
         return block.entropy()
@@ -182,7 +198,7 @@ def natural(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
         for i, m in enumerate(message(plan, q, child, role, s)):
             if s.joint and i == 1 and m.dim() < eta[1].dim():  # an elementwise message
                 m = torch.diag_embed(m)
-            eta[i] = eta[i] + m
+            eta[i] = broadcast_add(eta[i], m) if s.family == "Gamma" else eta[i] + m
     return tuple(eta)
 
 
@@ -233,5 +249,9 @@ def update(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
     if s.joint:
         b = expfam.MultivariateNormal.from_natural(*eta)
         return b.loc, b.precision
+    if s.family == "Gamma":  # elementwise: on the distinct values, broadcast back
+        b = BLOCKS["Gamma"].from_natural(*(compact(t) for t in eta))
+        shape, rate = FIELDS["Gamma"]  # from η = (−b, a − 1)
+        return getattr(b, shape).expand(eta[1].shape), getattr(b, rate).expand(eta[0].shape)
     b = BLOCKS[s.family].from_natural(*eta)
     return tuple(getattr(b, f) for f in FIELDS[s.family])

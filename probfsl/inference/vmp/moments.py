@@ -45,7 +45,14 @@ def expected_stats(plan: Plan, q: dict, name: str) -> tuple:
     hit = plan.cache.get(name)
     if hit is not None and hit[0] is q[name]:
         return hit[1]
-    stats = point_stats(s, q[name][0]) if s.point else block_of(s, q[name]).expected_stats()
+    if s.point:
+        stats = point_stats(s, q[name][0])
+    elif s.family == "Gamma":  # digamma once per distinct shape (see :func:`compact`)
+        shape = broadcast_shape(q[name])
+        stats = compact_block(s, q[name]).expected_stats()
+        stats = tuple(t.expand(shape) for t in stats)
+    else:
+        stats = block_of(s, q[name]).expected_stats()
     if s.joint and not s.point:
         stats = (stats[0], stats[1].diagonal(dim1=-2, dim2=-1))
     plan.cache[name] = (q[name], stats)
@@ -65,6 +72,53 @@ def second_moment(plan: Plan, q: dict, name: str) -> torch.Tensor:
         second = block_of(s, q[name]).expected_stats()[1]
     plan.cache[("second", name)] = (q[name], second)
     return second
+
+
+def compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its broadcast axes (stride 0, size > 1) narrowed to size 1: a view that
+    holds each distinct value once (a Gamma shape a₀ + ½ Σ_n r_nk is one value per class,
+    broadcast over the event axis), on which an elementwise function costs less."""
+    if 0 not in t.stride() or not any(
+        st == 0 and n > 1 for n, st in zip(t.shape, t.stride(), strict=True)
+    ):
+        return t
+    index = tuple(
+        slice(0, 1) if st == 0 and n > 1 else slice(None)
+        for n, st in zip(t.shape, t.stride(), strict=True)
+    )
+    return t[index]
+
+
+def broadcast_shape(tensors) -> tuple:
+    """The shape that ``tensors`` broadcast to (:func:`torch.broadcast_shapes`, cheaper)."""
+    n = max(t.dim() for t in tensors)
+    out = [1] * n
+    for t in tensors:
+        for i, size in enumerate(t.shape, n - t.dim()):
+            if size != 1:
+                out[i] = size
+    return tuple(out)
+
+
+def compact_block(s: Site, params: tuple):
+    """:func:`block_of` on the :func:`compact` views of ``params`` (an elementwise family:
+    its results broadcast back to the full shape)."""
+    return block_of(s, tuple(compact(t) for t in params))
+
+
+def broadcast_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a + b`` computed once per distinct value along the axes that both broadcast
+    (stride 0), which stay broadcast in the result."""
+    if a.shape != b.shape:
+        return a + b
+    ca, cb = compact(a), compact(b)
+    if ca is a or cb is b:
+        return a + b
+    shared = [i for i in range(a.dim()) if a.shape[i] > 1 and a.stride(i) == 0 and b.stride(i) == 0]
+    if not shared:
+        return a + b
+    index = tuple(slice(0, 1) if i in shared else slice(None) for i in range(a.dim()))
+    return (a[index] + b[index]).expand(a.shape)
 
 
 def block_of(s: Site, params: tuple):

@@ -15,7 +15,13 @@ import torch
 from probfsl.inference.vmp import gaussian_chain, linear_maps
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.layout import LOG_2PI, Plan, Site, derived
-from probfsl.inference.vmp.moments import expected_stats, parent_ops, precision_factors, weights
+from probfsl.inference.vmp.moments import (
+    compact,
+    expected_stats,
+    parent_ops,
+    precision_factors,
+    weights,
+)
 
 
 def natural(plan: Plan, q: dict, s: Site) -> list:
@@ -95,16 +101,11 @@ def loglik(plan, o, out, weights):
         small = small + 0.5 * e(mw + log_tau)
     small = small - 0.5 * sum(e(pr + t) for t in o["L2"])
     if o["observed"] and o["XL"] is not None and o["XL"][0] is o["X1"][0] and len(o["L1"]) == 1:
-        # observed x: ⟨x⟩⟨m⟩ − ½⟨x²⟩ as one contraction over (x, x²) · (⟨m⟩, −½), the
-        # power axis before the last one (contiguous blocks to stack)
+        # observed x: ⟨x⟩⟨m⟩ − ½⟨x²⟩ as one contraction over (x, x²) · (⟨m⟩, −½), with
+        # (x, x²) stacked once per plan (a latent x would be stacked at every call)
         (m, m_dims), power = o["L1"][0], "#power"
-        coef = torch.stack([m, torch.full_like(m, -0.5)], max(m.dim() - 1, 0))
-        x_dims = o["X1"][0][1]
-        ops = [
-            (_powers(plan, o), x_dims[:-1] + (power,) + x_dims[-1:]),
-            (coef, m_dims[:-1] + (power,) + m_dims[-1:]),
-        ]
-        res = e(pr + ops)
+        coef = torch.stack([m, torch.full_like(m, -0.5)], -1)
+        res = e(pr + [(_powers(plan, o), o["X1"][0][1] + (power,)), (coef, m_dims + (power,))])
         return (res + small).expand([plan.sizes[d] for d in out])
     res = e(pr + o["XL"]) - 0.5 * e(pr + o["X2"]) + small
     return res.expand([plan.sizes[d] for d in out])
@@ -119,13 +120,13 @@ def _weighted_applies(plan: Plan, c: Site, out: tuple, rest: list) -> bool:
 
 
 def _powers(plan: Plan, o: dict) -> torch.Tensor:
-    """(x, x²) of an observed site stacked on an axis before its last one (cached with the
-    statistics they come from)."""
+    """(x, x²) of an observed site stacked on a last axis (cached with the statistics they
+    come from)."""
     x1, x2 = o["X1"][0][0], o["X2"][0][0]
     key = ("powers", o["name"])
     hit = plan.cache.get(key)
     if hit is None or hit[0] is not x1 or hit[1] is not x2:
-        hit = plan.cache[key] = (x1, x2, torch.stack([x1, x2], x1.dim() - 1))
+        hit = plan.cache[key] = (x1, x2, torch.stack([x1, x2], -1))
     return hit[2]
 
 
@@ -163,7 +164,8 @@ def _weighted_message(plan, q, c: Site, o: dict, role: str, out: tuple, others: 
         - 2 * ein(out, cc + w(1) + o["L1"], out, sizes, ref)
         + sum(ein(out, cc + w(0) + t, out, sizes, ref) for t in o["L2"])
     )
-    return [-0.5 * quad, 0.5 * ein(out, w(0), out, sizes, ref)]
+    s0 = _weighted(plan, q, c, o, out, 0)  # ½ S0 stays broadcast where S0 is (Gamma update)
+    return [-0.5 * quad, (0.5 * compact(s0)).expand(s0.shape)]
 
 
 def message(plan: Plan, q: dict, c: Site, role: str, to: Site) -> list:
