@@ -10,6 +10,7 @@ import torch
 from probfsl.inference.base import run
 from probfsl.inference.evidence import (
     EvidenceEngine,
+    _slopes,
     em_lambda,
     em_update,
     evidence_curve,
@@ -17,6 +18,7 @@ from probfsl.inference.evidence import (
     log_evidence_ab,
     maximize_evidence,
     maximize_shared_evidence,
+    newton_polish,
     posterior_covariance,
     posterior_mean,
     profile_beta,
@@ -484,6 +486,33 @@ def test_shared_lambda_maximises_the_summed_evidence():
     torch.testing.assert_close(model.lambda_, shared.lam)
     with pytest.raises(ValueError, match="lambda_mode"):
         EvidenceLSSVM(lambda_mode="global").fit(x, labels)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_lambda_ends_at_a_stationary_point(shared):
+    """Newton's polish leaves F' (in log lambda) at rounding where the fixed-point loop's
+    stopping rule (a relative change of the evidence) stops short on flat maxima; its
+    steps never lower the evidence, and they do move lambda (the check is not vacuous)."""
+    x, y, _ = _problem(40, 15, k=4, seed=3)
+    sp = spectrum(x, y)
+    fit = maximize_shared_evidence if shared else maximize_evidence
+    res = fit(sp)
+    grad, curv = _slopes(sp, res.lam, shared)
+    interior = ~res.at_boundary & ~res.degenerate
+    assert interior.any()
+    assert (grad.abs() <= 1e-7 * curv.abs().clamp_min(1.0))[
+        interior[..., :1] if shared else interior
+    ].all()
+    rough = newton_polish(
+        sp, res.lam * 1.01, res.lam * 1e-3, res.lam * 1e3, interior, shared, steps=0
+    )
+    polished = newton_polish(sp, rough, res.lam * 1e-3, res.lam * 1e3, interior, shared)
+    assert torch.equal(rough, res.lam * 1.01)
+    torch.testing.assert_close(polished, res.lam, rtol=1e-9, atol=0)
+    after, before = log_evidence(sp, polished), log_evidence(sp, rough)
+    if shared:  # the shared lambda maximises the sum over the classes
+        after, before = after.sum(-1), before.sum(-1)
+    assert (after >= before - 1e-12).all()
 
 
 def _same(a, b) -> bool:
