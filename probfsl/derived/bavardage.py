@@ -4,14 +4,14 @@ Hu, Pateux & Gripon, "Adaptive Dimension Reduction and Variational Inference for
 Transductive Few-Shot Classification" (AISTATS 2023), Algorithm 1; spec ``bavardage.md``
 §3.5-3.9.
 
-The declaration is :func:`bavardage_model`: the Gaussian mixture
-on u = x P (Dirichlet weights, Normal class means, the support's classes observed, the
-queries' latent). P, the adaptive PLDA projection, is a point-estimated linear map of the
-rows x: it is not a maximiser of the bound but the paper's own rule (the LDA directions
-of the shrunk class centroids of the current responsibilities), so it stays the
-hand-written :meth:`~probfsl.inference.vb_mixture.BavardageVB.rows` and is updated
-between blocks, on the paper's schedule. Everything else is derived by VMP
-(:class:`probfsl.inference.VMP`) from the declaration, block by block:
+The declaration is :func:`bavardage_model`: the Gaussian mixture on u = x P (Dirichlet
+weights, Normal class means, the support's classes observed, the queries' latent). P,
+the adaptive PLDA projection, is a point-estimated linear map of the rows x: it is not a
+maximiser of the bound but the paper's own rule (the LDA directions of the shrunk class
+centroids of the current responsibilities), so it stays the hand-written
+:meth:`~probfsl.inference.vb_mixture.BavardageVB.rows` and is updated between blocks, on
+the paper's schedule. Everything else is derived by VMP (:class:`probfsl.inference.VMP`)
+from the declaration, block by block:
 
     for each of the n_vb blocks:
         u = x P(o)                  the map, from the current responsibilities o
@@ -53,10 +53,10 @@ def bavardage_model(
 ) -> None:
     """The Gaussian mixture of spec §2 for a batch of tasks, in the reduced space.
 
-    In production (:class:`Bavardage`, ``mode="bavardage"``) the data are the projected
-    rows u = x P_b of the current VB block, P_b the adaptive PLDA projection: a fixed
-    input of the block, not a random variable (module docstring). The hyperparameters
-    are the estimator's: ``tau`` = ``temperature_vb_``, ``alpha0``, ``beta0``,
+    In production (:class:`~probfsl.models.bavardage.Bavardage`, ``mode="bavardage"``) the
+    data are the projected rows u = x P_b of the current VB block, P_b the adaptive PLDA
+    projection: a fixed input of the block, not a random variable (module docstring).
+    The hyperparameters are the estimator's: ``tau`` = ``temperature_vb_``, ``alpha0``, ``beta0``,
     ``balanced`` and ``count_support``.
 
     Args:
