@@ -214,6 +214,16 @@ class SLEM(FewShotClassifier):
         self.temperature = temperature
         self.engine = engine
 
+    def setting_note(self, way: int, shot: int) -> str:
+        """With ``engine="derived"``: what the derived engine costs."""
+        if self.engine != "derived":
+            return ""
+        return (
+            "slem with engine='derived' fits a d x d Gaussian posterior per class of every "
+            "task (the closed form factors one matrix for all tasks): seconds per 100 tasks "
+            "at 64 dimensions, minutes at a few hundred"
+        )
+
     def _check_params(self) -> None:
         """``TypeError``/``ValueError`` naming the first bad hyperparameter."""
         check_engine(self.engine)
