@@ -14,12 +14,17 @@ import torch
 from probfsl.data import load_dataset, sample_episodes
 from probfsl.derived.evidence import (
     DerivedEvidenceEngine,
-    _profile_slopes,
     derived_evidence,
     profile_log_evidence,
     rotate,
+    rotated_spectrum,
 )
-from probfsl.inference.evidence import maximize_evidence, maximize_shared_evidence, spectrum
+from probfsl.inference.evidence import (
+    _slopes,
+    maximize_evidence,
+    maximize_shared_evidence,
+    spectrum,
+)
 from probfsl.inference.vmp import messages
 from probfsl.models.evidence import EvidenceLSSVM
 
@@ -102,7 +107,9 @@ def test_lambda_is_the_stationary_point_of_the_profile_evidence(omniglot, lambda
     if lambda_mode == "per_class":
         s, proj, lam = s.repeat_interleave(5, 0), proj.reshape(-1, 1, proj.shape[-1]), res.lam
     lam = lam.reshape(-1)
-    grad, curv = _profile_slopes(s, proj, lam)
+    sp_rot = rotated_spectrum(s, proj)
+    grad, curv = _slopes(sp_rot, lam.unsqueeze(-1).expand_as(sp_rot.yy), shared=True)
+    grad, curv = grad[:, 0], curv[:, 0]
     ratio = lam / s.amax(-1).squeeze(-1)
     inner = (ratio > 1e-9) & (ratio < 1e9)
     assert bool(inner.any())
@@ -114,14 +121,15 @@ def test_lambda_is_the_stationary_point_of_the_profile_evidence(omniglot, lambda
         else maximize_evidence(sp, warn=False)
     )
     f_hand, f_derived = hand.log_evidence.sum(-1), res.log_evidence.sum(-1)
-    assert bool((f_derived >= f_hand - 1e-12 * f_hand.abs()).all())
+    # both end at the stationary point (or the clamp); their evidence formulas differ
+    assert bool((f_derived >= f_hand - 1e-10 * f_hand.abs()).all())
 
 
 def test_lambda_heading_to_zero_lands_on_the_clamp():
     """Targets along the large-eigenvalue directions (``U^T y ~ s^1.5``, N < D): the
     profile evidence rises to a finite limit as lambda -> 0 (exact interpolation, spec
     section 3); lambda ends on the clamp ``1e-10 x mean(s)``, flagged at the boundary,
-    with an evidence at least the hand-written engine's."""
+    in both engines (the same Newton finish), with the same evidence."""
     gen = torch.Generator().manual_seed(0)
     t, n, d = 4, 8, 20
     u = torch.linalg.qr(torch.randn(t, n, n, dtype=F64, generator=gen))[0]
@@ -133,9 +141,11 @@ def test_lambda_heading_to_zero_lands_on_the_clamp():
     sp = spectrum(x, y)
     hand = maximize_shared_evidence(sp)
     torch.testing.assert_close(res.lam, 1e-10 * sp.mean_s[:, None].expand(t, 2), rtol=1e-12, atol=0)
+    torch.testing.assert_close(hand.lam, res.lam, rtol=1e-12, atol=0)
     assert bool(res.at_boundary.all()) and bool(hand.at_boundary.all())
     f_hand, f_derived = hand.log_evidence.sum(-1), res.log_evidence.sum(-1)
-    assert bool((f_derived >= f_hand - 1e-12 * f_hand.abs()).all())
+    # both end at the stationary point (or the clamp); their evidence formulas differ
+    assert bool((f_derived >= f_hand - 1e-10 * f_hand.abs()).all())
     # in closed form, no lambda of a log grid down to the clamp does better
     profile = profile_log_evidence(s.unsqueeze(-2), (u.mT @ y).mT, res.lam[:, :1]).squeeze(-1)
     grid = sp.mean_s[:, None] * torch.logspace(-10, 0, 41, dtype=F64)

@@ -504,7 +504,7 @@ def test_lambda_ends_at_a_stationary_point(shared):
         interior[..., :1] if shared else interior
     ].all()
     rough = newton_polish(
-        sp, res.lam * 1.01, res.lam * 1e-3, res.lam * 1e3, interior, shared, steps=0
+        sp, res.lam * 1.01, res.lam * 1e-3, res.lam * 1e3, interior, shared, max_steps=0
     )
     polished = newton_polish(sp, rough, res.lam * 1e-3, res.lam * 1e3, interior, shared)
     assert torch.equal(rough, res.lam * 1.01)

@@ -57,35 +57,20 @@ steps: on 5-shot tasks the EM map's rate is about ``1 - 1e-4`` and Aitken's step
 bounded by ``reach``, cannot finish there; the schedule is a warm start (measured on
 1,000 Omniglot tasks, the agreement below is the same with 0, 10 or 200 steps).
 
-**The stationary point: safeguarded Newton on the declared model's profile evidence.**
-The goal of the paper's fixed point (Algorithm 1-2, eq. 19 with the factor N) is the
-stationary point of the profile log evidence ``F(lambda)`` (eq. 16-17: beta profiled,
-``dF/dlambda = 0``). :func:`polish_lambda` reaches it directly, per task and batched (no
-loop over tasks), by Newton steps on ``u = log lambda`` of the declared model's profile
-evidence in closed form (:func:`profile_log_evidence`, summed over the task's targets;
-derivatives :func:`_profile_slopes`): direction ``-F'/F''`` where ``F'' < 0`` (one log
-unit uphill elsewhere), each step clamped to ``clamp x mean(s)`` like the hand-written
-engine; a step is kept only where the evidence does not decrease, lengthened by
-doublings while each raises it (a lambda heading for a finite limit at 0 or infinity,
-where Newton's step in ``log lambda`` stays of order one, reaches the clamp in a few
-steps and lands on it; the hand-written engine's map crawls there and stops short of it,
-both flag ``at_boundary``) and otherwise halved. Where the predicted rise of the full
-step is below the rounding of ``F``, comparing evidences cannot decide and the full
-Newton step is taken (the evidence is flat there to the precision of the dtype), so
-lambda ends at ``F' = 0`` to rounding, not only where differences of ``F`` vanish in
-rounding (``sqrt(eps |F| / |F''|)`` in ``log lambda``, up to 1e-6 on flat 5-shot
-evidences). One host sync every 4 steps. Not polished: problems whose grid argmax is the
-span's upper end, where the evidence still rises as lambda -> infinity (one positive per
-target, spec §3) and has no stationary point; their lambda, as arbitrary as the
-hand-written engine's there, stays the schedule's. Then one derived profile of beta and
-q(z) at the final lambda (the (beta, z) sweeps above): beta, q(z) and the bound still
+**The stationary point: safeguarded Newton on the profile evidence.** The goal of the
+paper's fixed point (Algorithm 1-2, eq. 19 with the factor N) is the stationary point of
+the profile log evidence ``F(lambda)`` (eq. 16-17: beta profiled, ``dF/dlambda = 0``).
+:func:`~probfsl.inference.evidence.newton_polish` reaches it directly, batched, by Newton
+steps on ``log lambda`` of this regression's profile evidence in closed form (its
+spectrum: the rotated coordinates, summed over the task's targets), each kept only where
+the evidence does not decrease, lengthened by doublings while each raises it (a lambda
+heading for a finite limit at 0 or infinity lands on the clamp) and otherwise halved; the
+hand-written engine finishes with the same routine. Not polished: problems whose grid
+argmax is the span's upper end, where the evidence still rises as lambda -> infinity (one
+positive per target, spec §3) and has no stationary point; their lambda, as arbitrary as
+the hand-written engine's there, stays the schedule's. Then one derived profile of beta
+and q(z) at the final lambda (the (beta, z) sweeps above): beta, q(z) and the bound still
 come from VMP, and the bound is the log evidence there.
-
-Against the hand-written engine (:mod:`probfsl.inference.evidence`, 1,000 Omniglot
-tasks, 5-shot and shared 1-shot): the same labels and boundary flags; where lambda
-differs by more than 1e-6 relative, the derived lambda has ``F' = 0`` to rounding and an
-evidence at least as high, the hand-written one stopped on a change of the evidence
-below 16 epsilons (flat maxima) or before its map converged.
 
 **Where the evidence has no finite maximiser** (1-shot tasks: spec §3, Theorem 1
 caveats), lambda ends beyond the span ``span x mean(s)`` the hand-written engine
@@ -109,6 +94,7 @@ from pyro.distributions import constraints
 from probfsl.inference import VMP
 from probfsl.inference.base import Engine, Info, RunInfo, run
 from probfsl.inference.eigh import stable_eigh
+from probfsl.inference.evidence import Spectrum, newton_polish
 from probfsl.inference.vmp import messages
 from probfsl.inference.vmp.einsum import sweeping
 from probfsl.inference.vmp.engine import VMPState
@@ -262,9 +248,14 @@ class DerivedEvidenceEngine(Engine):
         free: torch.Tensor | None = None,
     ) -> DerivedEvidenceState:
         """Lambda moved to the stationary point of the profile evidence by safeguarded
-        Newton steps (:func:`polish_lambda`; only the tasks ``free [T]`` when given),
+        Newton steps (:func:`probfsl.inference.evidence.newton_polish`, on this
+        regression's spectrum ``s``, ``proj``; only the tasks ``free [T]`` when given),
         then one derived (beta, z) profile there."""
-        lam = polish_lambda(s, proj, state.lam, state.lo, state.hi, free)
+        k = proj.shape[1]  # one lambda per problem, shared by its k targets
+        sp = rotated_spectrum(s, proj)
+        active = torch.ones_like(sp.yy, dtype=torch.bool) if free is None else free[:, None]
+        wide = [t.unsqueeze(-1).expand(-1, k) for t in (state.lam, state.lo, state.hi)]
+        lam = newton_polish(sp, *wide, active.expand(-1, k), shared=True)[:, 0]
         current = state.vmp.q["lam"][0]
         vmp = self._settle(state.vmp, lam.reshape(current.shape))
         return dataclasses.replace(state, vmp=vmp)
@@ -327,133 +318,15 @@ def profile_log_evidence(s: torch.Tensor, proj: torch.Tensor, lam: torch.Tensor)
     return per_target.sum(-1)
 
 
-def _profile_slopes(
-    s: torch.Tensor, proj: torch.Tensor, lam: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """First and second derivatives ``[T]`` of :func:`profile_log_evidence` in
-    ``u = log lambda`` at ``lam [T]`` (``s [T, 1, N]``, ``proj [T, K, N]``).
-
-    With ``a_d = lambda / (lambda + s_d)``, ``b_d = 1 - a_d`` (``da/du = a b``) and the
-    profile energies ``E_k = sum_d y~_dk^2 a_d``: ``G = sum_k [1/2 sum_d log a_d - N/2 log
-    E_k]``, ``G' = sum_k [gamma / 2 - N/2 E'_k / E_k]`` (``gamma = sum_d b_d``, the
-    effective number of parameters; ``G' = 0`` is eq. 19's fixed point ``lambda =
-    gamma E / (N Q)``, since ``E' = lambda Q``) and ``G'' = sum_k [-1/2 sum_d a_d b_d
-    - N/2 (E''_k / E_k - (E'_k / E_k)^2)]``.
-    """
+def rotated_spectrum(s: torch.Tensor, proj: torch.Tensor) -> Spectrum:
+    """The regression of :func:`evidence_model` (eigenvalues ``s [T, 1, N]``, rotated
+    targets ``proj [T, K, N]``) as the hand-written engine's
+    :class:`~probfsl.inference.evidence.Spectrum`: every coordinate is in ``s`` (the
+    null ones with s = 0), so there is no separate least-squares residual."""
+    c = proj.mT.square()
     n = proj.shape[-1]
-    lm = lam[:, None, None]
-    a, b = lm / (lm + s), s / (lm + s)  # [T, 1, N]
-    ab = a * b
-    p2 = proj**2
-    floor = torch.finfo(s.dtype).eps * p2.sum(-1).clamp_min(1.0)
-    energy = (p2 * a).sum(-1).clamp_min(floor)  # [T, K]
-    e1 = (p2 * ab).sum(-1) / energy
-    e2 = (p2 * ab * (b - a)).sum(-1) / energy
-    grad = 0.5 * b.sum(-1) - 0.5 * n * e1
-    curv = -0.5 * ab.sum(-1) - 0.5 * n * (e2 - e1**2)
-    return grad.sum(-1), curv.sum(-1)
-
-
-#: step lengths tried along the Newton direction, in units of the Newton step: halvings
-#: (backtracking) and doublings (the steady crawl of a finite limit at lambda -> 0 or
-#: infinity, where the Newton step in log lambda stays of order one)
-NEWTON_FACTORS = tuple(2.0**j for j in range(-12, 7))
-
-
-def _newton_step(
-    s: torch.Tensor,
-    proj: torch.Tensor,
-    lam: torch.Tensor,
-    value: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    factors: torch.Tensor,
-    unit: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One safeguarded Newton step on ``log lambda`` of the profile evidence ``value``
-    at ``lam`` (``[T]``, clamped to ``[lo, hi]``): the new ``lam`` and its value.
-
-    Direction ``-G'/G''`` where ``G'' < 0``, one log unit uphill otherwise. Step lengths
-    ``factors`` (``factors[unit] = 1``, the Newton step): the full step when it does not
-    lower the evidence, lengthened while each doubling raises it; otherwise the longest
-    shorter step that does not lower it; otherwise no move. Monotone; no host sync.
-    """
-    grad, curv = _profile_slopes(s, proj, lam)
-    newton = torch.where(curv < 0, -grad / curv, grad.sign())
-    newton = torch.where(torch.isfinite(newton), newton, torch.zeros_like(newton))
-    u = lam.log()
-    cand = (u.unsqueeze(-1) + newton.unsqueeze(-1) * factors).exp()
-    cand = cand.clamp(lo.unsqueeze(-1), hi.unsqueeze(-1))  # [T, C]
-    vals = profile_log_evidence(s, proj, cand)
-    vals = torch.where(torch.isfinite(vals), vals, -math.inf)
-    base = value.unsqueeze(-1)
-    # longer steps: each doubling must raise the evidence strictly
-    rises = (vals[:, unit + 1 :] > vals[:, unit:-1]).long().cumprod(-1).sum(-1)
-    longer = unit + rises
-    # shorter steps (and the full one): the longest that does not lower it; the full
-    # step also where its predicted rise -G'^2 / (2 G'') is below the rounding of G,
-    # so that comparing evidences cannot decide and the local quadratic model does
-    ok = vals[:, : unit + 1] >= base
-    rise = -0.5 * grad * newton
-    blind = (curv < 0) & (rise <= 64 * torch.finfo(s.dtype).eps * value.abs().clamp_min(1.0))
-    ok[:, unit] |= blind & torch.isfinite(vals[:, unit])
-    index = torch.arange(unit + 1, device=lam.device)
-    shorter = torch.where(ok, index, -1).amax(-1)
-    full_ok = ok[:, unit]
-    pick = torch.where(full_ok, longer, shorter)
-    moved = pick >= 0
-    pick = pick.clamp_min(0).unsqueeze(-1)
-    new_lam = torch.where(moved, torch.gather(cand, -1, pick).squeeze(-1), lam)
-    new_val = torch.where(moved, torch.gather(vals, -1, pick).squeeze(-1), value)
-    return new_lam, new_val
-
-
-def polish_lambda(
-    s: torch.Tensor,
-    proj: torch.Tensor,
-    lam: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    free: torch.Tensor | None = None,
-    max_steps: int = 64,
-    check_every: int = 4,
-    rtol: float | None = None,
-) -> torch.Tensor:
-    """Safeguarded Newton steps (:func:`_newton_step`) on ``log lambda`` of the declared
-    model's profile evidence from ``lam [T]``, clamped to ``[lo, hi]``.
-
-    Every ``check_every`` steps (one host sync) the tasks whose lambda moved by less
-    than ``rtol`` (relative; default ``sqrt(eps)``, the precision to which rounding
-    determines a flat maximum) in the last step are done and leave the batch (a task
-    that does not move keeps its state, so this changes no result); the loop ends when
-    none is left, or after ``max_steps``.
-    """
-    rtol = torch.finfo(s.dtype).eps ** 0.5 if rtol is None else rtol
-    factors = torch.tensor(NEWTON_FACTORS, dtype=s.dtype, device=s.device)
-    unit = NEWTON_FACTORS.index(1.0)
-    lam = lam.clamp(lo, hi)
-    value = profile_log_evidence(s, proj, lam.unsqueeze(-1)).squeeze(-1)
-    value = torch.where(torch.isfinite(value), value, -math.inf)
-    full, where = lam, None  # all tasks, and the ones still iterated (None: all)
-    if free is not None:
-        where = free.nonzero().squeeze(-1)  # one sync
-        s, proj, lam, value = s[where], proj[where], lam[where], value[where]
-        lo, hi = lo[where], hi[where]
-    for i in range(max_steps if lam.numel() else 0):
-        new, value = _newton_step(s, proj, lam, value, lo, hi, factors, unit)
-        moving = (new - lam).abs() > rtol * lam
-        lam = new
-        if (i + 1) % check_every and i + 1 < max_steps:
-            continue
-        full = lam if where is None else full.index_copy(0, where, lam)
-        keep = moving.nonzero().squeeze(-1)  # the one sync of a check
-        if keep.numel() == 0:
-            break
-        if keep.numel() < moving.numel():
-            where = keep if where is None else where[keep]
-            s, proj, lam, value = s[keep], proj[keep], lam[keep], value[keep]
-            lo, hi = lo[keep], hi[keep]
-    return full
+    e0 = c.new_zeros(c.shape[0], c.shape[-1])
+    return Spectrum(s[:, 0], c, e0, c.sum(-2), n, n, None, proj.mT, "dual")
 
 
 def derived_evidence(
@@ -542,7 +415,7 @@ __all__ = [
     "derived_evidence",
     "derived_proba",
     "evidence_model",
-    "polish_lambda",
     "profile_log_evidence",
     "rotate",
+    "rotated_spectrum",
 ]

@@ -484,8 +484,9 @@ def maximize_evidence(
         res = engine.result(state, info)
         lam = torch.where(degenerate, state.hi.reshape(shape), res.lam.reshape(shape))
         lo, hi = state.lo.reshape(shape), state.hi.reshape(shape)
-        interior = ~res.at_boundary.reshape(shape) & ~degenerate
-        lam = newton_polish(sp, lam, lo, hi, interior, shared=False)
+        # not where the evidence still rises as lambda -> infinity (no stationary point)
+        rising = res.at_boundary.reshape(shape) & (lam > sp.mean_s.unsqueeze(-1))
+        lam = newton_polish(sp, lam, lo, hi, ~rising & ~degenerate, shared=False)
         f_hat = log_evidence(sp, lam)
         # F still rising further out (flat supremum at lambda -> 0 or infinity): no maximiser
         beyond = (log_evidence(sp, lam * 1e-2) > f_hat) | (log_evidence(sp, lam * 1e2) > f_hat)
@@ -601,6 +602,62 @@ def _slopes(sp: Spectrum, lam: torch.Tensor, shared: bool) -> tuple[torch.Tensor
     return grad, curv
 
 
+#: step lengths tried along the Newton direction, in units of the Newton step: halvings
+#: (backtracking) and doublings (the steady crawl towards a finite limit at lambda -> 0 or
+#: infinity, where the Newton step in log lambda stays of order one)
+NEWTON_FACTORS = tuple(2.0**j for j in range(-12, 7))
+
+
+def _newton_step(
+    sp: Spectrum,
+    lam: torch.Tensor,
+    value: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    shared: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One safeguarded Newton step on ``log lambda`` of the profile evidence ``value`` at
+    ``lam [..., K]`` (clamped to ``[lo, hi]``): the new ``lam`` and its value.
+
+    Direction ``-F'/F''`` where ``F'' < 0``, one log unit uphill otherwise. Of the step
+    lengths :data:`NEWTON_FACTORS`: the full step when it does not lower the evidence,
+    lengthened while each doubling raises it; otherwise the longest shorter step that
+    does not lower it; otherwise no move. The full step is also taken where its predicted
+    rise ``-F'^2 / (2 F'')`` is below the rounding of ``F``, where comparing evidences
+    cannot decide and the local quadratic model does. No host synchronisation.
+    """
+    factors = torch.tensor(NEWTON_FACTORS, dtype=lam.dtype, device=lam.device)
+    unit = NEWTON_FACTORS.index(1.0)
+    grad, curv = _slopes(sp, lam, shared)
+    grad, curv = grad.expand_as(lam), curv.expand_as(lam)
+    newton = torch.where(curv < 0, -grad / curv, grad.sign())
+    newton = torch.where(torch.isfinite(newton), newton, torch.zeros_like(newton))
+    tries = (lam.log() + newton * factors.reshape(-1, *[1] * lam.dim())).exp()
+    tries = torch.maximum(torch.minimum(tries, hi), lo)  # [C, ..., K]
+    vals = torch.stack([_profile_value(sp, t, shared) for t in tries])
+    vals = torch.where(torch.isfinite(vals), vals, -math.inf)
+    rises = (vals[unit + 1 :] > vals[unit:-1]).long().cumprod(0).sum(0)
+    ok = vals[: unit + 1] >= value
+    rise = -0.5 * grad * newton
+    blind = (curv < 0) & (rise <= 64 * torch.finfo(lam.dtype).eps * value.abs().clamp_min(1.0))
+    ok[unit] |= blind & torch.isfinite(vals[unit])
+    index = torch.arange(unit + 1, device=lam.device).reshape(-1, *[1] * lam.dim())
+    shorter = torch.where(ok, index, -1).amax(0)
+    pick = torch.where(ok[unit], unit + rises, shorter)
+    moved = pick >= 0
+    pick = pick.clamp_min(0).unsqueeze(0)
+    new_lam = torch.where(moved, tries.gather(0, pick).squeeze(0), lam)
+    new_val = torch.where(moved, vals.gather(0, pick).squeeze(0), value)
+    return new_lam, new_val
+
+
+def _profile_value(sp: Spectrum, lam: torch.Tensor, shared: bool) -> torch.Tensor:
+    """``F(lambda)`` per target, or its sum over the targets (kept along them) when
+    ``shared``."""
+    f = log_evidence(sp, lam)
+    return f.sum(-1, keepdim=True).expand_as(f) if shared else f
+
+
 def newton_polish(
     sp: Spectrum,
     lam: torch.Tensor,
@@ -608,42 +665,33 @@ def newton_polish(
     hi: torch.Tensor,
     active: torch.Tensor,
     shared: bool,
-    steps: int = 8,
+    max_steps: int = 64,
+    check_every: int = 4,
 ) -> torch.Tensor:
-    """``lam [..., K]`` moved by safeguarded Newton steps on ``log lambda`` to the
-    stationary point of the profile evidence (eq. 17-19) where ``active``.
+    """``lam [..., K]`` moved by safeguarded Newton steps on ``log lambda``
+    (:func:`_newton_step`) to the stationary point of the profile evidence (eq. 17-19)
+    where ``active``, clamped to ``[lo, hi]``; with ``shared`` one lambda per batch element
+    maximises the summed evidence.
 
-    The fixed-point loop stops once the evidence moves by less than its tolerance, which
-    on a flat maximum leaves lambda about 1e-6 (relative) short of ``F' = 0``; Newton's
-    steps converge there quadratically. A step is the full Newton step where the
-    evidence does not drop beyond rounding (``F'' < 0``), else the best of its halvings
-    and the current value, clamped to ``[lo, hi]``: the evidence never decreases beyond
-    rounding. A fixed number of steps, no host synchronisation.
+    A fixed-point loop that stops once the evidence moves by less than its tolerance
+    leaves lambda about 1e-6 (relative) short of ``F' = 0`` on a flat maximum; Newton's
+    steps converge there quadratically. Every ``check_every`` steps one host
+    synchronisation asks whether any lambda still moves by more than ``sqrt(eps)``
+    (relative); the loop ends when none does, or after ``max_steps``. The evidence never
+    decreases beyond rounding.
     """
-
-    def value(x: torch.Tensor) -> torch.Tensor:
-        f = log_evidence(sp, x)
-        return f.sum(-1, keepdim=True).expand_as(x) if shared else f
-
-    halvings = torch.tensor([2.0**-j for j in range(1, 12)], dtype=lam.dtype, device=lam.device)
-    rounding = 8 * torch.finfo(lam.dtype).eps
-    f0 = value(lam)
-    for _ in range(steps):
-        grad, curv = _slopes(sp, lam, shared)
-        newton = curv < 0
-        step = torch.where(newton, -grad / torch.where(newton, curv, -1.0), grad.sign())
-        full = (lam * step.exp()).clamp(lo, hi)
-        f_full = value(full)
-        take_full = newton & (f_full >= f0 - rounding * f0.abs())
-        tries = (lam * (halvings.reshape(-1, *[1] * lam.dim()) * step).exp()).clamp(lo, hi)
-        f_tries = torch.stack([value(t) for t in tries])
-        best = f_tries.argmax(0, keepdim=True)
-        f_best = f_tries.gather(0, best).squeeze(0)
-        lam_best = torch.where(f_best > f0, tries.gather(0, best).squeeze(0), lam)
-        new = torch.where(take_full, full, lam_best)
-        new = torch.where(active & torch.isfinite(new), new, lam)
-        f0 = torch.where(new == lam, f0, value(new))
+    rtol = torch.finfo(lam.dtype).eps ** 0.5
+    lam = torch.where(active, lam.clamp(lo, hi), lam)
+    value = _profile_value(sp, lam, shared)
+    value = torch.where(torch.isfinite(value), value, -math.inf)
+    for i in range(max_steps):
+        new, new_value = _newton_step(sp, lam, value, lo, hi, shared)
+        new = torch.where(active, new, lam)
+        value = torch.where(active, new_value, value)
+        moving = (new - lam).abs() > rtol * lam
         lam = new
+        if (i + 1) % check_every == 0 and not bool(moving.any()):
+            break
     return lam
 
 
@@ -674,9 +722,9 @@ def maximize_shared_evidence(
     state, info = run(engine, engine.init_spectrum(flat), max_iter, tol)
     res = engine.result(state, info)
     out = EvidenceResult(*(getattr(res, f.name).reshape(batch) for f in fields(res)))
-    interior = ~out.at_boundary & ~out.degenerate
+    rising = out.at_boundary & (out.lam > sp.mean_s.unsqueeze(-1))
     lo, hi = state.lo.reshape(batch), state.hi.reshape(batch)
-    lam = newton_polish(sp, out.lam, lo, hi, interior, shared=True)
+    lam = newton_polish(sp, out.lam, lo, hi, ~rising & ~out.degenerate, shared=True)
     beta = profile_beta(sp, lam)
     return replace(out, lam=lam, alpha=lam * beta, beta=beta, log_evidence=log_evidence(sp, lam))
 
