@@ -148,13 +148,12 @@ def test_derived_engine_passes_conformance():
 def test_a_broken_alpha_step_is_caught(monkeypatch):
     """An alpha step that overshoots the MM update lowers the bound: caught by the
     monotone check and by the comparison with the hand-written engine."""
-    fit = derived.mm_dirichlet_fit
+    step = derived.AlphaStep.__call__
 
-    def overshoot(alpha, *args, **kwargs):
-        new, iters = fit(alpha, *args, **kwargs)
-        return alpha + 3.0 * (new - alpha), iters
+    def overshoot(self, alpha, *args, **kwargs):
+        return alpha + 3.0 * (step(self, alpha, *args, **kwargs) - alpha)
 
-    monkeypatch.setattr(derived, "mm_dirichlet_fit", overshoot)
+    monkeypatch.setattr(derived.AlphaStep, "__call__", overshoot)
     with pytest.raises(AssertionError, match="wrong way"):
         assert_monotone(_case())
     out = both(False, n_iter=4, **SHORT)

@@ -47,7 +47,6 @@ from probfsl.inference.dirichlet_mm import (
     EPS,
     DirichletMixtureState,
     EMDirichletEngine,
-    mm_dirichlet_fit,
 )
 from probfsl.inference.vmp import VMP, VMPState, dirichlet_points
 from probfsl.validation import check_task_tensors
@@ -94,7 +93,7 @@ class AlphaStep:
 
     Called by VMP with the concentrations [B, K, K] and the statistics S_kj = sum_n r_nk
     ln x_nj and R_k = sum_n r_nk (expanded to [B, K, K]); returns the concentrations after
-    :func:`~probfsl.inference.dirichlet_mm.mm_dirichlet_fit` on the weighted mean
+    :meth:`~probfsl.inference.dirichlet_mm.EMDirichletEngine.fit_alpha` on the weighted mean
     log-features S / R: classes whose weight is at most 1e-15 keep theirs (the reference
     code's masking). Each MM iteration lowers the class's negative log-likelihood, so the
     bound never falls. Records the inner iterations of every call in ``history``.
@@ -110,19 +109,7 @@ class AlphaStep:
         weight = weight[..., 0]
         empty = weight <= EMPTY
         mean_log = stat / weight.clamp_min(EMPTY).unsqueeze(-1)
-        mean_log = torch.where(empty.unsqueeze(-1), torch.full_like(mean_log, -10.0), mean_log)
-        e = self.engine
-        alpha, iters = mm_dirichlet_fit(
-            alpha,
-            mean_log,
-            e.mm_max_iter,
-            e.mm_tol,
-            e.mm_check_every,
-            frozen=empty,
-            early_exit=e.mm_early_exit,
-            solver=e.solver,
-            compiled=e.compiled,
-        )
+        alpha, iters = self.engine.fit_alpha(alpha, mean_log, empty)
         self.history.append(iters)
         return alpha
 

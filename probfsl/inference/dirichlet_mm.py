@@ -635,15 +635,16 @@ class EMDirichletEngine(Engine):
         """Spec §3.2-3.3: pi from the current R, then the closed-form query assignments."""
         return self._assignment_step(state, dirichlet_log_density(state.log_x, state.alpha))
 
-    def _alpha_step(
-        self, state: DirichletMixtureState, with_objective: bool = True
-    ) -> tuple[DirichletMixtureState, torch.Tensor]:
-        stat, weight = weighted_log_stat(state.log_x, state.r)
-        empty = weight <= EMPTY
-        stat = torch.where(empty.unsqueeze(-1), torch.full_like(stat, -10.0), stat)
-        alpha, iters = mm_dirichlet_fit(
-            state.alpha,
-            stat,
+    def fit_alpha(
+        self, alpha: torch.Tensor, mean_log: torch.Tensor, empty: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Algorithm 1 per class from the weighted mean log-probabilities ``mean_log``
+        [..., K, K], with this engine's inner loop; the classes ``empty`` [..., K] keep
+        their alpha (their statistic is set to -10). Returns alpha and the iterations."""
+        mean_log = torch.where(empty.unsqueeze(-1), torch.full_like(mean_log, -10.0), mean_log)
+        return mm_dirichlet_fit(
+            alpha,
+            mean_log,
             self.mm_max_iter,
             self.mm_tol,
             self.mm_check_every,
@@ -652,6 +653,12 @@ class EMDirichletEngine(Engine):
             solver=self.solver,
             compiled=self.compiled,
         )
+
+    def _alpha_step(
+        self, state: DirichletMixtureState, with_objective: bool = True
+    ) -> tuple[DirichletMixtureState, torch.Tensor]:
+        stat, weight = weighted_log_stat(state.log_x, state.r)
+        alpha, iters = self.fit_alpha(state.alpha, stat, weight <= EMPTY)
         log_density = dirichlet_log_density(state.log_x, alpha)
         new = replace(state, alpha=alpha, mm_iters=iters)
         if not with_objective:
