@@ -90,6 +90,19 @@ class _Parser(argparse.ArgumentParser):
         return f"; did you mean {close[0]!r}?" if close else ""
 
 
+class _RaisingParser(_Parser):
+    """A parser whose usage errors raise ``ValueError`` (for arguments made by code, such
+    as a sweep's cells, rather than typed)."""
+
+    def error(self, message: str):
+        raise ValueError(f"{message}{self._did_you_mean(message)}")
+
+
+def parse_run_args(argv: Sequence[str]) -> argparse.Namespace:
+    """``probfsl run ARGV``'s parsed arguments; a usage error raises ``ValueError``."""
+    return build_parser(_RaisingParser).parse_args(["run", *argv])
+
+
 def _add_device_dtype(
     parser: argparse.ArgumentParser, dtype: str = "float32", why: str = ""
 ) -> None:
@@ -156,8 +169,8 @@ def _torch_version() -> str:
         return "not installed"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+def build_parser(parser_class: type[_Parser] = _Parser) -> argparse.ArgumentParser:
+    parser = parser_class(
         prog="probfsl", description="Bayesian few-shot learning on pre-extracted features."
     )
     parser.add_argument(
@@ -387,6 +400,60 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="BASE_IMAGES",
         help="also extract this folder or .zip as the base classes, into the same file",
     )
+
+    sweep = sub.add_parser(
+        "sweep",
+        help="many runs from one YAML file (data x methods x settings x seeds), resumable",
+        description="Run every cell of SWEEP.yaml (each one 'probfsl run') that the results "
+        "folder does not hold yet; rows are stored as cells end, so a sweep run again "
+        "resumes where it stopped. The file's format: docs/sweeps.md.",
+    )
+    sweep.add_argument("config", metavar="SWEEP.yaml", help="the sweep's description")
+    sweep.add_argument(
+        "--results",
+        metavar="DIR",
+        help="the results store (default: SWEEP-results beside the current folder)",
+    )
+    sweep.add_argument(
+        "--executor",
+        choices=["local", "ray"],
+        default="local",
+        help="local: worker processes on this machine (no server); ray: a Ray cluster "
+        "(pip install 'probfsl[distributed]')",
+    )
+    sweep.add_argument(
+        "--address",
+        default=None,
+        help="with --executor ray: 'auto' (this machine's cluster) or ray://host:port "
+        "(default: $RAY_ADDRESS, else a local cluster started for the sweep)",
+    )
+    sweep.add_argument(
+        "--workers",
+        type=_positive(int),
+        default=None,
+        help="local: worker processes (default: cores / resources.cpus, or the GPUs' "
+        "slots); ray without --address: the local cluster's CPUs",
+    )
+    sweep.add_argument(
+        "--retry-failed", action="store_true", help="run the stored failed cells again"
+    )
+    sweep.add_argument(
+        "--dry-run", action="store_true", help="list the cells and which are stored; run none"
+    )
+    sweep.add_argument(
+        "--report", metavar="DIR", help="then write the report (tables, figures) into DIR"
+    )
+
+    report = sub.add_parser(
+        "report", help="tables (Markdown, HTML) and figures from a sweep's results"
+    )
+    report.add_argument(
+        "results", metavar="RESULTS", help="a sweep's results folder, or its .parquet / .csv"
+    )
+    report.add_argument(
+        "--out", metavar="DIR", help="folder of the report (default: RESULTS/report)"
+    )
+    report.add_argument("--title", default="probfsl sweep report", help="the report's title")
 
     merge = sub.add_parser(
         "merge",

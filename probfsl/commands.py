@@ -311,6 +311,7 @@ def _auto(
     fixed: dict,
     device: torch.device,
     dtype: torch.dtype,
+    progress: bool = True,
 ):
     """``--preset auto`` / ``probfsl tune``: the search on base classes, or its fallback,
     in ``dtype`` on ``device``."""
@@ -326,7 +327,7 @@ def _auto(
             fixed=fixed,
             dtype=dtype,
             device=device,
-            progress=True,
+            progress=progress,
         )
     return auto_preset(
         args.method,
@@ -342,7 +343,7 @@ def _auto(
         fixed=fixed,
         dtype=dtype,
         device=device,
-        progress=True,
+        progress=progress,
     )
 
 
@@ -448,9 +449,26 @@ def _engine_param(method: str, engine: str, params: dict) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    # everything that can be checked without the data is checked first
     if args.out:
         check_writable(args.out, (".json", ".csv"))
+    row = run_row(args)
+    if args.zero_shot:  # hard labels: no calibration columns, and it says so
+        _note("zero-shot predictions are hard labels (clusters matched to classes): no ECE/NLL")
+        columns = [c for c in COLUMNS if c not in ("ece", "nll", "brier")]
+        print(text_table([row], [*columns, "argmax_in_task_accuracy"]))
+    else:
+        print(text_table([row]))
+    if args.out:
+        write_results([row], args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def run_row(args: argparse.Namespace, fs: FeatureSet | None = None, progress: bool = True) -> dict:
+    """What ``probfsl run`` computes for its parsed arguments ``args``: the row of the
+    results table. ``fs`` replaces loading ``--dataset`` / ``--features`` (a sweep's worker
+    hands in the features it already holds); ``progress`` shows the task bar."""
+    # everything that can be checked without the data is checked first
     device, dtype = _device_and_dtype(args)
     if args.batch_size is None:
         info = method_info(args.method)
@@ -469,7 +487,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     make_estimator(args.method, None if preset == "auto" or args.zero_shot else preset, **params)
     if preset == "auto":
         make_estimator(args.method, "auto", **params)  # a method without a search space
-    fs = _load(args)
+    fs = _load(args) if fs is None else fs
     _check_tasks_possible(args, fs)  # before any search on the base classes
     _check_batch_memory(args, fs, dtype)
     if args.preset is None and not args.param and _auto_by_default(args.method, fs):
@@ -490,7 +508,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.zero_shot:
         params = _without_base(args.method, fs, None if preset == "auto" else preset, params)
     if preset == "auto":
-        choice = _auto(args, fs, params, device, dtype)
+        choice = _auto(args, fs, params, device, dtype, progress)
         if choice.result is not None and args.preset == "auto":
             _print_tuning(choice.result, choice)
         if choice.note:
@@ -514,7 +532,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             args.seed,
             dtype,
             args.batch_size,
-            progress=True,
+            progress=progress,
             params=params,
             device=device,
             preset=preset,
@@ -532,7 +550,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             args.seed,
             device,
             dtype,
-            progress=True,
+            progress=progress,
             task_file=args.task_file,
             batch_size=args.batch_size,
             preset=run_preset,
@@ -545,16 +563,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if method != args.method:
             row["preset"] = f"auto ({method})"
         row["auto"] = auto_note
-    if args.zero_shot:  # hard labels: no calibration columns, and it says so
-        _note("zero-shot predictions are hard labels (clusters matched to classes): no ECE/NLL")
-        columns = [c for c in COLUMNS if c not in ("ece", "nll", "brier")]
-        print(text_table([row], [*columns, "argmax_in_task_accuracy"]))
-    else:
-        print(text_table([row]))
-    if args.out:
-        write_results([row], args.out)
-        print(f"wrote {args.out}")
-    return 0
+    return row
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -723,3 +732,52 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
     print(merge_main(args.files, args.out))
     return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from probfsl.sweeps import ResultsStore, load_config, sweep
+    from probfsl.sweeps.runner import plan
+
+    config = load_config(args.config)
+    results = Path(args.results or f"{Path(args.config).stem}-results")
+    if args.dry_run:
+        jobs, keys = plan(config, ResultsStore(results), args.retry_failed)
+        to_run = {job.key for job in jobs}
+        for cell, key in zip(config.cells(), keys, strict=True):
+            state = "to run" if key in to_run else "stored"
+            print(f"{state:7} {key}  {cell.describe()}  probfsl run {' '.join(cell.argv())}")
+        print(f"{len(keys)} cells, {len(keys) - len(jobs)} stored, {len(jobs)} to run")
+        return 0
+    table = sweep(
+        config,
+        results,
+        executor=args.executor,
+        address=args.address,
+        workers=args.workers,
+        retry_failed=args.retry_failed,
+        progress=True,
+    )
+    failed = table[table["status"] != "ok"]
+    print(
+        f"{len(table)} cells in {results}: {len(table) - len(failed)} ok, {len(failed)} "
+        f"failed (tables: {results / 'results.parquet'}, {results / 'results.csv'})"
+    )
+    for _, row in failed.iterrows():
+        print(f"failed: {row['data']}/{row['label']} seed {row['seed']}: {row['error']}")
+    if args.report:
+        _write_report(results, Path(args.report), "probfsl sweep report")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    out = Path(args.out) if args.out else Path(args.results) / "report"
+    _write_report(Path(args.results), out, args.title)
+    return 0
+
+
+def _write_report(results: Path, out: Path, title: str) -> None:
+    from probfsl.sweeps.report import write_report
+    from probfsl.sweeps.store import read_table
+
+    paths = write_report(read_table(results), out, title)
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")

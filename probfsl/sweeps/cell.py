@@ -1,0 +1,192 @@
+"""One cell of a sweep: one ``probfsl run``, its identity and how it runs in a worker."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import platform
+import socket
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+
+@dataclass(frozen=True)
+class Cell:
+    """The options of one ``probfsl run`` (``0`` / ``None`` where the run does not use
+    one: way and shot of a zero-shot run, the engine of a method with one engine)."""
+
+    data: str  # the source's name in the sweep
+    dataset: str | None
+    features: str | None
+    allow_pickle: bool
+    method: str
+    label: str  # the method entry's name in tables
+    preset: str | None
+    params: tuple[tuple[str, Any], ...]
+    engine: str | None
+    calibrate: str | None
+    zero_shot: bool
+    way: int
+    shot: int
+    query: int
+    balance: str
+    alpha: float
+    seed: int
+    tasks: int
+    device: str
+    dtype: str
+    batch_size: int | None
+    episodes: int | None
+    min_classes: int
+    max_classes: int
+
+    def argv(self, device: str | None = None) -> list[str]:
+        """The arguments of ``probfsl run`` for this cell (``device`` replaces ``auto``)."""
+        args = ["--method", self.method]
+        if self.dataset is not None:
+            args += ["--dataset", self.dataset]
+        else:
+            args += ["--features", str(self.features)]
+            if self.allow_pickle:
+                args.append("--allow-pickle")
+        if self.zero_shot:
+            args += ["--zero-shot", "--min-classes", str(self.min_classes)]
+            args += ["--max-classes", str(self.max_classes)]
+        else:
+            args += ["--way", str(self.way), "--shot", str(self.shot)]
+            args += ["--balance", self.balance]
+            if self.balance != "balanced":
+                args += ["--alpha", repr(self.alpha)]
+        args += ["--query", str(self.query), "--seed", str(self.seed)]
+        args += ["--tasks", str(self.tasks), "--dtype", self.dtype]
+        args += ["--device", device or ("cpu" if self.device == "auto" else self.device)]
+        for flag, value in (
+            ("--preset", self.preset),
+            ("--engine", self.engine),
+            ("--calibrate", self.calibrate),
+            ("--batch-size", self.batch_size),
+            ("--episodes", self.episodes),
+        ):
+            if value is not None:
+                args += [flag, str(value)]
+        for key, value in self.params:
+            args += ["--param", f"{key}={value!r}"]
+        return args
+
+    def fields(self) -> dict:
+        """The cell's options as a flat JSON-friendly dict (``params`` as JSON text)."""
+        out = asdict(self)
+        out["params"] = json.dumps(dict(self.params), sort_keys=True)
+        return out
+
+    def describe(self) -> str:
+        """A short name: data, label and setting."""
+        setting = "zero-shot" if self.zero_shot else f"{self.way}w{self.shot}s {self.balance}"
+        return f"{self.data}/{self.label} {setting} seed {self.seed}"
+
+    def key(self, code: str, data_digest: str) -> str:
+        """The cell's identity in a results store: its options (the device ``auto``
+        included as written), the content of its features and the code version."""
+        payload = json.dumps(
+            {"cell": self.fields(), "data": data_digest, "code": code}, sort_keys=True
+        )
+        return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+@functools.cache
+def code_version() -> str:
+    """probfsl's version and a digest of the installed package's files (code and
+    built-in data): a change to either gives a new version, so that its cells run anew."""
+    import probfsl
+
+    root = Path(probfsl.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return f"{probfsl.__version__}+{digest.hexdigest()[:12]}"
+
+
+def data_digest(dataset: str | None, features: str | None) -> str:
+    """The identity of a source's content: a built-in data set's name (its files are part
+    of :func:`code_version`) or the SHA-256 of a feature file."""
+    if dataset is not None:
+        return f"builtin:{dataset}"
+    digest = hashlib.sha256()
+    with open(features, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def machine() -> str:
+    """Where a cell ran: host, CPU and, when one is used, the GPU's name."""
+    return f"{socket.gethostname()} ({platform.machine()}, {_cpu_name()})"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def run_cell(cell: Cell, device: str, threads: int, log: TextIO | None = None, fs=None) -> dict:
+    """Run ``cell`` as ``probfsl run`` on ``device`` with ``threads`` torch threads.
+
+    Returns the run's result row (the fields of ``probfsl run --out``) with ``status``
+    ``"ok"``, or, when the run raises, a row with ``status`` ``"failed"`` and the error:
+    a failing cell never stops the others. What the run prints and logs goes to the
+    text stream ``log``. ``fs`` is the :class:`~probfsl.data.FeatureSet` when the worker already
+    holds it (else it is loaded from the cell's source).
+    """
+    import torch
+
+    from probfsl.cli import parse_run_args
+    from probfsl.commands import run_row
+
+    torch.set_num_threads(threads)
+    tic = time.perf_counter()
+    with _captured(log):
+        try:
+            args = parse_run_args(cell.argv(device))
+            row = {"status": "ok", "error": "", **run_row(args, fs, progress=False)}
+        except Exception as err:  # recorded in the store; the sweep goes on
+            if log is not None:
+                traceback.print_exc(file=log)
+            message = " ".join(str(err).split()) or type(err).__name__
+            row = {"status": "failed", "error": f"{type(err).__name__}: {message}"}
+    row["params"] = json.dumps(row.get("params", dict(cell.params)), sort_keys=True)
+    gpu = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else ""
+    row.update(wall_seconds=time.perf_counter() - tic, machine=machine(), gpu=gpu)
+    row["torch_threads"] = threads
+    return row
+
+
+@contextlib.contextmanager
+def _captured(stream):
+    """stdout, stderr and the ``probfsl`` logger into ``stream`` (no-op for ``None``)."""
+    if stream is None:
+        yield
+        return
+    logger = logging.getLogger("probfsl")
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("probfsl: note: %(message)s"))
+    saved = logger.handlers, logger.level, logger.propagate
+    logger.handlers, logger.propagate = [handler], False
+    logger.setLevel(logging.INFO)
+    try:
+        with contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):
+            yield
+    finally:
+        logger.handlers, logger.level, logger.propagate = saved

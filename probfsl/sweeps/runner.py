@@ -1,0 +1,115 @@
+"""Run a sweep: its cells not yet in the store, on an executor, each row stored as it ends."""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from probfsl.progress import progress as progress_bar
+from probfsl.sweeps.cell import code_version, data_digest
+from probfsl.sweeps.config import SweepConfig, load_config
+from probfsl.sweeps.executors import Job, make_executor
+from probfsl.sweeps.store import ResultsStore
+
+log = logging.getLogger("probfsl.sweep")
+
+#: seconds between rewrites of the results tables while a sweep runs
+TABLE_EVERY = 30.0
+
+
+def plan(config: SweepConfig, store: ResultsStore, retry_failed: bool = False):
+    """``(jobs to run, keys of every cell)``: the cells of ``config`` whose key is not in
+    ``store`` (nor failed there, unless ``retry_failed``), and all the sweep's keys."""
+    code = code_version()
+    digests = {s.name: data_digest(s.dataset, s.features) for s in config.data}
+    stored = store.stored()
+    jobs, keys = [], []
+    for cell in config.cells():
+        key = cell.key(code, digests[cell.data])
+        keys.append(key)
+        status = stored.get(key)
+        if status is None or (status == "failed" and retry_failed):
+            jobs.append(Job(key, cell))
+    return jobs, keys
+
+
+def sweep(
+    config: SweepConfig | str | Path,
+    results: str | Path,
+    executor: str = "local",
+    address: str | None = None,
+    workers: int | None = None,
+    retry_failed: bool = False,
+    progress: bool = False,
+):
+    """Run every cell of ``config`` (a :class:`SweepConfig` or a YAML file) that the
+    results store ``results`` (a folder) does not hold; return the sweep's table (a pandas
+    ``DataFrame``, one row per cell, stored ones included).
+
+    ``executor``: ``"local"`` (worker processes on this machine, ``workers`` of them) or
+    ``"ray"`` (``address``: ``None`` for a local cluster of ``workers`` CPUs, ``"auto"``,
+    or ``"ray://host:port"``). A cell that fails is stored with its error and the others
+    go on; it is run again only with ``retry_failed``. Rows are stored as cells end, so
+    an interrupted sweep, run again, resumes where it stopped.
+    """
+    if not isinstance(config, SweepConfig):
+        config = load_config(config)
+    store = ResultsStore(results)
+    runner = make_executor(executor, config.resources, address, workers)
+    jobs, keys = plan(config, store, retry_failed)
+    log.info(
+        "sweep: %d cells, %d stored, %d to run on %s",
+        len(keys),
+        len(keys) - len(jobs),
+        len(jobs),
+        runner.describe(),
+    )
+    code = code_version()
+    last = time.monotonic()
+
+    cells = {job.key: job.cell for job in jobs}
+    try:
+        with progress_bar(len(jobs), "sweep", "cells", progress) as bar:
+            for key, row, text in runner.run(jobs):
+                cell = cells[key]
+                store.record(key, _full_row(cell, row, code), text)
+                if row["status"] != "ok":
+                    log.info("sweep: %s failed: %s", cell.describe(), row["error"])
+                bar.update(1)
+                if time.monotonic() - last > TABLE_EVERY:
+                    store.write_tables()
+                    last = time.monotonic()
+    finally:
+        store.write_tables()
+    return store.table(keys)
+
+
+#: the cell's options that name its setting in the table (a zero-shot run's own row says
+#: ``way`` "3-10"; the cell's ``0`` keeps the column whole)
+_CELL_WINS = ("data", "label", "zero_shot", "way", "shot", "query", "balance", "alpha", "seed")
+
+
+def _full_row(cell, row: dict, code: str) -> dict:
+    """A stored row: the cell's options, the run's result fields, versions, time."""
+    import torch
+
+    import probfsl
+
+    out = dict(row)
+    fields = cell.fields()
+    ran_params, ran_preset = out.pop("params", None), out.pop("preset", None)
+    for key, value in fields.items():
+        if key in _CELL_WINS or key not in out:
+            out[key] = value
+    out["device_requested"] = cell.device
+    if cell.device != "auto":
+        out.setdefault("device", cell.device)
+    out["ran_preset"] = ran_preset
+    out["ran_params"] = ran_params if out["status"] == "ok" else None
+    out.setdefault("probfsl_version", probfsl.__version__)
+    out.setdefault("torch_version", torch.__version__)
+    out["code_version"] = code
+    out["finished"] = datetime.now(UTC).isoformat(timespec="seconds")
+    return out
