@@ -400,6 +400,22 @@ def build_parser(parser_class: type[_Parser] = _Parser) -> argparse.ArgumentPars
         metavar="BASE_IMAGES",
         help="also extract this folder or .zip as the base classes, into the same file",
     )
+    extract.add_argument(
+        "--executor",
+        choices=["here", "local", "ray"],
+        default="here",
+        help="here: this process; local: worker processes; ray: a Ray cluster (shards of "
+        "images, each sent to a worker)",
+    )
+    extract.add_argument(
+        "--workers",
+        type=_positive(int),
+        default=None,
+        help="local: worker processes (default: the cores); ray: a local cluster's CPUs",
+    )
+    extract.add_argument(
+        "--address", default=None, help="with --executor ray: 'auto' or ray://host:port"
+    )
 
     sweep = sub.add_parser(
         "sweep",

@@ -713,6 +713,14 @@ def cmd_select(args: argparse.Namespace) -> int:
 def cmd_extract(args: argparse.Namespace) -> int:
     from probfsl.data.extract import extract_main
 
+    executor = None
+    if args.executor != "here":
+        from probfsl.sweeps.config import Resources
+        from probfsl.sweeps.executors import make_executor
+
+        executor = make_executor(args.executor, Resources(), args.address, args.workers)
+    elif args.workers or args.address:
+        raise ValueError("--workers and --address need --executor local or ray")
     print(
         extract_main(
             args.images,
@@ -722,6 +730,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
             args.batch_size,
             args.split,
             base_dir=args.base_dir,
+            executor=executor,
         )
     )
     return 0

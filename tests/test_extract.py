@@ -169,3 +169,23 @@ def test_missing_backbone_hint_names_an_install_that_works(monkeypatch):
     assert "probfsl[vision]" not in str(err.value) and "from a clone" in str(err.value)
     monkeypatch.undo()
     extract.load_backbone.cache_clear()
+
+
+@pytest.mark.parametrize("executor", ["local", "ray"])
+def test_shards_on_an_executor_give_the_same_features(tmp_path, executor, monkeypatch):
+    """Images cut into shards, extracted by worker processes (local) or Ray tasks that
+    receive the image bytes: the same rows and features as one process."""
+    if executor == "ray":
+        pytest.importorskip("ray")
+    from probfsl.data import extract
+    from probfsl.sweeps.config import Resources
+    from probfsl.sweeps.executors import make_executor
+
+    root = _write_images(tmp_path / "imgs", per_class=5)
+    whole = extract_features(root, image_size=32, batch_size=2, progress=False)
+    monkeypatch.setattr(extract, "SHARD_BATCHES", 2)  # 15 images: shards of 4
+    runner = make_executor(executor, Resources(), workers=2)
+    shards = extract_features(root, image_size=32, batch_size=2, progress=False, executor=runner)
+    for key in ("labels", "class_names", "split", "filename"):
+        np.testing.assert_array_equal(whole[key], shards[key])
+    np.testing.assert_allclose(whole["features"], shards["features"], rtol=1e-5, atol=1e-5)

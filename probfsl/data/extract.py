@@ -132,6 +132,7 @@ def extract_features(
     batch_size: int = 64,
     split: str = "novel",
     progress: bool = True,
+    executor=None,
 ) -> dict[str, np.ndarray]:
     """Features of every image under ``images`` (folder or zip, one subfolder per class).
 
@@ -142,6 +143,11 @@ def extract_features(
         batch_size: images per forward pass.
         split: value of the ``split`` column for every row.
         progress: show the images done (:func:`probfsl.progress.progress`).
+        executor: ``None`` (this process), or a sweep executor
+            (:func:`probfsl.sweeps.executors.make_executor`): the images are cut into
+            shards of :data:`SHARD_BATCHES` batches, each extracted by a worker; a Ray
+            worker receives its shard's image bytes, so the images need only be
+            readable where the command runs.
 
     Returns:
         The ``.npz`` fields: ``features`` [N, 1280] float32, ``labels`` [N] int64,
@@ -157,15 +163,76 @@ def extract_features(
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     root = Path(images)
     paths, classes = list_images(root)
-    model = load_backbone(backbone)
-    from probfsl.progress import progress as progress_display
-
     names = sorted(set(classes))
     index = {c: i for i, c in enumerate(names)}
+    if executor is None:
+        features = _features_here(root, paths, backbone, int(image_size), batch_size, progress)
+    else:
+        features = _features_sharded(root, paths, backbone, int(image_size), batch_size, executor)
+    return {
+        "features": features,
+        "labels": np.array([index[c] for c in classes], dtype=np.int64),
+        "class_names": np.array(names),
+        "split": np.full(len(paths), split),
+        "filename": np.array(paths),
+    }
+
+
+#: batches per shard when an executor spreads the images over workers
+SHARD_BATCHES = 8
+
+
+def _features_sharded(
+    root: Path, paths: list[str], backbone: str, image_size: int, batch_size: int, executor
+) -> np.ndarray:
+    """The features of ``paths`` from shards run on ``executor``'s workers, in order."""
+    size = SHARD_BATCHES * batch_size
+    shards = [paths[i : i + size] for i in range(0, len(paths), size)]
+    ships_bytes = executor.name == "ray"  # a remote node may not see this file system
+    jobs = [
+        (backbone, image_size, batch_size, executor.resources.cpus, root, shard,
+         list(_read(root, shard)) if ships_bytes else None)
+        for shard in shards
+    ]  # fmt: skip
+    log.info(
+        "%d images in %d shards of up to %d on %s",
+        len(paths),
+        len(shards),
+        size,
+        executor.describe(),
+    )
+    return np.concatenate(executor.map(_shard_features, jobs))
+
+
+def _shard_features(job: tuple) -> np.ndarray:
+    """One shard's features in a worker: ``job`` = (backbone, image size, batch size,
+    threads, root, paths, image bytes or ``None`` to read them from ``root``)."""
+    backbone, image_size, batch_size, threads, root, paths, data = job
+    torch.set_num_threads(threads)
+    images = data if data is not None else _read(Path(root), paths)
+    model = load_backbone(backbone)
+    chunks, batch = [], []
+    for item in images:
+        batch.append(preprocess(item, image_size))
+        if len(batch) == batch_size:
+            chunks.append(_forward(model, batch))
+            batch = []
+    if batch:
+        chunks.append(_forward(model, batch))
+    return np.concatenate(chunks)
+
+
+def _features_here(
+    root: Path, paths: list[str], backbone: str, image_size: int, batch_size: int, progress: bool
+) -> np.ndarray:
+    """The features of ``paths`` in this process, with a progress display."""
+    from probfsl.progress import progress as progress_display
+
+    model = load_backbone(backbone)
     chunks, batch = [], []
     bar = progress_display(len(paths), f"{backbone} {root.name}", "images", progress)
     for data in _read(root, paths):
-        batch.append(preprocess(data, int(image_size)))
+        batch.append(preprocess(data, image_size))
         if len(batch) == batch_size:
             chunks.append(_forward(model, batch))
             bar.update(len(batch))
@@ -174,13 +241,7 @@ def extract_features(
         chunks.append(_forward(model, batch))
         bar.update(len(batch))
     bar.close()
-    return {
-        "features": np.concatenate(chunks),
-        "labels": np.array([index[c] for c in classes], dtype=np.int64),
-        "class_names": np.array(names),
-        "split": np.full(len(paths), split),
-        "filename": np.array(paths),
-    }
+    return np.concatenate(chunks)
 
 
 def _forward(model: torch.nn.Module, batch: list[np.ndarray]) -> np.ndarray:
@@ -240,13 +301,15 @@ def extract_main(
     batch_size: int = 64,
     split: str = "novel",
     base_dir: str | Path | None = None,
+    executor=None,
 ) -> str:
     """``probfsl extract IMAGES [--base-dir BASE_IMAGES] --backbone NAME --out FILE.npz``.
 
     Extracts ``images`` with ``split`` (default ``"novel"``); with ``base_dir``, also
     the images of ``base_dir`` as base classes, and writes both in one file
     (:func:`probfsl.data.loaders.merge_fields`: the classes of the two folders stay
-    distinct). ``out`` is checked before any image is read. Returns a one-line summary;
+    distinct), on ``executor``'s workers when one is given (:func:`extract_features`).
+    ``out`` is checked before any image is read. Returns a one-line summary;
     notes go to the ``probfsl`` logger.
     """
     from probfsl.data.loaders import merge_fields
@@ -260,13 +323,17 @@ def extract_main(
         if split == "base":
             raise ValueError("--base-dir gives the base classes: IMAGES must then be novel")
         list_images(base_dir)
-        base = extract_features(base_dir, backbone, image_size, batch_size, "base")
-        novel = extract_features(images, backbone, image_size, batch_size, split)
+        base = extract_features(
+            base_dir, backbone, image_size, batch_size, "base", executor=executor
+        )
+        novel = extract_features(images, backbone, image_size, batch_size, split, executor=executor)
         fields, notes = merge_fields([base, novel], [str(base_dir), str(images)])
         for note in notes:
             log.info(note)
     else:
-        fields = extract_features(images, backbone, image_size, batch_size, split)
+        fields = extract_features(
+            images, backbone, image_size, batch_size, split, executor=executor
+        )
     path = save_npz(fields, out)
     n, d = fields["features"].shape
     n_base = len(np.unique(fields["labels"][fields["split"] == "base"]))

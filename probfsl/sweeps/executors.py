@@ -140,6 +140,16 @@ class LocalExecutor:
                     row, log = _lost(job.cell, "its worker process died (out of memory?)"), ""
                 yield job.key, row, log
 
+    def map(self, fn, items: Sequence) -> list:
+        """``[fn(item) for item in items]`` on the workers, in order (``fn`` importable at
+        module level, its arguments picklable)."""
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        workers = min(len(self.devices), max(1, len(items)))
+        with ProcessPoolExecutor(workers, mp.get_context("spawn")) as pool:
+            return list(pool.map(fn, items))
+
 
 def _lost(cell: Cell, why: str) -> dict:
     """The row of a cell whose worker ended without a result."""
@@ -228,6 +238,29 @@ class RayExecutor:
                 except ray.exceptions.RayError as err:
                     row, log = _lost(job.cell, " ".join(str(err).split())[:500]), ""
                 yield job.key, row, log
+        finally:
+            if started:
+                ray.shutdown()
+
+    def map(self, fn, items: Sequence, window: int | None = None) -> list:
+        """``[fn(item) for item in items]`` as Ray tasks, in order; at most ``window``
+        items in flight (default: four per CPU of the cluster), so that the object store
+        holds a few of them at a time."""
+        if not items:
+            return []
+        ray = self.ray
+        started = self._start()
+        try:
+            remote = ray.remote(fn).options(
+                num_cpus=self.resources.cpus, num_gpus=self.resources.gpus, max_retries=0
+            )
+            window = window or max(1, 4 * int(ray.cluster_resources().get("CPU", 1)))
+            refs, out = [], []
+            for item in items:
+                refs.append(remote.remote(item))
+                if len(refs) >= window:
+                    out.append(ray.get(refs.pop(0)))
+            return out + ray.get(refs)
         finally:
             if started:
                 ray.shutdown()
