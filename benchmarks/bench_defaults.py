@@ -1,54 +1,37 @@
 """Every method at the command line's defaults, beside nearest centroid and soft k-means.
 
 What a user gets from ``probfsl run --method M --dataset D --shot S --balance B``
-(no ``--preset``, no ``--param``): each cell runs the command in this process
-(:func:`probfsl.cli.main`), so the default ``preset="auto"`` search on base-class
-episodes, its fallback to nearest centroid and the temperature calibration are all
-included. All methods of a setting see the same episodes (same seed). A cell is marked
-**below** when its 95% interval lies entirely under nearest centroid's.
+(no ``--preset``, no ``--param``): the cells are the sweeps ``sweeps/defaults.yaml`` and
+``sweeps/zero_shot.yaml``, each cell one ``probfsl run``, so the default ``preset="auto"``
+search on base-class episodes, its fallback to nearest centroid and the temperature
+calibration are all included. All methods of a setting see the same episodes (same
+seed). A cell is marked **below** when its 95% interval lies entirely under nearest
+centroid's.
 
 Data: the built-in Omniglot (PCA-64) and WordNet (MiniLM) sets, the 1280-d Omniglot
-EfficientNet-Lite0 features of the shared data when ``--data-dir`` holds them, and
-scikit-learn's handwritten digits (pixels; five base classes only).
-The zero-shot row (WordNet) gives EM-Dirichlet at its default beside the argmax
-baselines. Writes ``results/defaults.md`` (a page of the docs' benchmarks section) and
-``results/defaults.json``.
+EfficientNet-Lite0 features of the shared data when they are next to the repository,
+and scikit-learn's handwritten digits (pixels; five base classes only; this script
+writes their feature file). The zero-shot row (WordNet) gives EM-Dirichlet at its
+default beside the argmax baselines. The results stores are ``results/sweeps/defaults``
+and ``results/sweeps/zero_shot`` (a cell already stored for the same code is not run
+again); this script writes ``results/defaults.md`` (a page of the docs' benchmarks
+section) and ``results/defaults.json`` from them.
 
-    python benchmarks/bench_defaults.py [--tasks 1000] [--data-dir DIR] [--quick] [--out DIR]
-    python benchmarks/bench_defaults.py --balances balanced --merge   # add settings
-    python benchmarks/bench_defaults.py --tables-only                 # redo the tables
+    python benchmarks/bench_defaults.py [--workers 2] [--executor local|ray]
+    python benchmarks/bench_defaults.py --tables-only     # redo the tables from the stores
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
-import time
 from pathlib import Path
 
-import torch
-
-from probfsl.cli import main as probfsl
-from probfsl.methods import METHODS
+import probfsl
+from probfsl.sweeps import read_table
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_DATA = (HERE.parent.parent / "shared" / "data").resolve()
-SHARED = {"omniglot-1280": "omniglot_small/omniglot_small_effnetlite0.npz"}
-
-
-def run_cell(source: list[str], method: str, extra: list[str]) -> dict:
-    """One ``probfsl run`` in this process; its result row (``ValueError`` if it failed)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "row.json"
-        tic = time.perf_counter()
-        code = probfsl(["run", "--method", method, *source, *extra, "--out", str(out)])
-        if code != 0:
-            raise ValueError(f"probfsl run --method {method} {' '.join(source + extra)}: {code}")
-        row = json.loads(out.read_text())
-    row["wall_seconds"] = time.perf_counter() - tic
-    return row
+SWEEPS = ("defaults", "zero_shot")
 
 
 def cell(row: dict) -> str:
@@ -57,60 +40,37 @@ def cell(row: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tasks", type=int, default=1000)
-    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA)
-    parser.add_argument("--shots", type=int, nargs="+", default=[1, 5])
-    parser.add_argument("--balances", nargs="+", default=["dirichlet", "balanced"])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS))
-    parser.add_argument("--data", nargs="+", help="only these data sets (table names)")
-    parser.add_argument("--quick", action="store_true", help="100 tasks, built-in data only")
+    parser.add_argument("--workers", type=int, default=None, help="worker processes")
+    parser.add_argument("--executor", choices=["local", "ray"], default="local")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument(
-        "--merge", action="store_true", help="add to the rows of an existing defaults.json"
-    )
-    parser.add_argument(
-        "--tables-only", action="store_true", help="rewrite defaults.md from defaults.json"
+        "--tables-only", action="store_true", help="rewrite defaults.md from the stores"
     )
     args = parser.parse_args()
-    torch.set_num_threads(int(os.environ.get("PROBFSL_BENCH_THREADS", "2")))
-    tasks = 100 if args.quick else args.tasks
-    stored = args.out / "defaults.json"
-    rows = json.loads(stored.read_text()) if args.merge or args.tables_only else []
+    stores = {name: args.out / "sweeps" / name for name in SWEEPS}
     if not args.tables_only:
-        rows += run_all(args, tasks)
-    # a cell measured again replaces the stored one
-    rows = list({(r["data"], r["shot"], r["balance"], r["method"]): r for r in rows}.values())
-    args.out.mkdir(parents=True, exist_ok=True)
-    stored.write_text(json.dumps(rows, indent=1, default=str) + "\n")
-    (args.out / "defaults.md").write_text(tables(rows))
-
-
-def run_all(args: argparse.Namespace, tasks: int) -> list[dict]:
-    sources = {"omniglot (built-in)": ["--dataset", "omniglot"]}
-    sources["wordnet (built-in)"] = ["--dataset", "wordnet"]
-    for name, rel in SHARED.items():
-        if not args.quick and (args.data_dir / rel).is_file():
-            sources[name] = ["--features", str(args.data_dir / rel)]
-    if not args.quick:
-        sources["digits (scikit-learn)"] = ["--features", str(digits_file(HERE / "features"))]
-    sources = {k: v for k, v in sources.items() if not args.data or k in args.data}
+        digits_file(HERE / "features")
+        for name, store in stores.items():
+            probfsl.sweep(
+                HERE / "sweeps" / f"{name}.yaml",
+                store,
+                executor=args.executor,
+                workers=args.workers,
+                progress=True,
+            )
     rows = []
-    for data, source in sources.items():
-        for shot in args.shots:
-            for balance in args.balances:
-                extra = ["--shot", str(shot), "--balance", balance, "--tasks", str(tasks)]
-                for method in args.methods:
-                    row = run_cell(source, method, extra)
-                    row.update(data=data)
-                    rows.append(row)
-                    print(f"{data} {shot}-shot {balance} {method}: {cell(row)}", flush=True)
-    if "wordnet (built-in)" not in sources:
-        return rows
-    zero = run_cell(
-        sources["wordnet (built-in)"], "em-dirichlet", ["--zero-shot", "--tasks", str(tasks)]
-    )
-    zero.update(data="wordnet (built-in)")
-    return rows + [zero]
+    for store in stores.values():
+        for row in read_table(store).to_dict("records"):
+            # the table shows what ran: the default search's choice
+            row["preset"], row["params"] = row["ran_preset"], row["ran_params"]
+            rows.append(row)
+    failed = [r for r in rows if r["status"] != "ok"]
+    for r in failed:
+        print(f"failed: {r['data']} {r['label']} {r['shot']}-shot {r['balance']}: {r['error']}")
+    rows = [r for r in rows if r["status"] == "ok"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "defaults.json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
+    (args.out / "defaults.md").write_text(tables(rows))
 
 
 def digits_file(folder: Path) -> Path:

@@ -268,3 +268,33 @@ def test_cli_bad_sweep_file_is_a_clean_error(tmp_path, capsys):
     path.write_text("data: {x: {dataset: omniglot}}\nmethods: [nope]\n")
     assert main(["sweep", str(path)]) == 2
     assert "sweep: methods[0].method: 'nope'" in capsys.readouterr().err
+
+
+def test_keys_follow_the_content_not_the_place_of_a_file(tmp_path):
+    a = _three_class_file(tmp_path / "a.npz")
+    (tmp_path / "b").mkdir()
+    b = tmp_path / "b" / "a.npz"
+    b.write_bytes(a.read_bytes())
+    from probfsl.sweeps.runner import plan
+
+    def keys(path):
+        raw = {"data": {"x": {"features": str(path)}}, "methods": ["nearest-centroid"]}
+        return plan(config_from_dict(raw), ResultsStore(tmp_path / "r"))[1]
+
+    assert keys(a) == keys(b)
+    np.savez(b, **{**np.load(a), "features": np.load(a)["features"] + 1})
+    assert keys(a) != keys(b)
+
+
+def test_optional_sources_are_left_out_when_absent(tmp_path):
+    raw = {
+        "data": {
+            "omniglot": {"dataset": "omniglot"},
+            "big": {"features": "nowhere.npz", "optional": True},
+        },
+        "methods": ["nearest-centroid"],
+    }
+    assert [s.name for s in config_from_dict(raw, tmp_path).data] == ["omniglot"]
+    raw["data"]["big"]["optional"] = False
+    with pytest.raises(ValueError, match="data.big.features: file not found"):
+        config_from_dict(raw, tmp_path)

@@ -92,10 +92,10 @@ class Cell:
 
     def key(self, code: str, data_digest: str) -> str:
         """The cell's identity in a results store: its options (the device ``auto``
-        included as written), the content of its features and the code version."""
-        payload = json.dumps(
-            {"cell": self.fields(), "data": data_digest, "code": code}, sort_keys=True
-        )
+        included as written), the content of its features (not where the file lies) and
+        the code version."""
+        options = {**self.fields(), "features": None}
+        payload = json.dumps({"cell": options, "data": data_digest, "code": code}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 

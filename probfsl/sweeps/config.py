@@ -6,6 +6,7 @@ The YAML file (every key but ``data`` and ``methods`` optional)::
     data:                        # named sources: a built-in data set or a feature file
       omniglot: {dataset: omniglot}
       mine: {features: features/mine.npz}   # relative to the YAML file's folder
+      big: {features: /data/big.npz, optional: true}   # left out where absent
     methods:                     # a name, or a mapping with the method's options
       - nearest-centroid
       - {method: bavardage, preset: [defaults, auto]}
@@ -33,12 +34,15 @@ Each cell is exactly one ``probfsl run`` (:meth:`Cell.argv`).
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from probfsl.sweeps.cell import Cell
+
+log = logging.getLogger("probfsl.sweep")
 
 #: the task-setting axes of ``grid`` and their defaults (those of ``probfsl run``)
 GRID_DEFAULTS: dict[str, Any] = {
@@ -50,6 +54,8 @@ GRID_DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "engine": None,
 }
+#: the keys of a source of ``data``
+SOURCE_KEYS = ("dataset", "features", "allow_pickle", "optional")
 #: the keys of a method entry
 METHOD_KEYS = ("method", "preset", "params", "engine", "calibrate", "zero_shot", "label")
 
@@ -62,6 +68,9 @@ class Source:
     dataset: str | None = None
     features: str | None = None
     allow_pickle: bool = False
+    #: a feature file that may be absent: the sweep then leaves the source out (with a
+    #: note) instead of refusing to start
+    optional: bool = False
 
 
 @dataclass(frozen=True)
@@ -309,11 +318,15 @@ def _sources(raw: Any, base_dir: Path) -> list[Source]:
     for name, spec in _mapping(raw, "data").items():
         spec = _mapping(spec, f"data.{name}")
         for key in spec:
-            if key not in ("dataset", "features", "allow_pickle"):
-                _fail(f"data.{name}.{key}", "unknown key; use dataset, features or allow_pickle")
+            if key not in SOURCE_KEYS:
+                _fail(f"data.{name}.{key}", f"unknown key; the keys are {list(SOURCE_KEYS)}")
         features = spec.get("features")
         if features is not None:
             features = str((base_dir / str(features)).resolve())
+        optional = bool(spec.get("optional"))
+        if optional and features is not None and not Path(features).is_file():
+            log.info("sweep: data.%s left out: %s is not there (optional)", name, features)
+            continue
         sources.append(
             Source(str(name), spec.get("dataset"), features, bool(spec.get("allow_pickle")))
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -74,7 +75,7 @@ def sweep(
         with progress_bar(len(jobs), "sweep", "cells", progress) as bar:
             for key, row, text in runner.run(jobs):
                 cell = cells[key]
-                store.record(key, _full_row(cell, row, code), text)
+                store.record(key, _full_row(cell, row, code, store.root), text)
                 if row["status"] != "ok":
                     log.info("sweep: %s failed: %s", cell.describe(), row["error"])
                 bar.update(1)
@@ -91,8 +92,9 @@ def sweep(
 _CELL_WINS = ("data", "label", "zero_shot", "way", "shot", "query", "balance", "alpha", "seed")
 
 
-def _full_row(cell, row: dict, code: str) -> dict:
-    """A stored row: the cell's options, the run's result fields, versions, time."""
+def _full_row(cell, row: dict, code: str, root: Path) -> dict:
+    """A stored row: the cell's options, the run's result fields, versions, time; a
+    feature file's path relative to the store's folder ``root``."""
     import torch
 
     import probfsl
@@ -103,6 +105,8 @@ def _full_row(cell, row: dict, code: str) -> dict:
     for key, value in fields.items():
         if key in _CELL_WINS or key not in out:
             out[key] = value
+    if cell.features is not None:
+        out["features"] = os.path.relpath(cell.features, root.resolve())
     out["device_requested"] = cell.device
     if cell.device != "auto":
         out.setdefault("device", cell.device)
