@@ -28,6 +28,7 @@ import json
 from pathlib import Path
 
 import probfsl
+from probfsl.methods import METHODS
 from probfsl.sweeps import read_table
 
 HERE = Path(__file__).resolve().parent
@@ -43,6 +44,10 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=None, help="worker processes")
     parser.add_argument("--executor", choices=["local", "ray"], default="local")
     parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--quick", action="store_true", help="100 tasks, built-in data only")
+    parser.add_argument(
+        "--data-dir", type=Path, default=None, help="the shared real data (default: the sweep's)"
+    )
     parser.add_argument(
         "--tables-only", action="store_true", help="rewrite defaults.md from the stores"
     )
@@ -52,7 +57,7 @@ def main() -> None:
         digits_file(HERE / "features")
         for name, store in stores.items():
             probfsl.sweep(
-                HERE / "sweeps" / f"{name}.yaml",
+                sweep_config(name, args.quick, args.data_dir),
                 store,
                 executor=args.executor,
                 workers=args.workers,
@@ -67,10 +72,39 @@ def main() -> None:
     failed = [r for r in rows if r["status"] != "ok"]
     for r in failed:
         print(f"failed: {r['data']} {r['label']} {r['shot']}-shot {r['balance']}: {r['error']}")
-    rows = [r for r in rows if r["status"] == "ok"]
+    order = list(METHODS)  # the registry's order, as the command line lists them
+    rows = sorted((r for r in rows if r["status"] == "ok"), key=lambda r: order.index(r["method"]))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "defaults.json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
     (args.out / "defaults.md").write_text(tables(rows))
+
+
+def sweep_config(name: str, quick: bool, data_dir: Path | None):
+    """The sweep ``sweeps/<name>.yaml``; ``quick``: 100 tasks on the built-in data only;
+    ``data_dir``: where the shared data lie, for the sources that read them."""
+    from dataclasses import replace
+
+    from probfsl.sweeps import load_config
+
+    config = load_config(HERE / "sweeps" / f"{name}.yaml")
+    data = list(config.data)
+    if data_dir is not None:
+        data = [
+            replace(s, features=str(data_dir / rel))
+            if s.features and (rel := _under_shared(s.features))
+            else s
+            for s in data
+        ]
+    if quick:
+        data = [s for s in data if s.dataset is not None]
+        return replace(config, data=data, run=replace(config.run, tasks=100))
+    return replace(config, data=data)
+
+
+def _under_shared(path: str) -> str | None:
+    """``path`` relative to the shared data folder, or ``None`` when it is not under one."""
+    parts = Path(path).parts
+    return str(Path(*parts[parts.index("data") + 1 :])) if "data" in parts else None
 
 
 def digits_file(folder: Path) -> Path:

@@ -204,7 +204,11 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=1_000_000)
     parser.add_argument("--limit-gb", type=float, default=4.0)
     parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--quick", action="store_true", help="100 tasks a cell, 20,000 in one")
+    parser.add_argument("--data-dir", type=Path, help="unused: the sweeps use built-in data")
     args = parser.parse_args()
+    if args.quick:
+        args.tasks_per_cell, args.seeds, args.tasks = 100, 1, 20_000
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         result = {

@@ -40,6 +40,7 @@ ORDER = [
     "auto",
     "calibration",
     "device",
+    "sweep",
 ]
 #: the options of each benchmark's full run (the results page's tables); --quick overrides sizes
 FULL_ARGS = {

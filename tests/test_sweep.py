@@ -298,3 +298,14 @@ def test_optional_sources_are_left_out_when_absent(tmp_path):
     raw["data"]["big"]["optional"] = False
     with pytest.raises(ValueError, match="data.big.features: file not found"):
         config_from_dict(raw, tmp_path)
+
+
+def test_cli_report_from_a_store(local_table, tmp_path, capsys):
+    _, root = local_table
+    assert main(["report", str(root), "--out", str(tmp_path / "rep")]) == 0
+    text = (tmp_path / "rep" / "report.md").read_text()
+    assert "| omniglot | 5 | 1 | balanced | 2 |" in text  # two seeds pooled
+    assert "soft-kmeans" in text and "nearest centroid" in text
+    assert (tmp_path / "rep" / "report.html").read_text().lstrip().startswith("<!DOCTYPE html>")
+    assert main(["report", str(tmp_path / "nothing")]) == 2
+    assert "not a results folder" in capsys.readouterr().err

@@ -170,6 +170,7 @@ def run_cell(cell: Cell, device: str, threads: int, log: TextIO | None = None, f
     gpu = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else ""
     row.update(wall_seconds=time.perf_counter() - tic, machine=machine(), gpu=gpu)
     row["torch_threads"] = threads
+    row["code_version"] = code_version()  # the worker's: a cluster's nodes may differ
     return row
 
 

@@ -114,6 +114,12 @@ def _full_row(cell, row: dict, code: str, root: Path) -> dict:
     out["ran_params"] = ran_params if out["status"] == "ok" else None
     out.setdefault("probfsl_version", probfsl.__version__)
     out.setdefault("torch_version", torch.__version__)
-    out["code_version"] = code
+    if out.setdefault("code_version", code) != code:
+        log.warning(
+            "sweep: %s ran probfsl %s, this process has %s: install the same probfsl on every node",
+            cell.describe(),
+            out["code_version"],
+            code,
+        )
     out["finished"] = datetime.now(UTC).isoformat(timespec="seconds")
     return out
