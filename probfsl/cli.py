@@ -8,6 +8,7 @@ runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import math
 import sys
@@ -100,7 +101,12 @@ class _RaisingParser(_Parser):
 
 def parse_run_args(argv: Sequence[str]) -> argparse.Namespace:
     """``probfsl run ARGV``'s parsed arguments; a usage error raises ``ValueError``."""
-    return build_parser(_RaisingParser).parse_args(["run", *argv])
+    return _raising_parser().parse_args(["run", *argv])
+
+
+@functools.cache
+def _raising_parser() -> argparse.ArgumentParser:
+    return build_parser(_RaisingParser)
 
 
 def _add_device_dtype(
@@ -428,7 +434,7 @@ def build_parser(parser_class: type[_Parser] = _Parser) -> argparse.ArgumentPars
     sweep.add_argument(
         "--results",
         metavar="DIR",
-        help="the results store (default: SWEEP-results beside the current folder)",
+        help="the results store, a folder (default: SWEEP-results in the current folder)",
     )
     sweep.add_argument(
         "--executor",

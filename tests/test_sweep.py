@@ -309,3 +309,15 @@ def test_cli_report_from_a_store(local_table, tmp_path, capsys):
     assert (tmp_path / "rep" / "report.html").read_text().lstrip().startswith("<!DOCTYPE html>")
     assert main(["report", str(tmp_path / "nothing")]) == 2
     assert "not a results folder" in capsys.readouterr().err
+
+
+def test_local_workers_share_gpus_by_fraction(monkeypatch):
+    """Without a GPU here: the slots of ``gpus: 0.25`` on two CUDA devices, as the
+    local executor would bind its workers."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    slots = local_devices(Resources(cpus=1, gpus=0.25), cpu_count=16)
+    assert slots == ["cuda:0", "cuda:1"] * 4
+    assert local_devices(Resources(cpus=4, gpus=0.25), cpu_count=16) == ["cuda:0", "cuda:1"] * 2
+    assert local_devices(Resources(cpus=1, gpus=1), cpu_count=16) == ["cuda:0", "cuda:1"]

@@ -240,10 +240,14 @@ def check_config(config: SweepConfig) -> None:
         _fail("resources.cpus", f"must be at least 1, got {config.resources.cpus}")
     if not 0 <= config.resources.gpus:
         _fail("resources.gpus", f"must be non-negative, got {config.resources.gpus}")
+    checked = set()
     for cell in config.cells():
+        estimator = (cell.method, cell.preset, cell.params, cell.engine, cell.zero_shot)
         try:
             parse_run_args(cell.argv())
-            _check_params(cell)
+            if estimator not in checked:
+                _check_params(cell)
+                checked.add(estimator)
         except ValueError as err:
             _fail(f"methods[{_entry_index(config, cell)}] ({cell.describe()})", str(err))
 

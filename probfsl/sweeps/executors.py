@@ -128,17 +128,20 @@ class LocalExecutor:
         for device in self.devices:
             devices.put(device)
         threads = self.resources.cpus
-        with ProcessPoolExecutor(
+        pool = ProcessPoolExecutor(
             len(self.devices), context, initializer=_init_worker, initargs=(devices,)
-        ) as pool:
+        )
+        try:
             futures = {pool.submit(_local_job, job.cell, threads): job for job in jobs}
             for future in as_completed(futures):
                 job = futures[future]
                 try:
                     row, log = future.result()
                 except BrokenProcessPool:
-                    row, log = _lost(job.cell, "its worker process died (out of memory?)"), ""
+                    row, log = _lost("its worker process died (out of memory?)"), ""
                 yield job.key, row, log
+        finally:  # interrupted: the cells not started are dropped, not waited for
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def map(self, fn, items: Sequence) -> list:
         """``[fn(item) for item in items]`` on the workers, in order (``fn`` importable at
@@ -151,7 +154,7 @@ class LocalExecutor:
             return list(pool.map(fn, items))
 
 
-def _lost(cell: Cell, why: str) -> dict:
+def _lost(why: str) -> dict:
     """The row of a cell whose worker ended without a result."""
     return {"status": "failed", "error": f"WorkerLost: {why}"}
 
@@ -210,6 +213,7 @@ class RayExecutor:
             return
         ray = self.ray
         started = self._start()
+        pending = {}
         try:
             remote = ray.remote(_ray_job).options(
                 num_cpus=self.resources.cpus, num_gpus=self.resources.gpus, max_retries=0
@@ -225,7 +229,6 @@ class RayExecutor:
                     except Exception:  # the cell's run loads it and records the error
                         sources[key] = None
             _SOURCES.clear()
-            pending = {}
             for job in jobs:
                 cell = job.cell
                 ref = sources[(cell.dataset, cell.features, cell.allow_pickle)]
@@ -236,9 +239,11 @@ class RayExecutor:
                 try:
                     row, log = ray.get(done[0])
                 except ray.exceptions.RayError as err:
-                    row, log = _lost(job.cell, " ".join(str(err).split())[:500]), ""
+                    row, log = _lost(" ".join(str(err).split())[:500]), ""
                 yield job.key, row, log
         finally:
+            for ref in pending:  # interrupted: the cells not finished are cancelled
+                ray.cancel(ref)
             if started:
                 ray.shutdown()
 
