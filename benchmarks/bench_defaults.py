@@ -72,8 +72,16 @@ def main() -> None:
     failed = [r for r in rows if r["status"] != "ok"]
     for r in failed:
         print(f"failed: {r['data']} {r['label']} {r['shot']}-shot {r['balance']}: {r['error']}")
-    order = list(METHODS)  # the registry's order, as the command line lists them
-    rows = sorted((r for r in rows if r["status"] == "ok"), key=lambda r: order.index(r["method"]))
+    # the sweep file's order of data sets, the registry's order of methods
+    data = [s.name for s in sweep_config("defaults", False, None).data]
+    methods = list(METHODS)
+    rows = sorted(
+        (r for r in rows if r["status"] == "ok"),
+        key=lambda r: (
+            data.index(r["data"]) if r["data"] in data else -1,
+            methods.index(r["method"]),
+        ),
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "defaults.json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
     (args.out / "defaults.md").write_text(tables(rows))

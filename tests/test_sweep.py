@@ -244,12 +244,38 @@ def test_killed_sweep_resumes_to_the_same_table(local_table, tmp_path):
         if len(list((results / "cells").glob("*.json"))) >= 1:
             break
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
+    workers = _children(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)  # the sweep's process only: its workers must follow
     proc.wait()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(_alive(pid) for pid in workers):
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in workers), "workers outlived the killed sweep"
     done = len(ResultsStore(results).stored())
     assert 1 <= done < len(table), "the kill came after the first cell and before the last"
     assert subprocess.run([*command, "--workers", "2"], capture_output=True).returncode == 0
     _frame_equal(ResultsStore(results).table(), table)
+
+
+def _children(pid: int) -> list[int]:
+    """The process ids whose parent is ``pid`` (from /proc; empty where there is none)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def test_cli_dry_run_lists_cells(tmp_path, capsys):

@@ -20,6 +20,8 @@ from __future__ import annotations
 import io
 import math
 import os
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -50,9 +52,18 @@ _WORKER_DEVICE = "cpu"
 
 
 def _init_worker(devices) -> None:
-    """Bind this worker process to the next device of the queue ``devices``."""
+    """Bind this worker process to the next device of the queue ``devices``, and end it
+    when the sweep's process is gone (killed outright, it cannot stop its workers)."""
     global _WORKER_DEVICE
     _WORKER_DEVICE = devices.get()
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+
+
+def _exit_with_parent(parent: int, every: float = 1.0) -> None:
+    """End this process once its parent ``parent`` has exited (its parent id changes)."""
+    while os.getppid() == parent:
+        time.sleep(every)
+    os._exit(1)
 
 
 def _load_source(dataset: str | None, features: str | None, allow_pickle: bool):

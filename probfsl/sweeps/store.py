@@ -87,7 +87,8 @@ class ResultsStore:
         return [json.loads(p.read_text()) for p in paths if p.is_file()]
 
     def table(self, keys: Iterable[str] | None = None):
-        """The rows as a pandas ``DataFrame``, sorted by data, method and setting."""
+        """The rows as a pandas ``DataFrame``: those of ``keys`` in their order, or every
+        stored row sorted by data, method and setting."""
         import pandas as pd
 
         frame = pd.DataFrame(self.rows(keys))
@@ -95,6 +96,8 @@ class ResultsStore:
             return frame
         first = [c for c in FIRST if c in frame.columns]
         frame = frame[first + [c for c in frame.columns if c not in first]]
+        if keys is not None:
+            return frame
         order = [c for c in SORT if c in frame.columns]
         return frame.sort_values(order, kind="stable", na_position="first").reset_index(drop=True)
 
