@@ -86,6 +86,7 @@ SEARCH_SPACES: dict[str, dict[str, list]] = {
     # defaults are the one candidate, held against nearest centroid like every choice
     "evidence-lssvm": {},
     "vmp-gmm": {},
+    "bavardage-gamma": {},
 }
 
 
