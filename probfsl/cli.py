@@ -139,6 +139,26 @@ def _add_task_shape(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_executor(
+    parser: argparse.ArgumentParser, choices: list[str], what: str, local_workers: str
+) -> None:
+    """``--executor`` (``choices``, the first the default), ``--workers`` and
+    ``--address``: where the work of a subcommand runs (:mod:`probfsl.sweeps.executors`)."""
+    parser.add_argument("--executor", choices=choices, default=choices[0], help=what)
+    parser.add_argument(
+        "--workers",
+        type=_positive(int),
+        default=None,
+        help=f"{local_workers}; ray without --address: the local cluster's CPUs",
+    )
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="with --executor ray: 'auto' (this machine's cluster) or ray://host:port "
+        "(default: $RAY_ADDRESS, else a local cluster started for the command)",
+    )
+
+
 def _add_zero_shot_range(parser: argparse.ArgumentParser) -> None:
     """``--min-classes`` and ``--max-classes`` of zero-shot tasks."""
     parser.add_argument(
@@ -406,21 +426,12 @@ def build_parser(parser_class: type[_Parser] = _Parser) -> argparse.ArgumentPars
         metavar="BASE_IMAGES",
         help="also extract this folder or .zip as the base classes, into the same file",
     )
-    extract.add_argument(
-        "--executor",
-        choices=["here", "local", "ray"],
-        default="here",
-        help="here: this process; local: worker processes; ray: a Ray cluster (shards of "
-        "images, each sent to a worker)",
-    )
-    extract.add_argument(
-        "--workers",
-        type=_positive(int),
-        default=None,
-        help="local: worker processes (default: the cores); ray: a local cluster's CPUs",
-    )
-    extract.add_argument(
-        "--address", default=None, help="with --executor ray: 'auto' or ray://host:port"
+    _add_executor(
+        extract,
+        ["here", "local", "ray"],
+        "here: this process; local: worker processes; ray: a Ray cluster (shards of images, "
+        "each sent to a worker)",
+        "local: worker processes (default: the cores)",
     )
 
     sweep = sub.add_parser(
@@ -436,25 +447,12 @@ def build_parser(parser_class: type[_Parser] = _Parser) -> argparse.ArgumentPars
         metavar="DIR",
         help="the results store, a folder (default: SWEEP-results in the current folder)",
     )
-    sweep.add_argument(
-        "--executor",
-        choices=["local", "ray"],
-        default="local",
-        help="local: worker processes on this machine (no server); ray: a Ray cluster "
+    _add_executor(
+        sweep,
+        ["local", "ray"],
+        "local: worker processes on this machine (no server); ray: a Ray cluster "
         "(pip install 'probfsl[distributed]')",
-    )
-    sweep.add_argument(
-        "--address",
-        default=None,
-        help="with --executor ray: 'auto' (this machine's cluster) or ray://host:port "
-        "(default: $RAY_ADDRESS, else a local cluster started for the sweep)",
-    )
-    sweep.add_argument(
-        "--workers",
-        type=_positive(int),
-        default=None,
-        help="local: worker processes (default: cores / resources.cpus, or the GPUs' "
-        "slots); ray without --address: the local cluster's CPUs",
+        "local: worker processes (default: cores / resources.cpus, or the GPUs' slots)",
     )
     sweep.add_argument(
         "--retry-failed", action="store_true", help="run the stored failed cells again"
