@@ -347,3 +347,13 @@ def test_local_workers_share_gpus_by_fraction(monkeypatch):
     assert slots == ["cuda:0", "cuda:1"] * 4
     assert local_devices(Resources(cpus=4, gpus=0.25), cpu_count=16) == ["cuda:0", "cuda:1"] * 2
     assert local_devices(Resources(cpus=1, gpus=1), cpu_count=16) == ["cuda:0", "cuda:1"]
+
+
+def test_a_store_lists_the_last_sweep_in_its_order(local_table):
+    """A report of the folder shows the sweep file's order (here soft-kmeans after
+    nearest-centroid, shots and seeds as the grid lists them)."""
+    table, root = local_table
+    from probfsl.sweeps import read_table
+
+    assert read_table(root)["cell_key"].tolist() == table["cell_key"].tolist()
+    assert table["label"].tolist() == ["nearest-centroid"] * 4 + ["soft-kmeans"] * 4

@@ -60,6 +60,7 @@ def sweep(
     store = ResultsStore(results)
     runner = make_executor(executor, config.resources, address, workers)
     jobs, keys = plan(config, store, retry_failed)
+    store.set_order(keys)
     log.info(
         "sweep: %d cells, %d stored, %d to run on %s",
         len(keys),

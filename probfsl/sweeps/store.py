@@ -7,6 +7,7 @@ Layout of a store folder::
     logs/<key>.log      what the cell's run printed and logged (its traceback if it failed)
     results.parquet     every row as one table (pandas / pyarrow)
     results.csv         the same table as CSV
+    order.json          the keys of the last sweep run into the folder, in its order
 
 The rows in ``cells/`` are the store; the tables are made from them (:meth:`write_tables`),
 so a sweep killed at any point loses at most the cells that were running, and a killed
@@ -99,7 +100,21 @@ class ResultsStore:
         if keys is not None:
             return frame
         order = [c for c in SORT if c in frame.columns]
-        return frame.sort_values(order, kind="stable", na_position="first").reset_index(drop=True)
+        frame = frame.sort_values(order, kind="stable", na_position="first")
+        rank = {key: i for i, key in enumerate(self.order())}
+        frame = frame.sort_values(
+            "cell_key", key=lambda k: k.map(lambda v: rank.get(v, len(rank))), kind="stable"
+        )
+        return frame.reset_index(drop=True)
+
+    def order(self) -> list[str]:
+        """The keys of the last sweep run into this store, in its order (its cells come
+        first in :meth:`table`, as the sweep file lists them)."""
+        path = self.root / "order.json"
+        return json.loads(path.read_text()) if path.is_file() else []
+
+    def set_order(self, keys: list[str]) -> None:
+        atomic_write_text(self.root / "order.json", json.dumps(keys) + "\n")
 
     def write_tables(self) -> None:
         """``results.parquet`` and ``results.csv`` from every stored row (atomically)."""
