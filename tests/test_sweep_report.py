@@ -249,3 +249,14 @@ def test_empty_or_incomplete_tables_are_refused(table, tmp_path):
         method_table(table.drop(columns=["accuracy", "baseline"]))
     with pytest.raises(ValueError, match="seed"):
         failures_table(table.drop(columns=["seed"]))
+
+
+def test_a_fallback_of_the_default_search_is_named():
+    """Where ``probfsl run``'s search ran nearest centroid instead, the cell says so."""
+    rows = [
+        _row("slem", 1, 0, 100, 70.0, 1.0, 70.0, 1.0, ran_preset="auto (nearest-centroid)"),
+        _row("bavardage", 1, 0, 100, 80.0, 1.0, 70.0, 1.0, ran_preset="auto"),
+    ]
+    text = method_table(pd.DataFrame(rows))
+    assert "70.00 ± 1.00 (ran nearest-centroid)" in text
+    assert "80.00 ± 1.00 _best_" in text and "80.00 ± 1.00 (ran" not in text

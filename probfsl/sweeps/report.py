@@ -344,7 +344,8 @@ def method_table(table: pd.DataFrame, fmt: str = "markdown") -> str:
     """The method × setting table of accuracies (%) with 95% half-widths, pooled over seeds.
 
     One row per setting, one column per method variant (in order of first appearance),
-    the number of seeds pooled and the setting's baseline. A method is marked **below**
+    the number of seeds pooled and the setting's baseline. A cell where the default search
+    ran another method says so (" (ran nearest-centroid)"). A method is marked **below**
     when its interval lies entirely under the baseline's on the same tasks
     (``acc + ci < base_acc - base_ci``), and *best* when it is the most accurate of its
     setting (two methods or more). ``fmt``: ``"markdown"`` or ``"html"``.
@@ -370,14 +371,23 @@ def method_table(table: pd.DataFrame, fmt: str = "markdown") -> str:
             below = (row["accuracy"] + row["ci95"]) < (
                 row["baseline_accuracy"] - row["baseline_ci95"]
             )
-            row_cells.append(
-                _Cell(_pm(row["accuracy"], row["ci95"]), bool(below), row["accuracy"] == best)
-            )
+            text = _pm(row["accuracy"], row["ci95"]) + _fallback_note(row)
+            row_cells.append(_Cell(text, bool(below), row["accuracy"] == best))
         base = _baseline_row(group)
         base_text = _pm(base["baseline_accuracy"], base["baseline_ci95"])
         row_cells.append(f"{_baseline_name(base.get('baseline'))} {base_text}")
         rows.append(row_cells)
     return _render([*header, "seeds", *names, "baseline"], rows, fmt, "no cell ran")
+
+
+def _fallback_note(row: pd.Series) -> str:
+    """`` (ran M)`` where the default search on base-class episodes ran another method
+    ``M`` instead (``ran_preset`` "auto (M)", the choice of ``probfsl run``), else ``""``."""
+    ran = row.get("ran_preset")
+    if _missing(ran):
+        return ""
+    other = re.findall(r"auto \(([\w-]+)\)", str(ran))
+    return f" (ran {', '.join(dict.fromkeys(other))})" if other else ""
 
 
 def calibration_table(table: pd.DataFrame, fmt: str = "markdown") -> str:
