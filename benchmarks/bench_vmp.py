@@ -267,8 +267,8 @@ def bayespy_part(args) -> None:
         "normalised), every label latent; Dirichlet(1) weights, N(0, 1) means, Gamma(2, 0.05)",
         "diagonal precisions per class; both engines start from the same soft k-means",
         "responsibilities and run to convergence (relative tolerance 1e-10 on the bound for both;",
-        "VMP checks after 2, 4, 8, 16, ... sweeps (its default), drops the converged tasks from",
-        "the batch at each check and masks them between checks (`run`); its time includes",
+        "VMP checks after 2, 4, 7, 10, 14, ... sweeps (its default), drops the converged tasks",
+        "from the batch at each check and masks them between checks (`run`); its time includes",
         "deriving the plan).",
         f"{torch.get_num_threads()} thread(s) for both (PyTorch and NumPy/BLAS); {args.rounds} "
         "rounds alternating the two, best wall-clock and best CPU (process) time of each side.",
