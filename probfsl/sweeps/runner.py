@@ -7,6 +7,7 @@ import os
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from probfsl.progress import progress as progress_bar
 from probfsl.sweeps.cell import code_version, data_digest
@@ -14,13 +15,18 @@ from probfsl.sweeps.config import SweepConfig, load_config
 from probfsl.sweeps.executors import Job, make_executor
 from probfsl.sweeps.store import ResultsStore
 
+if TYPE_CHECKING:
+    import pandas as pd
+
 log = logging.getLogger("probfsl.sweep")
 
 #: seconds between rewrites of the results tables while a sweep runs
 TABLE_EVERY = 30.0
 
 
-def plan(config: SweepConfig, store: ResultsStore, retry_failed: bool = False):
+def plan(
+    config: SweepConfig, store: ResultsStore, retry_failed: bool = False
+) -> tuple[list[Job], list[str]]:
     """``(jobs to run, keys of every cell)``: the cells of ``config`` whose key is not in
     ``store`` (nor failed there, unless ``retry_failed``), and all the sweep's keys."""
     code = code_version()
@@ -44,7 +50,7 @@ def sweep(
     workers: int | None = None,
     retry_failed: bool = False,
     progress: bool = False,
-):
+) -> pd.DataFrame:
     """Run every cell of ``config`` (a :class:`SweepConfig` or a YAML file) that the
     results store ``results`` (a folder) does not hold; return the sweep's table (a pandas
     ``DataFrame``, one row per cell, stored ones included).
