@@ -1,8 +1,8 @@
 """The ``probfsl`` command: its parser and entry point.
 
 Light on purpose: ``probfsl --help`` and argument errors import neither torch nor any
-method; :mod:`probfsl.commands` (what each subcommand does) is imported once a command
-runs.
+method; :mod:`probfsl.commands` (what each subcommand does; :mod:`probfsl.sweeps.command`
+for ``sweep`` and ``report``) is imported once a command runs.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import probfsl
 from probfsl.data.builtin import DATASETS
 from probfsl.methods import DEFAULTS, METHODS
 
+#: the module of a subcommand's ``cmd_<name>`` where it is not :mod:`probfsl.commands`
+COMMAND_MODULES = {"sweep": "probfsl.sweeps.command", "report": "probfsl.sweeps.command"}
 #: ``--dtype`` choices
 DTYPES = ("float32", "float64")
 #: ``probfsl select --criterion`` choices (:data:`probfsl.selection.CRITERIA`)
@@ -518,9 +520,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _log_to_stderr()
     try:
-        commands = import_module("probfsl.commands")
+        commands = import_module(COMMAND_MODULES.get(args.command, "probfsl.commands"))
         if args.threads:
-            commands.torch.set_num_threads(args.threads)
+            import torch
+
+            torch.set_num_threads(args.threads)
         return getattr(commands, f"cmd_{args.command}")(args)
     except KeyboardInterrupt:
         print("probfsl: interrupted", file=sys.stderr)

@@ -190,7 +190,7 @@ def _features_sharded(
     shards = [paths[i : i + size] for i in range(0, len(paths), size)]
     ships_bytes = executor.name == "ray"  # a remote node may not see this file system
     jobs = [
-        (backbone, image_size, batch_size, executor.resources.cpus, root, shard,
+        (backbone, image_size, batch_size, root, shard,
          list(_read(root, shard)) if ships_bytes else None)
         for shard in shards
     ]  # fmt: skip
@@ -204,11 +204,10 @@ def _features_sharded(
     return np.concatenate(executor.map(_shard_features, jobs))
 
 
-def _shard_features(job: tuple) -> np.ndarray:
+def _shard_features(job: tuple, shared=None) -> np.ndarray:
     """One shard's features in a worker: ``job`` = (backbone, image size, batch size,
-    threads, root, paths, image bytes or ``None`` to read them from ``root``)."""
-    backbone, image_size, batch_size, threads, root, paths, data = job
-    torch.set_num_threads(threads)
+    root, paths, image bytes or ``None`` to read them from ``root``)."""
+    backbone, image_size, batch_size, root, paths, data = job
     images = data if data is not None else _read(Path(root), paths)
     model = load_backbone(backbone)
     chunks, batch = [], []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import io
 import json
 import logging
 import platform
@@ -141,21 +142,47 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def run_cell(cell: Cell, device: str, threads: int, log: TextIO | None = None, fs=None) -> dict:
-    """Run ``cell`` as ``probfsl run`` on ``device`` with ``threads`` torch threads.
+def load_source(dataset: str | None, features: str | None, allow_pickle: bool):
+    """A cell's :class:`~probfsl.data.FeatureSet`: a built-in data set or a feature file."""
+    from probfsl.data import load_dataset, load_features
+
+    if dataset is not None:
+        return load_dataset(dataset)
+    return load_features(features, allow_pickle=allow_pickle)
+
+
+def source_of(cell: Cell) -> tuple:
+    """The shared object a cell needs, as an executor's ``share`` wants it: its source's
+    key, :func:`load_source` and its arguments (one load per worker or per Ray cluster)."""
+    key = (cell.dataset, cell.features, cell.allow_pickle)
+    return key, load_source, key
+
+
+def cell_job(cell: Cell, fs=None) -> tuple[dict, str]:
+    """A cell in an executor's worker, on the device the executor gave it (where the cell
+    asks for ``auto``): ``(row, log text)`` (:func:`run_cell`)."""
+    from probfsl.sweeps.executors import assigned_device
+
+    buffer = io.StringIO()
+    device = assigned_device() if cell.device == "auto" else cell.device
+    row = run_cell(cell, device, buffer, fs)
+    return row, buffer.getvalue()
+
+
+def run_cell(cell: Cell, device: str, log: TextIO | None = None, fs=None) -> dict:
+    """Run ``cell`` as ``probfsl run`` on ``device``.
 
     Returns the run's result row (the fields of ``probfsl run --out``) with ``status``
     ``"ok"``, or, when the run raises, a row with ``status`` ``"failed"`` and the error:
     a failing cell never stops the others. What the run prints and logs goes to the
-    text stream ``log``. ``fs`` is the :class:`~probfsl.data.FeatureSet` when the worker already
-    holds it (else it is loaded from the cell's source).
+    text stream ``log``. ``fs`` is the :class:`~probfsl.data.FeatureSet` when the worker
+    already holds it (else it is loaded from the cell's source).
     """
     import torch
 
     from probfsl.cli import parse_run_args
     from probfsl.commands import run_row
 
-    torch.set_num_threads(threads)
     tic = time.perf_counter()
     with _captured(log):
         try:
@@ -169,7 +196,7 @@ def run_cell(cell: Cell, device: str, threads: int, log: TextIO | None = None, f
     row["params"] = json.dumps(row.get("params", dict(cell.params)), sort_keys=True)
     gpu = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else ""
     row.update(wall_seconds=time.perf_counter() - tic, machine=machine(), gpu=gpu)
-    row["torch_threads"] = threads
+    row["torch_threads"] = torch.get_num_threads()
     row["code_version"] = code_version()  # the worker's: a cluster's nodes may differ
     return row
 

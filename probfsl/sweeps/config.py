@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from probfsl.sweeps.cell import Cell
+from probfsl.sweeps.executors import Resources
 
 log = logging.getLogger("probfsl.sweep")
 
@@ -99,15 +100,6 @@ class RunOptions:
     episodes: int | None = None
     min_classes: int = 3
     max_classes: int = 10
-
-
-@dataclass(frozen=True)
-class Resources:
-    """What one cell holds while it runs: CPU cores (also its torch threads) and a
-    share of a GPU (``0.25``: four cells on one GPU)."""
-
-    cpus: int = 1
-    gpus: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -1,61 +1,102 @@
-"""Where a sweep's cells run: worker processes on this machine, or a Ray cluster.
+"""Where independent calls run: worker processes on this machine, or a Ray cluster.
 
-Both take a list of jobs (a cell and its key) and yield ``(key, row, log)`` as cells
-end, in any order; the caller stores each row as it comes. A cell holds
-``resources.cpus`` cores (its torch threads) and ``resources.gpus`` of a GPU.
+An executor runs ``fn(item, shared)`` for every item of a list, ``fn`` a function that
+can be imported by name (its arguments picklable). :meth:`stream` yields
+``(index, result, error)`` as calls end, in any order; :meth:`map` returns the results
+in order. ``share(item)`` names the large object an item needs (a sweep cell's feature
+file) as ``(key, loader, args)``: ``loader(*args)`` is made once per key and handed to
+``fn`` as ``shared``. A call holds ``resources.cpus`` cores (its torch threads) and
+``resources.gpus`` of a GPU; :func:`assigned_device` is the device it was given.
 
 * :class:`LocalExecutor` (the default, no server): a pool of worker processes, as many as
-  the cores hold cells, or, when cells ask for a GPU and CUDA devices are present,
-  ``1 / gpus`` workers per device, each bound to its device. Each worker loads a feature
-  file once and keeps it for the cells that follow.
-* :class:`RayExecutor`: one Ray task per cell with ``num_cpus`` / ``num_gpus``; each
-  source's features are put in Ray's object store once, so that a node receives a file
-  once and its workers read it without copies. ``address``: ``None`` starts a local
-  cluster, ``"auto"`` joins the cluster of this machine, ``"ray://host:port"`` a remote
-  one (``RAY_ADDRESS`` is read when ``address`` is ``None``).
+  the cores hold calls, or, when calls ask for a GPU and CUDA devices are present,
+  ``1 / gpus`` workers per device, each bound to its device. A worker makes a shared
+  object once and keeps it for the calls that follow (one at a time), and ends when the
+  process that started it is gone.
+* :class:`RayExecutor`: one Ray task per call with ``num_cpus`` / ``num_gpus``; each shared
+  object is put in Ray's object store once, so that a node receives it once and its
+  workers read its arrays without copies. ``address``: ``None`` starts a local cluster,
+  ``"auto"`` joins the cluster of this machine, ``"ray://host:port"`` a remote one
+  (``RAY_ADDRESS`` is read when ``address`` is ``None``).
+
+Used by :mod:`probfsl.sweeps.runner` (one call per cell) and by ``probfsl extract``
+(one call per shard of images).
 """
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
-
-from probfsl.sweeps.cell import Cell, run_cell
-from probfsl.sweeps.config import Resources
+from typing import Any
 
 INSTALL_RAY = "pip install 'probfsl[distributed]'"
 
+#: ``share(item)``: the key of the item's shared object, and how to make it
+Share = Callable[[Any], tuple[Hashable, Callable, tuple]]
+
 
 @dataclass(frozen=True)
-class Job:
-    """A cell to run and its key in the results store."""
+class Resources:
+    """What one call (a sweep's cell) holds while it runs: CPU cores (also its torch
+    threads) and a share of a GPU (``0.25``: four calls on one GPU)."""
 
-    key: str
-    cell: Cell
+    cpus: int = 1
+    gpus: float = 0.0
 
 
-def _run_captured(cell: Cell, device: str, threads: int, fs=None) -> tuple[dict, str]:
-    """``run_cell`` with its output captured: ``(row, log text)``."""
-    buffer = io.StringIO()
-    row = run_cell(cell, device, threads, buffer, fs)
-    return row, buffer.getvalue()
+#: the device this process was bound to (a local worker's), ``None`` elsewhere
+_BOUND: str | None = None
+
+
+def assigned_device() -> str:
+    """The device of the call running in this process: a local worker's own device, the
+    GPU Ray gave the task (``"cuda"``: Ray sets ``CUDA_VISIBLE_DEVICES``), else ``"cpu"``."""
+    if _BOUND is not None:
+        return _BOUND
+    try:
+        import ray
+
+        if ray.is_initialized() and ray.get_gpu_ids():
+            return "cuda"
+    except ImportError:
+        pass
+    return "cpu"
+
+
+def _shared_value(shared: tuple | None, cache: dict):
+    """``loader(*args)`` of ``shared = (key, loader, args)``, made once per key in
+    ``cache`` (which holds one at a time: memory stays that of one object); ``None``
+    when it fails (the call then meets the error itself)."""
+    if shared is None:
+        return None
+    key, loader, args = shared
+    if key not in cache:
+        cache.clear()
+        try:
+            cache[key] = loader(*args)
+        except Exception:
+            cache[key] = None
+    return cache[key]
 
 
 # -- worker processes on this machine ----------------------------------------------------
 
-_WORKER_DEVICE = "cpu"
+_WORKER_SHARED: dict = {}
 
 
-def _init_worker(devices) -> None:
-    """Bind this worker process to the next device of the queue ``devices``, and end it
-    when the sweep's process is gone (killed outright, it cannot stop its workers)."""
-    global _WORKER_DEVICE
-    _WORKER_DEVICE = devices.get()
+def _init_worker(devices, threads: int) -> None:
+    """Bind this worker process to the next device of the queue ``devices`` with
+    ``threads`` torch threads, and end it when its parent is gone (a parent killed
+    outright cannot stop its workers)."""
+    global _BOUND
+    _BOUND = devices.get()
+    import torch
+
+    torch.set_num_threads(threads)
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
 
 
@@ -66,29 +107,8 @@ def _exit_with_parent(parent: int, every: float = 1.0) -> None:
     os._exit(1)
 
 
-def _load_source(dataset: str | None, features: str | None, allow_pickle: bool):
-    """A source's :class:`~probfsl.data.FeatureSet`, loaded once per worker process."""
-    from probfsl.data import load_dataset, load_features
-
-    key = (dataset, features, allow_pickle)
-    if key not in _SOURCES:
-        _SOURCES.clear()  # one source held at a time: memory stays that of one file
-        _SOURCES[key] = (
-            load_dataset(dataset) if dataset else load_features(features, allow_pickle=allow_pickle)
-        )
-    return _SOURCES[key]
-
-
-_SOURCES: dict = {}
-
-
-def _local_job(cell: Cell, threads: int) -> tuple[dict, str]:
-    device = _WORKER_DEVICE if cell.device == "auto" else cell.device
-    try:
-        fs = _load_source(cell.dataset, cell.features, cell.allow_pickle)
-    except Exception:  # the cell's run loads it again and records the error
-        fs = None
-    return _run_captured(cell, device, threads, fs)
+def _local_call(fn: Callable, item: Any, shared: tuple | None):
+    return fn(item, _shared_value(shared, _WORKER_SHARED))
 
 
 def local_devices(resources: Resources, cpu_count: int | None = None) -> list[str]:
@@ -127,47 +147,56 @@ class LocalExecutor:
         kinds = sorted(set(self.devices))
         return f"{len(self.devices)} local worker process(es) on {', '.join(kinds)}"
 
-    def run(self, jobs: Sequence[Job]) -> Iterator[tuple[str, dict, str]]:
+    def stream(
+        self, fn: Callable, items: Sequence, share: Share | None = None
+    ) -> Iterator[tuple[int, Any, str]]:
+        """``(index, fn(item, shared), "")`` as calls end; ``(index, None, error)`` for a
+        call that raised or whose worker died."""
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor, as_completed
         from concurrent.futures.process import BrokenProcessPool
 
-        if not jobs:
+        if not items:
             return
         context = mp.get_context("spawn")  # CUDA and torch's threads need fresh processes
         devices = context.Queue()
         for device in self.devices:
             devices.put(device)
-        threads = self.resources.cpus
+        workers = min(len(self.devices), len(items))
         pool = ProcessPoolExecutor(
-            len(self.devices), context, initializer=_init_worker, initargs=(devices,)
+            workers,
+            context,
+            initializer=_init_worker,
+            initargs=(devices, self.resources.cpus),
         )
         try:
-            futures = {pool.submit(_local_job, job.cell, threads): job for job in jobs}
+            futures = {
+                pool.submit(_local_call, fn, item, share(item) if share else None): i
+                for i, item in enumerate(items)
+            }
             for future in as_completed(futures):
-                job = futures[future]
                 try:
-                    row, log = future.result()
+                    yield futures[future], future.result(), ""
                 except BrokenProcessPool:
-                    row, log = _lost("its worker process died (out of memory?)"), ""
-                yield job.key, row, log
-        finally:  # interrupted: the cells not started are dropped, not waited for
+                    yield futures[future], None, "WorkerLost: its worker process died"
+                except Exception as err:
+                    yield futures[future], None, f"{type(err).__name__}: {err}"
+        finally:  # interrupted: the calls not started are dropped, not waited for
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def map(self, fn, items: Sequence) -> list:
-        """``[fn(item) for item in items]`` on the workers, in order (``fn`` importable at
-        module level, its arguments picklable)."""
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
-
-        workers = min(len(self.devices), max(1, len(items)))
-        with ProcessPoolExecutor(workers, mp.get_context("spawn")) as pool:
-            return list(pool.map(fn, items))
+    def map(self, fn: Callable, items: Sequence, share: Share | None = None) -> list:
+        """``[fn(item, shared) for item in items]`` on the workers, in order; the first
+        error raises ``RuntimeError``."""
+        return _in_order(self.stream(fn, items, share), len(items))
 
 
-def _lost(why: str) -> dict:
-    """The row of a cell whose worker ended without a result."""
-    return {"status": "failed", "error": f"WorkerLost: {why}"}
+def _in_order(stream: Iterator[tuple[int, Any, str]], n: int) -> list:
+    out = [None] * n
+    for index, result, error in stream:
+        if error:
+            raise RuntimeError(error)
+        out[index] = result
+    return out
 
 
 # -- Ray ---------------------------------------------------------------------------------
@@ -182,18 +211,16 @@ def import_ray():
     return ray
 
 
-def _ray_job(cell: Cell, fs, threads: int) -> tuple[dict, str]:
-    """A cell in a Ray worker: on its GPU when Ray gave it one."""
-    import ray
+def _ray_call(fn: Callable, item: Any, shared: Any, threads: int):
+    """A call in a Ray worker (``shared`` already resolved from the object store)."""
+    import torch
 
-    device = cell.device
-    if device == "auto":
-        device = "cuda" if ray.get_gpu_ids() else "cpu"
-    return _run_captured(cell, device, threads, fs)
+    torch.set_num_threads(threads)
+    return fn(item, shared)
 
 
 class RayExecutor:
-    """One Ray task per cell, on a local or remote Ray cluster."""
+    """One Ray task per call, on a local or remote Ray cluster."""
 
     name = "ray"
 
@@ -219,67 +246,57 @@ class RayExecutor:
         ray.init(**options)
         return True
 
-    def run(self, jobs: Sequence[Job]) -> Iterator[tuple[str, dict, str]]:
-        if not jobs:
+    def stream(
+        self, fn: Callable, items: Sequence, share: Share | None = None, window: int | None = None
+    ) -> Iterator[tuple[int, Any, str]]:
+        """``(index, fn(item, shared), "")`` as tasks end; ``(index, None, error)`` for a
+        task that failed. At most ``window`` tasks are in flight (default: four per CPU of
+        the cluster), so that the object store holds a few items at a time."""
+        if not items:
             return
         ray = self.ray
         started = self._start()
-        pending = {}
+        pending: dict = {}
         try:
-            remote = ray.remote(_ray_job).options(
+            remote = ray.remote(_ray_call).options(
                 num_cpus=self.resources.cpus, num_gpus=self.resources.gpus, max_retries=0
             )
-            sources = {}
-            for job in jobs:  # each source to the object store once
-                cell = job.cell
-                key = (cell.dataset, cell.features, cell.allow_pickle)
-                if key not in sources:
-                    try:
-                        fs = _load_source(*key)
-                        sources[key] = ray.put(fs)
-                    except Exception:  # the cell's run loads it and records the error
-                        sources[key] = None
-            _SOURCES.clear()
-            for job in jobs:
-                cell = job.cell
-                ref = sources[(cell.dataset, cell.features, cell.allow_pickle)]
-                pending[remote.remote(cell, ref, self.resources.cpus)] = job
+            window = window or max(1, 4 * int(ray.cluster_resources().get("CPU", 1)))
+            refs: dict = {}  # each shared object to the object store once
+            cache: dict = {}
+            for i, item in enumerate(items):
+                shared = share(item) if share else None
+                ref = None
+                if shared is not None:
+                    if shared[0] not in refs:
+                        value = _shared_value(shared, cache)
+                        refs[shared[0]] = None if value is None else ray.put(value)
+                    ref = refs[shared[0]]
+                pending[remote.remote(fn, item, ref, self.resources.cpus)] = i
+                while len(pending) >= window:
+                    yield self._next(pending)
+            cache.clear()
             while pending:
-                done, _ = ray.wait(list(pending), num_returns=1)
-                job = pending.pop(done[0])
-                try:
-                    row, log = ray.get(done[0])
-                except ray.exceptions.RayError as err:
-                    row, log = _lost(" ".join(str(err).split())[:500]), ""
-                yield job.key, row, log
+                yield self._next(pending)
         finally:
-            for ref in pending:  # interrupted: the cells not finished are cancelled
+            for ref in pending:  # interrupted: the tasks not finished are cancelled
                 ray.cancel(ref)
             if started:
                 ray.shutdown()
 
-    def map(self, fn, items: Sequence, window: int | None = None) -> list:
-        """``[fn(item) for item in items]`` as Ray tasks, in order; at most ``window``
-        items in flight (default: four per CPU of the cluster), so that the object store
-        holds a few of them at a time."""
-        if not items:
-            return []
+    def _next(self, pending: dict) -> tuple[int, Any, str]:
         ray = self.ray
-        started = self._start()
+        done, _ = ray.wait(list(pending), num_returns=1)
+        index = pending.pop(done[0])
         try:
-            remote = ray.remote(fn).options(
-                num_cpus=self.resources.cpus, num_gpus=self.resources.gpus, max_retries=0
-            )
-            window = window or max(1, 4 * int(ray.cluster_resources().get("CPU", 1)))
-            refs, out = [], []
-            for item in items:
-                refs.append(remote.remote(item))
-                if len(refs) >= window:
-                    out.append(ray.get(refs.pop(0)))
-            return out + ray.get(refs)
-        finally:
-            if started:
-                ray.shutdown()
+            return index, ray.get(done[0]), ""
+        except ray.exceptions.RayError as err:
+            return index, None, f"WorkerLost: {' '.join(str(err).split())[:500]}"
+
+    def map(self, fn: Callable, items: Sequence, share: Share | None = None) -> list:
+        """``[fn(item, shared) for item in items]`` as Ray tasks, in order; the first error
+        raises ``RuntimeError``."""
+        return _in_order(self.stream(fn, items, share), len(items))
 
 
 def make_executor(

@@ -5,20 +5,30 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from probfsl.progress import progress as progress_bar
-from probfsl.sweeps.cell import code_version, data_digest
+from probfsl.sweeps.cell import Cell, cell_job, code_version, data_digest, source_of
 from probfsl.sweeps.config import SweepConfig, load_config
-from probfsl.sweeps.executors import Job, make_executor
+from probfsl.sweeps.executors import make_executor
 from probfsl.sweeps.store import ResultsStore
 
 if TYPE_CHECKING:
     import pandas as pd
 
 log = logging.getLogger("probfsl.sweep")
+
+
+@dataclass(frozen=True)
+class Job:
+    """A cell to run and its key in the results store."""
+
+    key: str
+    cell: Cell
+
 
 #: seconds between rewrites of the results tables while a sweep runs
 TABLE_EVERY = 30.0
@@ -77,11 +87,12 @@ def sweep(
     code = code_version()
     last = time.monotonic()
 
-    cells = {job.key: job.cell for job in jobs}
+    cells = [job.cell for job in jobs]
     try:
         with progress_bar(len(jobs), "sweep", "cells", progress) as bar:
-            for key, row, text in runner.run(jobs):
-                cell = cells[key]
+            for index, result, error in runner.stream(cell_job, cells, source_of):
+                row, text = result if not error else ({"status": "failed", "error": error}, "")
+                key, cell = jobs[index].key, cells[index]
                 store.record(key, _full_row(cell, row, code, store.root), text)
                 if row["status"] != "ok":
                     log.info("sweep: %s failed: %s", cell.describe(), row["error"])
