@@ -321,6 +321,11 @@ def test_optional_sources_are_left_out_when_absent(tmp_path):
         "methods": ["nearest-centroid"],
     }
     assert [s.name for s in config_from_dict(raw, tmp_path).data] == ["omniglot"]
+    by_hand = SweepConfig(
+        data=[Source("omniglot", dataset="omniglot"), Source("big", features="x", optional=True)],
+        methods=[MethodEntry("nearest-centroid")],
+    )
+    assert [s.name for s in by_hand.data] == ["omniglot"]
     raw["data"]["big"]["optional"] = False
     with pytest.raises(ValueError, match="data.big.features: file not found"):
         config_from_dict(raw, tmp_path)

@@ -116,6 +116,13 @@ class SweepConfig:
     resources: Resources = field(default_factory=Resources)
 
     def __post_init__(self) -> None:
+        present = []
+        for source in self.data:  # an optional file that is absent: left out, with a note
+            if source.optional and source.features and not Path(source.features).is_file():
+                log.info("sweep: data.%s left out: %s is not there", source.name, source.features)
+            else:
+                present.append(source)
+        object.__setattr__(self, "data", present)
         check_config(self)
 
     def cells(self) -> list[Cell]:
@@ -319,12 +326,14 @@ def _sources(raw: Any, base_dir: Path) -> list[Source]:
         features = spec.get("features")
         if features is not None:
             features = str((base_dir / str(features)).resolve())
-        optional = bool(spec.get("optional"))
-        if optional and features is not None and not Path(features).is_file():
-            log.info("sweep: data.%s left out: %s is not there (optional)", name, features)
-            continue
         sources.append(
-            Source(str(name), spec.get("dataset"), features, bool(spec.get("allow_pickle")))
+            Source(
+                str(name),
+                spec.get("dataset"),
+                features,
+                bool(spec.get("allow_pickle")),
+                bool(spec.get("optional")),
+            )
         )
     return sources
 
