@@ -19,7 +19,6 @@ version): a stored key is a cell that need not run again.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -128,11 +127,8 @@ class ResultsStore:
 
 
 def _json_default(value):
-    if hasattr(value, "item"):  # numpy scalars
-        return value.item()
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    return str(value)
+    """What ``json`` cannot write itself: numpy scalars as numbers, the rest as text."""
+    return value.item() if hasattr(value, "item") else str(value)
 
 
 def read_table(path: str | Path):
