@@ -627,8 +627,8 @@ def test_elbo_from_the_labels_normaliser_equals_the_full_elbo(order):
         state, _ = vmp.step(state)
         full = vmp.elbo(replace(state, plan=replace(state.plan, cache={})))
         torch.testing.assert_close(state.objective, full, rtol=1e-12, atol=0)
-        r, _, others = state.plan.cache[("lse", "z")]
-        used = r is state.q["z"][0] and all(state.q[n] is v for n, v in others)
+        factor, _, others = state.plan.cache[("lse", "z")]
+        used = factor is state.q["z"] and all(state.q[n] is v for n, v in others)
         assert used == (order[-1] == "z")  # stale once another factor moved after q(z)
 
 

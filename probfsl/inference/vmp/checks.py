@@ -58,6 +58,16 @@ def data_device(args: tuple, kwargs: dict) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def close(got: torch.Tensor, expect: torch.Tensor, rtol: float = 1e-5, atol: float = 1e-8) -> bool:
+    """``torch.allclose(got, expect, rtol, atol)``: |got − expect| ≤ atol + rtol |expect|
+    everywhere (equal infinities are close, NaN never is), with two temporaries updated in
+    place: the compiler's checks run on model-sized tensors, where ``torch.allclose`` took
+    three to five times as long on the CPU."""
+    gap = torch.sub(got, expect).abs_()
+    bound = expect.abs().mul_(rtol).add_(atol)
+    return bool(gap.le_(bound).logical_or_(got == expect).all())
+
+
 def all_finite(*tensors: torch.Tensor | None) -> torch.Tensor:
     """A 0-d bool tensor (no host sync): every value of ``tensors`` is finite."""
     oks = [torch.isfinite(t).all() for t in tensors if t is not None]

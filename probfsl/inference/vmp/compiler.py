@@ -32,6 +32,7 @@ from probfsl.inference.vmp.checks import (
     all_finite,
     check_data,
     check_parameters,
+    close,
     data_device,
     family_of,
     refuse,
@@ -207,7 +208,7 @@ def _matches(got: torch.Tensor, expect: torch.Tensor, rounding: torch.Tensor | N
     contracting hundreds of coefficients rounds by more than 1e-5)."""
     scale = got.abs().amax() if got.numel() else got.new_ones(())
     if rounding is None:
-        return torch.allclose(got, expect, rtol=1e-5, atol=1e-6 * float(scale))
+        return close(got, expect, rtol=1e-5, atol=1e-6 * float(scale))
     bound = 1e-5 * expect.abs() + 1e-6 * scale + rounding
     return bool(((got - expect).abs() <= bound).all())
 
@@ -798,7 +799,7 @@ class Compiler:
             plan.sizes,
             table,
         )
-        if not torch.allclose(run(probe), expect):
+        if not close(run(probe), expect):
             raise refuse(s.name, s.fn_name, repr(selector), f"its {key} is not selected by it")
         c, cd = reduce_constant(table, dims + (comp,))
         return Param(dims, const=c, const_dims=cd, comp=comp, selector=selector)
@@ -903,7 +904,7 @@ class Compiler:
         expect = ein(dims, [(coef, coef_dims)], dims, plan.sizes, got) * product(
             self._runs["probes"]
         )
-        if not torch.allclose(got, expect):
+        if not close(got, expect):
             raise refuse(
                 s.name, s.fn_name, desc, f"its {key} is not c times the product of these sites"
             )
@@ -1330,7 +1331,7 @@ class Compiler:
             expect = expect * c
         if key in LOG_KEYS:
             expect = expect.log()
-        if not torch.allclose(got, expect):
+        if not close(got, expect):
             raise refuse(
                 s.name, s.fn_name, p_desc, f"its {key} is not a (selected) copy of the parent"
             )

@@ -122,7 +122,7 @@ def elbo(plan: Plan, q: dict) -> torch.Tensor:
     total, no_site, no_entropy = 0, set(), set()
     for name in plan.latent:  # Categorical factors just updated (see _lse_applies)
         hit = plan.cache.get(("lse", name))
-        if hit is not None and hit[0] is q[name][0]:
+        if hit is not None and hit[0] is q[name]:  # the very factor (tuple) it came from
             if all(q[n] is v for n, v in hit[2]):
                 total = total + hit[1]
                 no_site.update([name] + [c for c, _ in plan.children[name]])
@@ -181,7 +181,18 @@ def natural(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
     elif s.family == "Categorical":  # a mask (or a tempering scale) weighs the prior
         cd = s.dims + (f"{s.name}#cat",)
         M = [] if s.mask is None else [(s.mask, s.mask_dims)]
-        eta = [ein(cd, M + [_log_probs(plan, q, s)], cd, sizes, plan.ref)]
+        eta = [ein(cd, M + [_log_probs(plan, q, s)], cd, sizes, plan.ref, expand=False)]
+        kids = plan.children[name] if children and not s.at_prior else []
+        if kids and lse_applies(plan, s):
+            # E ln π joins the first child's E ln N per component while that is formed
+            # (:func:`normal.loglik`): one full-size pass instead of two
+            (child, role), kids = kids[0], kids[1:]
+            eta = normal.message(plan, q, plan.sites[child], role, s, offset=eta[0])
+        else:
+            eta[0] = eta[0].expand([sizes[d] for d in cd])
+        for child, role in kids:
+            eta[0] = eta[0] + message(plan, q, child, role, s)[0]
+        return tuple(eta)
     elif s.family == "Gamma" and s.params["rate"].parent is not None:
         eta = conjugate_children.gamma_rate_natural(plan, q, s)
     elif s.family == "MultivariateNormal":
@@ -235,8 +246,11 @@ def update(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
     if s.point:
         return (point_mode(s, eta),)
     if s.family == "Categorical":
-        m = eta[0].amax(-1, keepdim=True)  # softmax, fewer passes than torch's
-        r = (eta[0] - m).exp_()
+        # softmax, in fewer passes than torch's; in place where η is a new tensor (a child's
+        # message was added to the prior term: :func:`natural`)
+        owned = children and not s.at_prior and plan.children[name] and 0 not in eta[0].stride()
+        m = eta[0].amax(-1, keepdim=True)
+        r = (eta[0].sub_(m) if owned else eta[0] - m).exp_()
         z = r.sum(-1, keepdim=True)
         r = r.div_(z)
         if s.fixed_mask is not None:
@@ -244,7 +258,9 @@ def update(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
         elif children and lse_applies(plan, s):
             lse = sum_tasks((m + z.log()).squeeze(-1))
             others = [(n, q[n]) for n in plan.latent if n != name]
-            plan.cache[("lse", name)] = (r, lse, others)
+            factor = (r,)
+            plan.cache[("lse", name)] = (factor, lse, others)
+            return factor
         return (r,)
     if s.joint:
         b = expfam.MultivariateNormal.from_natural(*eta)

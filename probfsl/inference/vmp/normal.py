@@ -16,6 +16,7 @@ from probfsl.inference.vmp import gaussian_chain, linear_maps
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.layout import LOG_2PI, Plan, Site, derived
 from probfsl.inference.vmp.moments import (
+    broadcast_shape,
     compact,
     expected_stats,
     parent_ops,
@@ -86,9 +87,13 @@ def ops(plan, q, s, chain: bool = True):
     )
 
 
-def loglik(plan, o, out, weights):
+def loglik(plan, o, out, weights, offset=None):
     """E ln N(x | m, c τ) summed over the site's axes into ``out``:
-    ½(ln c + ⟨ln τ⟩) − ½ ln 2π − ½ c⟨τ⟩(⟨x²⟩ − 2⟨x⟩⟨m⟩ + ⟨m²⟩) (PRML eq. 10.46 per axis)."""
+    ½(ln c + ⟨ln τ⟩) − ½ ln 2π − ½ c⟨τ⟩(⟨x²⟩ − 2⟨x⟩⟨m⟩ + ⟨m²⟩) (PRML eq. 10.46 per axis),
+    plus ``offset`` (a tensor broadcastable to ``out``) where given.
+
+    The terms without the data's axes are summed at their own small size, then added once
+    to the term that has them, in place: one full-size pass and no full-size temporary."""
     over, ref = o["over"], plan.ref
     mw = o["M"] + weights
     pr = mw + o["c"] + o["T1"]
@@ -100,14 +105,22 @@ def loglik(plan, o, out, weights):
     for log_tau in o["T2"]:  # ⟨ln τ⟩ of each factor of the precision
         small = small + 0.5 * e(mw + log_tau)
     small = small - 0.5 * sum(e(pr + t) for t in o["L2"])
+    if offset is not None:
+        small = small + offset
     if o["observed"] and o["XL"] is not None and o["XL"][0] is o["X1"][0] and len(o["L1"]) == 1:
         # observed x: ⟨x⟩⟨m⟩ − ½⟨x²⟩ as one contraction over (x, x²) · (⟨m⟩, −½), with
         # (x, x²) stacked once per plan (a latent x would be stacked at every call)
         (m, m_dims), power = o["L1"][0], "#power"
         coef = torch.stack([m, torch.full_like(m, -0.5)], -1)
         res = e(pr + [(_powers(plan, o), o["X1"][0][1] + (power,)), (coef, m_dims + (power,))])
-        return (res + small).expand([plan.sizes[d] for d in out])
-    res = e(pr + o["XL"]) - 0.5 * e(pr + o["X2"]) + small
+    else:
+        res = e(pr + o["XL"]) - 0.5 * e(pr + o["X2"])
+    # res is a new tensor (a contraction of several operands): add in place where it
+    # already has the full shape
+    if tuple(res.shape) == broadcast_shape((res, small)) and 0 not in res.stride():
+        res = res.add_(small)
+    else:
+        res = res + small
     return res.expand([plan.sizes[d] for d in out])
 
 
@@ -140,6 +153,12 @@ def _weighted(plan: Plan, q: dict, c: Site, o: dict, out: tuple, power: int) -> 
     hit = plan.cache.get(key)
     if hit is not None and all(a is b for a, b in zip(hit[0], deps, strict=True)):
         return hit[1]
+    if power and c.observed:  # S1 and S2 in one contraction with the stacked (x, x²)
+        ops = o["M"] + o["W"] + [(_powers(plan, o), o["X1"][0][1] + ("#power",))]
+        both = ein(out + ("#power",), ops, o["over"], plan.sizes, plan.ref)
+        for p in (1, 2):
+            plan.cache[("weighted", c.name, out, p)] = (deps, both[..., p - 1])
+        return both[..., power - 1]
     data = {0: [], 1: o["X1"], 2: o["X2"]}[power]
     value = ein(out, o["M"] + o["W"] + data, o["over"], plan.sizes, plan.ref)
     plan.cache[key] = (deps, value)
@@ -168,17 +187,24 @@ def _weighted_message(plan, q, c: Site, o: dict, role: str, out: tuple, others: 
     return [-0.5 * quad, (0.5 * compact(s0)).expand(s0.shape)]
 
 
-def message(plan: Plan, q: dict, c: Site, role: str, to: Site) -> list:
+def message(plan: Plan, q: dict, c: Site, role: str, to: Site, offset=None) -> list:
     """m_{c → to} of a Normal child: to its mean (c⟨τ⟩⟨x⟩, −½ c⟨τ⟩), to a Gamma factor of
     its precision (−½ c Π_other⟨τ⟩ ⟨(x − m)²⟩, ½), to its selector E ln N per component
-    (PRML eq. 10.46-10.53; an affine mean: :mod:`~probfsl.inference.vmp.linear_maps`)."""
+    (PRML eq. 10.46-10.53; an affine mean: :mod:`~probfsl.inference.vmp.linear_maps`).
+
+    ``offset`` (selector only): a term of the selector's natural parameter added to the
+    message as it is formed (:func:`loglik`); the message is then a new tensor that the
+    caller may update in place, and it is not kept for the bound."""
     sizes, ref, child = plan.sizes, plan.ref, c.name
     o = ops(plan, q, c)
     o["over"] = c.dims + ((o["comp"],) if o["comp"] else ())
     mw = o["M"] + o["W"]
     if role == "select":
         out = to.dims + (o["comp"],)
-        per_component = loglik(plan, o, out, [])
+        per_component = loglik(plan, o, out, [], offset)
+        if offset is not None:
+            plan.cache.pop(("loglik", child), None)
+            return [per_component]
         # cached for the ELBO once q(z) is updated: valid while the other factors stay
         names = [p.parent for p in c.params.values() if p.parent]
         names += [] if c.observed else [child]
