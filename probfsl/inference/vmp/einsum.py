@@ -48,13 +48,12 @@ def ein(
     multiplies the sum by its size; an axis of ``out`` that no operand has is broadcast (kept
     at size 1 with ``expand=False``). ``ref`` gives the dtype and device of an empty product.
     """
-    spec, extra, kept, identity, has = _spec(
-        tuple(out), tuple(tuple(d) for _, d in ops), tuple(over)
-    )
+    dims = tuple(tuple(d) for _, d in ops)
+    spec, extra, kept, identity, has = _spec(tuple(out), dims, tuple(over))
     if identity:
         res = ops[0][0]
     elif ops:
-        res = contract(spec, [t for t, _ in ops])
+        res = _evaluate(spec, dims, kept, [t for t, _ in ops])
     else:
         res = torch.ones((), dtype=ref.dtype, device=ref.device)
     n_extra = math.prod(sizes[d] for d in extra)
@@ -66,6 +65,86 @@ def ein(
         if expand:
             res = res.expand([sizes[d] for d in out])
     return res
+
+
+def _shapes(tensors: list) -> tuple:
+    return tuple(tuple(t.shape) for t in tensors)
+
+
+def _evaluate(spec: str, dims: tuple, kept: tuple, tensors: list) -> torch.Tensor:
+    """The contraction ``spec`` of ``tensors`` (axes ``dims``) into the axes ``kept``: a
+    broadcast product where that stays small (:func:`_broadcast_route`); else, with more
+    than two operands, the product of all but the largest (where that stays small too)
+    contracted with the largest in one ``einsum``; else :func:`contract`."""
+    shapes = _shapes(tensors)
+    route = _broadcast_route(dims, kept, shapes)
+    if route is not None:
+        return _broadcast(tensors, *route)
+    fold = _fold_route(dims, shapes) if len(tensors) > 2 else None
+    if fold is None:
+        return contract(spec, tensors)
+    big, rest_route, rest_axes = fold
+    rest = [t for i, t in enumerate(tensors) if i != big]
+    # the large operand first: torch.einsum then multiplies it by the other's transpose,
+    # the faster orientation of the batched BLAS call for a few output columns (a mixture's
+    # E ln N per point and component: 2.5 ms against 3.0 on 1,000 tasks)
+    pair_spec = _spec(kept, (dims[big], rest_axes), ())[0]
+    return torch.einsum(pair_spec, tensors[big], _broadcast(rest, *rest_route))
+
+
+@lru_cache(maxsize=4096)
+def _fold_route(dims: tuple, shapes: tuple) -> tuple | None:
+    """For :func:`_evaluate`: the largest operand's index, the broadcast route of the
+    others' product and its axes (all of theirs); ``None`` where that product would
+    outgrow its largest factor."""
+    big = max(range(len(dims)), key=lambda i: math.prod(shapes[i]))
+    rest = [i for i in range(len(dims)) if i != big]
+    axes = tuple(dict.fromkeys(d for i in rest for d in dims[i]))
+    route = _broadcast_route(tuple(dims[i] for i in rest), axes, tuple(shapes[i] for i in rest))
+    if route is None:
+        return None
+    return big, route, axes
+
+
+
+
+@lru_cache(maxsize=4096)
+def _broadcast_route(dims: tuple, kept: tuple, shapes: tuple) -> tuple | None:
+    """How to evaluate a contraction as a broadcast product and one sum: each operand's
+    axis permutation and view, and the summed positions. ``None`` where that product would
+    be larger than the largest operand (a matrix product, for ``einsum``'s BLAS call) or an
+    operand repeats an axis. On small operands this costs a third of an ``einsum`` call,
+    whose equation parsing and path setup dominate there."""
+    if any(len(set(d)) < len(d) for d in dims):
+        return None
+    size: dict = {}
+    for names, shape in zip(dims, shapes, strict=True):
+        for d, n in zip(names, shape, strict=True):
+            size[d] = max(size.get(d, 1), n)
+    summed = tuple(d for d in size if d not in kept)
+    axes = kept + summed
+    if len(dims) > 1 and math.prod(size.values()) > max(math.prod(s) for s in shapes):
+        return None
+    plans = []
+    for names, shape in zip(dims, shapes, strict=True):
+        perm = tuple(sorted(range(len(names)), key=lambda i: axes.index(names[i])))
+        own = dict(zip(names, shape, strict=True))
+        view = tuple(own.get(d, 1) for d in axes)
+        # a scalar broadcasts as it is; so does an operand already in the order and shape
+        aligned = not shape or (perm == tuple(range(len(perm))) and view == tuple(shape))
+        plans.append(None if aligned else (perm, view))
+    return tuple(plans), tuple(range(len(kept), len(axes)))
+
+
+def _broadcast(tensors: list, plans: tuple, summed: tuple) -> torch.Tensor:
+    """The product of ``tensors`` aligned by ``plans`` (:func:`_broadcast_route`; ``None``:
+    already aligned), summed over the positions ``summed``."""
+    res = None
+    for t, plan in zip(tensors, plans, strict=True):
+        if plan is not None:
+            t = t.permute(plan[0]).reshape(plan[1])
+        res = t if res is None else res * t
+    return res.sum(summed) if summed else res
 
 
 @lru_cache(maxsize=4096)

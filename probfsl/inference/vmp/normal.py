@@ -153,12 +153,6 @@ def _weighted(plan: Plan, q: dict, c: Site, o: dict, out: tuple, power: int) -> 
     hit = plan.cache.get(key)
     if hit is not None and all(a is b for a, b in zip(hit[0], deps, strict=True)):
         return hit[1]
-    if power and c.observed:  # S1 and S2 in one contraction with the stacked (x, x²)
-        ops = o["M"] + o["W"] + [(_powers(plan, o), o["X1"][0][1] + ("#power",))]
-        both = ein(out + ("#power",), ops, o["over"], plan.sizes, plan.ref)
-        for p in (1, 2):
-            plan.cache[("weighted", c.name, out, p)] = (deps, both[..., p - 1])
-        return both[..., power - 1]
     data = {0: [], 1: o["X1"], 2: o["X2"]}[power]
     value = ein(out, o["M"] + o["W"] + data, o["over"], plan.sizes, plan.ref)
     plan.cache[key] = (deps, value)
