@@ -207,9 +207,9 @@ def run(
     none is. An engine that ``compacts`` then also drops the converged tasks from the
     batch once they are at least :data:`COMPACT_FRACTION` of it (:meth:`Engine.take`;
     their final state is written back with :meth:`Engine.put`), so later steps cost only
-    what the moving tasks need; until then they are masked. Since converged tasks are frozen either way, neither the
-    schedule nor the compaction changes a task's result. Without ``tol`` all
-    ``n_steps`` steps run and nothing syncs.
+    what the moving tasks need; until then they are masked. Since converged tasks are
+    frozen either way, neither the schedule nor the compaction changes a task's result.
+    Without ``tol`` all ``n_steps`` steps run and nothing syncs.
 
     Returns the final state and a :class:`RunInfo` (trace, steps per task, converged).
     """
