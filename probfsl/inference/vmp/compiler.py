@@ -373,6 +373,8 @@ class Compiler:
             latent = list(self.order)
         plan = Plan(sites, latent, sizes, {n: [] for n in latent}, ref)
         self._find_parents(plan, trace, args, kwargs)
+        for p in (p for s in sites.values() for p in s.params.values() if p.coef is not None):
+            p.unit_coef = bool((p.coef == 1).all())
         self._find_chains(plan)
         at_prior.check(plan)
         for name in self.points:

@@ -106,25 +106,25 @@ def _fold_route(dims: tuple, shapes: tuple) -> tuple | None:
     return big, route, axes
 
 
-
-
 @lru_cache(maxsize=4096)
 def _broadcast_route(dims: tuple, kept: tuple, shapes: tuple) -> tuple | None:
     """How to evaluate a contraction as a broadcast product and one sum: each operand's
-    axis permutation and view, and the summed positions. ``None`` where that product would
-    be larger than the largest operand (a matrix product, for ``einsum``'s BLAS call) or an
-    operand repeats an axis. On small operands this costs a third of an ``einsum`` call,
-    whose equation parsing and path setup dominate there."""
+    axis permutation and view (``None``: already aligned), the summed positions and the
+    permutation of what remains into ``kept``. The product runs in the axis order of the
+    largest operand (no copy of it), with the others' axes after. ``None`` where the
+    product would be larger than the largest operand (a matrix product, for ``einsum``'s
+    BLAS call) or an operand repeats an axis. On small operands this costs a third of an
+    ``einsum`` call, whose equation parsing and path setup dominate there."""
     if any(len(set(d)) < len(d) for d in dims):
         return None
     size: dict = {}
     for names, shape in zip(dims, shapes, strict=True):
         for d, n in zip(names, shape, strict=True):
             size[d] = max(size.get(d, 1), n)
-    summed = tuple(d for d in size if d not in kept)
-    axes = kept + summed
     if len(dims) > 1 and math.prod(size.values()) > max(math.prod(s) for s in shapes):
         return None
+    big = max(range(len(dims)), key=lambda i: math.prod(shapes[i]))
+    axes = tuple(dict.fromkeys(dims[big] + tuple(size)))
     plans = []
     for names, shape in zip(dims, shapes, strict=True):
         perm = tuple(sorted(range(len(names)), key=lambda i: axes.index(names[i])))
@@ -133,18 +133,23 @@ def _broadcast_route(dims: tuple, kept: tuple, shapes: tuple) -> tuple | None:
         # a scalar broadcasts as it is; so does an operand already in the order and shape
         aligned = not shape or (perm == tuple(range(len(perm))) and view == tuple(shape))
         plans.append(None if aligned else (perm, view))
-    return tuple(plans), tuple(range(len(kept), len(axes)))
+    summed = tuple(i for i, d in enumerate(axes) if d not in kept)
+    left = [d for d in axes if d in kept]
+    out_perm = tuple(left.index(d) for d in kept)
+    return tuple(plans), summed, None if out_perm == tuple(range(len(kept))) else out_perm
 
 
-def _broadcast(tensors: list, plans: tuple, summed: tuple) -> torch.Tensor:
-    """The product of ``tensors`` aligned by ``plans`` (:func:`_broadcast_route`; ``None``:
-    already aligned), summed over the positions ``summed``."""
+def _broadcast(tensors: list, plans: tuple, summed: tuple, out_perm: tuple | None) -> torch.Tensor:
+    """The product of ``tensors`` aligned by ``plans`` (:func:`_broadcast_route`), summed
+    over the positions ``summed``, its axes then permuted by ``out_perm``."""
     res = None
     for t, plan in zip(tensors, plans, strict=True):
         if plan is not None:
             t = t.permute(plan[0]).reshape(plan[1])
         res = t if res is None else res * t
-    return res.sum(summed) if summed else res
+    if summed:
+        res = res.sum(summed)
+    return res if out_perm is None else res.permute(out_perm)
 
 
 @lru_cache(maxsize=4096)

@@ -58,6 +58,7 @@ class Param:
     rename: dict = field(default_factory=dict)  # parent's axes -> the child's names
     coef: torch.Tensor | None = None  # c of a precision c * tau
     coef_dims: tuple = ()
+    unit_coef: bool = False  # c = 1 exactly (read once by the compiler): no factor, ln c = 0
     comp: str | None = None  # the parent's component axis the child selects
     selector: str | None = None  # latent Categorical site selecting ``comp``
     index: torch.Tensor | None = None  # fixed one-hot selection [index_dims + comp]

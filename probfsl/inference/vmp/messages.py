@@ -51,7 +51,7 @@ def site_elbo(plan: Plan, q: dict, name: str) -> torch.Tensor:
         return dirichlet_points.loglik(plan, q, s, out, with_weights=True)
     if conjugate_children.linear_key(s) is not None:
         return conjugate_children.loglik(plan, q, s, out, with_weights=True)
-    if s.family == "Normal":
+    if s.family == "Normal" and not fixed_normal(s):
         hit = plan.cache.get(("loglik", name))
         if hit is not None and all(a is q[n] for n, a in zip(hit[0], hit[1], strict=True)):
             # Σ_k r_nk E ln N(x_n | θ_k), from the message just sent to the selector
@@ -105,11 +105,34 @@ def prior(plan: Plan, s: Site) -> tuple:
 
 
 def prior_block(plan: Plan, s: Site):
-    """The fixed prior of a Gamma or Dirichlet site, in its full layout."""
-    full = [
-        ein(p.dims, [(p.const, p.const_dims)], (), plan.sizes, p.const) for p in s.params.values()
-    ]
+    """The fixed prior of a Gamma, Dirichlet or Normal site, in its full layout."""
+    params = [s.params[k] for k in ("loc", "precision")] if s.family == "Normal" else s.params
+    params = params if isinstance(params, list) else list(params.values())
+    full = [ein(p.dims, [(p.const, p.const_dims)], (), plan.sizes, p.const) for p in params]
     return block_of(s, tuple(full))
+
+
+def fixed_normal(s: Site) -> bool:
+    """A latent Normal site whose location and precision are both fixed (no parent, map,
+    selection or mask): its prior is a block like a Gamma's, whose natural parameters and
+    log-normaliser :func:`prior` computes once per plan instead of at every sweep."""
+    return (
+        s.family == "Normal"
+        and not s.observed
+        and not s.joint
+        and not s.point
+        and s.chain is None
+        and s.mask is None
+        and all(
+            p.parent is None
+            and not p.terms
+            and p.bilinear is None
+            and p.comp is None
+            and not p.factors
+            and p.const is not None
+            for p in s.params.values()
+        )
+    )
 
 
 def sum_tasks(t: torch.Tensor) -> torch.Tensor:
@@ -176,7 +199,7 @@ def natural(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
     s, sizes = plan.sites[name], plan.sizes
     if s.point:  # no prior term: the children's messages alone
         eta = [plan.ref.new_zeros([sizes[d] for d in dims]) for dims in stat_dims(s)]
-    elif s.family == "Normal":
+    elif s.family == "Normal" and not fixed_normal(s):
         eta = normal.natural(plan, q, s)
     elif s.family == "Categorical":  # a mask (or a tempering scale) weighs the prior
         cd = s.dims + (f"{s.name}#cat",)

@@ -36,7 +36,8 @@ def natural(plan: Plan, q: dict, s: Site) -> list:
 
 
 def ops(plan, q, s, chain: bool = True):
-    """Operand lists of a Normal site's expected log-density (:func:`loglik`); ``L2``,
+    """Operand lists of a Normal site's expected log-density (:func:`loglik`; ``lnc`` is
+    None where ln c = 0); ``L2``,
     the mean's second moment, is a sum of operand lists (an affine mean's variance
     stays factored: :func:`~probfsl.inference.vmp.linear_maps.second_moment_terms`); for
     a step of a Gaussian chain (``chain``), ``XL`` holds the joint ⟨x m⟩ that replaces
@@ -60,9 +61,9 @@ def ops(plan, q, s, chain: bool = True):
         c = [(prec.const, prec.const_dims)]
         lnc = [(derived(prec, "log"), prec.const_dims)]
         T1, T2 = [], []
-    else:
-        c = [(prec.coef, prec.coef_dims)]
-        lnc = [(derived(prec, "log_coef"), prec.coef_dims)]
+    else:  # c τ with c = 1 (the common case) has neither an operand c nor a term ln c
+        c = [] if prec.unit_coef else [(prec.coef, prec.coef_dims)]
+        lnc = None if prec.unit_coef else [(derived(prec, "log_coef"), prec.coef_dims)]
         T1, T2 = [f[0] for _, f in factors], [[f[1]] for _, f in factors]
     M = [] if s.mask is None else [(s.mask, s.mask_dims)]
     W, comp = weights(plan, q, s)
@@ -101,7 +102,9 @@ def loglik(plan, o, out, weights, offset=None):
     def e(ops):  # broadcastable: terms without the data's axes stay small
         return ein(out, ops, over, plan.sizes, ref, expand=False)
 
-    small = 0.5 * e(mw + o["lnc"]) - 0.5 * LOG_2PI * e(mw)
+    small = -0.5 * LOG_2PI * e(mw)
+    if o["lnc"] is not None:
+        small = small + 0.5 * e(mw + o["lnc"])
     for log_tau in o["T2"]:  # ⟨ln τ⟩ of each factor of the precision
         small = small + 0.5 * e(mw + log_tau)
     small = small - 0.5 * sum(e(pr + t) for t in o["L2"])
