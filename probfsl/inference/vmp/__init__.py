@@ -65,12 +65,16 @@ shared loop :func:`probfsl.inference.base.run`: a task whose ELBO moved by less 
 (:meth:`VMP.take`, :meth:`VMP.put`).
 
 **Cost of a sweep.** What is fixed is computed once per plan: a coefficient c of
-c·τ (read off the model as 1 ± 1 ulp) is snapped to its exact value and kept as a scalar;
-ln c, m², ln π of fixed parameters and the priors' natural parameters and log-normalisers
-are cached. Expected statistics are cached per factor and reused by the entropies; terms
-without the data's axes stay unbroadcast until the last addition; small contractions are
-one ``einsum`` call, larger ones follow opt_einsum's order. When a Categorical factor
-was updated last, its ELBO terms and its children's are its normaliser Σ_n ln Σ_k e^η_nk.
+c·τ (read off the model as 1 ± 1 ulp) is snapped to its exact value and kept as a scalar,
+or dropped where it is exactly 1; ln c, m², ln π of fixed parameters and the priors'
+natural parameters and log-normalisers (Gamma, Dirichlet, and Normal sites with a fixed
+prior) are cached. Expected statistics are cached per factor and reused by the entropies.
+A contraction that sums over no axis is a broadcast product; a contraction of two
+operands or of a small product is one ``einsum`` call, and larger ones follow opt_einsum's
+order. Terms without the data's axes stay unbroadcast until one in-place addition: a
+mixture's label update forms E ln π plus the per-component E ln N in one full-size pass
+and normalises it in place. When a Categorical factor was updated last, its ELBO terms and
+its children's are its normaliser Σ_n ln Σ_k e^η_nk.
 """
 
 from probfsl.inference.vmp.checks import FAMILIES, SUPPORTED

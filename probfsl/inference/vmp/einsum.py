@@ -72,83 +72,48 @@ def _shapes(tensors: list) -> tuple:
 
 
 def _evaluate(spec: str, dims: tuple, kept: tuple, tensors: list) -> torch.Tensor:
-    """The contraction ``spec`` of ``tensors`` (axes ``dims``) into the axes ``kept``: a
-    broadcast product where that stays small (:func:`_broadcast_route`); else, with more
-    than two operands, the product of all but the largest (where that stays small too)
-    contracted with the largest in one ``einsum``; else :func:`contract`."""
-    shapes = _shapes(tensors)
-    route = _broadcast_route(dims, kept, shapes)
-    if route is not None:
-        return _broadcast(tensors, *route)
-    fold = _fold_route(dims, shapes) if len(tensors) > 2 else None
-    if fold is None:
-        return contract(spec, tensors)
-    big, rest_route, rest_axes = fold
-    rest = [t for i, t in enumerate(tensors) if i != big]
-    # the large operand first: torch.einsum then multiplies it by the other's transpose,
-    # the faster orientation of the batched BLAS call for a few output columns (a mixture's
-    # E ln N per point and component: 2.5 ms against 3.0 on 1,000 tasks)
-    pair_spec = _spec(kept, (dims[big], rest_axes), ())[0]
-    return torch.einsum(pair_spec, tensors[big], _broadcast(rest, *rest_route))
+    """The contraction ``spec`` of ``tensors`` (axes ``dims``) into the axes ``kept``: an
+    elementwise product where nothing is summed (:func:`_product_route`), else
+    :func:`contract`."""
+    route = _product_route(dims, kept, _shapes(tensors))
+    return contract(spec, tensors) if route is None else _product(tensors, *route)
 
 
 @lru_cache(maxsize=4096)
-def _fold_route(dims: tuple, shapes: tuple) -> tuple | None:
-    """For :func:`_evaluate`: the largest operand's index, the broadcast route of the
-    others' product and its axes (all of theirs); ``None`` where that product would
-    outgrow its largest factor."""
-    big = max(range(len(dims)), key=lambda i: math.prod(shapes[i]))
-    rest = [i for i in range(len(dims)) if i != big]
-    axes = tuple(dict.fromkeys(d for i in rest for d in dims[i]))
-    route = _broadcast_route(tuple(dims[i] for i in rest), axes, tuple(shapes[i] for i in rest))
-    if route is None:
-        return None
-    return big, route, axes
-
-
-@lru_cache(maxsize=4096)
-def _broadcast_route(dims: tuple, kept: tuple, shapes: tuple) -> tuple | None:
-    """How to evaluate a contraction as a broadcast product and one sum: each operand's
-    axis permutation and view (``None``: already aligned), the summed positions and the
-    permutation of what remains into ``kept``. The product runs in the axis order of the
-    largest operand (no copy of it), with the others' axes after. ``None`` where the
-    product would be larger than the largest operand (a matrix product, for ``einsum``'s
-    BLAS call) or an operand repeats an axis. On small operands this costs a third of an
-    ``einsum`` call, whose equation parsing and path setup dominate there."""
+def _product_route(dims: tuple, kept: tuple, shapes: tuple) -> tuple | None:
+    """How to evaluate a contraction that sums over no axis as a broadcast product: each
+    operand's axis permutation and view into the order of the largest operand (``None``:
+    already aligned), and the permutation of the result into ``kept``. ``None`` where an
+    axis is summed (those keep ``einsum``'s evaluation, and its rounding) or an operand
+    repeats one. On small operands this costs a third of an ``einsum`` call, whose
+    equation parsing dominates there (a quarter of a mixture's sweep on a few tasks)."""
     if any(len(set(d)) < len(d) for d in dims):
         return None
-    size: dict = {}
-    for names, shape in zip(dims, shapes, strict=True):
-        for d, n in zip(names, shape, strict=True):
-            size[d] = max(size.get(d, 1), n)
-    if len(dims) > 1 and math.prod(size.values()) > max(math.prod(s) for s in shapes):
+    axes = {d for names in dims for d in names}
+    if axes != set(kept):
         return None
     big = max(range(len(dims)), key=lambda i: math.prod(shapes[i]))
-    axes = tuple(dict.fromkeys(dims[big] + tuple(size)))
+    order = tuple(dict.fromkeys(dims[big] + kept))
     plans = []
     for names, shape in zip(dims, shapes, strict=True):
-        perm = tuple(sorted(range(len(names)), key=lambda i: axes.index(names[i])))
+        perm = tuple(sorted(range(len(names)), key=lambda i: order.index(names[i])))
         own = dict(zip(names, shape, strict=True))
-        view = tuple(own.get(d, 1) for d in axes)
+        view = tuple(own.get(d, 1) for d in order)
         # a scalar broadcasts as it is; so does an operand already in the order and shape
         aligned = not shape or (perm == tuple(range(len(perm))) and view == tuple(shape))
         plans.append(None if aligned else (perm, view))
-    summed = tuple(i for i, d in enumerate(axes) if d not in kept)
-    left = [d for d in axes if d in kept]
-    out_perm = tuple(left.index(d) for d in kept)
-    return tuple(plans), summed, None if out_perm == tuple(range(len(kept))) else out_perm
+    out_perm = tuple(order.index(d) for d in kept)
+    return tuple(plans), None if out_perm == tuple(range(len(kept))) else out_perm
 
 
-def _broadcast(tensors: list, plans: tuple, summed: tuple, out_perm: tuple | None) -> torch.Tensor:
-    """The product of ``tensors`` aligned by ``plans`` (:func:`_broadcast_route`), summed
-    over the positions ``summed``, its axes then permuted by ``out_perm``."""
+def _product(tensors: list, plans: tuple, out_perm: tuple | None) -> torch.Tensor:
+    """The product of ``tensors`` aligned by ``plans`` (:func:`_product_route`), its axes
+    permuted by ``out_perm``."""
     res = None
     for t, plan in zip(tensors, plans, strict=True):
         if plan is not None:
             t = t.permute(plan[0]).reshape(plan[1])
         res = t if res is None else res * t
-    if summed:
-        res = res.sum(summed)
     return res if out_perm is None else res.permute(out_perm)
 
 

@@ -204,17 +204,12 @@ class VMP(Engine):
         """``new`` with the factors and ELBO of the ``frozen`` tasks ([T] bool) from ``old``.
 
         Every factor parameter leads with the tasks axis (the canonical layout), so each is
-        one ``torch.where``, written into ``new``'s own tensor where it has one (``new`` is
-        the step's fresh result, and its factors are returned in new tuples, which no plan
-        cache is keyed on); the plan (data, fixed parameters) is shared by every state of a
-        fit and is never touched.
+        one ``torch.where``; the plan (data, fixed parameters, caches) is shared by every
+        state of a fit and is never touched.
         """
 
         def where(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            mask = frozen.reshape(-1, *[1] * (b.dim() - 1))
-            if b is a or 0 in b.stride() or a.shape != b.shape:
-                return torch.where(mask, a, b)
-            return torch.where(mask, a, b, out=b)
+            return torch.where(frozen.reshape(-1, *[1] * (b.dim() - 1)), a, b)
 
         q = {
             name: tuple(where(a, b) for a, b in zip(old.q[name], params, strict=True))
