@@ -3,9 +3,10 @@
 Every message and bound term of :mod:`probfsl.inference.vmp` is a sum over some axes of a
 product of expectations, each laid out with one named axis per plate and event dimension
 (:mod:`probfsl.inference.vmp.layout`). :func:`ein` turns the names into an ``einsum``
-specification and :func:`contract` evaluates it along opt_einsum's contraction order
-(``opt_einsum.contract_expression``, compiled once per specification and shapes). Both
-caches are keyed by value (axis names, shapes), never by object identity.
+specification; a product that sums over no axis is a broadcast product of aligned views,
+and :func:`contract` evaluates the others along opt_einsum's contraction order
+(``opt_einsum.contract_expression``, compiled once per specification and shapes). Every
+cache is keyed by value (axis names, shapes), never by object identity.
 """
 
 from __future__ import annotations
