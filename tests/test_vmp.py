@@ -686,6 +686,15 @@ def _branching(x):
                 pyro.sample("x_neg", dist.Normal(-mu, 1.0), obs=x)
 
 
+def _branching_on_labels(x):
+    with pyro.plate("tasks", x.shape[0], dim=-2):
+        pi = pyro.sample("pi", dist.Dirichlet(torch.ones(1, 10, dtype=x.dtype)))
+        with pyro.plate("points", x.shape[1], dim=-1):
+            z = pyro.sample("z", dist.Categorical(pi))
+        size = int(z.sum()) + 1  # control flow on latent labels: a site's size follows them
+        pyro.sample("w", dist.Normal(torch.zeros(size, dtype=x.dtype), 1.0).to_event(1))
+
+
 @pytest.mark.parametrize(
     "model, data, message",
     [
@@ -704,6 +713,7 @@ def _branching(x):
         (_with_param, torch.ones(2, 3), "pyro.param site.*scale"),
         (partial(_normal_mean_model, prior_scale=-1.0), torch.ones(2, 3), "'mu'.*scale is outside"),
         (_branching, torch.randn(1, 3), "control flow on a latent value"),
+        (_branching_on_labels, torch.randn(1, 6), "control flow on a latent value"),
     ],
 )
 def test_vmp_refuses_bad_input_naming_the_site(model, data, message):
@@ -711,6 +721,82 @@ def test_vmp_refuses_bad_input_naming_the_site(model, data, message):
     pyro.set_rng_seed(0)
     with pytest.raises(ValueError, match=message):
         VMP(model).fit(data)
+
+
+def test_vmp_compiler_checks_agree_with_torch():
+    """The compiler's shortcuts (closeness settled by equality first, finiteness and the
+    real and positive constraints read off the extremes) give torch's answers, NaN, ±inf,
+    zeros and broadcasting included."""
+    from pyro.distributions import constraints
+
+    from probfsl.inference.vmp.checks import _holds, all_finite, close
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(40, 7, dtype=torch.float64, generator=g)
+    cases = [base, base.abs(), base.abs() + 1, base[:, :1].expand(40, 7)]
+    for special in (float("nan"), float("inf"), -float("inf"), 0.0):
+        bad = base.abs().clone()
+        bad[17, 3] = special
+        cases.append(bad)
+    for a in cases:
+        assert bool(all_finite(a, None)) == bool(torch.isfinite(a).all())
+        for c in (
+            constraints.real,
+            constraints.positive,
+            constraints.independent(constraints.positive, 1),
+            constraints.simplex,
+        ):
+            assert bool(_holds(c, a)) == bool(c.check(a).all()), (c, a[17, 3])
+        for b in cases:
+            for rtol, atol in ((1e-5, 1e-8), (0.0, 0.0)):
+                expect = torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=False)
+                assert close(a, b, rtol, atol) == expect
+        near = a * (1 + 1e-9)
+        assert close(near, a) == torch.allclose(near, a)
+        assert close(a[:, :1], a) == torch.allclose(a[:, :1].expand_as(a), a)
+
+
+def test_vmp_reduce_constant_keeps_exactly_the_varying_axes():
+    """Axes along which a parameter is constant (exactly, or within ``ulps`` units in the
+    last place of the first slice) are dropped; checked against a slice-by-slice loop."""
+    from probfsl.inference.vmp.layout import reduce_constant
+
+    g = torch.Generator().manual_seed(0)
+    eps = torch.finfo(torch.float64).eps
+    base = torch.randn(4, 1, 3, dtype=torch.float64, generator=g).expand(4, 5, 3).clone()
+    nudged = base.clone()
+    nudged[:, 2] *= 1 + 2 * eps  # a few ulps along axis 1
+    scalar = torch.full((3, 2), 1.5, dtype=torch.float64)
+    scalar[1, 1] = 1.5 * (1 + 3 * eps)
+    nan = base.clone()
+    nan[0, 3, 0] = float("nan")
+    for t in (base, nudged, scalar, nan, base[:, :, :1].expand(4, 5, 3)):
+        dims = tuple("abc"[: t.dim()])
+        for ulps in (0, 8):
+            bound = ulps * eps
+
+            def near(x, first, bound=bound):
+                return bool(((x - first).abs() <= bound * first.abs()).all())
+
+            value, kept = reduce_constant(t, dims, ulps)
+            t0 = t.flatten()[0]
+            if ulps and near(t, t0):
+                assert kept == () and value.dim() == 0 and value == t0
+                continue
+            want = [
+                d
+                for i, d in enumerate(dims)
+                if t.shape[i] > 1
+                and not all(
+                    torch.equal(t.select(i, j), t.select(i, 0))
+                    if not ulps
+                    else near(t.select(i, j), t.select(i, 0))
+                    for j in range(t.shape[i])
+                )
+            ]
+            assert list(kept) == want, (t.shape, ulps)
+            index = tuple(slice(None) if d in want else 0 for d in dims)
+            assert torch.equal(value, t[index]) or value.isnan().any()
 
 
 def test_vmp_refuses_a_model_without_latent_sites_and_bad_settings():

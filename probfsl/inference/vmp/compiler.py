@@ -116,6 +116,23 @@ class _StartAt(Messenger):
             msg["value"] = self.values[msg["name"]]
 
 
+class _DrawLabels(Messenger):
+    """Draws every latent Categorical site uniformly (CPU generator) instead of from its
+    prior: the compiler reads the model at some value of each site, not at a draw from
+    the prior, and torch's sampler from the prior probabilities took a tenth of the plan
+    derivation on 1,000 mixture tasks."""
+
+    def _pyro_sample(self, msg) -> None:
+        if msg["is_observed"] or msg["value"] is not None:
+            return
+        base, _ = unwrap(msg["fn"])
+        if type(base) is not dist.Categorical:
+            return
+        param = base.probs if "probs" in base.__dict__ else base.logits
+        draw = torch.randint(0, param.shape[-1], msg["fn"].shape(), device="cpu")
+        msg["value"] = draw.to(param.device)
+
+
 #: what a parameter may be, said in a refusal beside what it is
 NEARBY = {
     ("Normal", "loc"): "a Normal or MultivariateNormal site (a copy, an affine map with "
@@ -300,7 +317,10 @@ class Compiler:
         self.model = _StartAt(self.points)(poutine.lift(self.model, prior=prior))
 
     def _trace(self, args, kwargs, values=None, grad: bool = False):
-        model = self.model if values is None else poutine.condition(self.model, data=values)
+        if values is None:
+            model = _DrawLabels()(self.model)
+        else:
+            model = poutine.condition(self.model, data=values)
         with torch.set_grad_enabled(grad), data_device(args, kwargs):
             return poutine.trace(model).get_trace(*args, **kwargs)
 

@@ -169,15 +169,22 @@ def reduce_constant(t: torch.Tensor, dims: tuple, ulps: int = 0) -> tuple[torch.
 
     eps = ulps * torch.finfo(t.dtype).eps if t.is_floating_point() else 0
 
+    def near(lo: torch.Tensor, hi: torch.Tensor, first: torch.Tensor) -> bool:
+        """|x − first| <= eps |first| for every x in [lo, hi] (x − first rounds monotonically
+        in x, so the extremes decide; NaN never passes)."""
+        bound = eps * first.abs()
+        return bool(((hi - first <= bound) & (first - lo <= bound)).all())
+
     def constant(i: int) -> bool:
-        first = t.narrow(i, 0, 1).expand_as(t)
+        first = t.narrow(i, 0, 1)
         if not ulps:
-            return torch.equal(t, first)
-        return bool(((t - first).abs() <= eps * first.abs()).all())
+            return torch.equal(t, first.expand_as(t))
+        lo, hi = torch.aminmax(t, dim=i, keepdim=True)
+        return near(lo, hi, first)
 
     if ulps and t.numel():
         t0 = t.flatten()[0]
-        if bool(((t - t0).abs() <= eps * t0.abs()).all()):
+        if near(*torch.aminmax(t), t0):
             return t0, ()
     keep = [i for i in range(t.dim()) if t.shape[i] > 1 and not constant(i)]
     index = tuple(slice(None) if i in keep else 0 for i in range(t.dim()))
