@@ -60,6 +60,39 @@ def test_linear_regression_with_gamma_hyperpriors():
         _close(state.q["w"][0][t].numpy(), wn.get_moments()[0])
 
 
+def _vague_regression(y, x):
+    """Bayesian linear regression with BayesPy's customary vague hyperpriors
+    Gamma(1e-2, 1e-2): most of their mass lies below 1e-30, where draws underflow."""
+    t, n, p = x.shape
+    with pyro.plate("tasks", t):
+        alpha = pyro.sample("alpha", dist.Gamma(x.new_tensor(1e-2), 1e-2))
+        beta = pyro.sample("beta", dist.Gamma(x.new_tensor(1e-2), 1e-2))
+        w = pyro.sample("w", dist.Normal(x.new_zeros(p), alpha.unsqueeze(-1).rsqrt()).to_event(1))
+        mean = (x * w.unsqueeze(-2)).sum(-1)
+        pyro.sample("y", dist.Normal(mean, beta.unsqueeze(-1).rsqrt()).to_event(1), obs=y)
+
+
+def test_linear_regression_with_vague_hyperpriors_in_any_batch():
+    """The plan does not depend on where the model's own prior draws fall: every task
+    reaches BayesPy's bound, alone or in a batch, whatever the random stream."""
+    x = torch.randn(TASKS, 30, 5, generator=_g(3), dtype=F64)
+    w = torch.randn(TASKS, 1, 5, generator=_g(4), dtype=F64)
+    y = (x * w).sum(-1) + 0.3 * torch.randn(TASKS, 30, generator=_g(5), dtype=F64)
+    engine = VMP(_vague_regression, tol=1e-13, max_iter=3000)
+    torch.manual_seed(0)
+    batched = engine.fit(y, x)[0].objective
+    for t in range(TASKS):
+        alpha, beta = bn.Gamma(1e-2, 1e-2), bn.Gamma(1e-2, 1e-2)
+        wn = bn.GaussianARD(0, alpha, shape=(5,))
+        yn = bn.GaussianARD(bn.SumMultiply("i,i", x[t].numpy(), wn), beta)
+        yn.observe(y[t].numpy())
+        _close(batched[t].item(), _bayespy_bound([yn, wn, alpha, beta]))
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            alone = engine.fit(y[t : t + 1], x[t : t + 1])[0].objective
+            _close(alone.item(), batched[t].item())
+
+
 def test_gamma_rates_with_a_gamma_parent():
     x = 0.7 * torch.randn(TASKS, 3, 8, generator=_g(3), dtype=F64)
     k = torch.poisson(torch.full((TASKS, 3, 10), 3.0, dtype=F64), generator=_g(4))

@@ -30,8 +30,10 @@ and :mod:`~probfsl.inference.vmp.engine` is the engine. Linear maps are found by
 differentiation (structurally); copies and scaled copies of a parent by the runs below.
 
 **How the structure is read.** Parents come from Pyro's provenance tracking
-(``pyro.infer.inspect.get_dependencies``), and one run of the model with every latent site
-at a random value (``poutine.condition``) shows which parameters they move. How a parent
+(``pyro.infer.inspect.get_dependencies``), and two runs of the model with every latent
+site at values the compiler draws from streams of its own (away from the edges of each
+site's support, never from the priors, so the plan does not depend on the user's random
+stream) show which parameters they move. How a parent
 enters a parameter is then *verified* numerically on those values: a location must equal
 the parent's value (broadcast over the child's extra axes, the parent's event axes
 right-aligned with the child's), a precision (1/scale², or a precision matrix) must equal

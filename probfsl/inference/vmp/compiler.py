@@ -1,9 +1,11 @@
 """The VMP compiler: a Pyro model and its data read into a
 :class:`~probfsl.inference.vmp.layout.Plan`.
 
-One trace gives the sites, their plates and distributions (:meth:`Compiler.compile`);
-Pyro's provenance tracking (``pyro.infer.inspect.get_dependencies``) gives each site's
-parents; one run of the model with every latent site at a random value
+One trace gives the sites, their plates and distributions (:meth:`Compiler.compile`),
+with every latent site at a value of the compiler's own (:func:`draw`, away from the
+edges of its support; never a draw from the site's prior, which for a vague Gamma
+underflows to 0); Pyro's provenance tracking (``pyro.infer.inspect.get_dependencies``)
+gives each site's parents; one run of the model with every latent site at another such value
 (``poutine.condition``) shows which parameters they move, and how a parent enters a
 parameter is then verified on those values: a location must equal the parent's value
 (broadcast over the child's extra axes, the parent's event axes right-aligned with the
@@ -116,21 +118,54 @@ class _StartAt(Messenger):
             msg["value"] = self.values[msg["name"]]
 
 
-class _DrawLabels(Messenger):
-    """Draws every latent Categorical site uniformly (CPU generator) instead of from its
-    prior: the compiler reads the model at some value of each site, not at a draw from
-    the prior, and torch's sampler from the prior probabilities took a tenth of the plan
-    derivation on 1,000 mixture tasks."""
+def draw(family: str, shape: list, n_cat: int = 0, generator=None) -> torch.Tensor:
+    """A value of a latent site of ``family`` and ``shape`` away from the edges of its
+    support (float64 or int64, on the CPU): what the compiler reads the model at. A draw
+    from the site's prior will not do: a vague Gamma(0.01, 0.01) puts most of its mass
+    below 1e-30 and underflows to 0, and the parameter maps read off such values are
+    wrong."""
+    cpu = dict(generator=generator, dtype=torch.float64, device="cpu")
+    if family in ("Normal", "MultivariateNormal"):
+        return torch.randn(shape, **cpu)
+    if family == "Gamma":
+        return 0.5 + torch.rand(shape, **cpu)
+    if family == "Beta":
+        return 0.05 + 0.9 * torch.rand(shape, **cpu)
+    if family == "Dirichlet":
+        v = torch.rand(shape, **cpu) + 0.05
+        return v / v.sum(-1, keepdim=True)
+    if family == "Wishart":
+        a = torch.randn(shape, **cpu)
+        eye = torch.eye(shape[-1], dtype=a.dtype, device="cpu")
+        return a @ a.transpose(-1, -2) / shape[-1] + eye
+    return torch.randint(0, n_cat, shape, generator=generator, device="cpu")
+
+
+class _DrawLatent(Messenger):
+    """Gives every latent site of a supported family a :func:`draw` from its own stream
+    (``seed``; the verifying run's values come from another), in the dtype and on the
+    device of the site's parameters, instead of a draw from its prior. The plan so does
+    not depend on the user's random stream, and torch's samplers are spared (from the
+    prior probabilities of a Categorical, a tenth of the plan derivation on 1,000 mixture
+    tasks)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(seed)
 
     def _pyro_sample(self, msg) -> None:
         if msg["is_observed"] or msg["value"] is not None:
             return
         base, _ = unwrap(msg["fn"])
-        if type(base) is not dist.Categorical:
-            return
-        param = base.probs if "probs" in base.__dict__ else base.logits
-        draw = torch.randint(0, param.shape[-1], msg["fn"].shape(), device="cpu")
-        msg["value"] = draw.to(param.device)
+        family = family_of(base)
+        if family is None or family in OBSERVED_ONLY:
+            return  # left to the model's sampler; the compiler refuses the site later
+        like = next((v for v in base.__dict__.values() if torch.is_tensor(v)), None)
+        if like is None or not like.is_floating_point():
+            return  # the model's sampler decides (and fails on integer parameters)
+        n_cat = like.shape[-1] if family == "Categorical" else 0
+        value = draw(family, list(msg["fn"].shape()), n_cat, self.generator)
+        msg["value"] = value.to(like) if value.is_floating_point() else value.to(like.device)
 
 
 #: what a parameter may be, said in a refusal beside what it is
@@ -316,9 +351,11 @@ class Compiler:
             self.points[name] = value
         self.model = _StartAt(self.points)(poutine.lift(self.model, prior=prior))
 
-    def _trace(self, args, kwargs, values=None, grad: bool = False):
+    def _trace(self, args, kwargs, values=None, grad: bool = False, seed: int = 0):
+        """One run of the model: its latent sites at ``values`` (conditioned), or drawn
+        from the stream ``seed`` (:class:`_DrawLatent`; the verifying probes use 2)."""
         if values is None:
-            model = _DrawLabels()(self.model)
+            model = _DrawLatent(seed)(self.model)
         else:
             model = poutine.condition(self.model, data=values)
         with torch.set_grad_enabled(grad), data_device(args, kwargs):
@@ -586,12 +623,12 @@ class Compiler:
                 except Exception:  # the model needs every task: check on all of them
                     pass
             first = shape(trace)
-            for seed in (1, 2, 3, 4):
+            for seed in (1, 3, 4, 5):  # streams other than the first run's (0)
                 torch.random.default_generator.manual_seed(seed)
                 for d in cuda:
                     with torch.cuda.device(d):
                         torch.cuda.manual_seed(seed)
-                if shape(self._trace(args, kwargs)) != first:
+                if shape(self._trace(args, kwargs, seed=seed)) != first:
                     raise ValueError(
                         "VMP cannot follow this model: its sites change with the values of "
                         "its latent sites (Python control flow on a latent value)"
@@ -646,28 +683,10 @@ class Compiler:
     def _probes(self, plan: Plan) -> dict:
         """A random value of every latent site, canonical layout (for the verifying run)."""
         g = torch.Generator().manual_seed(2)
-        cpu = dict(generator=g, dtype=torch.float64, device=g.device)
         out = {}
         for n in plan.latent:
             x = plan.sites[n]
-            shape = [plan.sizes[d] for d in x.dims]
-            if x.family == "Normal":
-                v = torch.randn(shape, **cpu)
-            elif x.family == "Gamma":
-                v = 0.5 + torch.rand(shape, **cpu)
-            elif x.family == "Beta":
-                v = 0.05 + 0.9 * torch.rand(shape, **cpu)
-            elif x.family == "Dirichlet":
-                v = torch.rand(shape, **cpu) + 0.05
-                v = v / v.sum(-1, keepdim=True)
-            elif x.family == "MultivariateNormal":
-                v = torch.randn(shape, **cpu)
-            elif x.family == "Wishart":
-                a = torch.randn(shape, **cpu)
-                eye = torch.eye(shape[-1], dtype=a.dtype, device=a.device)
-                v = a @ a.transpose(-1, -2) / shape[-1] + eye
-            else:
-                v = torch.randint(0, x.n_cat, shape, generator=g, device=g.device)
+            v = draw(x.family, [plan.sizes[d] for d in x.dims], x.n_cat, g)
             ref = plan.ref
             out[n] = v.to(ref) if v.is_floating_point() else v.to(ref.device)
         return out
@@ -677,20 +696,21 @@ class Compiler:
         base_values = {
             sites[n].pyro_name: trace.nodes[sites[n].pyro_name]["value"] for n in plan.latent
         }
-        # the first trace drew these very values: its parameters are the base ones
+        # the first trace took these very values: its parameters are the base ones
         base_params = {n: self._params(s, trace.nodes[s.pyro_name]) for n, s in sites.items()}
         self._runs: dict = {"probes": self._probes(plan)}
         # site-level parents by Pyro's provenance tracking (one run of the model) ...
         from pyro.infer.inspect import get_dependencies
 
         deps = None
+        model = _DrawLatent(0)(self.model)  # at the compiler's values, as every run
         one = _first_task(args, kwargs, plan.sizes[TASKS])
         if one is not None:  # the structure of one task (cheaper); all tasks if that fails
             with contextlib.suppress(Exception), data_device(args, kwargs):
-                deps = get_dependencies(self.model, *one)["prior_dependencies"]
+                deps = get_dependencies(model, *one)["prior_dependencies"]
         if deps is None:
             with data_device(args, kwargs):
-                deps = get_dependencies(self.model, args, kwargs)["prior_dependencies"]
+                deps = get_dependencies(model, args, kwargs)["prior_dependencies"]
         logical = {sites[n].pyro_name: n for n in plan.latent}
         # ... and which parameters move when every latent site takes a random value
         values = dict(base_values)
