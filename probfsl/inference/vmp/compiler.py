@@ -160,7 +160,10 @@ class _DrawLatent(Messenger):
         family = family_of(base)
         if family is None or family in OBSERVED_ONLY:
             return  # left to the model's sampler; the compiler refuses the site later
-        like = next((v for v in base.__dict__.values() if torch.is_tensor(v)), None)
+        if family == "Beta":  # its parameters are held by a Dirichlet
+            like = base.concentration1
+        else:
+            like = next((v for v in base.__dict__.values() if torch.is_tensor(v)), None)
         if like is None or not like.is_floating_point():
             return  # the model's sampler decides (and fails on integer parameters)
         n_cat = like.shape[-1] if family == "Categorical" else 0
