@@ -12,6 +12,7 @@ from probfsl.inference.vmp import conjugate_children, gaussian_chain, hmm, messa
 from probfsl.testing import ConformanceCase, assert_exact_evidence, assert_monotone
 from tests.test_vmp_families import (
     _counts,
+    _known_channel,
     gamma_poisson,
     hmm_data,
     hmm_model,
@@ -114,3 +115,27 @@ def test_a_broken_point_update_is_caught(monkeypatch):
     monkeypatch.setattr(messages, "point_mode", lambda s, eta: 1.3 * exact(s, eta))
     with pytest.raises(AssertionError):
         assert_monotone(case)
+
+
+def test_a_broken_message_from_a_chosen_table_is_caught(monkeypatch):
+    """The message of a Categorical observed through a fixed table to the label that
+    chooses the row, scaled by 0.8: the posterior and the bound are no longer exact."""
+    channel, seen, joint = _known_channel()
+    case = ConformanceCase(
+        make_engine=lambda: VMP(channel),
+        model=channel,
+        data=(seen,),
+        n_steps=2,
+        exact_log_evidence=joint.sum(0).log().sum(-1),
+    )
+    assert_exact_evidence(case)
+    exact = messages.message
+
+    def broken(plan, q, child, role, to):
+        m = exact(plan, q, child, role, to)
+        chosen = role == "select" and plan.sites[child].family == "Categorical"
+        return [0.8 * t for t in m] if chosen else m
+
+    monkeypatch.setattr(messages, "message", broken)
+    with pytest.raises(AssertionError):
+        assert_exact_evidence(case)

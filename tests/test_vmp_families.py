@@ -203,6 +203,35 @@ def test_gamma_rate_with_a_gamma_parent_is_exact():
     torch.testing.assert_close(state.objective, evidence, rtol=1e-12, atol=1e-12)
 
 
+def _known_channel():
+    """Labels z_n ~ Categorical(π) seen through a known noisy channel: the observed
+    c_n ~ Categorical(table[z_n]) (a fixed emission table chosen by a latent label)."""
+    g = _g(11)
+    table = torch.softmax(2 * torch.randn(3, 4, generator=g, dtype=F64), -1)
+    prior = torch.softmax(torch.randn(3, generator=g, dtype=F64), -1)
+    seen = torch.randint(0, 4, (3, 15), generator=g)
+
+    def channel(c):
+        with pyro.plate("tasks", c.shape[0], dim=-2), pyro.plate("n", c.shape[1], dim=-1):
+            z = pyro.sample("z", dist.Categorical(prior))
+            pyro.sample("c", dist.Categorical(Vindex(table)[z]), obs=c)
+
+    joint = (prior.unsqueeze(-1) * table)[:, seen]  # [K, T, N]: p(z = k, c_n)
+    return channel, seen, joint
+
+
+def test_categorical_table_chosen_by_a_label_is_exact():
+    """Integer data only (the float64 of the tables is kept); q(z_n) is the exact
+    posterior and the bound the exact log evidence Σ_n ln Σ_k π_k table[k, c_n]."""
+    channel, seen, joint = _known_channel()
+    state, _ = VMP(channel, tol=1e-14).fit(seen)
+    assert state.objective.dtype == F64
+    evidence = joint.sum(0).log().sum(-1)
+    torch.testing.assert_close(state.objective, evidence, rtol=1e-13, atol=1e-12)
+    posterior = (joint / joint.sum(0)).permute(1, 2, 0)
+    torch.testing.assert_close(state.q["z"][0], posterior, rtol=1e-12, atol=1e-13)
+
+
 # ---------------------------------------------------------------------- conformance
 def _cases():
     y = _binary(t=3, n=12)
@@ -210,6 +239,7 @@ def _cases():
     x = torch.randn(3, 4, 6, generator=_g(7), dtype=F64) * 0.7
     classes, _ = _classes(t=3, n=20)
     binary, _ = _binary_classes(t=3, n=20)
+    channel, seen, joint = _known_channel()
     b_evidence = _log_beta(2.0 + y.sum(1), 3.0 + 12 - y.sum(1)) - _log_beta(
         torch.tensor(2.0, dtype=F64), torch.tensor(3.0, dtype=F64)
     )
@@ -237,6 +267,13 @@ def _cases():
             data=(classes,),
             n_steps=10,
             particles=200,
+        ),
+        "known-channel": ConformanceCase(
+            make_engine=lambda: VMP(channel),
+            model=channel,
+            data=(seen,),
+            n_steps=2,
+            exact_log_evidence=joint.sum(0).log().sum(-1),
         ),
         "bernoulli-mixture": ConformanceCase(
             make_engine=lambda: VMP(bernoulli_mixture, tol=0),

@@ -182,7 +182,7 @@ NEARBY = {
     ("Gamma", "rate"): "c times a Gamma site",
     ("Gamma", "concentration"): "fixed",
     ("Categorical", "probs"): "a Dirichlet site (selected by a Categorical site when the "
-    "Categorical is observed)",
+    "Categorical is observed), or, observed, a fixed table selected by a Categorical site",
     ("Poisson", "rate"): "c times a Gamma site",
     ("Bernoulli", "probs"): "a Beta site, or logits affine in Normal sites (Pólya-Gamma)",
     ("Binomial", "probs"): "a Beta site, or logits affine in Normal sites (Pólya-Gamma)",
@@ -408,8 +408,8 @@ class Compiler:
         check_parameters(raw)
         self._check_structure(trace, args, kwargs)
         ref = next((s["value"] for s in raw if s["value"].is_floating_point()), None)
-        if ref is None:  # no floating value: the first value's device, the default dtype
-            ref = torch.zeros((), device=raw[0]["value"].device if raw else "cpu")
+        if ref is None:  # every value discrete: the first floating parameter's dtype
+            ref = torch.zeros((), dtype=dtype_of(trace), device=raw[0]["value"].device)
         sizes: dict[str, int] = {}
         sites: dict[str, Site] = {}
         for s in raw:
@@ -1239,7 +1239,7 @@ class Compiler:
         mains = [p for p in pa if sites[p].family != "Categorical"]
         selectors = [p for p in pa if sites[p].family == "Categorical"]
         pa_desc = ", ".join(f"{p!r} ({sites[p].fn_name})" for p in pa)
-        if not mains and len(selectors) == 1 and s.family == "Normal":
+        if not mains and len(selectors) == 1 and s.family in ("Normal", "Categorical"):
             return self._selected_constant(
                 plan, s, key, dims, selectors[0], base_values, args, kwargs
             )

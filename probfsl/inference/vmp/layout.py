@@ -211,11 +211,20 @@ def snap(c: torch.Tensor, ulps: int = 8) -> torch.Tensor:
 
 
 def dtype_of(trace) -> torch.dtype:
-    """The dtype of the first floating value of a trace (else torch's default)."""
-    for s in trace.nodes.values():
+    """The dtype of the first floating value of a trace; where every value is discrete,
+    that of the first floating parameter of its distributions (else torch's default)."""
+    sites = [s for s in trace.nodes.values() if s["type"] == "sample"]
+    for s in sites:
         v = s.get("value")
         if isinstance(v, torch.Tensor) and v.is_floating_point():
             return v.dtype
+    for s in sites:
+        fn = s["fn"]
+        while hasattr(fn, "base_dist"):  # Independent, Masked, Expanded wrappers
+            fn = fn.base_dist
+        for v in fn.__dict__.values():
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                return v.dtype
     return torch.get_default_dtype()
 
 

@@ -37,6 +37,7 @@ from probfsl.inference.vmp.moments import (
     expected_stats,
     parent_ops,
     point_mode,
+    weights,
 )
 
 
@@ -64,11 +65,13 @@ def site_elbo(plan: Plan, q: dict, name: str) -> torch.Tensor:
     if s.family == "MultivariateNormal":
         o = mvn.ops(plan, q, s)
         return mvn.loglik(plan, o, out, o["W"])
-    if s.family == "Categorical":
+    if s.family == "Categorical":  # a table chosen by a selector is weighted by its q
         R = expected_stats(plan, q, name)[0]
         cd = s.dims + (f"{s.name}#cat",)
         M = [] if s.mask is None else [(s.mask, s.mask_dims)]
-        return ein(out, M + [(R, cd), _log_probs(plan, q, s)], cd, plan.sizes, plan.ref)
+        W, comp = weights(plan, q, s)
+        over = cd + ((comp,) if comp else ())
+        return ein(out, M + W + [(R, cd), _log_probs(plan, q, s)], over, plan.sizes, plan.ref)
     # E ln p = Σ_i η_i·⟨u_i⟩ − A(η) with η and Σ A fixed (computed once per plan)
     block, eta, a_total = prior(plan, s)
     lp = 0
@@ -247,6 +250,13 @@ def message(plan, q, child: str, role: str, to: Site) -> list:
         return dirichlet_points.message(plan, q, c, role, to)
     if conjugate_children.linear_key(c) is not None:
         return conjugate_children.message(plan, q, c, role, to)
+    if c.family == "Categorical" and role == "select":  # a fixed table chosen by ``to``
+        p = c.params["probs"]
+        cd = c.dims + (f"{c.name}#cat",)
+        M = [] if c.mask is None else [(c.mask, c.mask_dims)]
+        R = expected_stats(plan, q, child)[0]
+        ops = M + [(R, cd), (derived(p, "log_probs"), p.const_dims)]
+        return [ein(to.dims + (p.comp,), ops, cd, sizes, ref)]
     if c.family == "Categorical":  # role probs, to a Dirichlet
         p = c.params["probs"]
         cd = c.dims + (f"{c.name}#cat",)
