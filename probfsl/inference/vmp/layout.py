@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from probfsl.inference.vmp.checks import unwrap
+
 LOG_2PI = math.log(2 * math.pi)
 TASKS = "tasks"
 
@@ -219,10 +221,7 @@ def dtype_of(trace) -> torch.dtype:
         if isinstance(v, torch.Tensor) and v.is_floating_point():
             return v.dtype
     for s in sites:
-        fn = s["fn"]
-        while hasattr(fn, "base_dist"):  # Independent, Masked, Expanded wrappers
-            fn = fn.base_dist
-        for v in fn.__dict__.values():
+        for v in unwrap(s["fn"])[0].__dict__.values():
             if isinstance(v, torch.Tensor) and v.is_floating_point():
                 return v.dtype
     return torch.get_default_dtype()

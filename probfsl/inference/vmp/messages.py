@@ -250,19 +250,14 @@ def message(plan, q, child: str, role: str, to: Site) -> list:
         return dirichlet_points.message(plan, q, c, role, to)
     if conjugate_children.linear_key(c) is not None:
         return conjugate_children.message(plan, q, c, role, to)
-    if c.family == "Categorical" and role == "select":  # a fixed table chosen by ``to``
+    if c.family == "Categorical":  # to a Dirichlet, or to the label choosing a fixed table
         p = c.params["probs"]
         cd = c.dims + (f"{c.name}#cat",)
         M = [] if c.mask is None else [(c.mask, c.mask_dims)]
         R = expected_stats(plan, q, child)[0]
-        ops = M + [(R, cd), (derived(p, "log_probs"), p.const_dims)]
-        return [ein(to.dims + (p.comp,), ops, cd, sizes, ref)]
-    if c.family == "Categorical":  # role probs, to a Dirichlet
-        p = c.params["probs"]
-        cd = c.dims + (f"{c.name}#cat",)
+        if role == "select":  # Σ_c x_nc ln table_kc
+            return [ein(to.dims + (p.comp,), M + [(R, cd), _log_probs(plan, q, c)], cd, sizes, ref)]
         out = tuple(p.rename[d] for d in to.dims)
-        M = [] if c.mask is None else [(c.mask, c.mask_dims)]
-        R = expected_stats(plan, q, child)[0]
         return [ein(out, M + [(R, cd)], cd, sizes, ref)]
     if c.family == "MultivariateNormal":
         return mvn.message(plan, q, c, role, to)
