@@ -236,13 +236,18 @@ def batched_gemm_rates(tasks: int, repeats: int = 20) -> dict:
     return out
 
 
-def bayespy_part(args) -> None:
+def mixture_data(n_tasks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``bayespy`` part's points (float64, CPU) and starting responsibilities."""
     fs = load_dataset("omniglot")
-    tasks = sample_episodes(fs, args.tasks, way=5, shot=1, n_query=75, seed=0)
+    tasks = sample_episodes(fs, n_tasks, way=5, shot=1, n_query=75, seed=0)
     mean = fs.base(torch.float64)[0].mean(0)
     x = center_and_normalize(tasks.points().double(), mean)[..., :16]
     x = x / x.std()  # unit overall scale, so the Gamma(2, 0.05) prior is weak
-    resp = soft_kmeans_gram(x @ x.transpose(1, 2), tasks.support_labels, 5, 10.0, 5)
+    return x, soft_kmeans_gram(x @ x.transpose(1, 2), tasks.support_labels, 5, 10.0, 5)
+
+
+def bayespy_part(args) -> None:
+    x, resp = mixture_data(args.tasks)
     model = partial(ard_mixture_model, way=5)
     vmp = VMP(model, max_iter=2000, tol=1e-10, order=["pi", "tau", "mu", "z"])
     nb = min(args.bayespy_tasks, args.tasks)
@@ -333,6 +338,161 @@ def bayespy_part(args) -> None:
     ]
     threads = torch.get_num_threads()
     save("bayespy" if threads == 1 else f"bayespy, {threads} threads", payload, lines)
+
+
+# ---------------------------------------------------------------- CPU and CUDA
+def logistic_model(y, x, prior_var=2.0):
+    """Bayesian logistic regression, w ~ N(0, prior_var I), y_n ~ Bernoulli(sigmoid(x_n . w))."""
+    t, n, p = x.shape
+    with pyro.plate("tasks", t, dim=-2):
+        w = pyro.sample("w", dist.Normal(x.new_zeros(p), prior_var**0.5).to_event(1))
+        with pyro.plate("n", n, dim=-1):
+            pyro.sample("y", dist.Bernoulli(logits=(x * w).sum(-1)), obs=y)
+
+
+def logistic_data(n_tasks: int, n=40, p=8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n_tasks, n, p, generator=g, dtype=torch.float64)
+    w = 1.5 * torch.randn(n_tasks, 1, p, generator=g, dtype=torch.float64)
+    return torch.bernoulli(torch.sigmoid((x * w).sum(-1)), generator=g), x
+
+
+def hmm_model(x, states=3):
+    """A hidden Markov chain with Dirichlet initial and transition probabilities and a Normal
+    observation law per state (Normal means, Gamma precisions)."""
+    t, n = x.shape
+    with pyro.plate("tasks", t, dim=-1):
+        pi = pyro.sample("pi", dist.Dirichlet(x.new_ones(states)))
+        a = pyro.sample("A", dist.Dirichlet(x.new_ones(states, states)).to_event(1))
+        mu = pyro.sample("mu", dist.Normal(torch.linspace(-2, 2, states).to(x), 1.0).to_event(1))
+        tau = pyro.sample("tau", dist.Gamma(x.new_full((states,), 2.0), 1.0).to_event(1))
+        obs = dist.Normal(mu.unsqueeze(-2), tau.rsqrt().unsqueeze(-2))
+        pyro.sample("x", dist.DiscreteHMM(pi.log(), a.log().unsqueeze(-3), obs, duration=n), obs=x)
+
+
+def hmm_data(n_tasks: int, n=100, states=3) -> tuple[torch.Tensor]:
+    """Sticky chains (stay with probability 0.9) in Gaussian noise of scale 0.4."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.zeros(n_tasks, n, dtype=torch.long)
+    for i in range(1, n):
+        stay = torch.rand(n_tasks, generator=g) < 0.9
+        z[:, i] = torch.where(stay, z[:, i - 1], torch.randint(0, states, (n_tasks,), generator=g))
+    x = torch.linspace(-2, 2, states, dtype=torch.float64)[z]
+    return (x + 0.4 * torch.randn(n_tasks, n, generator=g, dtype=torch.float64),)
+
+
+def _fit_timed(engine, data, call, device, repeats) -> tuple[object, object, float]:
+    """Best wall-clock seconds of ``engine.fit`` (plan derivation included) on ``data``
+    (already on ``device``; ``call`` maps it to the fit's arguments), after one warm-up fit:
+    on the same data on CUDA (kernel loading), on the first 100 tasks on the CPU."""
+    warm_args, warm_kwargs = call(data if device.type == "cuda" else tuple(t[:100] for t in data))
+    engine.fit(*warm_args, **warm_kwargs)
+    args_, kwargs = call(data)
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        tic = time.perf_counter()
+        state, info = engine.fit(*args_, **kwargs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - tic)
+    return state, info, best
+
+
+def device_part(args) -> None:
+    """Three models on the CPU (float64) and, when there is one, on CUDA (float64 and
+    float32): tasks/s of ``fit`` with the plan derivation, sweeps, and agreement of the
+    bounds and labels with the CPU's float64 run."""
+    cuda = torch.device("cuda") if torch.cuda.is_available() else None
+    specs = {
+        "Gaussian mixture (bayespy part)": (
+            partial(ard_mixture_model, way=5),
+            mixture_data,
+            dict(order=["pi", "tau", "mu", "z"]),
+            lambda data: ((data[0],), {"init_resp": {"z": data[1]}}),
+            lambda state: state.q["z"][0].argmax(-1),
+        ),
+        "Pólya-Gamma logistic regression (40 points, 8 inputs)": (
+            logistic_model,
+            logistic_data,
+            {},
+            lambda data: (tuple(data), {}),
+            lambda state: state.q["w"][0] > 0,
+        ),
+        "hidden Markov chain (100 steps, 3 states)": (
+            hmm_model,
+            hmm_data,
+            {},
+            lambda data: (tuple(data), {}),
+            lambda state: state.q["A"][0].argmax(-1),
+        ),
+    }
+    rows = []
+    for name, (model, make_data, options, call, labels_of) in specs.items():
+        for n_tasks in args.device_tasks:
+            data = make_data(n_tasks)
+            engine = VMP(model, max_iter=2000, tol=1e-10, **options)
+            ref, ref_info, cpu_s = _fit_timed(engine, data, call, torch.device("cpu"), 1)
+            row = dict(
+                model=name, tasks=n_tasks, cpu_seconds=cpu_s, sweeps=int(ref_info.n_steps.max())
+            )
+            print(row, flush=True)
+            for dtype in (torch.float64, torch.float32) if cuda is not None else ():
+                moved = tuple(t.to(cuda, dtype if t.is_floating_point() else None) for t in data)
+                tol = 1e-10 if dtype == torch.float64 else 1e-6
+                engine = VMP(model, max_iter=2000, tol=tol, **options)
+                state, info, s = _fit_timed(engine, moved, call, cuda, args.rounds)
+                rel = ((state.objective.cpu().double() - ref.objective) / ref.objective).abs()
+                same = (labels_of(state).cpu() == labels_of(ref)).double().mean()
+                key = "float64" if dtype == torch.float64 else "float32"
+                row[f"cuda_{key}_seconds"] = s
+                row[f"cuda_{key}_sweeps"] = int(info.n_steps.max())
+                row[f"cuda_{key}_bound_rel_max"] = rel.max().item()
+                row[f"cuda_{key}_same_labels"] = same.item()
+                print(row, flush=True)
+            rows.append(row)
+    payload = dict(
+        rows=rows,
+        cuda=torch.cuda.get_device_name(cuda) if cuda is not None else "none",
+        cpu=platform.processor() or platform.machine(),
+        threads=torch.get_num_threads(),
+        rounds=args.rounds,
+    )
+    save("devices", payload, device_lines(payload))
+
+
+def device_lines(payload: dict) -> list[str]:
+    """The ``devices`` section of vmp.md from its payload."""
+    lines = [
+        f"CUDA device: {payload['cuda']}. `fit` to convergence (relative tolerance 1e-10 in",
+        "float64, 1e-6 in float32; at most 2,000 sweeps) with the plan derivation included.",
+        f"CPU: float64, {payload['threads']} thread(s), one timed fit; CUDA: after one warm-up",
+        f"fit on the same data, best of {payload['rounds']}. Sweeps: the slowest task's. Bounds",
+        "and labels (the mixture's argmax responsibilities; the sign of each posterior mean",
+        "weight; each state's most probable successor under q(A)) against the CPU's float64",
+        "fit.",
+        *payload.get("notes", []),
+        "",
+        "| model | tasks | CPU sweeps | CPU tasks/s | CUDA float64: sweeps, tasks/s | max rel. "
+        "bound diff | same labels | CUDA float32: sweeps, tasks/s | max rel. bound diff | "
+        "same labels |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in payload["rows"]:
+        cells = [r["model"], str(r["tasks"]), str(r["sweeps"])]
+        cells.append(f"{r['tasks'] / r['cpu_seconds']:.0f}")
+        for key in ("float64", "float32"):
+            if f"cuda_{key}_seconds" in r:
+                cells += [
+                    f"{r[f'cuda_{key}_sweeps']}, {r['tasks'] / r[f'cuda_{key}_seconds']:.0f}",
+                    f"{r[f'cuda_{key}_bound_rel_max']:.1e}",
+                    f"{100 * r[f'cuda_{key}_same_labels']:.2f} %",
+                ]
+            else:
+                cells += ["–"] * 3
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 # ---------------------------------------------------------------- hand-written engines
@@ -434,16 +594,19 @@ def handwritten(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["accuracy", "full", "bayespy", "handwritten"])
+    parser.add_argument("part", choices=["accuracy", "full", "bayespy", "handwritten", "devices"])
     parser.add_argument("--tasks", type=int, default=1000)
     parser.add_argument("--bayespy-tasks", type=int, default=100)
     parser.add_argument("--full-tasks", type=int, default=200)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--device-tasks", type=lambda v: [int(t) for t in v.split(",")], default=[1000, 10000]
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     parts = dict(accuracy=accuracy, full=full_precision, bayespy=bayespy_part)
-    parts["handwritten"] = handwritten
+    parts.update(handwritten=handwritten, devices=device_part)
     parts[args.part](args)
 
 

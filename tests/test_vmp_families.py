@@ -213,8 +213,8 @@ def _known_channel():
 
     def channel(c):
         with pyro.plate("tasks", c.shape[0], dim=-2), pyro.plate("n", c.shape[1], dim=-1):
-            z = pyro.sample("z", dist.Categorical(prior))
-            pyro.sample("c", dist.Categorical(Vindex(table)[z]), obs=c)
+            z = pyro.sample("z", dist.Categorical(prior.to(c.device)))
+            pyro.sample("c", dist.Categorical(Vindex(table.to(c.device))[z]), obs=c)
 
     joint = (prior.unsqueeze(-1) * table)[:, seen]  # [K, T, N]: p(z = k, c_n)
     return channel, seen, joint
