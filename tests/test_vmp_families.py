@@ -426,20 +426,24 @@ def hmm_data(t=4, n=50, states=3, seed=0):
     return x.double(), z
 
 
-def test_forward_backward_matches_enumeration():
-    """γ, Σξ and ln Z of the chain against a sum over all K^N paths (K = 2, N = 5)."""
+@pytest.mark.parametrize("spread", [1.0, 400.0])
+def test_forward_backward_matches_enumeration(spread):
+    """γ, Σξ and ln Z of the chain against a sum over all K^N paths (K = 2, N = 5), with
+    initial and emission log-potentials of unit spread and of spread 400 (states e^-1000
+    apart, as an outlier far from every state's mean: the scaled recursions must shift
+    them before exponentiating)."""
     from probfsl.inference.vmp.hmm import forward_backward
 
     g = _g(10)
     k, n = 2, 5
-    log_init = torch.randn(3, k, generator=g, dtype=F64)
+    log_init = spread * torch.randn(3, k, generator=g, dtype=F64)
     log_trans = torch.randn(3, k, k, generator=g, dtype=F64)
-    log_emit = torch.randn(3, n, k, generator=g, dtype=F64)
+    log_emit = spread * torch.randn(3, n, k, generator=g, dtype=F64)
     gamma, pairs, log_z = forward_backward(log_init, log_trans, log_emit)
     paths = torch.tensor(list(itertools.product(range(k), repeat=n)))  # [P, N]
     score = log_init[:, paths[:, 0]] + log_emit[:, torch.arange(n), paths].sum(-1)
     score = score + log_trans[:, paths[:, :-1], paths[:, 1:]].sum(-1)  # [3, P]
-    torch.testing.assert_close(log_z, torch.logsumexp(score, -1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(log_z, torch.logsumexp(score, -1), rtol=1e-13, atol=1e-12)
     weight = torch.softmax(score, -1)
     want_gamma = torch.einsum("bp,pnk->bnk", weight, torch.nn.functional.one_hot(paths, k).double())
     torch.testing.assert_close(gamma, want_gamma, rtol=1e-12, atol=1e-12)
