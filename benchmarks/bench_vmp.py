@@ -5,6 +5,7 @@ and the ``vmp-gmm`` method against BAVARDAGE and soft k-means.
     python benchmarks/bench_vmp.py full [--full-tasks 200]
     python benchmarks/bench_vmp.py bayespy [--tasks 1000 --bayespy-tasks 100]
     python benchmarks/bench_vmp.py handwritten [--tasks 1000]
+    python benchmarks/bench_vmp.py devices [--device-tasks 1000,10000 --threads 16]
 
 ``bayespy``: a Gaussian mixture none of the tests declare (Dirichlet weights, Normal means
 with a fixed prior precision, per-class diagonal Gamma precisions, every label latent) on
@@ -19,6 +20,10 @@ bayespy``, the ``bench`` extra).
 ``handwritten``: the Normal-Gamma model (PRML §10.1.3) and BAVARDAGE's mixture over fixed
 features (``projection="identity"``) through VMP and through their hand-written engines,
 float64: relative ELBO difference, responsibilities' max difference, time ratio.
+
+``devices``: the ``bayespy`` part's mixture, Pólya-Gamma logistic regression and a hidden
+Markov chain on the CPU (float64) and, when there is one, on CUDA (float64 and float32):
+tasks/s, sweeps, and bounds and labels against the CPU's float64 fit.
 
 Results go to ``benchmarks/results/vmp.md`` and ``vmp.json`` (each part updates its entry).
 """
@@ -467,8 +472,9 @@ def device_lines(payload: dict) -> list[str]:
     lines = [
         f"CUDA device: {payload['cuda']}. `fit` to convergence (relative tolerance 1e-10 in",
         "float64, 1e-6 in float32; at most 2,000 sweeps) with the plan derivation included.",
-        f"CPU: float64, {payload['threads']} thread(s), one timed fit; CUDA: after one warm-up",
-        f"fit on the same data, best of {payload['rounds']}. Sweeps: the slowest task's. Bounds",
+        f"CPU: float64, {payload['threads']} thread(s), one timed fit after a warm-up fit on 100",
+        "tasks; CUDA: after a warm-up fit on the same data, best of "
+        f"{payload['rounds']}. Sweeps: the slowest task's. Bounds",
         "and labels (the mixture's argmax responsibilities; the sign of each posterior mean",
         "weight; each state's most probable successor under q(A)) against the CPU's float64",
         "fit.",
