@@ -105,8 +105,8 @@ def forward_backward(
     the shifts added back to ln Z; a step is then a small batched product instead of a
     log-sum-exp (three times faster on the CPU, a third of the kernel launches on a GPU).
     Exact unless every state reachable at a step has a relative weight below the dtype's
-    smallest normal number (then c_n is held at that number rather than 0). Any leading
-    batch axes (they broadcast)."""
+    smallest normal number (then c_n is held at that number rather than 0). The inputs'
+    leading (batch) axes broadcast."""
     n, k = log_emit.shape[-2:]
     batch = torch.broadcast_shapes(log_init.shape[:-1], log_trans.shape[:-2], log_emit.shape[:-2])
     log_init = log_init.expand(batch + (k,)).reshape(-1, k)
