@@ -186,6 +186,63 @@ def test_gamma_poisson_with_exposures_is_exact():
     torch.testing.assert_close(state.objective, evidence, rtol=1e-12, atol=1e-12)
 
 
+def test_zero_exposure_with_zero_count_adds_nothing():
+    """Poisson(0 · λ) at k = 0 has probability one (0 ln 0 = 0): the bound is the exact
+    evidence of the other points, not NaN."""
+    k, exposure = _counts(t=6, n=8)
+    exposure[:, 0], k[:, 0] = 0.0, 0.0
+    state, info = VMP(gamma_poisson).fit(k, exposure)
+    assert bool(info.converged.all())
+    kk, ee = k[:, 1:], exposure[:, 1:]
+    shape, rate = 2 + kk.sum(1), 1 + ee.sum(1)
+    a = torch.tensor(2.0, dtype=F64)
+    evidence = -gammaln(a) + gammaln(shape) - shape * rate.log()
+    evidence = evidence + (kk * ee.log() - gammaln(kk + 1)).sum(1)
+    torch.testing.assert_close(state.objective, evidence, rtol=1e-12, atol=1e-12)
+
+
+def test_priors_written_with_python_numbers_take_the_data_dtype():
+    """Beta(0.5, 0.5) and Dirichlet(torch.ones(2)) hold float32 tensors (Pyro's default);
+    with float64 data the engine still works in float64: the exact Beta-Bernoulli
+    evidence to 1e-13, and a mixture equal to the one written with float64 tensors."""
+    y = _binary(t=8)
+
+    def coin(y):
+        with pyro.plate("tasks", y.shape[0], dim=-2):
+            p = pyro.sample("p", dist.Beta(0.5, 0.5))
+            with pyro.plate("n", y.shape[1], dim=-1):
+                pyro.sample("y", dist.Bernoulli(p), obs=y)
+
+    state, _ = VMP(coin).fit(y)
+    assert state.objective.dtype == state.q["p"][0].dtype == F64
+    half = torch.tensor(0.5, dtype=F64)
+    n1 = y.sum(1)
+    evidence = _log_beta(half + n1, half + y.shape[1] - n1) - _log_beta(half, half)
+    torch.testing.assert_close(state.objective, evidence, rtol=1e-13, atol=1e-13)
+
+    def mixture(x, ones):
+        with pyro.plate("tasks", x.shape[0], dim=-2):
+            pi = pyro.sample("pi", dist.Dirichlet(ones))
+            with pyro.plate("k", 2, dim=-1):
+                mu = pyro.sample("mu", dist.Normal(x.new_tensor(0.0), 3.0))
+            with pyro.plate("n", x.shape[1], dim=-1):
+                z = pyro.sample("z", dist.Categorical(pi))
+                pyro.sample("x", dist.Normal(mu.gather(-1, z), 0.7), obs=x)
+
+    g = _g(4)
+    x = torch.cat(
+        [
+            torch.randn(6, 10, generator=g, dtype=F64) - 3,
+            torch.randn(6, 10, generator=g, dtype=F64) + 3,
+        ],
+        1,
+    )
+    ours, _ = VMP(mixture, tol=1e-12).fit(x, torch.ones(2))
+    ref, _ = VMP(mixture, tol=1e-12).fit(x, torch.ones(2, dtype=F64))
+    assert ours.objective.dtype == F64
+    torch.testing.assert_close(ours.objective, ref.objective, rtol=1e-14, atol=1e-12)
+
+
 def test_gamma_rate_with_a_gamma_parent_is_exact():
     tau = _precisions()
     state, _ = VMP(gamma_gamma_observed).fit(tau)
@@ -340,6 +397,41 @@ def test_float32_counts_agree_with_float64():
 def test_bad_binary_data_are_refused(data, message):
     with pytest.raises(ValueError, match=f"'y' \\(Bernoulli\\).*{message}"):
         VMP(beta_bernoulli).fit(data)
+
+
+def test_bool_or_integer_binary_data_are_refused_naming_the_argument():
+    y = torch.tensor([[True, False, True]])
+    for data in (y, y.long()):
+        with pytest.raises(ValueError, match=r"argument\(s\) \[0\] are integer or bool"):
+            VMP(beta_bernoulli).fit(data)
+
+
+def test_counts_above_their_total_are_refused():
+    y, n = _binomial(t=4)
+    y[0, 0] = n[0, 0] + 1
+    with pytest.raises(ValueError, match="'y' \\(Binomial\\).*exceed their total_count"):
+        VMP(beta_binomial).fit(y, n)
+
+
+@pytest.mark.parametrize(
+    ("label", "message"),
+    [(3, "labels 0 to 2"), (-1, "whole numbers"), (1.5, "whole numbers"), (float("nan"), "NaN")],
+)
+def test_bad_labels_are_refused(label, message):
+    """An observed Categorical's data are labels 0..K-1 (Pyro's own density raises on
+    some of these and silently truncates 1.5)."""
+
+    def model(y):
+        with pyro.plate("tasks", y.shape[0], dim=-2):
+            p = pyro.sample("p", dist.Dirichlet(torch.ones(3, dtype=F64)))
+            with pyro.plate("n", y.shape[1], dim=-1):
+                pyro.sample("y", dist.Categorical(p), obs=y)
+
+    y = torch.randint(0, 3, (4, 6), generator=_g(3)).double()
+    y[0, 0] = label
+    for data in (y, y.long()) if float(label).is_integer() else (y,):
+        with pytest.raises(ValueError, match=f"'y' \\(Categorical\\).*{message}"):
+            VMP(model).fit(data)
 
 
 def test_latent_count_site_is_refused():

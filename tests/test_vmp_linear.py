@@ -243,3 +243,12 @@ def test_factor_analysis_with_two_factors():
     assert_monotone(case)
     assert_batch_invariant(case)
     assert_elbo_matches_pyro(case)
+
+
+def test_infinite_inputs_are_refused_naming_the_site():
+    """An infinite input makes the regression's mean infinite: refused as data, before any
+    sweep (not blamed on the model's form)."""
+    y, x = _regression(t=3, n=6)
+    x[1, 2, 0] = float("inf")
+    with pytest.raises(ValueError, match="site 'y' \\(Normal\\).*loc holds infinite values"):
+        VMP(regression).fit(y, x)

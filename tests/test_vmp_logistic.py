@@ -176,3 +176,18 @@ def test_logits_of_a_non_gaussian_site_are_refused():
     y, x = _logistic_data(t=2, n=5)
     with pytest.raises(ValueError, match="site 'y' \\(Bernoulli\\).*'s' \\(Gamma\\)"):
         VMP(_logits_of_a_gamma).fit(y, x)
+
+
+def test_binomial_points_of_zero_trials_carry_no_information():
+    """total_count = 0 (then y = 0) is valid data with probability one: the fit equals the
+    fit without those points (⟨ω⟩ = κ = 0 there, and the bound's term is 0)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 12, 2, generator=g, dtype=F64)
+    trials = torch.randint(1, 4, (4, 12), generator=g).to(F64)
+    trials[:, :3] = 0.0
+    y = torch.binomial(trials, torch.full_like(trials, 0.5), generator=g)
+    vmp = VMP(binomial_regression, tol=1e-12, max_iter=500)
+    full, _ = vmp.fit(y, trials, x)
+    rest, _ = vmp.fit(y[:, 3:], trials[:, 3:], x[:, 3:])
+    torch.testing.assert_close(full.objective, rest.objective, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(full.q["w"][0], rest.q["w"][0], rtol=1e-10, atol=1e-12)

@@ -60,6 +60,16 @@ def data_device(args: tuple, kwargs: dict) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def data_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
+    """The dtype of the first floating tensor argument: the model's working dtype, which
+    parameters written with Python numbers (float32 tensors in Pyro) are taken in. ``None``
+    where the data are all discrete (the parameters' dtype is used)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return a.dtype
+    return None
+
+
 def close(got: torch.Tensor, expect: torch.Tensor, rtol: float = 1e-5, atol: float = 1e-8) -> bool:
     """``torch.allclose(got, expect, rtol, atol)``: |got − expect| ≤ atol + rtol |expect|
     everywhere (equal infinities are close, NaN never is). The compiler's checks run once
@@ -112,20 +122,24 @@ def check_parameters(sites: list[dict]) -> None:
     for site, fname, name, constraint, value in checks:
         if not bool(constraint.check(value).all()):
             raise refuse(site, fname, "-", f"its parameter {name} is outside {constraint}")
+        if not bool(_holds(constraint, value)):
+            raise refuse(site, fname, "-", f"its parameter {name} holds infinite values")
 
 
 def _holds(constraint, value: torch.Tensor) -> torch.Tensor:
-    """``constraint.check(value).all()`` as a 0-d bool tensor; the real line (no NaN) and
-    the positive half-line are read off the extremes (``torch.aminmax``, NaN-propagating)
-    without writing a mask of the parameter's size."""
+    """``constraint.check(value).all()`` as a 0-d bool tensor, where a real or positive
+    parameter must also be finite (read off its extremes, ``torch.aminmax``, without
+    writing a mask of the parameter's size; NaN propagates to them)."""
     base = constraint
     while isinstance(base, constraints.independent):
         base = base.base_constraint
     if value.is_floating_point() and value.numel():
         if base is constraints.real:
-            return ~torch.aminmax(value)[0].isnan()
+            low, high = torch.aminmax(value)
+            return low.isfinite() & high.isfinite()
         if base is constraints.positive:
-            return torch.aminmax(value)[0] > 0
+            low, high = torch.aminmax(value)
+            return (low > 0) & high.isfinite()
     return constraint.check(value).all()
 
 

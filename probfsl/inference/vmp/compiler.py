@@ -36,6 +36,7 @@ from probfsl.inference.vmp.checks import (
     check_parameters,
     close,
     data_device,
+    data_dtype,
     family_of,
     refuse,
     unwrap,
@@ -105,6 +106,23 @@ POINT_FAMILIES = (
 )
 
 
+def _model_failed(err: Exception, args: tuple, kwargs: dict) -> ValueError:
+    """The error of a model that fails on the user's inputs, naming integer or bool data
+    (a frequent cause: Pyro's densities of continuous and Bernoulli sites need floats)."""
+    ints = [
+        i
+        for i, a in enumerate((*args, *kwargs.values()))
+        if torch.is_tensor(a) and not a.is_floating_point()
+    ]
+    hint = (
+        f"; argument(s) {ints} are integer or bool tensors: the data of a continuous or "
+        "Bernoulli site must be float32 or float64"
+        if ints
+        else ""
+    )
+    return ValueError(f"the model failed on these inputs: {err}{hint}")
+
+
 class _StartAt(Messenger):
     """Gives the lifted ``pyro.param`` sites their initial values (unless a run sets them),
     so that every trace sees the model's own starting point."""
@@ -143,15 +161,16 @@ def draw(family: str, shape: list, n_cat: int = 0, generator=None) -> torch.Tens
 
 class _DrawLatent(Messenger):
     """Gives every latent site of a supported family a :func:`draw` from its own stream
-    (``seed``; the verifying run's values come from another), in the dtype and on the
-    device of the site's parameters, instead of a draw from its prior. The plan so does
-    not depend on the user's random stream, and torch's samplers are spared (from the
-    prior probabilities of a Categorical, a tenth of the plan derivation on 1,000 mixture
-    tasks)."""
+    (``seed``; the verifying run's values come from another), on the device of the site's
+    parameters and in ``dtype`` (the data's; else the parameters'), instead of a draw from
+    its prior. The plan so does not depend on the user's random stream, and torch's
+    samplers are spared (from the prior probabilities of a Categorical, a tenth of the
+    plan derivation on 1,000 mixture tasks)."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.generator = torch.Generator().manual_seed(seed)
+        self.dtype = dtype
 
     def _pyro_sample(self, msg) -> None:
         if msg["is_observed"] or msg["value"] is not None:
@@ -168,7 +187,10 @@ class _DrawLatent(Messenger):
             return  # the model's sampler decides (and fails on integer parameters)
         n_cat = like.shape[-1] if family == "Categorical" else 0
         value = draw(family, list(msg["fn"].shape()), n_cat, self.generator)
-        msg["value"] = value.to(like) if value.is_floating_point() else value.to(like.device)
+        if value.is_floating_point():
+            msg["value"] = value.to(device=like.device, dtype=self.dtype or like.dtype)
+        else:
+            msg["value"] = value.to(like.device)
 
 
 #: what a parameter may be, said in a refusal beside what it is
@@ -328,6 +350,7 @@ class Compiler:
         self.model, self.order = model, order
         self._runs: dict = {}  # parameters of every site under probe values, per kind
         self.points: dict[str, torch.Tensor] = {}  # pyro.param name -> initial value
+        self._dtype: torch.dtype | None = None  # the data's floating dtype (data_dtype)
 
     def _lift(self, params: dict) -> None:
         """Trace each ``pyro.param`` site from now on as a sample site of the family its
@@ -358,7 +381,7 @@ class Compiler:
         """One run of the model: its latent sites at ``values`` (conditioned), or drawn
         from the stream ``seed`` (:class:`_DrawLatent`; the verifying probes use 2)."""
         if values is None:
-            model = _DrawLatent(seed)(self.model)
+            model = _DrawLatent(seed, self._dtype)(self.model)
         else:
             model = poutine.condition(self.model, data=values)
         with torch.set_grad_enabled(grad), data_device(args, kwargs):
@@ -374,22 +397,12 @@ class Compiler:
 
     def _compile(self, args: tuple, kwargs: dict) -> Plan:
         check_data(args, kwargs)
+        self._dtype = data_dtype(args, kwargs)
         try:  # parameters are checked below, naming the site (Pyro's check names none)
             with pyro.validation_enabled(False):
                 trace = self._trace(args, kwargs)
         except (NotImplementedError, RuntimeError, ZeroDivisionError) as err:
-            ints = [
-                i
-                for i, a in enumerate((*args, *kwargs.values()))
-                if torch.is_tensor(a) and not a.is_floating_point()
-            ]
-            hint = (
-                f"; argument(s) {ints} are integer tensors: the data of a continuous site "
-                "must be float32 or float64"
-                if ints
-                else ""
-            )
-            raise ValueError(f"the model failed on these inputs: {err}{hint}") from None
+            raise _model_failed(err, args, kwargs) from None
         params = {n: s for n, s in trace.nodes.items() if s["type"] == "param"}
         if params:  # point estimates: traced as sample sites of their family from now on
             self._lift(params)
@@ -556,13 +569,23 @@ class Compiler:
             site.mask, site.mask_dims = reduce_constant(m, site.dims[: m.dim()])
         if site.observed:
             value = s["value"]
-            if family in COUNTS:  # whole numbers, taken in the data's dtype
+            if family in COUNTS or family == "Categorical":  # whole numbers (labels)
+                if value.dtype == torch.bool:
+                    value = value.to(dtype_of(trace))
                 if not bool(torch.isfinite(value).all()):
                     raise refuse(logical, fname, "-", "its data hold NaN or infinite values")
-                if not bool(((value >= 0) & (value == value.round())).all()):
+                whole = value.round() if value.is_floating_point() else value
+                if not bool(((value >= 0) & (value == whole)).all()):
                     raise refuse(logical, fname, "-", "its data must be whole numbers >= 0")
                 if family == "Bernoulli" and not bool((value <= 1).all()):
                     raise refuse(logical, fname, "-", "its data must be 0 or 1")
+                if family == "Binomial" and not bool((value <= base.total_count).all()):
+                    raise refuse(logical, fname, "-", "its data exceed their total_count")
+                if family == "Categorical" and not bool((value < site.n_cat).all()):
+                    raise refuse(
+                        logical, fname, "-", f"its data must be labels 0 to {site.n_cat - 1}"
+                    )
+            if family in COUNTS:  # taken in the data's dtype
                 value = value.to(dtype_of(trace))
             if family != "Categorical" and not value.is_floating_point():
                 raise refuse(
@@ -638,7 +661,15 @@ class Compiler:
                     )
 
     def _params(self, site: Site, tr_site: dict) -> dict[str, torch.Tensor]:
-        """The site's parameters in its canonical layout (precision for a Normal)."""
+        """The site's parameters in its canonical layout (precision for a Normal), floating
+        ones in the data's dtype: a prior written with Python numbers holds float32 tensors
+        (Pyro's default), and float64 data keep their precision."""
+        res = self._read_params(site, tr_site)
+        if self._dtype is None:
+            return res
+        return {k: v.to(self._dtype) if v.is_floating_point() else v for k, v in res.items()}
+
+    def _read_params(self, site: Site, tr_site: dict) -> dict[str, torch.Tensor]:
         base, _ = unwrap(tr_site["fn"])
         full = site.batch_shape + site.event_shape
         if site.family == "MultivariateNormal":
@@ -706,14 +737,17 @@ class Compiler:
         from pyro.infer.inspect import get_dependencies
 
         deps = None
-        model = _DrawLatent(0)(self.model)  # at the compiler's values, as every run
+        model = _DrawLatent(0, self._dtype)(self.model)  # the compiler's values, as every run
         one = _first_task(args, kwargs, plan.sizes[TASKS])
         if one is not None:  # the structure of one task (cheaper); all tasks if that fails
             with contextlib.suppress(Exception), data_device(args, kwargs):
                 deps = get_dependencies(model, *one)["prior_dependencies"]
-        if deps is None:
-            with data_device(args, kwargs):
-                deps = get_dependencies(model, args, kwargs)["prior_dependencies"]
+        if deps is None:  # Pyro computes each site's log-density here
+            try:
+                with data_device(args, kwargs):
+                    deps = get_dependencies(model, args, kwargs)["prior_dependencies"]
+            except (NotImplementedError, RuntimeError) as err:
+                raise _model_failed(err, args, kwargs) from None
         logical = {sites[n].pyro_name: n for n in plan.latent}
         # ... and which parameters move when every latent site takes a random value
         values = dict(base_values)

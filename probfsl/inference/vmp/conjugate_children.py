@@ -78,7 +78,14 @@ def linear_terms(plan: Plan, q: dict, s: Site) -> tuple[list, list]:
     if s.family == "Poisson":
         k = [(s.stats[0], d)]
         lgk = _cached(plan, ("log_factorial", s.name), lambda: torch.lgamma(s.stats[0] + 1))
-        return [[(-1, c)], [(1, k)]], [(1, k + lnc), (-1, [(lgk, d)])]
+        if not set(p.coef_dims) <= set(d):
+            return [[(-1, c)], [(1, k)]], [(1, k + lnc), (-1, [(lgk, d)])]
+
+        def k_log_c():  # 0 where k = 0, also for an exposure c = 0 (0 ln 0 = 0)
+            return torch.xlogy(s.stats[0], ein(d, c, d, plan.sizes, s.stats[0]))
+
+        klc = _cached(plan, ("k_log_coef", s.name), k_log_c)
+        return [[(-1, c)], [(1, k)]], [(1, [(klc, d)]), (-1, [(lgk, d)])]
     # Gamma(τ | a, c b)
     a = s.params["concentration"]
     a_ops = [(a.const, a.const_dims)]

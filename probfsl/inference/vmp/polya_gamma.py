@@ -64,4 +64,6 @@ def message(plan: Plan, q: dict, s: Site, to: Site) -> list:
     kappa, _, _, _, omega = augmented(plan, q, s)
     p = s.params["logits"]
     precision = [(omega, p.dims)] + ([] if s.mask is None else [(s.mask, s.mask_dims)])
-    return linear_maps.message(plan, q, p, to.name, precision, kappa / omega)
+    # a Binomial point of 0 trials has ⟨ω⟩ = κ = 0: no information (its weight ⟨ω⟩ is 0)
+    safe = torch.where(omega > 0, omega, torch.ones_like(omega))
+    return linear_maps.message(plan, q, p, to.name, precision, kappa / safe)
