@@ -406,6 +406,18 @@ def test_bool_or_integer_binary_data_are_refused_naming_the_argument():
             VMP(beta_bernoulli).fit(data)
 
 
+def test_obs_mask_on_continuous_data_is_refused():
+    def model(x, m):
+        with pyro.plate("tasks", x.shape[0], dim=-2):
+            mu = pyro.sample("mu", dist.Normal(x.new_tensor(0.0), 1.0))
+            with pyro.plate("n", x.shape[1], dim=-1):
+                pyro.sample("x", dist.Normal(mu, 1.0), obs=x, obs_mask=m)
+
+    x = torch.randn(4, 6, generator=_g(0), dtype=F64)
+    with pytest.raises(ValueError, match="'x' \\(Normal\\).*obs_mask.*poutine.mask"):
+        VMP(model).fit(x, x > 0)
+
+
 def test_counts_above_their_total_are_refused():
     y, n = _binomial(t=4)
     y[0, 0] = n[0, 0] + 1

@@ -191,3 +191,24 @@ def test_binomial_points_of_zero_trials_carry_no_information():
     rest, _ = vmp.fit(y[:, 3:], trials[:, 3:], x[:, 3:])
     torch.testing.assert_close(full.objective, rest.objective, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(full.q["w"][0], rest.q["w"][0], rtol=1e-10, atol=1e-12)
+
+
+def test_a_precision_matrix_inverted_by_the_user_gives_the_covariance_fit():
+    """``precision_matrix=torch.linalg.inv(K)`` of a kernel of condition number about 1e7 is
+    asymmetric in its last digits: read symmetrised, it gives the fit of
+    ``covariance_matrix=K`` (unsymmetrised, the bound was 5e-4 off and fell in sweeps)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.rand(8, 20, 1, generator=g, dtype=F64) * 6 - 3
+    y = torch.bernoulli(torch.sigmoid(3 * torch.sin(x[..., 0])), generator=g)
+    k = 2.0 * torch.exp(-0.5 * torch.cdist(x, x).square()) + 1e-6 * torch.eye(20, dtype=F64)
+
+    def gp(y, x, **prior):
+        with pyro.plate("tasks", x.shape[0]):
+            f = pyro.sample("f", dist.MultivariateNormal(x.new_zeros(x.shape[1]), **prior))
+            pyro.sample("y", dist.Bernoulli(logits=f).to_event(1), obs=y)
+
+    vmp = VMP(gp, tol=1e-10, max_iter=3000)
+    ours, _ = vmp.fit(y, x, precision_matrix=torch.linalg.inv(k))
+    ref, _ = vmp.fit(y, x, covariance_matrix=k)
+    torch.testing.assert_close(ours.objective, ref.objective, rtol=1e-7, atol=1e-7)
+    torch.testing.assert_close(ours.q["f"][0], ref.q["f"][0], rtol=1e-5, atol=1e-5)

@@ -230,10 +230,23 @@ def _unused_param(y, x):
             pyro.sample("y", dist.Normal((x * w).sum(-1), 1.0), obs=y)
 
 
+def _one_value_inside_the_plate(y, x):
+    """A [1, 1] parameter inside the tasks plate: the plate broadcasts it, yet it holds one
+    value for every task."""
+    with pyro.plate("tasks", x.shape[0], dim=-2):
+        alpha = pyro.param("alpha", x.new_ones(1, 1), constraint=constraints.positive)
+        w = pyro.sample(
+            "w", dist.Normal(x.new_zeros(x.shape[-1]), alpha.rsqrt().unsqueeze(-1)).to_event(1)
+        )
+        with pyro.plate("n", x.shape[1], dim=-1):
+            pyro.sample("y", dist.Normal((x * w).sum(-1), 1.0), obs=y)
+
+
 @pytest.mark.parametrize(
     ("model", "words"),
     [
         (_shared_param, "'alpha': it needs one value per task"),
+        (_one_value_inside_the_plate, "'alpha': it needs one value per task"),
         (_interval_param, "'alpha': its constraint"),
         (_unused_param, "'unused': no site uses it"),
     ],
@@ -316,3 +329,48 @@ def test_a_latent_dirichlet_concentration_is_refused():
     p, _, _ = _simplex_data(t=2, n=5)
     with pytest.raises(ValueError, match="site 'p' \\(Dirichlet\\).*point estimate"):
         VMP(_latent_concentration).fit(p)
+
+
+def test_a_float32_initial_value_takes_the_data_dtype():
+    """``pyro.param("mu", torch.zeros(t, 1))`` holds float32 (torch's default); with
+    float64 data the estimates and the bound are float64 and equal those of a float64
+    initial value."""
+
+    def location(x, init_dtype):
+        with pyro.plate("tasks", x.shape[0], dim=-2):
+            mu = pyro.param("mu", torch.zeros(x.shape[0], 1, dtype=init_dtype))
+            tau = pyro.sample("tau", dist.Gamma(x.new_tensor(2.0), x.new_tensor(1.0)))
+            with pyro.plate("n", x.shape[1], dim=-1):
+                pyro.sample("x", dist.Normal(mu, tau.rsqrt()), obs=x)
+
+    x = torch.randn(6, 12, generator=torch.Generator().manual_seed(0), dtype=F64)
+    vmp32, vmp64 = VMP(location, tol=1e-12), VMP(location, tol=1e-12)
+    s32, _ = vmp32.fit(x, torch.float32)
+    s64, _ = vmp64.fit(x, F64)
+    mu32 = vmp32.point_estimates(s32)["mu"]
+    assert s32.objective.dtype == mu32.dtype == F64
+    torch.testing.assert_close(s32.objective, s64.objective, rtol=1e-14, atol=1e-12)
+    torch.testing.assert_close(mu32, x.mean(1, keepdim=True), rtol=1e-12, atol=1e-12)
+
+
+def test_a_probability_estimated_at_zero_or_one_keeps_a_finite_bound():
+    """A task whose data are all 0 (all 1) has p = 0 (p = 1) and log-likelihood 0 (its terms
+    0 · ln 0 are 0), not NaN."""
+
+    def coin(b):
+        with pyro.plate("tasks", b.shape[0], dim=-2):
+            half = torch.full((b.shape[0], 1), 0.5, dtype=b.dtype)
+            p = pyro.param("p", half, constraint=constraints.unit_interval)
+            with pyro.plate("n", b.shape[1], dim=-1):
+                pyro.sample("b", dist.Bernoulli(p), obs=b)
+
+    b = torch.bernoulli(
+        torch.full((4, 20), 0.3, dtype=F64), generator=torch.Generator().manual_seed(0)
+    )
+    b[0], b[1] = 0.0, 1.0
+    vmp = VMP(coin, tol=1e-12)
+    state, _ = vmp.fit(b)
+    p = vmp.point_estimates(state)["p"].squeeze(-1)
+    torch.testing.assert_close(p, b.mean(1), rtol=1e-12, atol=1e-12)
+    loglik = torch.xlogy(b, p[:, None]) + torch.xlogy(1 - b, 1 - p[:, None])
+    torch.testing.assert_close(state.objective, loglik.sum(1), rtol=1e-12, atol=1e-12)

@@ -106,6 +106,14 @@ POINT_FAMILIES = (
 )
 
 
+def _shared_point(name: str) -> ValueError:
+    return ValueError(
+        f"VMP cannot point-estimate the pyro.param site {name!r}: it needs one value per "
+        f"task, an axis of the tasks' length where the {TASKS!r} plate puts it (a parameter "
+        "shared by every task would couple the tasks)"
+    )
+
+
 def _model_failed(err: Exception, args: tuple, kwargs: dict) -> ValueError:
     """The error of a model that fails on the user's inputs, naming integer or bool data
     (a frequent cause: Pyro's densities of continuous and Bernoulli sites need floats)."""
@@ -361,6 +369,8 @@ class Compiler:
         prior = {}
         for name, node in params.items():
             value = node["value"].detach()
+            if self._dtype is not None and value.is_floating_point():
+                value = value.to(self._dtype)  # the data's dtype, as every parameter
             constraint = node["kwargs"].get("constraint", constraints.real)
             family = next((f for c, f in POINT_FAMILIES if constraint is c), None)
             if family is None:
@@ -505,6 +515,11 @@ class Compiler:
         if tuple(full[: len(batch_shape)]) != batch_shape:
             raise refuse(logical, fname, "-", "its value has more batch axes than its distribution")
         event_shape = tuple(full[len(batch_shape) :])
+        if logical in self.points:  # its own value, not the plate's broadcast, per task
+            at = next(i for i in keep if by_dim[i - len(batch_shape)].name == TASKS)
+            own = (1,) * (len(full) - s["value"].dim()) + tuple(s["value"].shape)
+            if own[at] != sizes[TASKS]:
+                raise _shared_point(logical)
         for j, size in enumerate(event_shape):
             dims.append(f"{logical}#e{j}")
             sizes[dims[-1]] = size
@@ -551,6 +566,14 @@ class Compiler:
         if mask is not None:
             full_mask = mask if full_mask is None else full_mask & mask
         if merged:
+            if family != "Categorical":
+                raise refuse(
+                    logical,
+                    fname,
+                    "-",
+                    "obs_mask (partly observed values) is supported on Categorical sites; "
+                    "leave out missing continuous or count data with poutine.mask",
+                )
             obs_site = trace.nodes[logical + "_observed"]
             obs_mask = torch.as_tensor(obs_site["mask"], device=obs_site["value"].device)
             obs_mask = canon(site, obs_mask.expand(batch_shape))
@@ -676,7 +699,9 @@ class Compiler:
             d = site.event_shape[-1]
             loc = canon(site, base.loc.expand(full))
             prec = canon(site, base.precision_matrix.expand(full + (d,)))
-            return {"loc": loc, "precision": prec}
+            # symmetrised: an inverse computed by the user (torch.linalg.inv of a kernel)
+            # is asymmetric in its last digits, and the sweeps assume symmetry
+            return {"loc": loc, "precision": 0.5 * (prec + prec.transpose(-1, -2))}
         if site.family == "Wishart":
             df = canon(site, base.df.expand(site.batch_shape))
             return {"df": df, "scale": canon(site, base.covariance_matrix.expand(full))}
@@ -1048,11 +1073,7 @@ class Compiler:
         )
         at = None if frame is None else len(batch_shape) + frame.dim
         if frame is None or at < 0 or batch_shape[at] != frame.size:
-            raise ValueError(
-                f"VMP cannot point-estimate the pyro.param site {name!r}: it needs one value "
-                f"per task, an axis of the tasks' length where the {TASKS!r} plate puts it "
-                "(a parameter shared by every task would couple the tasks)"
-            )
+            raise _shared_point(name)
         return [frame]
 
     def _movers(self, plan, s: Site, key, value, pa, base_values, args, kwargs) -> list:

@@ -7,6 +7,8 @@ in the plan and shared by every message and bound term that reads them (Winn & B
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from probfsl.inference import expfam
@@ -156,11 +158,13 @@ def point_stats(s: Site, value: torch.Tensor) -> tuple:
         return value, value.log()
     if s.family == "Normal":
         return value, value.square()
+    # a probability of exactly 0 or 1 (a task whose data are all 0 or all 1; a component
+    # no entry takes) has its logarithms clamped at ln(tiny), as fixed probabilities have,
+    # so that its terms 0 · ln π stay 0
+    low = math.log(torch.finfo(value.dtype).tiny)
     if s.family == "Beta":
-        return value.log(), (-value).log1p()
-    # Dirichlet: a probability of exactly 0 (a component no entry takes) has ln π clamped
-    # at ln(tiny) as fixed probabilities are, so that its terms 0 · ln π stay 0
-    return (value.clamp_min(torch.finfo(value.dtype).tiny).log(),)
+        return value.log().clamp_min(low), (-value).log1p().clamp_min(low)
+    return (value.log().clamp_min(low),)  # Dirichlet
 
 
 def point_mode(s: Site, eta: tuple) -> torch.Tensor:
