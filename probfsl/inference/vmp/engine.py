@@ -44,6 +44,12 @@ class VMPState:
     objective: torch.Tensor
 
 
+def _pyro_shaped(s: layout.Site, t: torch.Tensor) -> torch.Tensor:
+    """A factor's parameter in the model's batch shape (trailing axes kept)."""
+    t = layout.uncanon(s, t)
+    return t.expand(*s.batch_shape, *t.shape[len(s.batch_shape) :])
+
+
 class VMP(Engine):
     """Batched variational message passing for a Pyro model (module docstring).
 
@@ -241,9 +247,7 @@ class VMP(Engine):
             s = state.plan.sites[name]
             if s.point:
                 continue
-            params = state.q[name]
-            p = [layout.uncanon(s, t) for t in params]
-            p = [t.expand(*s.batch_shape, *t.shape[len(s.batch_shape) :]) for t in p]
+            p = [_pyro_shaped(s, t) for t in state.q[name]]
             if s.family == "MultivariateNormal" or s.joint:
                 d = dist.MultivariateNormal(p[0], precision_matrix=p[1])
             elif s.family == "Wishart":
@@ -275,21 +279,36 @@ class VMP(Engine):
 
     def guide(self, state: VMPState) -> Callable[..., None]:
         """A Pyro guide with the model's signature sampling every latent site from q
-        (point estimates are not sampled: :meth:`point_estimates`)."""
+        (point estimates are not sampled: :meth:`point_estimates`). A Gaussian Markov
+        chain is sampled from its joint factor, each step given the one before
+        (:func:`~probfsl.inference.vmp.gaussian_chain.conditionals`); :meth:`posterior`
+        holds the steps' marginals."""
         post = self.posterior(state)
         plan = state.plan
+        steps = {
+            m: (pred, *(_pyro_shaped(plan.sites[m], t) for t in abv))
+            for m, (pred, *abv) in gaussian_chain.conditionals(plan, state.q).items()
+        }
+        # every chain member after its predecessor
+        order = [n for n in post if n not in steps]
+        order += [m for members in plan.chains.values() for m in members[1:]]
 
         def guide(*args, **kwargs) -> None:
             frames = {f.name: f for n in plan.latent for f in plan.sites[n].frames}
             plates = {k: pyro.plate(k, f.size, dim=f.dim) for k, f in frames.items()}
-            for name in post:
+            values = {}
+            for name in order:
                 s = plan.sites[name]
                 d = post[name]
+                if name in steps:
+                    pred, a, b, v = steps[name]
+                    step = dist.Normal(a + b * values[pred], v.sqrt())
+                    d = step.to_event(len(d.event_shape)) if d.event_shape else step
                 if s.fixed_mask is not None:
                     d = d.mask(layout.uncanon(s, ~s.fixed_mask).expand(s.batch_shape))
                 with contextlib.ExitStack() as stack:
                     for f in s.frames:
                         stack.enter_context(plates[f.name])
-                    pyro.sample(s.pyro_name, d)
+                    values[name] = pyro.sample(s.pyro_name, d)
 
         return guide

@@ -33,6 +33,24 @@ def cross_moment(plan: Plan, q: dict, s: Site) -> torch.Tensor:
     return q[name][0][..., t - 1] + q[s.name][0] * q[pred][0]
 
 
+def conditionals(plan: Plan, q: dict) -> dict:
+    """member -> (predecessor, a, b, v) of every chain member after the first: under the
+    joint q, s_t | s_{t−1} ~ N(a + b s_{t−1}, v) with b = C_{t,t−1} / V_{t−1},
+    a = ⟨s_t⟩ − b ⟨s_{t−1}⟩ and v = V_t − b C_{t,t−1} (the Gaussian conditional; canonical
+    layout). Sampling the members in order from these draws from the joint factor, as a
+    guide must for its Monte Carlo ELBO to match the analytic one."""
+    out = {}
+    for name, members in plan.chains.items():
+        lag = q[name][0]
+        for t in range(1, len(members)):
+            member, pred = members[t], members[t - 1]
+            (mean, prec), (mean_pred, prec_pred) = q[member], q[pred]
+            cov = lag[..., t - 1]
+            b = cov * prec_pred
+            out[member] = (pred, mean - b * mean_pred, b, prec.reciprocal() - b * cov)
+    return out
+
+
 def entropy(plan: Plan, q: dict, s: Site) -> torch.Tensor:
     """The chain's joint entropy, counted on its first site (zero on the others)."""
     name, t = s.chain
