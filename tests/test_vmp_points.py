@@ -374,3 +374,46 @@ def test_a_probability_estimated_at_zero_or_one_keeps_a_finite_bound():
     torch.testing.assert_close(p, b.mean(1), rtol=1e-12, atol=1e-12)
     loglik = torch.xlogy(b, p[:, None]) + torch.xlogy(1 - b, 1 - p[:, None])
     torch.testing.assert_close(state.objective, loglik.sum(1), rtol=1e-12, atol=1e-12)
+
+
+def em_mixture(x, init_means):
+    """A two-component Gaussian mixture fitted by EM: weights, means and a shared precision
+    as point estimates, the labels latent."""
+    t, n = x.shape
+    with pyro.plate("tasks", t, dim=-2):
+        w = pyro.param("w", x.new_full((t, 1, 2), 0.5), constraint=constraints.simplex)
+        prec = pyro.param("prec", x.new_ones(t, 1), constraint=constraints.positive)
+        with pyro.plate("classes", 2, dim=-1):
+            mu = pyro.param("mu", init_means.expand(t, 2).clone())
+        with pyro.plate("n", n, dim=-1):
+            z = pyro.sample("z", dist.Categorical(w))
+            loc = pyro.ops.indexing.Vindex(mu.unsqueeze(-2))[..., z]
+            pyro.sample("x", dist.Normal(loc, prec.rsqrt()), obs=x)
+
+
+def _em(x: np.ndarray, means: np.ndarray, iters: int = 3000) -> np.ndarray:
+    """NumPy EM from the same initial values (weights ½, precision 1): the final means."""
+    w, mu, prec = np.full(2, 0.5), means.copy(), 1.0
+    for _ in range(iters):
+        log_r = np.log(w) - 0.5 * prec * (x[:, None] - mu) ** 2
+        r = np.exp(log_r - log_r.max(1, keepdims=True))
+        r /= r.sum(1, keepdims=True)
+        nk = r.sum(0)
+        w, mu = nk / len(x), (r * x[:, None]).sum(0) / nk
+        prec = len(x) / (r * (x[:, None] - mu) ** 2).sum()
+    return mu
+
+
+def test_em_starts_from_the_models_initial_values():
+    """By default the labels are updated before the point estimates (E-step, then M-step):
+    the fit is EM from the model's initial means, not a collapse of both means onto the
+    data's mean after an M-step on near-uniform responsibilities."""
+    g = torch.Generator().manual_seed(4)
+    z = torch.randint(0, 2, (6, 60), generator=g)
+    x = torch.tensor([-2.0, 2.0], dtype=F64)[z] + 0.8 * torch.randn(6, 60, generator=g, dtype=F64)
+    init = torch.tensor([-1.0, 1.0], dtype=F64)
+    vmp = VMP(em_mixture, tol=1e-14, max_iter=5000)
+    state, _ = vmp.fit(x, init)
+    means = vmp.point_estimates(state)["mu"].reshape(6, 2)
+    for t in range(6):
+        np.testing.assert_allclose(means[t].numpy(), _em(x[t].numpy(), init.numpy()), atol=1e-6)

@@ -442,6 +442,9 @@ class Compiler:
             site = self._read_site(s, trace, sizes)
             sites[site.name] = site
         latent = [n for n, s in sites.items() if not s.observed]
+        # variational EM: the factors (E-step) before the point estimates (M-step), so that
+        # the first sweep reads the model's initial values of the parameters
+        latent = [n for n in latent if not sites[n].point] + [n for n in latent if sites[n].point]
         if not latent:
             raise ValueError(
                 f"VMP needs at least one latent site; every site of the model is observed "

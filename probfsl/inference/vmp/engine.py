@@ -69,7 +69,10 @@ class VMP(Engine):
             2 (checks after 2, 4, 8, 16, ...) it may run twice its sweeps (``vmp-gmm`` on
             1,000 Omniglot tasks, one CPU thread: 26 host synchronisations and 0.84 s per
             call with 1.25, 23 and 1.04 s with 2).
-        order: the latent sites' update order (default: the model's declaration order).
+        order: the latent sites' update order (default: the model's declaration order,
+            ``pyro.param`` point estimates after every other site, as variational EM's
+            M-step follows its E-step, so that the first sweep starts from the parameters'
+            initial values).
         seed: seed of the initial noise of latent Categorical sites.
     """
 
