@@ -10,6 +10,7 @@ float64, device, no host synchronisation, Pyro's ``Trace_ELBO`` on the derived g
 from __future__ import annotations
 
 import itertools
+from functools import partial
 
 import pyro
 import pyro.distributions as dist
@@ -622,6 +623,45 @@ def test_gaussian_markov_chain_is_one_exact_factor():
     evidence = dist.MultivariateNormal(torch.zeros(12, dtype=F64), cov).log_prob(x)
     torch.testing.assert_close(state.objective, evidence, rtol=1e-12, atol=1e-11)
     assert int(info.n_steps.max()) <= 2
+
+
+def affine_walk(x, a=0.8, d=0.3):
+    """A state-space model s_i ~ N(a s_{i-1} + d, 0.5²), x_i ~ N(s_i, 1): a scaled step with
+    a drift (BayesPy's GaussianMarkovChain with a 1 × 1 dynamics matrix)."""
+    with pyro.plate("tasks", x.shape[0]):
+        s = pyro.sample("s0", dist.Normal(x.new_tensor(0.0), 2.0))
+        pyro.sample("x0", dist.Normal(s, 1.0), obs=x[:, 0])
+        for i in range(1, x.shape[1]):
+            s = pyro.sample(f"s{i}", dist.Normal(a * s + d, 0.5))
+            pyro.sample(f"x{i}", dist.Normal(s, 1.0), obs=x[:, i])
+
+
+@pytest.mark.parametrize(("a", "d"), [(1.0, 0.3), (0.8, 0.0), (-0.6, 0.5)])
+def test_a_chain_with_drift_and_scaled_steps_is_one_exact_factor(a, d):
+    """Steps a s + d keep the chain one joint factor: the bound is the exact log evidence
+    (a Gaussian with the recursions' mean and covariance) after one sweep, and Pyro's ELBO
+    of the guide equals it."""
+    from probfsl.testing import pyro_elbo_estimate
+
+    x = walk_data(t=4)
+    n = x.shape[1]
+    model = partial(affine_walk, a=a, d=d)
+    vmp = VMP(model, tol=1e-13)
+    assert list(vmp.compile(x).chains.values())[0] == [f"s{i}" for i in range(n)]
+    state, info = vmp.fit(x)
+    mean, cov = torch.zeros(n, dtype=F64), torch.zeros(n, n, dtype=F64)
+    cov[0, 0] = 4.0
+    for i in range(1, n):
+        mean[i] = a * mean[i - 1] + d
+        cov[i, :i] = a * cov[i - 1, :i]
+        cov[:i, i] = cov[i, :i]
+        cov[i, i] = a * a * cov[i - 1, i - 1] + 0.25
+    evidence = dist.MultivariateNormal(mean, cov + torch.eye(n, dtype=F64)).log_prob(x)
+    torch.testing.assert_close(state.objective, evidence, rtol=1e-12, atol=1e-11)
+    assert int(info.n_steps.max()) <= 2
+    pyro.set_rng_seed(0)
+    elbo, se = pyro_elbo_estimate(model, vmp.guide(state), (x,), 50, 3, 1)
+    assert abs(elbo - evidence.sum().item()) <= 1e-5 * abs(elbo) and se <= 1e-5 * abs(elbo)
 
 
 def test_the_guide_samples_the_chain_jointly():

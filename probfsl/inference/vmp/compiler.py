@@ -1027,18 +1027,26 @@ class Compiler:
     @staticmethod
     def _find_chains(plan: Plan) -> None:
         """Gaussian Markov chains: latent Normal sites s_1, s_2, ... each of whose mean is
-        the one before it (same axes, no selection), the first with any prior. Each chain
-        gets one joint factor (:mod:`~probfsl.inference.vmp.gaussian_chain`)."""
+        the one before it, or an elementwise affine map of it (a s + d with fixed a and d:
+        a drift, a scaled step), with the same axes and no selection, the first with any
+        prior. Each chain gets one joint factor
+        (:mod:`~probfsl.inference.vmp.gaussian_chain`)."""
         sites = plan.sites
 
         def link(s: Site) -> str | None:
             if s.family != "Normal" or s.observed or s.point or s.joint or s.mask is not None:
                 return None
             p = s.params.get("loc")
-            if p is None or p.parent is None or p.comp is not None or p.terms:
+            if p is None or p.comp is not None or p.bilinear is not None:
                 return None
-            pred = sites[p.parent]
-            same = pred.dims == s.dims and all(p.rename[d] == d for d in pred.dims)
+            if p.parent is not None and not p.terms:  # a copy of the step before
+                pred = sites[p.parent]
+                renamed = all(p.rename[d] == d for d in pred.dims)
+            elif p.parent is None and len(p.terms) == 1 and p.terms[0].axis is None:
+                pred, renamed = sites[p.terms[0].parent], True  # a s + d, elementwise
+            else:
+                return None
+            same = pred.dims == s.dims and renamed
             special = pred.point or pred.joint or pred.mask is not None
             plain = pred.family == "Normal" and not special
             if not (same and plain and s.params["precision"].comp is None):

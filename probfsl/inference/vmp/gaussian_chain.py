@@ -1,11 +1,13 @@
 """A Gaussian Markov chain as one joint factor (spec ``vmp.md`` §7.5; BayesPy's
 ``GaussianMarkovChain``).
 
-Latent Normal sites s_1, ..., s_N of which each is the mean of the next,
-s_t ~ N(s_{t−1}, (c_t τ_t)⁻¹), written as a loop in Pyro, are updated together: their
-joint q is Gaussian with a tridiagonal precision per element,
+Latent Normal sites s_1, ..., s_N of which each is the mean of the next, or a fixed
+elementwise affine map of it, s_t ~ N(a_t s_{t−1} + d_t, (c_t τ_t)⁻¹) (a = 1, d = 0 for a
+random walk), written as a loop in Pyro, are updated together: their joint q is Gaussian
+with a tridiagonal precision per element,
 
-    Λ_tt = λ_t + λ_{t+1} − 2 η₂(t),   Λ_{t,t−1} = −λ_t,   h_t = η₁(t),
+    Λ_tt = λ_t + a²_{t+1} λ_{t+1} − 2 η₂(t),   Λ_{t,t−1} = −a_t λ_t,
+    h_t = η₁(t) + λ_t d_t − a_{t+1} λ_{t+1} d_{t+1},
 
 where λ_t = ⟨c_t τ_t⟩, and η(t) holds the first site's prior and the messages of every
 child outside the chain (observations, a precision's children). The factor is solved
@@ -26,11 +28,25 @@ from probfsl.inference.vmp.layout import Plan, Site
 from probfsl.inference.vmp.moments import precision_factors
 
 
+def step_map(plan: Plan, s: Site) -> tuple:
+    """(a, d) of a member's mean a s_{t−1} + d in its axes; (None, None) for a copy."""
+    p = s.params["loc"]
+    if not p.terms:
+        return None, None
+    sizes, ref = plan.sizes, plan.ref
+    term = p.terms[0]
+    a = ein(s.dims, [(term.jac, term.jac_dims)], s.dims, plan.sizes, ref)
+    return a, ein(s.dims, [(p.const, p.const_dims)], s.dims, sizes, ref)
+
+
 def cross_moment(plan: Plan, q: dict, s: Site) -> torch.Tensor:
-    """⟨s_t s_{t−1}⟩ = Cov(s_t, s_{t−1}) + ⟨s_t⟩⟨s_{t−1}⟩ of a chain member (t ≥ 1)."""
+    """⟨s_t m_t⟩ of a chain member (t ≥ 1) and its mean m_t = a s_{t−1} + d:
+    a (Cov(s_t, s_{t−1}) + ⟨s_t⟩⟨s_{t−1}⟩) + d ⟨s_t⟩ (a = 1, d = 0 for a copy)."""
     name, t = s.chain
     pred = plan.chains[name][t - 1]
-    return q[name][0][..., t - 1] + q[s.name][0] * q[pred][0]
+    pair = q[name][0][..., t - 1] + q[s.name][0] * q[pred][0]
+    a, d = step_map(plan, s)
+    return pair if a is None else a * pair + d * q[s.name][0]
 
 
 def conditionals(plan: Plan, q: dict) -> dict:
@@ -85,11 +101,17 @@ def update(plan: Plan, q: dict, name: str, natural, message, children: bool = Tr
     lam = [_precision(plan, q, s).expand(shape) for s in sites[1:]]  # λ_2 .. λ_N
     n = len(members)
     prec = torch.diag_embed(torch.stack([x.expand(shape) for x in diag], -1))
-    for t in range(1, n):
-        prec[..., t, t] += lam[t - 1]
-        prec[..., t - 1, t - 1] += lam[t - 1]
-        prec[..., t, t - 1] -= lam[t - 1]
-        prec[..., t - 1, t] -= lam[t - 1]
+    for t in range(1, n):  # −½ λ_t (s_t − a s_{t−1} − d)², a = 1 and d = 0 for a copy
+        a, d = step_map(plan, sites[t])
+        lt = lam[t - 1]
+        al = lt if a is None else a * lt
+        prec[..., t, t] += lt
+        prec[..., t - 1, t - 1] += lt if a is None else a * al
+        prec[..., t, t - 1] -= al
+        prec[..., t - 1, t] -= al
+        if d is not None:
+            h[..., t] += lt * d
+            h[..., t - 1] -= al * d
     chol = torch.linalg.cholesky(prec)
     cov = torch.cholesky_inverse(chol)
     mean = torch.cholesky_solve(h.unsqueeze(-1), chol).squeeze(-1)
