@@ -400,6 +400,17 @@ def test_init_from_given_responsibilities():
     torch.testing.assert_close(state.objective, ref.objective, rtol=1e-12, atol=1e-10)
     with pytest.raises(ValueError, match="init_resp"):
         vmp.init(xs, ys, xq, init_resp={"w": resp})
+    zero_row, negative = resp.clone(), resp.clone()
+    zero_row[1, 3] = 0.0
+    negative[0, 2, 0] = -0.3
+    for bad, words in (
+        (zero_row, "positive sum"),
+        (negative, ">= 0"),
+        (resp[..., :2], r"of shape \[5, 12, 3\], got \(5, 12, 2\)"),
+        (resp.clone().fill_(float("nan")), "finite"),
+    ):
+        with pytest.raises(ValueError, match=f"init_resp\\['z'\\] must be.*{words}"):
+            vmp.init(xs, ys, xq, init_resp={"z": bad})
 
 
 def test_float32_follows_input():

@@ -124,7 +124,8 @@ def _model_failed(err: Exception, args: tuple, kwargs: dict) -> ValueError:
     ]
     hint = (
         f"; argument(s) {ints} are integer or bool tensors: the data of a continuous or "
-        "Bernoulli site must be float32 or float64"
+        "Bernoulli site must be float32 or float64 (a Categorical site's labels must lie in "
+        "its support, also where obs_mask hides them)"
         if ints
         else ""
     )

@@ -143,9 +143,19 @@ class VMP(Engine):
                 continue
             shape = [sizes[d] for d in s.dims] + [s.n_cat]
             if name in init_resp:
-                r = layout.canon(s, init_resp.pop(name).to(ref).expand(*s.batch_shape, s.n_cat))
+                r = torch.as_tensor(init_resp.pop(name)).to(ref)
+                need = f"init_resp[{name!r}] must be"
+                try:
+                    r = layout.canon(s, r.expand(*s.batch_shape, s.n_cat))
+                except RuntimeError:
+                    raise ValueError(f"{need} of shape {shape}, got {tuple(r.shape)}") from None
                 if tuple(r.shape) != tuple(shape) or not bool(torch.isfinite(r).all()):
-                    raise ValueError(f"init_resp[{name!r}] must be finite with shape {shape}")
+                    raise ValueError(f"{need} finite with shape {shape}")
+                usable = (r >= 0).all(-1) & (r.sum(-1) > 0)
+                if s.fixed_mask is not None:  # observed entries are reset to one-hot below
+                    usable = usable | s.fixed_mask
+                if not bool(usable.all()):
+                    raise ValueError(f"{need} >= 0 with a positive sum over the categories")
             else:
                 # drawn on the CPU generator (the same numbers on every device), then moved
                 g = torch.Generator().manual_seed(self.seed)
