@@ -184,3 +184,17 @@ def test_derived_refuses_what_it_does_not_declare(omniglot):
     est = EvidenceLSSVM(engine="derived", fit_intercept=True).fit_base(*base)
     with pytest.raises(ValueError, match="fit_intercept"):
         est.predict_proba(episodes)
+
+
+def test_a_polish_onto_the_clamp_takes_the_limit_in_both_engines(omniglot):
+    """2-way 1-shot tasks whose shared evidence is flat to rounding up to the upper clamp:
+    the hand-written engine's polish ends on the clamp, which marks the task for the
+    nearest-class-mean limit as the derived engine does (it returned probabilities of
+    0.5 ± 2e-10 there, its label decided by rounding)."""
+    fs, base = omniglot
+    tasks = sample_episodes(fs, 40, way=2, shot=1, n_query=16, seed=21, dtype=F64)
+    hand = EvidenceLSSVM(dtype=F64).fit_base(*base)
+    derived = EvidenceLSSVM(dtype=F64, engine="derived").fit_base(*base)
+    p_hand, p_derived = hand.predict_proba(tasks), derived.predict_proba(tasks)
+    assert bool(hand.last_at_limit_[15]) and bool(derived.last_at_limit_[15])
+    torch.testing.assert_close(p_hand, p_derived, rtol=1e-8, atol=1e-8)

@@ -725,8 +725,19 @@ def maximize_shared_evidence(
     rising = out.at_boundary & (out.lam > sp.mean_s.unsqueeze(-1))
     lo, hi = state.lo.reshape(batch), state.hi.reshape(batch)
     lam = newton_polish(sp, out.lam, lo, hi, ~rising & ~out.degenerate, shared=True)
+    # the polish may end on a clamp (G flat to rounding up to it: the lambda -> infinity
+    # limit of a grid argmax inside the span)
+    at_clamp = (lam <= lo * (1 + 1e-9)) | (lam >= hi * (1 - 1e-9))
+    at_boundary = out.at_boundary | (at_clamp & ~out.degenerate)
     beta = profile_beta(sp, lam)
-    return replace(out, lam=lam, alpha=lam * beta, beta=beta, log_evidence=log_evidence(sp, lam))
+    return replace(
+        out,
+        lam=lam,
+        alpha=lam * beta,
+        beta=beta,
+        log_evidence=log_evidence(sp, lam),
+        at_boundary=at_boundary,
+    )
 
 
 # ---------------------------------------------------------------------------------------
