@@ -143,7 +143,7 @@ class VMP(Engine):
                 continue
             shape = [sizes[d] for d in s.dims] + [s.n_cat]
             if name in init_resp:
-                r = torch.as_tensor(init_resp.pop(name)).to(ref)
+                r = torch.as_tensor(init_resp.pop(name), device=ref.device).to(ref)
                 need = f"init_resp[{name!r}] must be"
                 try:
                     r = layout.canon(s, r.expand(*s.batch_shape, s.n_cat))
