@@ -603,6 +603,132 @@ def test_contraction_direct_and_pairwise_paths_agree(t):
     torch.testing.assert_close(got, (a * a).sum(-1) * b, rtol=1e-12, atol=1e-12)
 
 
+SPECS = [
+    "tnk,tnd->tkd",  # a mixture's weighted statistics
+    "tndp,tkdp->tnk",  # its per-component log-density
+    "tkd,tndp,tkdp->tnk",
+    "tnk->tk",
+    "tkd,tkd->tk",
+    "tkdp,tkd->tkdp",  # no axis contracted: a broadcast product
+    "ab,cd->abcd",
+    "abc,bd,ad->c",
+    "a,a->",  # a scalar result, then ...
+    "a,a,b->b",  # ... contracted with another operand
+    "abc,cb->acb",  # the result permuted
+    "abcd,bd->ac",  # an axis summed by one operand alone
+]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_pairwise_batched_products_equal_torch_einsum(spec):
+    """:func:`contract` (pairs of operands as batched products of views, in opt_einsum's
+    order) against ``torch.einsum`` on random operands, float64, to rounding."""
+    from probfsl.inference.vmp.einsum import contract as _contract
+    from probfsl.inference.vmp.einsum import sweeping
+
+    g = torch.Generator().manual_seed(len(spec))
+    inputs = spec.split("->")[0]
+    sizes = {c: 2 + i for i, c in enumerate(sorted(set(inputs) - {","}))}
+    ops = [
+        torch.randn([sizes[c] for c in sub], generator=g, dtype=F64) for sub in inputs.split(",")
+    ]
+    with sweeping():
+        got = _contract(spec, ops)
+        want = torch.einsum(spec, *ops)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+
+
+def test_contraction_broadcasting_an_axis_falls_back_to_einsum():
+    """An axis of size 1 in one operand and n in the other (einsum's broadcasting) has no
+    batched-product route; the result is still einsum's."""
+    from probfsl.inference.vmp.einsum import _pair_route
+    from probfsl.inference.vmp.einsum import contract as _contract
+
+    assert _pair_route("ab", "ab", "a", (3, 1), (3, 4)) is None
+    a, b = torch.randn(3, 1, dtype=F64), torch.randn(3, 4, dtype=F64)
+    torch.testing.assert_close(_contract("ab,ab->a", [a, b]), (a * b).sum(-1))
+
+
+def test_selection_gather_equals_pyros_vindex():
+    """The compiler's row lookup of a component table by a label (the verification of a
+    mixture's selected parameters) equals Pyro's ``Vindex`` on the same values."""
+    from pyro.ops.indexing import Vindex
+
+    from probfsl.inference.vmp.compiler import _select
+
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(4, 3, 5, generator=g, dtype=F64)  # tasks, classes, event
+    z = torch.randint(0, 3, (4, 7), generator=g)  # tasks, points
+    sizes = {"t": 4, "k": 3, "e": 5, "n": 7}
+    got = _select(table, ("t", "k", "e"), "k", z, ("t", "n"), ("t", "n", "e"), sizes)
+    want = Vindex(table.unsqueeze(-3))[..., z, :]
+    assert torch.equal(got, want)
+    # the event axis first in the output, the table's component axis last
+    got = _select(
+        table.transpose(1, 2), ("t", "e", "k"), "k", z, ("t", "n"), ("e", "t", "n"), sizes
+    )
+    assert torch.equal(got, want.permute(2, 0, 1))
+
+
+def test_convergence_checks_every_sweep_on_the_cpu_and_at_growing_gaps_elsewhere():
+    """The default schedule follows the device (a CPU check waits for nothing); given
+    values are kept on every device."""
+    vmp = VMP(normal_gamma_model)
+    assert vmp.schedule(torch.device("cpu")) == (1, 1.0)
+    assert vmp.schedule(torch.device("meta")) == (2, 1.25)
+    given = VMP(normal_gamma_model, check_every=3, check_growth=1.5)
+    assert given.schedule(torch.device("cpu")) == given.schedule(torch.device("meta")) == (3, 1.5)
+    with pytest.raises(ValueError, match="check_growth"):
+        VMP(normal_gamma_model, check_growth=0.5)
+
+
+def test_fit_returns_ordinary_tensors():
+    """The sweeps run in inference mode; the fitted factors, bound and run record leave as
+    ordinary tensors, which may be updated in place and enter autograd afterwards."""
+    state, info = VMP(normal_gamma_model, tol=1e-8).fit(_x(t=3, n=5))
+    tensors = [t for f in state.q.values() for t in f] + [state.objective, *info]
+    assert not any(t.is_inference() for t in tensors)
+    loc = state.q["mu"][0].clone().requires_grad_()
+    (loc * state.q["mu"][1]).sum().backward()
+    torch.testing.assert_close(loc.grad, state.q["mu"][1])
+    state.q["mu"][0].add_(1.0)
+
+
+def _vector_mixture(x, k=3, classes_as_plate=False):
+    """A 1-d Gaussian mixture whose K means and precisions are either one vector site each
+    (``to_event(1)``, the component picked from the event axis) or K sites in a plate."""
+    with pyro.plate("tasks", x.shape[0], dim=-2):
+        pi = pyro.sample("pi", dist.Dirichlet(x.new_ones(1, k)))
+        if classes_as_plate:
+            with pyro.plate("classes", k, dim=-1):
+                mu = pyro.sample("mu", dist.Normal(x.new_tensor(0.0), 3.0)).unsqueeze(-2)
+                tau = pyro.sample("tau", dist.Gamma(x.new_tensor(2.0), 1.0)).unsqueeze(-2)
+        else:
+            mu = pyro.sample("mu", dist.Normal(x.new_zeros(1, k), 3.0).to_event(1))
+            tau = pyro.sample("tau", dist.Gamma(x.new_full((1, k), 2.0), 1.0).to_event(1))
+        with pyro.plate("points", x.shape[1], dim=-1):
+            z = pyro.sample("z", dist.Categorical(pi))
+            pyro.sample("x", dist.Normal(Vindex(mu)[..., z], Vindex(tau)[..., z].rsqrt()), obs=x)
+
+
+def test_components_on_an_event_axis_are_the_mixture_of_a_plate():
+    """``Vindex(mu)[..., z]`` with ``mu`` a vector of K means (its event axis is the
+    component axis the label picks from) is the same mixture as K means in a plate: the
+    same bounds and responsibilities."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 30, generator=g, dtype=F64) + 3.0 * torch.randint(0, 3, (6, 30), generator=g)
+    r0 = torch.softmax(torch.randn(6, 30, 3, generator=g, dtype=F64), -1)
+    fits = [
+        VMP(partial(_vector_mixture, classes_as_plate=p), tol=1e-12, max_iter=500).fit(
+            x, init_resp={"z": r0}
+        )[0]
+        for p in (False, True)
+    ]
+    torch.testing.assert_close(fits[0].objective, fits[1].objective, rtol=1e-13, atol=0)
+    torch.testing.assert_close(fits[0].q["z"][0], fits[1].q["z"][0], rtol=0, atol=1e-12)
+
+
 def _weighted_model(x, s):
     """x_tn ~ N(mu_t, s_n² / tau_t): ``s`` has one entry per point, not per task."""
     with pyro.plate("tasks", x.shape[0], dim=-1):

@@ -62,7 +62,8 @@ and is then updated once from those responsibilities (an M step before the first
 them (or ``order``), and makes no host synchronisation. ``fit`` is ``init`` followed by the
 shared loop :func:`probfsl.inference.base.run`: a task whose ELBO moved by less than ``tol``
 (relative) in one sweep has converged, and from then on its factors are kept
-(:meth:`VMP.keep` masks it); at each check (the host asks which tasks still move after
+(:meth:`VMP.keep` masks it); at each check (the host asks which tasks still move: on the
+CPU after every sweep, where a check waits for nothing; on an accelerator after
 ``check_every`` sweeps, then at growing gaps) the converged tasks leave the batch
 (:meth:`VMP.take`, :meth:`VMP.put`).
 
@@ -71,12 +72,12 @@ c·τ (read off the model as 1 ± 1 ulp) is snapped to its exact value and kept 
 or dropped where it is exactly 1; ln c, m², ln π of fixed parameters and the priors'
 natural parameters and log-normalisers (Gamma, Dirichlet, and Normal sites with a fixed
 prior) are cached. Expected statistics are cached per factor and reused by the entropies.
-A contraction that sums over no axis is a broadcast product; a contraction of two
-operands or of a small product is one ``einsum`` call, and larger ones follow opt_einsum's
-order. Terms without the data's axes stay unbroadcast until one in-place addition: a
-mixture's label update forms E ln π plus the per-component E ln N in one full-size pass
-and normalises it in place. When a Categorical factor was updated last, its ELBO terms and
-its children's are its normaliser Σ_n ln Σ_k e^η_nk.
+A contraction that sums over no axis is a broadcast product; the others are evaluated one
+pair of operands at a time (opt_einsum's order for large ones), each pair one batched
+matrix product of views. Terms without the data's axes stay unbroadcast until one in-place
+addition: a mixture's label update forms E ln π plus the per-component E ln N in one
+full-size pass and normalises it in place. When a Categorical factor was updated last, its
+ELBO terms and its children's are its normaliser Σ_n ln Σ_k e^η_nk.
 """
 
 from probfsl.inference.vmp.checks import FAMILIES, SUPPORTED

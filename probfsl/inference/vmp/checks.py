@@ -102,10 +102,10 @@ def all_finite(*tensors: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(torch.stack(ends)).all()
 
 
-def check_parameters(sites: list[dict]) -> None:
+def check_parameters(sites: list[dict], where: str = "") -> None:
     """``ValueError`` naming the site and the parameter when a distribution's parameter
-    is outside its constraint (a negative scale, a concentration of 0, ...); one host
-    synchronisation when every parameter is valid."""
+    is outside its constraint (a negative scale, a concentration of 0, ...), ``where``
+    added to the reason; one host synchronisation when every parameter is valid."""
     checks = []
     for s in sites:
         base, _ = unwrap(s["fn"])
@@ -121,7 +121,7 @@ def check_parameters(sites: list[dict]) -> None:
         return
     for site, fname, name, constraint, value in checks:
         if not bool(constraint.check(value).all()):
-            raise refuse(site, fname, "-", f"its parameter {name} is outside {constraint}")
+            raise refuse(site, fname, "-", f"its parameter {name} is outside {constraint}{where}")
         if not bool(_holds(constraint, value)):
             raise refuse(site, fname, "-", f"its parameter {name} holds infinite values")
 

@@ -18,6 +18,7 @@ is refused (:func:`~probfsl.inference.vmp.checks.refuse`).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -106,11 +107,41 @@ POINT_FAMILIES = (
 )
 
 
-def _shared_point(name: str) -> ValueError:
+def _aligned(t: torch.Tensor, dims: tuple, target: tuple, sizes: dict) -> torch.Tensor:
+    """A view of ``t`` (axes ``dims``, a subset of ``target``) in the axes ``target``,
+    broadcast to their sizes."""
+    perm = sorted(range(len(dims)), key=lambda i: target.index(dims[i]))
+    own = {dims[i]: t.shape[i] for i in range(len(dims))}
+    view = [own.get(d, 1) for d in target]
+    return t.permute(perm).reshape(view).expand([sizes[d] for d in target])
+
+
+def _select(value, dims: tuple, comp: str, index, index_dims: tuple, out: tuple, sizes: dict):
+    """``value`` (axes ``dims``, one of them the component axis ``comp``) at the component
+    ``index`` (integers, axes ``index_dims``), laid out in the axes ``out``: the gather a
+    mixture's ``Vindex(value)[..., z]`` performs, as one row lookup (the rows of ``value``
+    are its components per value of the axes it shares with ``index``)."""
+    shared = tuple(d for d in dims if d in index_dims)
+    own = tuple(d for d in dims if d != comp and d not in shared)
+    extra = tuple(d for d in index_dims if d not in shared)
+    table = _aligned(value, dims, shared + (comp,) + own, sizes)
+    n_shared = math.prod(sizes[d] for d in shared)
+    table = table.reshape(n_shared * sizes[comp], math.prod(sizes[d] for d in own))
+    idx = _aligned(index, index_dims, shared + extra, sizes).reshape(n_shared, -1)
+    base = torch.arange(n_shared, device=idx.device).unsqueeze(-1) * sizes[comp]
+    rows = table.index_select(0, (base + idx).reshape(-1))
+    got = rows.reshape([sizes[d] for d in shared + extra + own])
+    return _aligned(got, shared + extra + own, out, sizes)
+
+
+def _shared_point(name: str, want: tuple | None = None) -> ValueError:
+    shape = (
+        "" if want is None else f"; give it the batch shape {want} (or declare it inside the plate)"
+    )
     return ValueError(
         f"VMP cannot point-estimate the pyro.param site {name!r}: it needs one value per "
         f"task, an axis of the tasks' length where the {TASKS!r} plate puts it (a parameter "
-        "shared by every task would couple the tasks)"
+        f"shared by every task would couple the tasks){shape}"
     )
 
 
@@ -783,7 +814,13 @@ class Compiler:
         values.update(
             {sites[n].pyro_name: to_pyro(sites[n], v) for n, v in self._runs["probes"].items()}
         )
-        tr = self._trace(args, kwargs, values)
+        with pyro.validation_enabled(False):
+            tr = self._trace(args, kwargs, values)
+        check_parameters(
+            [tr.nodes[x.pyro_name] for x in sites.values()],
+            " when the latent sites it depends on take other values (a pyro.param used as a "
+            "scale, rate or precision needs constraint=constraints.positive)",
+        )
         self._runs["verify"] = {n: self._params(x, tr.nodes[x.pyro_name]) for n, x in sites.items()}
         for n, s in sites.items():
             site_pa = [
@@ -817,6 +854,13 @@ class Compiler:
                     if not pa:
                         desc = ", ".join(f"{p!r} ({sites[p].fn_name})" for p in site_pa) or "-"
                         why = f"its {k} depends on them non-conjugately{_nearby(s.family, k)}"
+                        if k in SCALED and any(
+                            sites[p].point and sites[p].family == "Normal" for p in site_pa
+                        ):
+                            why += (
+                                "; a pyro.param used as a scale, rate or precision needs "
+                                "constraint=constraints.positive"
+                            )
                         raise refuse(n, s.fn_name, desc, why)
                     pa = self._movers(plan, s, k, v, pa, base_values, args, kwargs)
                 try:
@@ -1083,9 +1127,13 @@ class Compiler:
             ),
             None,
         )
-        at = None if frame is None else len(batch_shape) + frame.dim
-        if frame is None or at < 0 or batch_shape[at] != frame.size:
+        if frame is None:
             raise _shared_point(name)
+        at = len(batch_shape) + frame.dim
+        if at < 0 or batch_shape[at] != frame.size:
+            want = [1] * max(len(batch_shape), -frame.dim)
+            want[frame.dim] = frame.size
+            raise _shared_point(name, tuple(want))
         return [frame]
 
     def _movers(self, plan, s: Site, key, value, pa, base_values, args, kwargs) -> list:
@@ -1334,10 +1382,15 @@ class Compiler:
             rename[parent.dims[len(parent.dims) - n_ev + j]] = dims[len(dims) - n_ev + j]
         if parent.family == "MultivariateNormal":  # the second axis of its x xᵀ
             rename[parent.dims[-1] + "b"] = rename[parent.dims[-1]] + "b"
-        pdims = tuple(rename[d] for d in parent.dims)
         for d in parent.dims:
             if rename[d] in dims and plan.sizes[d] != plan.sizes[rename[d]]:
+                if selectors and parent.family != "MultivariateNormal" and rename[d] != d:
+                    # an event axis of component values (Vindex(mu)[..., z] with mu a vector
+                    # of K means): the selector's category axis, not one of the child's
+                    rename[d] = f"{selectors[0]}#cat"
+                    continue
                 raise refuse(s.name, s.fn_name, p_desc, f"axis {rename[d]} differs in size")
+        pdims = tuple(rename[d] for d in parent.dims)
         missing = [d for d in pdims if d not in dims]
         if len(missing) > 1:
             raise refuse(s.name, s.fn_name, p_desc, "more than one parent axis is selected")
@@ -1368,16 +1421,15 @@ class Compiler:
 
         def gathered(parent_value, sel_value):
             """The parent's value selected (and broadcast) into the parameter's layout."""
-            ops = [(parent_value, pdims)]
-            if comp is not None and selector is None:
-                ops.append((param.index, param.index_dims))
-            elif comp is not None:
+            if comp is not None and selector is not None:
                 z = sites[selector]
                 eff = sel_value
                 if z.fixed_mask is not None:
                     eff = torch.where(z.fixed_mask, z.fixed.argmax(-1), sel_value)
-                oh = torch.nn.functional.one_hot(eff, plan.sizes[comp]).to(value)
-                ops.append((oh, z.dims + (comp,)))
+                return _select(parent_value, pdims, comp, eff, z.dims, dims, plan.sizes)
+            ops = [(parent_value, pdims)]
+            if comp is not None:
+                ops.append((param.index, param.index_dims))
             return ein(dims, ops, dims + ((comp,) if comp else ()), plan.sizes, value)
 
         def set_coef(c):

@@ -62,13 +62,17 @@ class VMP(Engine):
             after ``check_every`` sweeps (the loop's only host synchronisation) ...
         check_growth: ... and then at gaps growing by this factor
             (:func:`probfsl.inference.base.check_steps`; 1 = every ``check_every``
-            sweeps). The default 1.25 (checks after 2, 4, 7, 10, 14, 19, 25, 33, ...
-            sweeps) makes the number of checks logarithmic in the sweeps the slowest task
-            needs, so it does not grow with the batch, while a converged task runs at
-            most about a quarter more sweeps (masked) before the check that drops it; with
-            2 (checks after 2, 4, 8, 16, ...) it may run twice its sweeps (``vmp-gmm`` on
-            1,000 Omniglot tasks, one CPU thread: 26 host synchronisations and 0.84 s per
-            call with 1.25, 23 and 1.04 s with 2).
+            sweeps). On an accelerator the defaults are 2 and 1.25 (checks after 2, 4, 7,
+            10, 14, 19, 25, 33, ... sweeps): the number of checks is logarithmic in the
+            sweeps the slowest task needs, so it does not grow with the batch, while a
+            converged task runs at most about a quarter more sweeps (masked) before the
+            check that drops it; with 2 (checks after 2, 4, 8, 16, ...) it may run twice
+            its sweeps (``vmp-gmm`` on 1,000 Omniglot tasks: 26 host synchronisations and
+            0.84 s per call with 1.25, 23 and 1.04 s with 2). On the CPU, where the host
+            runs the kernels itself and a check waits for nothing, the defaults are 1 and
+            1: every sweep is checked, and no converged task runs a masked sweep (the
+            mixture of ``benchmarks/bench_vmp.py``, 1,000 tasks on one thread: 0.56 s
+            instead of 0.60 s with 2 and 1.25).
         order: the latent sites' update order (default: the model's declaration order,
             ``pyro.param`` point estimates after every other site, as variational EM's
             M-step follows its E-step, so that the first sweep starts from the parameters'
@@ -83,21 +87,34 @@ class VMP(Engine):
         model: Callable[..., Any],
         max_iter: int = 100,
         tol: float = 1e-6,
-        check_every: int = 2,
+        check_every: int | None = None,
         order: list[str] | None = None,
         seed: int = 0,
-        check_growth: float = 1.25,
+        check_growth: float | None = None,
     ) -> None:
         if not callable(model):
             raise TypeError(f"model must be callable, got {type(model).__name__}")
         check_hyperparameter("max_iter", max_iter, integer=True, low=1)
         check_hyperparameter("tol", tol, nonnegative=True)
-        check_hyperparameter("check_every", check_every, integer=True, low=1)
-        check_hyperparameter("check_growth", check_growth, low=1)
+        if check_every is not None:
+            check_hyperparameter("check_every", check_every, integer=True, low=1)
+            check_every = int(check_every)
+        if check_growth is not None:
+            check_hyperparameter("check_growth", check_growth, low=1)
+            check_growth = float(check_growth)
         check_hyperparameter("seed", seed, integer=True, nonnegative=True)
-        self.check_growth = float(check_growth)
+        self.check_every, self.check_growth = check_every, check_growth
         self.model, self.max_iter, self.tol = model, int(max_iter), float(tol)
-        self.check_every, self.order, self.seed = int(check_every), order, seed
+        self.order, self.seed = order, seed
+
+    def schedule(self, device: torch.device) -> tuple[int, float]:
+        """``(check_every, check_growth)`` of :meth:`fit` on ``device``: the ones given,
+        else 1 and 1 on the CPU, 2 and 1.25 elsewhere (see the class docstring)."""
+        every, growth = (1, 1.0) if device.type == "cpu" else (2, 1.25)
+        return (
+            every if self.check_every is None else self.check_every,
+            growth if self.check_growth is None else self.check_growth,
+        )
 
     @staticmethod
     def _update(plan: Plan, q: dict, name: str, children: bool = True) -> None:
@@ -250,7 +267,14 @@ class VMP(Engine):
         """
         state = self.init(*args, init_resp=init_resp, **kwargs)
         tol = self.tol if self.tol > 0 else None
-        return run(self, state, self.max_iter, tol, self.check_every, self.check_growth)
+        every, growth = self.schedule(state.objective.device)
+        # the sweeps skip autograd's bookkeeping (a seventh of a small batch's sweep on the
+        # CPU); the results leave as ordinary tensors, usable with autograd afterwards
+        with torch.inference_mode():
+            state, info = run(self, state, self.max_iter, tol, every, growth)
+        q = {n: tuple(t.clone() for t in f) for n, f in state.q.items()}
+        state = VMPState(state.plan, q, state.objective.clone())
+        return state, RunInfo(*(t.clone() for t in info))
 
     def posterior(self, state: VMPState) -> dict[str, torch.distributions.Distribution]:
         """Site name -> the factor q as a batched distribution in the model's shape (point
