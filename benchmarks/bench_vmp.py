@@ -316,9 +316,9 @@ def bayespy_part(args) -> None:
         "normalised), every label latent; Dirichlet(1) weights, N(0, 1) means, Gamma(2, 0.05)",
         "diagonal precisions per class; both engines start from the same soft k-means",
         "responsibilities and run to convergence (relative tolerance 1e-10 on the bound for both;",
-        "VMP checks after 2, 4, 7, 10, 14, ... sweeps (its default), drops the converged tasks",
-        "from the batch at each check and masks them between checks (`run`); its time includes",
-        "deriving the plan).",
+        "VMP checks after every sweep (its default on the CPU), drops the converged tasks from",
+        "the batch once they are a fifth of it and masks them until then (`run`); its time",
+        "includes deriving the plan).",
         f"{torch.get_num_threads()} thread(s) for both (PyTorch and NumPy/BLAS); {args.rounds} "
         "rounds alternating the two, best wall-clock and best CPU (process) time of each side.",
         "PyTorch's allocator: "
