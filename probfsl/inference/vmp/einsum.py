@@ -217,23 +217,22 @@ def _pair(x: torch.Tensor, y: torch.Tensor | None, route: tuple) -> torch.Tensor
     last axis is the contracted one (the layout MKL's batched products run fastest on),
     or a broadcast product where no axis is contracted."""
     summed_a, perm_a, view_a, summed_b, perm_b, view_b, shape, out_perm, product = route
-    if summed_a is not None:
-        x = x.sum(summed_a)
-    if perm_a is not None:
-        x = x.permute(perm_a)
-    if view_a is not None:
-        x = x.reshape(view_a)
+    x = _operand(x, summed_a, perm_a, view_a)
     if y is not None:
-        if summed_b is not None:
-            y = y.sum(summed_b)
-        if perm_b is not None:
-            y = y.permute(perm_b)
-        if view_b is not None:
-            y = y.reshape(view_b)
+        y = _operand(y, summed_b, perm_b, view_b)
         x = x * y if product else torch.bmm(x, y.transpose(1, 2))
         if shape is not None:
             x = x.reshape(shape)
     return x if out_perm is None else x.permute(out_perm)
+
+
+def _operand(t: torch.Tensor, summed, perm, view) -> torch.Tensor:
+    """One operand of :func:`_pair`: its own sums, permutation and view (``None``: none)."""
+    if summed is not None:
+        t = t.sum(summed)
+    if perm is not None:
+        t = t.permute(perm)
+    return t if view is None else t.reshape(view)
 
 
 def sweeping():
