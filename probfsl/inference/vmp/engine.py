@@ -70,9 +70,9 @@ class VMP(Engine):
             its sweeps (``vmp-gmm`` on 1,000 Omniglot tasks: 26 host synchronisations and
             0.84 s per call with 1.25, 23 and 1.04 s with 2). On the CPU, where the host
             runs the kernels itself and a check waits for nothing, the defaults are 1 and
-            1: every sweep is checked, and no converged task runs a masked sweep (the
-            mixture of ``benchmarks/bench_vmp.py``, 1,000 tasks on one thread: 0.56 s
-            instead of 0.60 s with 2 and 1.25).
+            1: every sweep is checked, so the converged tasks leave the batch as soon as
+            they are a fifth of it (the mixture of ``benchmarks/bench_vmp.py``, 1,000 tasks
+            on one thread: 0.56 s instead of 0.60 s with 2 and 1.25).
         order: the latent sites' update order (default: the model's declaration order,
             ``pyro.param`` point estimates after every other site, as variational EM's
             M-step follows its E-step, so that the first sweep starts from the parameters'
