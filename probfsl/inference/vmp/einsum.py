@@ -20,7 +20,7 @@ import opt_einsum
 import torch
 
 #: with at most this many axis combinations (a bound on any intermediate), or at most twice
-#: the largest operand, one ``torch.einsum`` call is cheaper than a pairwise order
+#: the largest operand, operands are contracted left to right without searching for an order
 _SMALL = 1 << 12
 
 
