@@ -98,8 +98,9 @@ def _supports(omniglot, n_tasks: int, shot: int, seed: int = 0):
 @pytest.mark.parametrize("lambda_mode", ["shared", "per_class"])
 def test_lambda_is_the_stationary_point_of_the_profile_evidence(omniglot, lambda_mode):
     """Off the clamp, the Newton step of the profile evidence (eq. 17) in log lambda at
-    the derived lambda is below 1e-7, and no target's evidence is below the
-    hand-written engine's (whose stopping rule is on changes of the evidence)."""
+    the derived lambda is below 1e-7, and the evidence is nowhere below the hand-written
+    engine's (whose stopping rule is on changes of the evidence): a task's for a shared
+    lambda, each target's for a per-class one."""
     x, y = _supports(omniglot, 32, 5)
     res = derived_evidence(x, y, lambda_mode)
     rot = rotate(x, y)
@@ -120,9 +121,18 @@ def test_lambda_is_the_stationary_point_of_the_profile_evidence(omniglot, lambda
         if lambda_mode == "shared"
         else maximize_evidence(sp, warn=False)
     )
-    f_hand, f_derived = hand.log_evidence.sum(-1), res.log_evidence.sum(-1)
-    # both end at the stationary point (or the clamp); their evidence formulas differ
-    assert bool((f_derived >= f_hand - 1e-10 * f_hand.abs()).all())
+    # both end at the stationary point (or the clamp); their evidence formulas differ.
+    # A shared lambda maximises the sum over a task's targets; a per-class one each
+    # target's own, where a target on the clamp (lambda -> 0: beta near 1e10, the evidence
+    # flat in it) is compared at a tolerance its conditioning allows
+    f_hand, f_derived = hand.log_evidence, res.log_evidence
+    rtol = torch.full_like(f_hand, 1e-10)
+    if lambda_mode == "shared":
+        f_hand, f_derived, rtol = f_hand.sum(-1), f_derived.sum(-1), rtol[:, 0]
+    else:
+        rtol = torch.where(res.at_boundary, 1e-8, rtol)
+        assert bool((~res.at_boundary).any())
+    assert bool((f_derived >= f_hand - rtol * f_hand.abs()).all())
 
 
 def test_lambda_heading_to_zero_lands_on_the_clamp():

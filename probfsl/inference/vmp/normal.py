@@ -112,10 +112,12 @@ def loglik(plan, o, out, weights, offset=None):
         small = small + offset
     if o["observed"] and o["XL"] is not None and o["XL"][0] is o["X1"][0] and len(o["L1"]) == 1:
         # observed x: ⟨x⟩⟨m⟩ − ½⟨x²⟩ as one contraction over (x, x²) · (⟨m⟩, −½), with
-        # (x, x²) stacked once per plan (a latent x would be stacked at every call)
+        # (x, x²) stacked once per plan (a latent x would be stacked at every call); the
+        # coefficients go first, so that their product with ⟨τ⟩ has the layout of the
+        # powers and enters ``bmm`` as a view
         (m, m_dims), power = o["L1"][0], "#power"
-        coef = torch.stack([m, torch.full_like(m, -0.5)], -1)
-        res = e(pr + [(_powers(plan, o), o["X1"][0][1] + (power,)), (coef, m_dims + (power,))])
+        coef = _stacked([m, torch.full_like(m, -0.5)], m_dims, power)
+        res = e([coef] + pr + [_powers(plan, o, power)])
     else:
         res = e(pr + o["XL"]) - 0.5 * e(pr + o["X2"])
     # res is a new tensor (a contraction of several operands): add in place where it
@@ -135,14 +137,22 @@ def _weighted_applies(plan: Plan, c: Site, out: tuple, rest: list) -> bool:
     return selected and all(set(dims) <= set(out) for _, dims in rest)
 
 
-def _powers(plan: Plan, o: dict) -> torch.Tensor:
-    """(x, x²) of an observed site stacked on a last axis (cached with the statistics they
-    come from)."""
-    x1, x2 = o["X1"][0][0], o["X2"][0][0]
+def _stacked(tensors: list, dims: tuple, axis: str) -> tuple:
+    """An operand of ``tensors`` (axes ``dims``) stacked on a new axis before their last
+    one: a copy of contiguous rows, 3x faster than interleaving them on a new last axis."""
+    if not dims:
+        return torch.stack(tensors, -1), (axis,)
+    return torch.stack(tensors, -2), dims[:-1] + (axis,) + dims[-1:]
+
+
+def _powers(plan: Plan, o: dict, axis: str) -> tuple:
+    """The operand (x, x²) of an observed site (:func:`_stacked`), cached with the
+    statistics it comes from."""
+    (x1, dims), x2 = o["X1"][0], o["X2"][0][0]
     key = ("powers", o["name"])
     hit = plan.cache.get(key)
     if hit is None or hit[0] is not x1 or hit[1] is not x2:
-        hit = plan.cache[key] = (x1, x2, torch.stack([x1, x2], -1))
+        hit = plan.cache[key] = (x1, x2, _stacked([x1, x2], dims, axis))
     return hit[2]
 
 
