@@ -200,6 +200,34 @@ def test_default_compaction_gives_every_task_its_own_result():
     torch.testing.assert_close(back.mu_mean, state.mu_mean, rtol=0, atol=0)
 
 
+class _CountingKeeps(NormalGammaVB):
+    """The hand-written engine recording the mask of every ``keep`` the loop asks for."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.masks: list[torch.Tensor] = []
+
+    def keep(self, frozen, old, new):
+        self.masks.append(frozen.clone())
+        return super().keep(frozen, old, new)
+
+
+def test_keep_runs_only_where_a_task_may_be_frozen():
+    """After a check that found every task moving, the next step's mask would keep nothing
+    and is not applied: with a check after every step, each mask applied freezes a task,
+    and every task's result is the one of a check every 4 steps."""
+    x = torch.randn(6, 9, generator=torch.Generator().manual_seed(3)).double()
+    x[3] *= 40.0
+    engine = _CountingKeeps(0.5, 2.0, 2.0, 1.5)
+    state, info = run(engine, engine.init(x), 200, tol=1e-10, check_every=1)
+    assert engine.masks and all(bool(m.any()) for m in engine.masks)
+    assert len(engine.masks) < len(info.trace) - 1  # the first steps kept nothing
+    ref_engine = NormalGammaVB(0.5, 2.0, 2.0, 1.5)
+    ref, ref_info = run(ref_engine, ref_engine.init(x), 200, tol=1e-10, check_every=4)
+    torch.testing.assert_close(state.objective, ref.objective, rtol=1e-12, atol=0)
+    assert torch.equal(info.n_steps, ref_info.n_steps)
+
+
 def test_growing_check_schedule_changes_when_the_loop_stops_not_the_results():
     """check_growth > 1: checks at 2, 4, 7, 12, 19, ...; one sync per check made; every
     task's result is the one of the fixed schedule (frozen tasks never change)."""

@@ -207,9 +207,10 @@ def run(
     none is. An engine that ``compacts`` then also drops the converged tasks from the
     batch once they are at least :data:`COMPACT_FRACTION` of it (:meth:`Engine.take`;
     their final state is written back with :meth:`Engine.put`), so later steps cost only
-    what the moving tasks need; until then they are masked. Since converged tasks are
-    frozen either way, neither the schedule nor the compaction changes a task's result.
-    Without ``tol`` all ``n_steps`` steps run and nothing syncs.
+    what the moving tasks need; until then they are masked (not in the step after a check
+    that found every task moving, where the mask would keep nothing). Since converged
+    tasks are frozen either way, neither the schedule nor the compaction changes a task's
+    result. Without ``tol`` all ``n_steps`` steps run and nothing syncs.
 
     Returns the final state and a :class:`RunInfo` (trace, steps per task, converged).
     """
@@ -223,12 +224,15 @@ def run(
     steps = torch.zeros(total.shape, dtype=torch.long, device=device)
     all_steps = steps
     still = active
+    none_frozen = True  # known on the host: every task of the batch still moves
     for i in range(n_steps):
         new, info = engine.step(state)
         steps = steps + active
         if tol is not None:
-            new = engine.keep(~active, state, new)
+            if not none_frozen:  # (after a check that found every task moving, a no-op)
+                new = engine.keep(~active, state, new)
             active = active & ~converged_tasks(state.objective, new.objective, tol)
+        none_frozen = False
         state = new
         total = state.objective if where is None else total.index_copy(0, where, state.objective)
         trace.append(total)
@@ -237,6 +241,7 @@ def run(
         moving = active.nonzero().squeeze(-1)  # the loop's one synchronisation here
         if moving.numel() == 0:
             break
+        none_frozen = moving.numel() == active.numel()
         if compact and moving.numel() <= (1 - COMPACT_FRACTION) * active.numel():
             full, all_steps, still = _write_back(
                 engine, full, where, state, all_steps, steps, still, active
@@ -244,6 +249,7 @@ def run(
             where = moving if where is None else where[moving]
             state = engine.take(state, moving)
             steps, active = steps[moving], active[moving]
+            none_frozen = True
     if where is None:
         return state, RunInfo(torch.stack(trace), steps, ~active)
     full, all_steps, still = _write_back(

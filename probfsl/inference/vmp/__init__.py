@@ -27,7 +27,9 @@ families, one module each: :mod:`~probfsl.inference.vmp.normal`,
 (sites kept at their prior, q = p); contractions over named axes are
 :mod:`~probfsl.inference.vmp.einsum`'s, refusals :mod:`~probfsl.inference.vmp.checks`'s,
 and :mod:`~probfsl.inference.vmp.engine` is the engine. Linear maps are found by automatic
-differentiation (structurally); copies and scaled copies of a parent by the runs below.
+differentiation, and a precision or rate c · Π τ by the form it is computed in
+(:mod:`~probfsl.inference.vmp.monomials`: the model's own c, no rounding), both
+structurally; copies of a parent, and its selection, by the runs below.
 
 **How the structure is read.** Parents come from Pyro's provenance tracking
 (``pyro.infer.inspect.get_dependencies``), and two runs of the model with every latent
@@ -68,8 +70,9 @@ CPU after every sweep, where a check waits for nothing; on an accelerator after
 (:meth:`VMP.take`, :meth:`VMP.put`).
 
 **Cost of a sweep.** What is fixed is computed once per plan: a coefficient c of
-c·τ (read off the model as 1 ± 1 ulp) is snapped to its exact value and kept as a scalar,
-or dropped where it is exactly 1; ln c, m², ln π of fixed parameters and the priors'
+c·τ (the model's own constant, read off the form of the parameter:
+:mod:`~probfsl.inference.vmp.monomials`) is kept as a scalar where it is one, and dropped
+where it is exactly 1; ln c, m², ln π of fixed parameters and the priors'
 natural parameters and log-normalisers (Gamma, Dirichlet, and Normal sites with a fixed
 prior) are cached. Expected statistics are cached per factor and reused by the entropies.
 A contraction that sums over no axis is a broadcast product; the others are evaluated one

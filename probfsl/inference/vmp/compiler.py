@@ -9,8 +9,9 @@ gives each site's parents; one run of the model with every latent site at anothe
 (``poutine.condition``) shows which parameters they move, and how a parent enters a
 parameter is then verified on those values: a location must equal the parent's value
 (broadcast over the child's extra axes, the parent's event axes right-aligned with the
-child's), a precision must equal c·(parent) with c fixed, a Categorical's probabilities
-must equal the Dirichlet parent. A parent plate missing from the child is a mixture
+child's), a precision must equal c·(parent) with c fixed (c is read off the form the
+first run computes it in: :mod:`~probfsl.inference.vmp.monomials`), a Categorical's
+probabilities must equal the Dirichlet parent. A parent plate missing from the child is a mixture
 component axis, selected by a latent Categorical site or by a fixed index. Anything else
 is refused (:func:`~probfsl.inference.vmp.checks.refuse`).
 """
@@ -54,10 +55,10 @@ from probfsl.inference.vmp.layout import (
     dtype_of,
     param_dims,
     reduce_constant,
-    snap,
     to_pyro,
     unit,
 )
+from probfsl.inference.vmp.monomials import Monomial, coefficient, plain
 
 ROLES = {
     ("Normal", "loc"): ("Normal", "MultivariateNormal", "Categorical"),
@@ -205,18 +206,27 @@ class _DrawLatent(Messenger):
     parameters and in ``dtype`` (the data's; else the parameters'), instead of a draw from
     its prior. The plan so does not depend on the user's random stream, and torch's
     samplers are spared (from the prior probabilities of a Categorical, a tenth of the
-    plan derivation on 1,000 mixture tasks)."""
+    plan derivation on 1,000 mixture tasks). With ``symbolic``, a Gamma site's value (drawn,
+    or a point estimate's) is a :class:`~probfsl.inference.vmp.monomials.Monomial`, so that
+    the precisions and rates it enters carry their form c · τ."""
 
-    def __init__(self, seed: int, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, seed: int, dtype: torch.dtype | None = None, symbolic: bool = False):
         super().__init__()
         self.generator = torch.Generator().manual_seed(seed)
-        self.dtype = dtype
+        self.dtype, self.symbolic = dtype, symbolic
 
     def _pyro_sample(self, msg) -> None:
-        if msg["is_observed"] or msg["value"] is not None:
+        if msg["is_observed"]:
             return
         base, _ = unwrap(msg["fn"])
         family = family_of(base)
+        if msg["value"] is None:
+            self._draw(msg, base, family)
+        value = msg["value"]
+        if self.symbolic and family == "Gamma" and torch.is_tensor(value):
+            msg["value"] = Monomial.of(value, msg["name"])
+
+    def _draw(self, msg, base, family) -> None:
         if family is None or family in OBSERVED_ONLY:
             return  # left to the model's sampler; the compiler refuses the site later
         if family == "Beta":  # its parameters are held by a Dirichlet
@@ -419,11 +429,12 @@ class Compiler:
             self.points[name] = value
         self.model = _StartAt(self.points)(poutine.lift(self.model, prior=prior))
 
-    def _trace(self, args, kwargs, values=None, grad: bool = False, seed: int = 0):
+    def _trace(self, args, kwargs, values=None, grad=False, seed=0, symbolic=False):
         """One run of the model: its latent sites at ``values`` (conditioned), or drawn
-        from the stream ``seed`` (:class:`_DrawLatent`; the verifying probes use 2)."""
+        from the stream ``seed`` (:class:`_DrawLatent`, ``symbolic`` or not; the verifying
+        probes use 2)."""
         if values is None:
-            model = _DrawLatent(seed, self._dtype)(self.model)
+            model = _DrawLatent(seed, self._dtype, symbolic)(self.model)
         else:
             model = poutine.condition(self.model, data=values)
         with torch.set_grad_enabled(grad), data_device(args, kwargs):
@@ -442,14 +453,14 @@ class Compiler:
         self._dtype = data_dtype(args, kwargs)
         try:  # parameters are checked below, naming the site (Pyro's check names none)
             with pyro.validation_enabled(False):
-                trace = self._trace(args, kwargs)
+                trace = self._trace(args, kwargs, symbolic=True)
         except (NotImplementedError, RuntimeError, ZeroDivisionError) as err:
             raise _model_failed(err, args, kwargs) from None
         params = {n: s for n, s in trace.nodes.items() if s["type"] == "param"}
         if params:  # point estimates: traced as sample sites of their family from now on
             self._lift(params)
             with pyro.validation_enabled(False):
-                trace = self._trace(args, kwargs)
+                trace = self._trace(args, kwargs, symbolic=True)
         raw = [
             s
             for s in trace.nodes.values()
@@ -462,7 +473,7 @@ class Compiler:
             raise ValueError("VMP needs a model with sample sites; this model has none")
         check_parameters(raw)
         self._check_structure(trace, args, kwargs)
-        ref = next((s["value"] for s in raw if s["value"].is_floating_point()), None)
+        ref = next((plain(s["value"]) for s in raw if s["value"].is_floating_point()), None)
         if ref is None:  # every value discrete: the first floating parameter's dtype
             ref = torch.zeros((), dtype=dtype_of(trace), device=raw[0]["value"].device)
         sizes: dict[str, int] = {}
@@ -788,10 +799,15 @@ class Compiler:
     def _find_parents(self, plan: Plan, trace, args, kwargs) -> None:
         sites = plan.sites
         base_values = {
-            sites[n].pyro_name: trace.nodes[sites[n].pyro_name]["value"] for n in plan.latent
+            sites[n].pyro_name: plain(trace.nodes[sites[n].pyro_name]["value"]) for n in plan.latent
         }
-        # the first trace took these very values: its parameters are the base ones
+        # the first trace took these very values: its parameters are the base ones, those
+        # that Gamma sites enter with their form c · Π τ (a Monomial, kept in ``_forms``)
         base_params = {n: self._params(s, trace.nodes[s.pyro_name]) for n, s in sites.items()}
+        self._forms = {
+            (n, k): v for n, ps in base_params.items() for k, v in ps.items() if k in SCALED
+        }
+        base_params = {n: {k: plain(v) for k, v in ps.items()} for n, ps in base_params.items()}
         self._runs: dict = {"probes": self._probes(plan)}
         # site-level parents by Pyro's provenance tracking (one run of the model) ...
         from pyro.infer.inspect import get_dependencies
@@ -1049,9 +1065,12 @@ class Compiler:
                 )
             return total
 
-        base = {m: canon(sites[m], base_values[sites[m].pyro_name]) for m in mains}
-        coef, coef_dims = reduce_constant(value / product(base), dims, ulps=8)
-        coef = snap(coef)
+        form = self._coefficient(s, key, [sites[m] for m in mains])
+        if form is not None:
+            coef, coef_dims = reduce_constant(form, dims)
+        else:  # read off the base run (see :meth:`_param_map`)
+            base = {m: canon(sites[m], base_values[sites[m].pyro_name]) for m in mains}
+            coef, coef_dims = reduce_constant(value / product(base), dims, ulps=8)
         got = self._runs["verify"][s.name][key]
         expect = ein(dims, [(coef, coef_dims)], dims, plan.sizes, got) * product(
             self._runs["probes"]
@@ -1068,6 +1087,13 @@ class Compiler:
             coef_dims=coef_dims,
             factors=list(zip(mains[1:], renames[1:], strict=True)),
         )
+
+    def _coefficient(self, s: Site, key: str, parents: list[Site]) -> torch.Tensor | None:
+        """c of the parameter ``key`` of ``s`` where it is c · Π τ over these ``parents``,
+        read off its form in the first run (:mod:`~probfsl.inference.vmp.monomials`): the
+        model's own constants, with no rounding. ``None`` where it has no such form."""
+        form = self._forms.get((s.name, key))
+        return coefficient(form, [p.pyro_name for p in parents])
 
     @staticmethod
     def _find_chains(plan: Plan) -> None:
@@ -1343,6 +1369,39 @@ class Compiler:
             return torch.stack(cols, -1)
 
     def _param_map(self, plan, s: Site, key, value, pa, base_values, args, kwargs) -> Param:
+        """How the parents ``pa`` enter parameter ``key`` of ``s``. An event axis of a parent
+        of a mixture whose size equals the child's axis it would align with is first read
+        as that axis, then, if that is refused, as the selector's component axis
+        (``Vindex(mu)[..., z]`` with ``mu`` a vector of K means)."""
+        try:
+            return self._param_map_as(plan, s, key, value, pa, base_values, args, kwargs)
+        except ValueError:
+            sites = plan.sites
+            selectors = [p for p in pa if sites[p].family == "Categorical"]
+            mains = [sites[p] for p in pa if sites[p].family != "Categorical"]
+            if len(selectors) != 1 or len(mains) != 1 or mains[0].family == "MultivariateNormal":
+                raise
+            parent, dims, n_cat = mains[0], param_dims(s, key), sites[selectors[0]].n_cat
+            events = parent.dims[len(parent.dims) - parent.event_dim :]
+            tail = dims[len(dims) - len(events) :] if events else ()
+            # an event axis aligned with a child's axis of the same size as the components
+            candidates = [
+                d
+                for d, c in zip(events, tail, strict=True)
+                if plan.sizes[d] == n_cat == plan.sizes[c]
+            ]
+            for axis in candidates:
+                with contextlib.suppress(ValueError):
+                    return self._param_map_as(
+                        plan, s, key, value, pa, base_values, args, kwargs, component=axis
+                    )
+            raise
+
+    def _param_map_as(
+        self, plan, s: Site, key, value, pa, base_values, args, kwargs, component=None
+    ) -> Param:
+        """:meth:`_param_map` with the parent's event axis ``component`` (if any) read as the
+        selector's component axis."""
         sites = plan.sites
         dims = param_dims(s, key)
         if not pa:
@@ -1383,7 +1442,7 @@ class Compiler:
         if parent.family == "MultivariateNormal":  # the second axis of its x xᵀ
             rename[parent.dims[-1] + "b"] = rename[parent.dims[-1]] + "b"
         for d in parent.dims:
-            if rename[d] in dims and plan.sizes[d] != plan.sizes[rename[d]]:
+            if d == component or (rename[d] in dims and plan.sizes[d] != plan.sizes[rename[d]]):
                 if selectors and parent.family != "MultivariateNormal" and rename[d] != d:
                     # an event axis of component values (Vindex(mu)[..., z] with mu a vector
                     # of K means): the selector's category axis, not one of the child's
@@ -1432,21 +1491,23 @@ class Compiler:
                 ops.append((param.index, param.index_dims))
             return ein(dims, ops, dims + ((comp,) if comp else ()), plan.sizes, value)
 
-        def set_coef(c):
-            """c of a precision c * tau (c I for a precision matrix: the scalar is kept)."""
+        def set_coef(c, ulps=8):
+            """c of a precision c * tau (c I for a precision matrix: the scalar is kept),
+            constant up to ``ulps`` where it was read off numbers."""
             if wishart:
                 c = c[..., 0, 0]
-                coef, param.coef_dims = reduce_constant(c, dims[:-2], ulps=8)
-                param.coef = snap(coef)
+                param.coef, param.coef_dims = reduce_constant(c, dims[:-2], ulps=ulps)
                 return c[..., None, None]
-            coef, param.coef_dims = reduce_constant(c, dims, ulps=8)
-            param.coef = snap(coef)
+            param.coef, param.coef_dims = reduce_constant(c, dims, ulps=ulps)
             return c
 
         c = None
+        form = self._coefficient(s, key, [parent]) if key in SCALED else None
+        if form is not None:
+            c = set_coef(form, ulps=0)
         if comp is not None and selector is None:
             # a fixed index: c from a run at unit precision, then a component-coded run
-            if key in SCALED:
+            if key in SCALED and c is None:
                 c = set_coef(
                     run(
                         "ones",
@@ -1480,7 +1541,8 @@ class Compiler:
         elif selector is not None and not set(sites[selector].dims) <= set(dims):
             raise refuse(s.name, s.fn_name, p_desc, f"{selector!r} has axes the child lacks")
         if key in SCALED and c is None:
-            # c from the base run (the values first drawn), checked below on random values
+            # c read off the base run as value / parent (where the parameter has no form:
+            # a Wishart's, or one computed outside a form's operations), checked below
             base = gathered(
                 canon(parent, base_values[parent.pyro_name]),
                 None

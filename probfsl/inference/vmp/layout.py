@@ -193,25 +193,6 @@ def reduce_constant(t: torch.Tensor, dims: tuple, ulps: int = 0) -> tuple[torch.
     return t[index], tuple(dims[i] for i in keep)
 
 
-def snap(c: torch.Tensor, ulps: int = 8) -> torch.Tensor:
-    """``c`` rounded to 3 digits fewer than its dtype carries, where that moves it by at most
-    ``ulps`` units in the last place. A coefficient read off the model as value / parent
-    (e.g. ((τ^-1/2)^-2) / τ = 1 ± 1 ulp) becomes exact, so :func:`reduce_constant` finds it
-    constant."""
-    if not c.is_floating_point():
-        return c
-    finfo = torch.finfo(c.dtype)
-    digits = max(1, math.floor(-math.log10(finfo.eps)) - 3)
-    x = c.double()
-    a = x.abs()
-    k = digits - 1 - torch.floor(torch.log10(torch.where(a > 0, a, torch.ones_like(a))))
-    up = torch.pow(10.0, k.clamp_min(0))  # exact powers of ten (k <= 22)
-    down = torch.pow(10.0, (-k).clamp_min(0))
-    r = (torch.round(x * up / down) * down / up).to(c.dtype)
-    ok = torch.isfinite(r) & ((r - c).abs() <= ulps * finfo.eps * c.abs())
-    return torch.where(ok, r, c)
-
-
 def dtype_of(trace) -> torch.dtype:
     """The dtype of the first floating value of a trace; where every value is discrete,
     that of the first floating parameter of its distributions (else torch's default)."""

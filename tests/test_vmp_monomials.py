@@ -1,0 +1,138 @@
+"""How the VMP compiler reads a precision or rate c · Π τ: from the form the model computes it
+in (:mod:`probfsl.inference.vmp.monomials`), so that c is the model's own constant, bit for
+bit; off the value (value / parent) only where the model leaves the operations a form
+follows."""
+
+from __future__ import annotations
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.ops.indexing import Vindex
+
+from probfsl.inference import VMP
+from probfsl.inference.vmp.monomials import Monomial, coefficient, plain
+
+F64 = torch.float64
+
+
+def _tau(shape=(4, 5, 3), dtype=F64, name="tau"):
+    g = torch.Generator().manual_seed(0)
+    return Monomial.of(0.5 + torch.rand(shape, generator=g, dtype=dtype), name)
+
+
+def _precision(scale: torch.Tensor) -> torch.Tensor:
+    """The precision as the compiler reads it: a Normal's scale, broadcast by Pyro, to -2."""
+    normal = dist.Normal(torch.zeros(scale.shape, dtype=scale.dtype), scale)
+    return normal.expand((2, *scale.shape)).scale.pow(-2)
+
+
+C = torch.tensor([[1 / 3], [2 / 7], [5.1], [0.3]], dtype=F64)  # per task, not "round"
+
+
+@pytest.mark.parametrize(
+    "scale, want",
+    [
+        (lambda t: t.rsqrt(), lambda t: 1.0),
+        (lambda t: (C.unsqueeze(-1) * t) ** -0.5, lambda t: C.unsqueeze(-1)),
+        (lambda t: 1 / torch.sqrt(t * 0.1), lambda t: 0.1),
+        (lambda t: t.pow(-0.5) / 3, lambda t: 9.0),
+        (lambda t: (t / C.unsqueeze(-1)).reciprocal().sqrt(), lambda t: 1 / C.unsqueeze(-1)),
+    ],
+    ids=["rsqrt", "c-tensor", "reciprocal-sqrt", "pow-divided", "quotient"],
+)
+def test_forms_give_the_models_constant_exactly(scale, want):
+    tau = _tau()
+    got = coefficient(_precision(scale(tau)), ["tau"])
+    expect = torch.as_tensor(want(tau), dtype=F64).expand(2, *tau.shape)
+    assert got is not None and torch.equal(got, expect)
+
+
+def test_forms_follow_indexing_and_products_of_sites():
+    """A mixture's Vindex selection and a scale mixture's product λ·u keep the form; the
+    constant is selected with the sites."""
+    tau, u = _tau(), _tau(name="u")
+    z = torch.randint(0, 5, (4, 7), generator=torch.Generator().manual_seed(1))
+    c = C.unsqueeze(-1).expand(4, 5, 3)
+    picked = Vindex((c * tau).unsqueeze(-3))[..., z, :].rsqrt()
+    assert torch.equal(coefficient(picked.pow(-2), ["tau"]), Vindex(c.unsqueeze(-3))[..., z, :])
+    product = (2.0 * tau * u).rsqrt().pow(-2)
+    assert torch.equal(coefficient(product, ["tau", "u"]), torch.full(tau.shape, 2.0, dtype=F64))
+    assert coefficient(product, ["tau"]) is None  # u's power is 1, not 0
+
+
+def test_what_is_not_a_monomial_has_no_form():
+    tau = _tau()
+    assert coefficient(torch.exp(-0.5 * torch.log(tau)).pow(-2), ["tau"]) is None
+    assert coefficient((tau + 1).rsqrt().pow(-2), ["tau"]) is None
+    assert coefficient(tau.square(), ["tau"]) is None  # tau², not tau
+    changed = tau.clone()
+    changed.mul_(2.0)  # in place: the form no longer holds
+    assert coefficient(changed, ["tau"]) is None
+    written = tau * 2.0
+    written[0] = 1.0
+    assert coefficient(written, ["tau"]) is None
+    assert type(plain(tau)) is torch.Tensor and type(tau > 0) is torch.Tensor
+
+
+def test_float32_constants_stay_exact():
+    tau = _tau(dtype=torch.float32)
+    c = torch.tensor(1 / 3, dtype=torch.float32)
+    got = coefficient(_precision((c * tau).rsqrt()), ["tau"])
+    assert got.dtype == torch.float32 and bool((got == c).all())
+
+
+# ------------------------------------------------------------------ the compiler's reading
+def _scaled_model(x, c, scale_of):
+    """x_tn ~ N(0, 1/(c_t τ_t)), τ_t ~ Gamma(2, 1), with the scale written as ``scale_of``."""
+    with pyro.plate("tasks", x.shape[0], dim=-1):
+        tau = pyro.sample("tau", dist.Gamma(x.new_tensor(2.0), x.new_tensor(1.0)))
+        scale = scale_of(c * tau).unsqueeze(-1)
+        pyro.sample("x", dist.Normal(x.new_tensor(0.0), scale).to_event(1), obs=x)
+
+
+def _data(t=4, n=10):
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(t, n, generator=g, dtype=F64), C[:, 0].clone()
+
+
+@pytest.mark.parametrize(
+    "scale_of, exact",
+    [(torch.rsqrt, True), (lambda p: torch.exp(-0.5 * torch.log(p)), False)],
+    ids=["form", "value"],
+)
+def test_the_plan_holds_the_constant_and_the_posterior_is_exact(scale_of, exact):
+    """q(τ) = Gamma(2 + N/2, 1 + c Σx²/2) exactly; c is the model's tensor bit for bit when
+    the scale has a form, and within a few ulps when it is read off the value."""
+    x, c = _data()
+
+    def model(x):
+        _scaled_model(x, c, scale_of)
+
+    vmp = VMP(model, tol=0.0, max_iter=3)
+    prec = vmp.compile(x).sites["x"].params["precision"]
+    if exact:
+        assert torch.equal(prec.coef, c)
+    else:
+        torch.testing.assert_close(prec.coef, c, rtol=8 * torch.finfo(F64).eps, atol=0)
+    state, _ = vmp.fit(x)
+    a, b = state.q["tau"]
+    torch.testing.assert_close(a, torch.full_like(a, 2 + x.shape[1] / 2), rtol=1e-15, atol=0)
+    torch.testing.assert_close(b, 1 + 0.5 * c * x.square().sum(-1), rtol=1e-14, atol=0)
+
+
+def test_a_constant_that_depends_on_a_latent_site_is_refused():
+    """(μ² τ)^-1/2 has the form c τ in the first run, with c = μ² at that run's μ: the
+    verifying run (other values of μ and τ) refuses it."""
+    x, _ = _data()
+
+    def model(x):
+        with pyro.plate("tasks", x.shape[0], dim=-1):
+            mu = pyro.sample("mu", dist.Normal(x.new_tensor(1.0), 1.0))
+            tau = pyro.sample("tau", dist.Gamma(x.new_tensor(2.0), x.new_tensor(1.0)))
+            scale = (mu.square() * tau).rsqrt().unsqueeze(-1)
+            pyro.sample("x", dist.Normal(x.new_tensor(0.0), scale).to_event(1), obs=x)
+
+    with pytest.raises(ValueError, match="site 'x'"):
+        VMP(model).compile(x)
