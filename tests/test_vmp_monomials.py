@@ -136,3 +136,53 @@ def test_a_constant_that_depends_on_a_latent_site_is_refused():
 
     with pytest.raises(ValueError, match="site 'x'"):
         VMP(model).compile(x)
+
+
+# ------------------------------------------------------------ a fixed index (labels as data)
+def _labelled_model(x, y, select, scale_of):
+    """Per-class means and precisions; each point's class ``y`` is data, picked by
+    ``select`` (Vindex, or a one-hot matrix product) and its scale written as ``scale_of``."""
+    k, tasks = 3, pyro.plate("tasks", x.shape[0], dim=-2)
+    with tasks, pyro.plate("classes", k, dim=-1):
+        tau = pyro.sample("tau", dist.Gamma(x.new_tensor(2.0), x.new_tensor(1.0)))
+        mu = pyro.sample("mu", dist.Normal(x.new_tensor(0.0), (0.5 * tau).rsqrt()))
+    with tasks, pyro.plate("points", x.shape[1], dim=-1):
+        loc, prec = select(mu, y, k), select(tau, y, k)
+        pyro.sample("x", dist.Normal(loc, scale_of(prec)), obs=x)
+
+
+def _vindex(v, y, k):
+    return Vindex(v.unsqueeze(-2))[..., y]
+
+
+def _one_hot(v, y, k):
+    return (torch.nn.functional.one_hot(y, k).to(v.dtype) @ v.unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize(
+    "select, scale_of",
+    [
+        (_vindex, torch.rsqrt),
+        (_one_hot, torch.rsqrt),
+        (_vindex, lambda p: torch.exp(-0.5 * torch.log(p))),  # no form: coded values
+    ],
+    ids=["vindex", "one-hot", "no-form"],
+)
+def test_a_fixed_index_is_the_labels_and_every_reading_fits_alike(select, scale_of):
+    g = torch.Generator().manual_seed(4)
+    y = torch.randint(0, 3, (5, 12), generator=g)
+    x = 2.0 * y.to(F64) + torch.randn(5, 12, generator=g, dtype=F64)
+
+    def model(x, y):
+        _labelled_model(x, y, select, scale_of)
+
+    def reference(x, y):
+        _labelled_model(x, y, _vindex, torch.rsqrt)
+
+    plan = VMP(model).compile(x, y)
+    for key in ("loc", "precision"):
+        index = plan.sites["x"].params[key].index
+        assert torch.equal(index.argmax(-1).expand_as(y), y)
+    got, _ = VMP(model, tol=0.0, max_iter=20).fit(x, y)
+    want, _ = VMP(reference, tol=0.0, max_iter=20).fit(x, y)
+    torch.testing.assert_close(got.objective, want.objective, rtol=1e-13, atol=0)

@@ -28,8 +28,10 @@ families, one module each: :mod:`~probfsl.inference.vmp.normal`,
 :mod:`~probfsl.inference.vmp.einsum`'s, refusals :mod:`~probfsl.inference.vmp.checks`'s,
 and :mod:`~probfsl.inference.vmp.engine` is the engine. Linear maps are found by automatic
 differentiation, and a precision or rate c · Π τ by the form it is computed in
-(:mod:`~probfsl.inference.vmp.monomials`: the model's own c, no rounding), both
-structurally; copies of a parent, and its selection, by the runs below.
+(:mod:`~probfsl.inference.vmp.monomials`: the model's own c, no rounding), as is the
+component a fixed index picks (carried from the parent's entries through the model's
+indexing or one-hot products); copies of a parent, and a latent selector, are verified by
+the runs below.
 
 **How the structure is read.** Parents come from Pyro's provenance tracking
 (``pyro.infer.inspect.get_dependencies``), and two runs of the model with every latent

@@ -58,7 +58,7 @@ from probfsl.inference.vmp.layout import (
     to_pyro,
     unit,
 )
-from probfsl.inference.vmp.monomials import Monomial, coefficient, plain
+from probfsl.inference.vmp.monomials import Monomial, coefficient, origin, plain, same_form
 
 ROLES = {
     ("Normal", "loc"): ("Normal", "MultivariateNormal", "Categorical"),
@@ -206,9 +206,9 @@ class _DrawLatent(Messenger):
     parameters and in ``dtype`` (the data's; else the parameters'), instead of a draw from
     its prior. The plan so does not depend on the user's random stream, and torch's
     samplers are spared (from the prior probabilities of a Categorical, a tenth of the
-    plan derivation on 1,000 mixture tasks). With ``symbolic``, a Gamma site's value (drawn,
-    or a point estimate's) is a :class:`~probfsl.inference.vmp.monomials.Monomial`, so that
-    the precisions and rates it enters carry their form c · τ."""
+    plan derivation on 1,000 mixture tasks). With ``symbolic``, a Gamma or Wishart site's
+    value (drawn, or a point estimate's) is a :class:`~probfsl.inference.vmp.monomials.Monomial`,
+    so that the precisions and rates it enters carry their form c · τ."""
 
     def __init__(self, seed: int, dtype: torch.dtype | None = None, symbolic: bool = False):
         super().__init__()
@@ -223,7 +223,7 @@ class _DrawLatent(Messenger):
         if msg["value"] is None:
             self._draw(msg, base, family)
         value = msg["value"]
-        if self.symbolic and family == "Gamma" and torch.is_tensor(value):
+        if self.symbolic and family in ("Gamma", "Wishart") and torch.is_tensor(value):
             msg["value"] = Monomial.of(value, msg["name"])
 
     def _draw(self, msg, base, family) -> None:
@@ -747,7 +747,8 @@ class Compiler:
             prec = canon(site, base.precision_matrix.expand(full + (d,)))
             # symmetrised: an inverse computed by the user (torch.linalg.inv of a kernel)
             # is asymmetric in its last digits, and the sweeps assume symmetry
-            return {"loc": loc, "precision": 0.5 * (prec + prec.transpose(-1, -2))}
+            sym = same_form(0.5 * (prec + prec.transpose(-1, -2)), prec)
+            return {"loc": loc, "precision": sym}
         if site.family == "Wishart":
             df = canon(site, base.df.expand(site.batch_shape))
             return {"df": df, "scale": canon(site, base.covariance_matrix.expand(full))}
@@ -1087,6 +1088,21 @@ class Compiler:
             coef_dims=coef_dims,
             factors=list(zip(mains[1:], renames[1:], strict=True)),
         )
+
+    def _traced_index(self, s, key, parent, code, base_values, args, kwargs):
+        """The code (``code``: canonical layout of ``parent``) of the entry of the parent's
+        value that each entry of parameter ``key`` of ``s`` copies, read off one run with
+        the parent at its first value carrying those codes as origins
+        (:func:`~probfsl.inference.vmp.monomials.origin`); ``None`` where the parameter
+        is not a (scaled) copy of entries of that value alone."""
+        if key == "probs":  # normalised by the model: not a fixed selection VMP supports
+            return None
+        values = dict(base_values)
+        name = parent.pyro_name
+        values[name] = Monomial.of(base_values[name], name, to_pyro(parent, code))
+        tr = self._trace(args, kwargs, values)
+        got = origin(self._read_params(s, tr.nodes[s.pyro_name])[key], name)
+        return None if got is None else plain(got)
 
     def _coefficient(self, s: Site, key: str, parents: list[Site]) -> torch.Tensor | None:
         """c of the parameter ``key`` of ``s`` where it is c · Π τ over these ``parents``,
@@ -1506,33 +1522,38 @@ class Compiler:
         if form is not None:
             c = set_coef(form, ulps=0)
         if comp is not None and selector is None:
-            # a fixed index: c from a run at unit precision, then a component-coded run
-            if key in SCALED and c is None:
-                c = set_coef(
-                    run(
-                        "ones",
-                        lambda: {
-                            n: to_pyro(sites[n], unit(plan, sites[n], value))
-                            for n in plan.latent
-                            if sites[n].family in ("Gamma", "Wishart")
-                        },
-                    )
-                )
+            # a fixed index: the component of each entry of the parameter, carried to it
+            # from the parent's value by the model's own indexing (origins of a form)
             ci = pdims.index(comp)
-            code = torch.arange(plan.sizes[comp], dtype=value.dtype, device=value.device)
+            code = torch.arange(plan.sizes[comp], device=value.device)
             code = code.reshape([-1 if i == ci else 1 for i in range(len(pdims))]).expand(pshape)
-            positive = key in SCALED or key == "concentration"  # coded from 1, not 0
-            coded = code + 1 if positive else code
-            if wishart:
-                coded = coded[..., :1] * unit(plan, parent, value)
-            got = run(("code", parent.name, comp), lambda: {parent.name: to_pyro(parent, coded)})
-            if key in SCALED:
-                got = got / c - 1
-            elif positive:
-                got = got - 1
-            if wishart:
-                got = got[..., :1, :1].expand(got.shape)
-            idx = got.round().long()
+            idx = self._traced_index(s, key, parent, code, base_values, args, kwargs)
+            if idx is None:  # no form: read off a run at values coded by component
+                if key in SCALED and c is None:  # c first, from a run at unit precision
+                    c = set_coef(
+                        run(
+                            "ones",
+                            lambda: {
+                                n: to_pyro(sites[n], unit(plan, sites[n], value))
+                                for n in plan.latent
+                                if sites[n].family in ("Gamma", "Wishart")
+                            },
+                        )
+                    )
+                positive = key in SCALED or key == "concentration"  # coded from 1, not 0
+                coded = code.to(value.dtype) + 1 if positive else code.to(value.dtype)
+                if wishart:
+                    coded = coded[..., :1] * unit(plan, parent, value)
+                got = run(
+                    ("code", parent.name, comp), lambda: {parent.name: to_pyro(parent, coded)}
+                )
+                if key in SCALED:
+                    got = got / c - 1
+                elif positive:
+                    got = got - 1
+                if wishart:
+                    got = got[..., :1, :1].expand(got.shape)
+                idx = got.round().long()
             idx, idx_dims = reduce_constant(idx, dims)
             if key == "probs" or not bool(((idx >= 0) & (idx < plan.sizes[comp])).all()):
                 raise refuse(s.name, s.fn_name, p_desc, "the parent is not selected by an index")

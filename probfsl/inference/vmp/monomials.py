@@ -13,6 +13,11 @@ broadcasting, dtype changes) carry the form along; every other operation returns
 tensor. A scale written ``(c * tau) ** -0.5`` is read back as the precision c¹ · τ¹, and c
 is the model's own tensor, bit for bit: nothing read off the model is rounded.
 
+A form may also carry *origins*: integer codes of the entries of a site's value, moved
+with them. The compiler codes a parent's entries by component and reads off which
+component each entry of a parameter copies: the fixed index of a mixture whose labels
+are data (``Vindex(mu)[..., y]``, or ``one_hot(y) @ mu``, a product with one-hot rows).
+
 What the form cannot see, a constant that in fact depends on another latent site, the
 compiler's verifying run (other values of every latent site) rules out.
 """
@@ -51,6 +56,9 @@ _MOVES = {
 } | {torch.broadcast_to, torch.movedim, torch.permute, torch.reshape, torch.squeeze}
 _MOVES |= {torch.transpose, torch.unsqueeze, torch.Tensor.broadcast_to}
 
+#: the moves that change a tensor's dtype (not applied to the integer origins)
+_RETYPES = {torch.Tensor.to, torch.Tensor.double, torch.Tensor.float}
+
 #: x ** q for a fixed q
 _POWERS = {
     torch.sqrt: Fraction(1, 2),
@@ -64,6 +72,7 @@ _POW = {torch.pow, torch.Tensor.pow, torch.Tensor.__pow__}
 _MUL = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
 _DIV = {torch.div, torch.Tensor.div, torch.Tensor.__truediv__}
 _RDIV = {torch.Tensor.__rtruediv__}
+_MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
 #: a pseudo-site marking a monomial changed in place (its form no longer holds)
 _CHANGED = "#changed in place"
 
@@ -71,21 +80,25 @@ _CHANGED = "#changed in place"
 class Monomial(torch.Tensor):
     """A tensor equal to K · Π_s τ_s^(e_s): ``powers`` maps each latent site s (by its Pyro
     name) to e_s, ``factors`` holds K as ``(constant, exponent)`` pairs, each constant a
-    Python number or a tensor of this tensor's shape."""
+    Python number or a tensor of this tensor's shape; ``origins`` may map a site to an
+    integer tensor of this tensor's shape: which entry of the site's value (or which
+    component, as the caller coded it) each entry comes from."""
 
     powers: dict[str, Fraction]
     factors: tuple
+    origins: dict[str, torch.Tensor]
 
     @staticmethod
-    def __new__(cls, value: torch.Tensor, powers: dict, factors: tuple = ()) -> Monomial:
+    def __new__(cls, value: torch.Tensor, powers: dict, factors=(), origins=None) -> Monomial:
         out = value.as_subclass(cls)
-        out.powers, out.factors = powers, factors
+        out.powers, out.factors, out.origins = powers, factors, origins or {}
         return out
 
     @classmethod
-    def of(cls, value: torch.Tensor, site: str) -> Monomial:
-        """The value of the latent site ``site``: τ¹."""
-        return cls(plain(value), {site: Fraction(1)})
+    def of(cls, value: torch.Tensor, site: str, origin: torch.Tensor | None = None) -> Monomial:
+        """The value of the latent site ``site``: τ¹ (with the codes ``origin``, if given,
+        of its entries)."""
+        return cls(plain(value), {site: Fraction(1)}, (), {} if origin is None else {site: origin})
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -122,12 +135,32 @@ class Monomial(torch.Tensor):
             return _product(out, args[0], args[1], -1)
         if func in _RDIV and len(args) == 2:  # number / monomial
             return _product(out, args[1], args[0], -1)
+        if func in _MATMUL and len(args) == 2:  # one-hot rows @ monomial: a selection
+            return _selection(out, args[0], args[1])
         return out
 
 
 def plain(t):
     """``t`` as a plain tensor (a :class:`Monomial`'s form dropped); anything else as it is."""
     return t.as_subclass(torch.Tensor) if isinstance(t, Monomial) else t
+
+
+def origin(t: torch.Tensor, site: str) -> torch.Tensor | None:
+    """The codes of :meth:`Monomial.of` carried to each entry of ``t`` where ``t`` is
+    c · τ over the site alone (a copy or a scaled copy of entries of its value, moved
+    by indexing and views); else ``None``."""
+    if not isinstance(t, Monomial) or site not in t.origins:
+        return None
+    powers = {s: e for s, e in t.powers.items() if e != 0}
+    return t.origins[site] if powers == {site: Fraction(1)} else None
+
+
+def same_form(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``value`` with the form of ``like`` (where ``value`` is ``like`` up to rounding, e.g.
+    a precision matrix symmetrised)."""
+    if not isinstance(like, Monomial):
+        return value
+    return Monomial(plain(value), dict(like.powers), like.factors, dict(like.origins))
 
 
 def coefficient(t: torch.Tensor, sites: list[str]) -> torch.Tensor | None:
@@ -172,19 +205,24 @@ def _fraction(q) -> Fraction | None:
 
 
 def _moved(m, out: torch.Tensor, func, rest: tuple, kwargs: dict):
-    """``out = func(m, *rest)`` with ``func`` applied alike to m's tensor factors."""
+    """``out = func(m, *rest)`` with ``func`` applied alike to m's tensor factors and to
+    its origins (but for a change of dtype: they stay integers)."""
     if not isinstance(m, Monomial):
         return out
     factors = tuple(
         (func(plain(b), *rest, **kwargs) if isinstance(b, torch.Tensor) else b, e)
         for b, e in m.factors
     )
-    return Monomial(out, dict(m.powers), factors)
+    if func in _RETYPES:
+        origins = {s: o.expand(out.shape) for s, o in m.origins.items()}
+    else:
+        origins = {s: func(o, *rest, **kwargs) for s, o in m.origins.items()}
+    return Monomial(out, dict(m.powers), factors, origins)
 
 
 def _power(m: Monomial, out: torch.Tensor, q: Fraction) -> Monomial:
     powers = {s: e * q for s, e in m.powers.items()}
-    return Monomial(out, powers, tuple((b, e * q) for b, e in m.factors))
+    return Monomial(out, powers, tuple((b, e * q) for b, e in m.factors), dict(m.origins))
 
 
 def _product(out: torch.Tensor, a, b, sign: int):
@@ -193,12 +231,13 @@ def _product(out: torch.Tensor, a, b, sign: int):
     if not (isinstance(a, Monomial) or isinstance(b, Monomial)):
         return out
     powers: dict[str, Fraction] = {}
-    factors = []
+    factors, origins = [], {}
     for x, s in ((a, 1), (b, sign)):
         if isinstance(x, Monomial):
             for site, e in x.powers.items():
                 powers[site] = powers.get(site, Fraction(0)) + s * e
             factors += [(_shaped(f, out), s * e) for f, e in x.factors]
+            origins.update({site: o.expand(out.shape) for site, o in x.origins.items()})
         elif isinstance(x, torch.Tensor):
             if not x.is_floating_point():
                 return out
@@ -207,7 +246,21 @@ def _product(out: torch.Tensor, a, b, sign: int):
             factors.append((float(x), Fraction(s)))
         else:
             return out
-    return Monomial(out, powers, tuple(factors))
+    return Monomial(out, powers, tuple(factors), origins)
+
+
+def _selection(out: torch.Tensor, a, m):
+    """``out = a @ m`` as a move of m's rows where ``a`` is a constant whose rows are one-hot
+    (each picks one row of m: labels as a one-hot matrix); else ``out`` as it is."""
+    if not isinstance(m, Monomial) or isinstance(a, Monomial) or not torch.is_tensor(a):
+        return out
+    if not a.is_floating_point() or a.dim() < 2:
+        return out
+    if not bool(((a == 0) | (a == 1)).all() & (a.sum(-1) == 1).all()):
+        return out
+    factors = tuple((a @ plain(b) if torch.is_tensor(b) else b, e) for b, e in m.factors)
+    origins = {s: (a @ o.to(a.dtype)).to(o.dtype) for s, o in m.origins.items()}
+    return Monomial(out, dict(m.powers), factors, origins)
 
 
 def _shaped(f, out: torch.Tensor):
