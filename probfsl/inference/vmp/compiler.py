@@ -53,6 +53,7 @@ from probfsl.inference.vmp.layout import (
     Site,
     canon,
     dtype_of,
+    normal_data,
     param_dims,
     reduce_constant,
     to_pyro,
@@ -662,14 +663,17 @@ class Compiler:
                 )
             v = canon(site, value.expand(batch_shape + event_shape))
             site.value = v
-            if family == "Categorical":
+            if family == "Normal":  # (x, x²) as one stacked buffer, ``value`` a view of it
+                data = normal_data(v)
+                site.value, site.stats, site.powers = data["value"], data["stats"], data["powers"]
+            elif family == "Categorical":
                 site.stats = (
                     torch.nn.functional.one_hot(v.long(), site.n_cat).to(dtype_of(trace)),
                 )
             elif family == "MultivariateNormal":
                 site.stats = (v, None)  # x xᵀ enters as x ⊗ x (see _mvn_ops)
-            elif family in ("Normal", "Gamma"):
-                site.stats = (v, v.square() if family == "Normal" else v.log())
+            elif family == "Gamma":
+                site.stats = (v, v.log())
             elif family == "DiscreteHMM":
                 site.stats = (v, v.square())
             elif family in OBSERVED_ONLY:

@@ -146,14 +146,11 @@ def _stacked(tensors: list, dims: tuple, axis: str) -> tuple:
 
 
 def _powers(plan: Plan, o: dict, axis: str) -> tuple:
-    """The operand (x, x²) of an observed site (:func:`_stacked`), cached with the
-    statistics it comes from."""
-    (x1, dims), x2 = o["X1"][0], o["X2"][0][0]
-    key = ("powers", o["name"])
-    hit = plan.cache.get(key)
-    if hit is None or hit[0] is not x1 or hit[1] is not x2:
-        hit = plan.cache[key] = (x1, x2, _stacked([x1, x2], dims, axis))
-    return hit[2]
+    """The operand (x, x²) of an observed site: its stacked data
+    (:func:`~probfsl.inference.vmp.layout.normal_data`), the stack's axis named ``axis``."""
+    s = plan.sites[o["name"]]
+    dims = s.dims
+    return s.powers, (dims[:-1] + (axis,) + dims[-1:] if len(dims) > 1 else dims + (axis,))
 
 
 def _weighted(plan: Plan, q: dict, c: Site, o: dict, out: tuple, power: int) -> torch.Tensor:
