@@ -11,8 +11,9 @@ parameter is then verified on those values: a location must equal the parent's v
 (broadcast over the child's extra axes, the parent's event axes right-aligned with the
 child's), a precision must equal c·(parent) with c fixed (c is read off the form the
 first run computes it in: :mod:`~probfsl.inference.vmp.monomials`), a Categorical's
-probabilities must equal the Dirichlet parent. A parent plate missing from the child is a mixture
-component axis, selected by a latent Categorical site or by a fixed index. Anything else
+probabilities must equal the Dirichlet parent. A parent plate missing from the child is
+a mixture component axis, selected by a latent Categorical site or by a fixed index (the
+component of each entry carried from the parent by the model's indexing). Anything else
 is refused (:func:`~probfsl.inference.vmp.checks.refuse`).
 """
 
@@ -807,7 +808,7 @@ class Compiler:
             sites[n].pyro_name: plain(trace.nodes[sites[n].pyro_name]["value"]) for n in plan.latent
         }
         # the first trace took these very values: its parameters are the base ones, those
-        # that Gamma sites enter with their form c · Π τ (a Monomial, kept in ``_forms``)
+        # that Gamma or Wishart sites enter with their form c · Π τ (kept in ``_forms``)
         base_params = {n: self._params(s, trace.nodes[s.pyro_name]) for n, s in sites.items()}
         self._forms = {
             (n, k): v for n, ps in base_params.items() for k, v in ps.items() if k in SCALED
@@ -1566,8 +1567,8 @@ class Compiler:
         elif selector is not None and not set(sites[selector].dims) <= set(dims):
             raise refuse(s.name, s.fn_name, p_desc, f"{selector!r} has axes the child lacks")
         if key in SCALED and c is None:
-            # c read off the base run as value / parent (where the parameter has no form:
-            # a Wishart's, or one computed outside a form's operations), checked below
+            # c read off the base run as value / parent (a parameter computed outside the
+            # operations a form follows), checked below
             base = gathered(
                 canon(parent, base_values[parent.pyro_name]),
                 None

@@ -138,19 +138,22 @@ def _weighted_applies(plan: Plan, c: Site, out: tuple, rest: list) -> bool:
 
 
 def _stacked(tensors: list, dims: tuple, axis: str) -> tuple:
-    """An operand of ``tensors`` (axes ``dims``) stacked on a new axis before their last
-    one: a copy of contiguous rows, 3x faster than interleaving them on a new last axis."""
-    if not dims:
-        return torch.stack(tensors, -1), (axis,)
-    return torch.stack(tensors, -2), dims[:-1] + (axis,) + dims[-1:]
+    """An operand of ``tensors`` (axes ``dims``) stacked on a new axis ``axis`` where
+    :func:`~probfsl.inference.vmp.layout.normal_data` stacks the data: before the last
+    axis (a copy of contiguous rows, 3x faster than interleaving them on a new last axis),
+    or last where there is at most one."""
+    return torch.stack(tensors, -2 if len(dims) > 1 else -1), _stacked_dims(dims, axis)
+
+
+def _stacked_dims(dims: tuple, axis: str) -> tuple:
+    return dims[:-1] + (axis,) + dims[-1:] if len(dims) > 1 else dims + (axis,)
 
 
 def _powers(plan: Plan, o: dict, axis: str) -> tuple:
-    """The operand (x, x²) of an observed site: its stacked data
-    (:func:`~probfsl.inference.vmp.layout.normal_data`), the stack's axis named ``axis``."""
+    """The operand (x, x²) of an observed site: its stacked data, the stack's axis named
+    ``axis``."""
     s = plan.sites[o["name"]]
-    dims = s.dims
-    return s.powers, (dims[:-1] + (axis,) + dims[-1:] if len(dims) > 1 else dims + (axis,))
+    return s.powers, _stacked_dims(s.dims, axis)
 
 
 def _weighted(plan: Plan, q: dict, c: Site, o: dict, out: tuple, power: int) -> torch.Tensor:
