@@ -170,18 +170,23 @@ class Plan:
 
 def normal_data(v: torch.Tensor) -> dict:
     """The data fields of an observed Normal site with canonical values ``v``: (x, x²)
-    stacked once on a new axis before the last (``powers``; on the last where ``v`` has
-    one axis), ``stats`` and ``value`` views of it. The E ln N contraction reads the
-    stack as one operand, and a batch of tasks is taken from it with one copy."""
-    return _with_powers(torch.stack([v, v.square()], _power_axis(v.dim())), v.dim())
+    stacked once on a new axis (``powers``; :func:`power_axis`), ``stats`` and ``value``
+    views of it. The E ln N contraction reads the stack as one operand, and a batch of
+    tasks is taken from it with one copy."""
+    return _with_powers(torch.stack([v, v.square()], power_axis(v.dim())), v.dim())
 
 
-def _power_axis(ndim: int) -> int:
-    return -2 if ndim > 1 else -1
+def power_axis(ndim: int) -> int:
+    """Where (x, x²) of data with ``ndim`` axes are stacked: before the last axis (an event
+    axis: x and x² then stay views with unit stride for the batched products), or last
+    where the data have at most a tasks and a points axis, so that each point's x m and
+    −x²/2 are summed together (in float32, half the rounding of two partial sums that
+    cancel)."""
+    return -2 if ndim > 2 else -1
 
 
 def _with_powers(powers: torch.Tensor, ndim: int) -> dict:
-    x, x2 = powers.unbind(_power_axis(ndim))
+    x, x2 = powers.unbind(power_axis(ndim))
     return dict(value=x, stats=(x, x2), powers=powers)
 
 

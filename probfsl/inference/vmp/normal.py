@@ -14,7 +14,7 @@ import torch
 
 from probfsl.inference.vmp import gaussian_chain, linear_maps
 from probfsl.inference.vmp.einsum import ein
-from probfsl.inference.vmp.layout import LOG_2PI, Plan, Site, derived
+from probfsl.inference.vmp.layout import LOG_2PI, Plan, Site, derived, power_axis
 from probfsl.inference.vmp.moments import (
     broadcast_shape,
     compact,
@@ -116,7 +116,8 @@ def loglik(plan, o, out, weights, offset=None):
         # coefficients go first, so that their product with ⟨τ⟩ has the layout of the
         # powers and enters ``bmm`` as a view
         (m, m_dims), power = o["L1"][0], "#power"
-        coef = _stacked([m, torch.full_like(m, -0.5)], m_dims, power)
+        at = power_axis(len(o["X1"][0][1]))
+        coef = _stacked([m, torch.full_like(m, -0.5)], m_dims, power, at)
         res = e([coef] + pr + [_powers(plan, o, power)])
     else:
         res = e(pr + o["XL"]) - 0.5 * e(pr + o["X2"])
@@ -137,23 +138,25 @@ def _weighted_applies(plan: Plan, c: Site, out: tuple, rest: list) -> bool:
     return selected and all(set(dims) <= set(out) for _, dims in rest)
 
 
-def _stacked(tensors: list, dims: tuple, axis: str) -> tuple:
-    """An operand of ``tensors`` (axes ``dims``) stacked on a new axis ``axis`` where
-    :func:`~probfsl.inference.vmp.layout.normal_data` stacks the data: before the last
-    axis (a copy of contiguous rows, 3x faster than interleaving them on a new last axis),
-    or last where there is at most one."""
-    return torch.stack(tensors, -2 if len(dims) > 1 else -1), _stacked_dims(dims, axis)
+def _stacked(tensors: list, dims: tuple, axis: str, at: int) -> tuple:
+    """An operand of ``tensors`` (axes ``dims``) stacked on a new axis ``axis``, before
+    their last axis (``at`` = -2, where there is one) or last: where
+    :func:`~probfsl.inference.vmp.layout.normal_data` stacks the data they meet, so that
+    the product reads both as views."""
+    if at == -2 and len(dims) > 1:
+        return torch.stack(tensors, -2), _stacked_dims(dims, axis, at)
+    return torch.stack(tensors, -1), dims + (axis,)
 
 
-def _stacked_dims(dims: tuple, axis: str) -> tuple:
-    return dims[:-1] + (axis,) + dims[-1:] if len(dims) > 1 else dims + (axis,)
+def _stacked_dims(dims: tuple, axis: str, at: int) -> tuple:
+    return dims[:-1] + (axis,) + dims[-1:] if at == -2 and len(dims) > 1 else dims + (axis,)
 
 
 def _powers(plan: Plan, o: dict, axis: str) -> tuple:
     """The operand (x, x²) of an observed site: its stacked data, the stack's axis named
     ``axis``."""
     s = plan.sites[o["name"]]
-    return s.powers, _stacked_dims(s.dims, axis)
+    return s.powers, _stacked_dims(s.dims, axis, power_axis(len(s.dims)))
 
 
 def _weighted(plan: Plan, q: dict, c: Site, o: dict, out: tuple, power: int) -> torch.Tensor:
