@@ -143,13 +143,13 @@ def _stacked(tensors: list, dims: tuple, axis: str, at: int) -> tuple:
     their last axis (``at`` = -2, where there is one) or last: where
     :func:`~probfsl.inference.vmp.layout.normal_data` stacks the data they meet, so that
     the product reads both as views."""
-    if at == -2 and len(dims) > 1:
-        return torch.stack(tensors, -2), _stacked_dims(dims, axis, at)
-    return torch.stack(tensors, -1), dims + (axis,)
+    at = at if len(dims) > 1 else -1
+    return torch.stack(tensors, at), _stacked_dims(dims, axis, at)
 
 
 def _stacked_dims(dims: tuple, axis: str, at: int) -> tuple:
-    return dims[:-1] + (axis,) + dims[-1:] if at == -2 and len(dims) > 1 else dims + (axis,)
+    """``dims`` with ``axis`` inserted where a stack on dim ``at`` (-2 or -1) puts it."""
+    return dims[:-1] + (axis,) + dims[-1:] if at == -2 else dims + (axis,)
 
 
 def _powers(plan: Plan, o: dict, axis: str) -> tuple:
