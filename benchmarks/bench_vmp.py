@@ -3,7 +3,7 @@ and the ``vmp-gmm`` method against BAVARDAGE and soft k-means.
 
     python benchmarks/bench_vmp.py accuracy [--tasks 1000]
     python benchmarks/bench_vmp.py full [--full-tasks 200]
-    python benchmarks/bench_vmp.py bayespy [--tasks 1000 --bayespy-tasks 100 --allocator default]
+    python benchmarks/bench_vmp.py bayespy [--tasks 1000 --bayespy-tasks 100 --rounds 5]
     python benchmarks/bench_vmp.py handwritten [--tasks 1000]
     python benchmarks/bench_vmp.py devices [--device-tasks 1000,10000 --threads 16]
 
@@ -54,13 +54,6 @@ def _from_argv(option: str, default: str) -> str:
 # both sides at the same thread count: BayesPy's NumPy/BLAS as well as PyTorch
 for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ[_var] = _from_argv("--threads", "1")
-# PyTorch's own switch for large CPU tensors (read once, at its first allocation): memory
-# of 2 MB and more is advised into transparent huge pages, so a fresh batch-sized tensor
-# costs a few page faults instead of one per 4 kB (about 2 us each on this machine, a
-# tenth of a fit); ``--allocator default`` leaves PyTorch as installed
-ALLOCATOR = _from_argv("--allocator", "huge-pages")
-if ALLOCATOR == "huge-pages":
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import pyro  # noqa: E402
 import pyro.distributions as dist  # noqa: E402
@@ -81,7 +74,6 @@ def machine() -> dict:
         platform=platform.platform(),
         torch=torch.__version__,
         threads=torch.get_num_threads(),
-        allocator=ALLOCATOR,
         cpus=os.cpu_count(),
         loadavg=list(os.getloadavg()),
     )
@@ -321,13 +313,6 @@ def bayespy_part(args) -> None:
         "includes deriving the plan).",
         f"{torch.get_num_threads()} thread(s) for both (PyTorch and NumPy/BLAS); {args.rounds} "
         "rounds alternating the two, best wall-clock and best CPU (process) time of each side.",
-        "PyTorch's allocator: "
-        + (
-            "huge pages for tensors of 2 MB and more (`THP_MEM_ALLOC_ENABLE=1`, this script's "
-            "default; `--allocator default` leaves it off)."
-            if ALLOCATOR == "huge-pages"
-            else "as installed (`--allocator default`)."
-        ),
         f"The machine was shared: {os.cpu_count()} cores, load average (1, 5, 15 min) "
         f"{', '.join(f'{v:.2f}' for v in load_before)} before and "
         f"{', '.join(f'{v:.2f}' for v in load_after)} after.",
@@ -358,7 +343,7 @@ def bayespy_part(args) -> None:
     ]
     threads = torch.get_num_threads()
     part = "bayespy" if threads == 1 else f"bayespy, {threads} threads"
-    save(part if ALLOCATOR == "huge-pages" else f"{part}, default allocator", payload, lines)
+    save(part, payload, lines)
 
 
 # ---------------------------------------------------------------- CPU and CUDA
@@ -622,13 +607,6 @@ def main() -> None:
     parser.add_argument("--full-tasks", type=int, default=200)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument(
-        "--allocator",
-        choices=["huge-pages", "default"],
-        default="huge-pages",
-        help="PyTorch's CPU allocator: huge pages for large tensors (THP_MEM_ALLOC_ENABLE=1; "
-        "the default here) or as installed",
-    )
     parser.add_argument(
         "--device-tasks", type=lambda v: [int(t) for t in v.split(",")], default=[1000, 10000]
     )

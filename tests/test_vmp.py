@@ -906,9 +906,10 @@ def test_vmp_plan_does_not_depend_on_the_random_stream(model):
 
 
 def test_vmp_compiler_checks_agree_with_torch():
-    """The compiler's shortcuts (closeness settled by equality first, finiteness and the
-    real and positive constraints read off the extremes, the latter two also asking for
-    finite values) give torch's answers, NaN, ±inf, zeros and broadcasting included."""
+    """The compiler's shortcuts (closeness settled by equality or by the quotients first,
+    finiteness and the real and positive constraints read off the extremes, the latter two
+    also asking for finite values) give torch's answers, NaN, ±inf, zeros, signs and
+    broadcasting included."""
     from pyro.distributions import constraints
 
     from probfsl.inference.vmp.checks import _holds, all_finite, close
@@ -934,8 +935,14 @@ def test_vmp_compiler_checks_agree_with_torch():
             for rtol, atol in ((1e-5, 1e-8), (0.0, 0.0)):
                 expect = torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=False)
                 assert close(a, b, rtol, atol) == expect
-        near = a * (1 + 1e-9)
-        assert close(near, a) == torch.allclose(near, a)
+        # relative gaps on either side of rtol, of either sign, and a sign flip
+        for gap in (1e-9, -1e-9, 4e-6, -4e-6, 9e-6, 1.1e-5, -1.1e-5, -2.0):
+            near = a * (1 + gap)
+            for rtol, atol in ((1e-5, 1e-8), (1e-5, 0.0), (0.0, 0.0)):
+                expect = torch.allclose(near, a, rtol=rtol, atol=atol)
+                assert close(near, a, rtol, atol) == expect, (gap, rtol, atol)
+                assert close(-near, -a, rtol, atol) == expect, (gap, rtol, atol)
+                assert close(near.float(), a, rtol, atol) == close(near, a.float(), rtol, atol)
         assert close(a[:, :1], a) == torch.allclose(a[:, :1].expand_as(a), a)
 
 

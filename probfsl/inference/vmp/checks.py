@@ -77,13 +77,18 @@ def close(got: torch.Tensor, expect: torch.Tensor, rtol: float = 1e-5, atol: flo
     updated in place: ``torch.allclose`` on the whole took three to five times as long on
     the CPU, most of it in first touches of fresh memory. Finite values equal bit for
     bit (a copy, the common case) are settled by ``torch.equal`` (which calls a tensor
-    equal to itself, NaN included, hence the finiteness test)."""
+    equal to itself, NaN included, hence the finiteness test), and values within half of
+    ``rtol`` of each other relative by their quotients (:func:`_ratios_within`: a
+    precision c · τ recomputed from the model's scale), in about a fifth of the time."""
     got, expect = torch.broadcast_tensors(got, expect)
     if torch.equal(got, expect) and bool(all_finite(got)):
         return True
     if got.dim() == 0:
         got, expect = got.reshape(1), expect.reshape(1)
     rows = max(1, (1 << 16) // max(1, got[:1].numel()))
+    if rtol > 0 and expect.is_floating_point():
+        if bool(_ratios_within(got, expect, rtol / 2, rows)):
+            return True
     for i in range(0, got.shape[0], rows):
         g, e = got[i : i + rows], expect[i : i + rows]
         gap = torch.sub(g, e).abs_()
@@ -92,6 +97,23 @@ def close(got: torch.Tensor, expect: torch.Tensor, rtol: float = 1e-5, atol: flo
         if not bool(gap.le_(bound).logical_or_(g == e).all()):
             return False
     return True
+
+
+def _ratios_within(got: torch.Tensor, expect: torch.Tensor, rtol: float, rows: int):
+    """A 0-d bool tensor: |got / expect − 1| ≤ ``rtol`` everywhere, so |got − expect| ≤
+    rtol |expect| (a sufficient test for :func:`close` at twice ``rtol``, whatever the
+    quotient's rounding; a zero, infinite or NaN value fails it, and :func:`close` then
+    decides). The quotients of ``rows`` leading rows at a time go to one buffer, whose
+    extremes are kept."""
+    dtype = torch.result_type(got, expect)
+    buffer = torch.empty_like(got[:rows], dtype=dtype, memory_format=torch.contiguous_format)
+    ends = []
+    for i in range(0, got.shape[0], rows):
+        g = got[i : i + rows]
+        quotient = torch.div(g, expect[i : i + rows], out=buffer[: len(g)])
+        ends.extend(torch.aminmax(quotient))
+    low, high = torch.stack(ends).view(-1, 2).unbind(-1)
+    return (low >= 1 - rtol).all() & (high <= 1 + rtol).all()
 
 
 def all_finite(*tensors: torch.Tensor) -> torch.Tensor:

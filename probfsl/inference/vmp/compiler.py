@@ -684,7 +684,9 @@ class Compiler:
             else:
                 site.stats = (v.log(),)
             square = v.square() if family == "MultivariateNormal" else None  # x xᵀ's terms
-            if family != "Categorical" and not bool(all_finite(v, *site.stats, square)):
+            # (x and x² of a Normal are views of its stack: one pass over the stack)
+            stats = (site.powers,) if site.powers is not None else (v, *site.stats, square)
+            if family != "Categorical" and not bool(all_finite(*stats)):
                 if not bool(torch.isfinite(v).all()):
                     raise refuse(logical, fname, "-", "its data hold NaN or infinite values")
                 raise refuse(
