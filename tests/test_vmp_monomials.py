@@ -39,8 +39,12 @@ C = torch.tensor([[1 / 3], [2 / 7], [5.1], [0.3]], dtype=F64)  # per task, not "
         (lambda t: 1 / torch.sqrt(t * 0.1), lambda t: 0.1),
         (lambda t: t.pow(-0.5) / 3, lambda t: 9.0),
         (lambda t: (t / C.unsqueeze(-1)).reciprocal().sqrt(), lambda t: 1 / C.unsqueeze(-1)),
+        (lambda t: torch.exp(-0.5 * torch.log(t)), lambda t: 1.0),
+        (lambda t: (torch.log(t) / -2).exp(), lambda t: 1.0),
+        (lambda t: torch.exp(-torch.log(C.unsqueeze(-1) * t) / 2), lambda t: C.unsqueeze(-1)),
     ],
-    ids=["rsqrt", "c-tensor", "reciprocal-sqrt", "pow-divided", "quotient"],
+    ids=["rsqrt", "c-tensor", "reciprocal-sqrt", "pow-divided", "quotient", "exp-log"]
+    + ["log-divided", "exp-neg-log"],
 )
 def test_forms_give_the_models_constant_exactly(scale, want):
     tau = _tau()
@@ -62,9 +66,27 @@ def test_forms_follow_indexing_and_products_of_sites():
     assert coefficient(product, ["tau"]) is None  # u's power is 1, not 0
 
 
+def test_logarithms_of_monomials_keep_their_form():
+    """ln(c τ) + ln u is ln(c τ u): its exponential is the monomial c τ u, through views;
+    half a logarithm is a square root."""
+    tau, u = _tau(), _tau(name="u")
+    c = C.unsqueeze(-1).expand(4, 5, 3)
+    log = torch.log(c * tau).unsqueeze(0).expand(2, 4, 5, 3) + torch.log(u).unsqueeze(0)
+    want = c.expand(2, 4, 5, 3)
+    assert torch.equal(coefficient(torch.exp(log), ["tau", "u"]), want)
+    assert torch.equal(coefficient(torch.exp(log - torch.log(u)), ["tau"]), want)
+    root = torch.exp(0.5 * torch.log(tau))
+    assert torch.equal(coefficient(root.pow(2), ["tau"]), torch.ones_like(plain(tau)))
+
+
 def test_what_is_not_a_monomial_has_no_form():
     tau = _tau()
-    assert coefficient(torch.exp(-0.5 * torch.log(tau)).pow(-2), ["tau"]) is None
+    log = torch.log(tau)
+    assert coefficient(torch.exp(log + 1.0), ["tau"]) is None  # a constant added
+    assert coefficient(torch.exp(log * log), ["tau"]) is None
+    assert coefficient(torch.exp(log * 0.5 * tau).pow(2), ["tau"]) is None
+    assert coefficient(torch.exp(tau), ["tau"]) is None
+    assert coefficient(torch.exp(log.log1p()), ["tau"]) is None
     assert coefficient((tau + 1).rsqrt().pow(-2), ["tau"]) is None
     assert coefficient(tau.square(), ["tau"]) is None  # tau², not tau
     changed = tau.clone()
@@ -99,8 +121,12 @@ def _data(t=4, n=10):
 
 @pytest.mark.parametrize(
     "scale_of, exact",
-    [(torch.rsqrt, True), (lambda p: torch.exp(-0.5 * torch.log(p)), False)],
-    ids=["form", "value"],
+    [
+        (torch.rsqrt, True),
+        (lambda p: torch.exp(-0.5 * torch.log(p)), True),
+        (lambda p: torch.exp(-0.5 * torch.log1p(p - 1)), False),
+    ],
+    ids=["form", "logarithm", "value"],
 )
 def test_the_plan_holds_the_constant_and_the_posterior_is_exact(scale_of, exact):
     """q(τ) = Gamma(2 + N/2, 1 + c Σx²/2) exactly; c is the model's tensor bit for bit when

@@ -13,6 +13,12 @@ broadcasting, dtype changes) carry the form along; every other operation returns
 tensor. A scale written ``(c * tau) ** -0.5`` is read back as the precision c¹ · τ¹, and c
 is the model's own tensor, bit for bit: nothing read off the model is rounded.
 
+The logarithm of a monomial is a :class:`Logarithm`, ln K + Σ_s e_s ln τ_s, which keeps
+its form through products with a number, negation, sums and differences of logarithms and
+the same moves; its exponential is a monomial again, so a scale written
+``exp(-0.5 * log(tau))`` is read as τ^(-1/2). A logarithm meets nothing else: its product
+with a monomial, or a constant added to it, returns a plain tensor.
+
 A form may also carry *origins*: integer codes of the entries of a site's value, moved
 with them. The compiler codes a parent's entries by component and reads off which
 component each entry of a parameter copies: the fixed index of a mixture whose labels
@@ -73,15 +79,21 @@ _MUL = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__
 _DIV = {torch.div, torch.Tensor.div, torch.Tensor.__truediv__}
 _RDIV = {torch.Tensor.__rtruediv__}
 _MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
+_LOG = {torch.log, torch.Tensor.log}
+_EXP = {torch.exp, torch.Tensor.exp}
+_NEG = {torch.neg, torch.Tensor.neg, torch.Tensor.__neg__}
+_ADD = {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__}
+_SUB = {torch.sub, torch.Tensor.sub, torch.Tensor.__sub__}
 #: a pseudo-site marking a monomial changed in place (its form no longer holds)
 _CHANGED = "#changed in place"
 
 
-class Monomial(torch.Tensor):
-    """A tensor equal to K · Π_s τ_s^(e_s): ``powers`` maps each latent site s (by its Pyro
-    name) to e_s, ``factors`` holds K as ``(constant, exponent)`` pairs, each constant a
-    Python number or a tensor of this tensor's shape; ``origins`` may map a site to an
-    integer tensor of this tensor's shape: which entry of the site's value (or which
+class _Form(torch.Tensor):
+    """A tensor that carries the form K · Π_s τ_s^(e_s) (:class:`Monomial`: the tensor is
+    that product; :class:`Logarithm`: its logarithm). ``powers`` maps each latent site s
+    (by its Pyro name) to e_s, ``factors`` holds K as ``(constant, exponent)`` pairs, each
+    constant a Python number or a tensor of this tensor's shape; ``origins`` may map a site
+    to an integer tensor of this tensor's shape: which entry of the site's value (or which
     component, as the caller coded it) each entry comes from."""
 
     powers: dict[str, Fraction]
@@ -89,16 +101,10 @@ class Monomial(torch.Tensor):
     origins: dict[str, torch.Tensor]
 
     @staticmethod
-    def __new__(cls, value: torch.Tensor, powers: dict, factors=(), origins=None) -> Monomial:
+    def __new__(cls, value: torch.Tensor, powers: dict, factors=(), origins=None):
         out = value.as_subclass(cls)
         out.powers, out.factors, out.origins = powers, factors, origins or {}
         return out
-
-    @classmethod
-    def of(cls, value: torch.Tensor, site: str, origin: torch.Tensor | None = None) -> Monomial:
-        """The value of the latent site ``site``: τ¹ (with the codes ``origin``, if given,
-        of its entries)."""
-        return cls(plain(value), {site: Fraction(1)}, (), {} if origin is None else {site: origin})
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -108,7 +114,7 @@ class Monomial(torch.Tensor):
         # (``to`` and ``contiguous`` may return their argument unchanged)
         in_place = bare and (out is bare[0] or func is torch.Tensor.__setitem__)
         in_place = in_place and func not in _MOVES
-        if in_place and isinstance(args[0], Monomial):  # changed in place: the form is lost
+        if in_place and isinstance(args[0], _Form):  # changed in place: the form is lost
             args[0].powers = {**args[0].powers, _CHANGED: Fraction(1)}
             return args[0]
         if func is torch.broadcast_tensors:
@@ -120,10 +126,14 @@ class Monomial(torch.Tensor):
         if not isinstance(out, torch.Tensor) or not out.is_floating_point():
             return out
         first = args[0] if args else None
-        if func in _MOVES and isinstance(first, Monomial):
+        if func in _MOVES and isinstance(first, _Form):
             return _moved(first, out, func, bare[1:], kwargs)
         if kwargs:
-            return out  # out=, rounding_mode=, ...: not a plain product
+            return out  # out=, rounding_mode=, alpha=, ...: not a plain product
+        if any(isinstance(a, Logarithm) for a in args):
+            return _logarithm(func, out, args)
+        if func in _LOG and isinstance(first, Monomial):
+            return Logarithm(out, dict(first.powers), first.factors, dict(first.origins))
         if func in _POWERS and isinstance(first, Monomial):
             return _power(first, out, _POWERS[func])
         if func in _POW and isinstance(first, Monomial) and len(args) == 2:
@@ -140,9 +150,25 @@ class Monomial(torch.Tensor):
         return out
 
 
+class Monomial(_Form):
+    """A tensor equal to K · Π_s τ_s^(e_s) (the fields are :class:`_Form`'s)."""
+
+    @classmethod
+    def of(cls, value: torch.Tensor, site: str, origin: torch.Tensor | None = None) -> Monomial:
+        """The value of the latent site ``site``: τ¹ (with the codes ``origin``, if given,
+        of its entries)."""
+        return cls(plain(value), {site: Fraction(1)}, (), {} if origin is None else {site: origin})
+
+
+class Logarithm(_Form):
+    """A tensor equal to ln(K · Π_s τ_s^(e_s)) = ln K + Σ_s e_s ln τ_s (the fields are
+    :class:`_Form`'s)."""
+
+
 def plain(t):
-    """``t`` as a plain tensor (a :class:`Monomial`'s form dropped); anything else as it is."""
-    return t.as_subclass(torch.Tensor) if isinstance(t, Monomial) else t
+    """``t`` as a plain tensor (a :class:`Monomial`'s or a :class:`Logarithm`'s form
+    dropped); anything else as it is."""
+    return t.as_subclass(torch.Tensor) if isinstance(t, _Form) else t
 
 
 def origin(t: torch.Tensor, site: str) -> torch.Tensor | None:
@@ -158,9 +184,9 @@ def origin(t: torch.Tensor, site: str) -> torch.Tensor | None:
 def same_form(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``value`` with the form of ``like`` (where ``value`` is ``like`` up to rounding, e.g.
     a precision matrix symmetrised)."""
-    if not isinstance(like, Monomial):
+    if not isinstance(like, _Form):
         return value
-    return Monomial(plain(value), dict(like.powers), like.factors, dict(like.origins))
+    return type(like)(plain(value), dict(like.powers), like.factors, dict(like.origins))
 
 
 def coefficient(t: torch.Tensor, sites: list[str]) -> torch.Tensor | None:
@@ -207,7 +233,7 @@ def _fraction(q) -> Fraction | None:
 def _moved(m, out: torch.Tensor, func, rest: tuple, kwargs: dict):
     """``out = func(m, *rest)`` with ``func`` applied alike to m's tensor factors and to
     its origins (but for a change of dtype: they stay integers)."""
-    if not isinstance(m, Monomial):
+    if not isinstance(m, _Form):
         return out
     factors = tuple(
         (func(plain(b), *rest, **kwargs) if isinstance(b, torch.Tensor) else b, e)
@@ -217,12 +243,42 @@ def _moved(m, out: torch.Tensor, func, rest: tuple, kwargs: dict):
         origins = {s: o.expand(out.shape) for s, o in m.origins.items()}
     else:
         origins = {s: func(o, *rest, **kwargs) for s, o in m.origins.items()}
-    return Monomial(out, dict(m.powers), factors, origins)
+    return type(m)(out, dict(m.powers), factors, origins)
 
 
-def _power(m: Monomial, out: torch.Tensor, q: Fraction) -> Monomial:
+def _power(m: _Form, out: torch.Tensor, q: Fraction) -> _Form:
+    """``out`` = m^q for a monomial, q · m for a logarithm: every exponent times q."""
     powers = {s: e * q for s, e in m.powers.items()}
-    return Monomial(out, powers, tuple((b, e * q) for b, e in m.factors), dict(m.origins))
+    return type(m)(out, powers, tuple((b, e * q) for b, e in m.factors), dict(m.origins))
+
+
+def _logarithm(func, out: torch.Tensor, args: tuple):
+    """``out = func(*args)`` where an argument is a :class:`Logarithm`: a logarithm again
+    for a product with (or a quotient by) a number, a negation, or a sum or difference of
+    two logarithms; a monomial for its exponential; else ``out`` as it is."""
+    a, b = (args + (None,))[:2]
+    if len(args) == 1 and func in _EXP:
+        return Monomial(out, dict(a.powers), a.factors, dict(a.origins))
+    if len(args) == 1 and func in _NEG:
+        return _power(a, out, Fraction(-1))
+    if len(args) != 2:
+        return out
+    if func in _MUL or (func in _DIV and isinstance(a, Logarithm)):
+        log, q = (a, b) if isinstance(a, Logarithm) else (b, a)
+        q = None if isinstance(q, torch.Tensor) else _fraction(q)
+        if q is None or q == 0:
+            return out
+        return _power(log, out, q if func in _MUL else 1 / q)
+    if (func in _ADD or func in _SUB) and isinstance(a, Logarithm) and isinstance(b, Logarithm):
+        sign = 1 if func in _ADD else -1
+        powers = dict(a.powers)
+        for site, e in b.powers.items():
+            powers[site] = powers.get(site, Fraction(0)) + sign * e
+        factors = tuple((_shaped(f, out), e) for f, e in a.factors)
+        factors += tuple((_shaped(f, out), sign * e) for f, e in b.factors)
+        origins = {site: o.expand(out.shape) for x in (a, b) for site, o in x.origins.items()}
+        return Logarithm(out, powers, factors, origins)
+    return out
 
 
 def _product(out: torch.Tensor, a, b, sign: int):
