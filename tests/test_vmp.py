@@ -16,6 +16,7 @@ from probfsl.inference import VMP
 from probfsl.inference.base import run
 from probfsl.inference.normal_gamma import NormalGammaVB
 from probfsl.inference.vb_mixture import BavardageVB
+from probfsl.inference.vmp import VMPState
 from probfsl.inference.vmp.compiler import Compiler
 from probfsl.models.normal_gamma import normal_gamma_model, normal_mean_model
 from probfsl.testing import ConformanceCase, assert_exact_evidence, check_engine
@@ -328,13 +329,31 @@ def test_monotone_over_50_sweeps():
     assert info.trace.shape == (51, 6) and (info.n_steps == 50).all()
 
 
+class _CountingPuts(VMP):
+    """VMP recording how the loop writes compacted tasks back: ``put`` (a new state) or
+    ``put_`` (into its own)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.puts: list[str] = []
+
+    def put(self, full, index, part):
+        self.puts.append("put")
+        return super().put(full, index, part)
+
+    def put_(self, full, index, part):
+        self.puts.append("put_")
+        return super().put_(full, index, part)
+
+
 def test_fit_masks_converged_tasks_and_equals_each_task_alone():
-    """``fit`` freezes a converged task by masking (the batch keeps its size): task t's
-    factors are those of t run alone for the sweeps it took, and its ELBO trace is flat
-    after that."""
+    """``fit`` freezes a converged task by masking, then drops it from the batch and
+    writes it back (``put``, then ``put_`` into the loop's own copy): task t's factors are
+    those of t run alone for the sweeps it took, and its ELBO trace is flat after that."""
     x, labels, observed = _gamma_mixture_case_data(t=8, seed=2)
-    vmp = VMP(partial(gamma_mixture_model, way=3), max_iter=200, tol=1e-9, check_every=2)
+    vmp = _CountingPuts(partial(gamma_mixture_model, way=3), max_iter=200, tol=1e-9, check_every=2)
     fitted, info = vmp.fit(x, labels, observed)
+    assert vmp.puts[0] == "put" and vmp.puts.count("put_") >= 2
     assert info.converged.all() and info.n_steps.max() < 200
     assert info.n_steps.min() < info.n_steps.max()  # tasks froze at different sweeps
     assert fitted.q["z"][0].shape[0] == 8 and fitted.objective.shape == (8,)
@@ -349,6 +368,30 @@ def test_fit_masks_converged_tasks_and_equals_each_task_alone():
             for a, b in zip(fitted.q[name], alone.q[name], strict=True):
                 torch.testing.assert_close(a[t : t + 1], b, rtol=1e-10, atol=1e-10)
         assert (info.trace[k:, t] == fitted.objective[t]).all()
+
+
+def test_put_in_place_equals_put():
+    """``put_`` writes the part's tasks into the state it is given and returns it, with
+    the values ``put`` gives in a new state (which leaves its ``full`` as it was)."""
+    x, labels, observed = _gamma_mixture_case_data(t=4, seed=3)
+    vmp = VMP(partial(gamma_mixture_model, way=3), tol=0)
+    full = vmp.init(x, labels, observed)
+    index = torch.tensor([2, 0])
+    part, _ = vmp.step(vmp.take(full, index))
+    before = {n: tuple(t.clone() for t in f) for n, f in full.q.items()}
+    new = vmp.put(full, index, part)
+    own = VMPState(
+        full.plan,
+        {n: tuple(t.clone() for t in f) for n, f in full.q.items()},
+        full.objective.clone(),
+    )
+    got = vmp.put_(own, index, part)
+    assert got is own and torch.equal(got.objective, new.objective)
+    assert not torch.equal(got.objective, full.objective)
+    for name in full.q:
+        for a, b in zip(got.q[name], new.q[name], strict=True):
+            assert torch.equal(a, b)
+        assert all(torch.equal(a, c) for a, c in zip(full.q[name], before[name], strict=True))
 
 
 def test_keep_restores_frozen_tasks_and_shares_the_plan():

@@ -275,6 +275,11 @@ class DerivedEvidenceEngine(Engine):
     ) -> DerivedEvidenceState:
         return dataclasses.replace(full, vmp=self.vmp.put(full.vmp, index, part.vmp))
 
+    def put_(
+        self, full: DerivedEvidenceState, index: torch.Tensor, part: DerivedEvidenceState
+    ) -> DerivedEvidenceState:
+        return dataclasses.replace(full, vmp=self.vmp.put_(full.vmp, index, part.vmp))
+
     def guide(self, state: DerivedEvidenceState) -> Callable[..., None]:
         """VMP's guide: q(z) for the latent coordinates (the point estimates are fixed)."""
         return self.vmp.guide(state.vmp)

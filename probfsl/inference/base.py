@@ -105,6 +105,12 @@ class Engine(ABC):
         n = len(full.objective)
         return _merge(full, part, lambda a, b: a.index_copy(0, index, b), n)
 
+    def put_(self, full: Any, index: torch.Tensor, part: Any) -> Any:
+        """:meth:`put` for a ``full`` that no one else holds, so that its tensors may be
+        overwritten in place (:func:`run` calls it on the states its own earlier
+        :meth:`put` made). The default is :meth:`put`."""
+        return self.put(full, index, part)
+
     def keep(self, frozen: torch.Tensor, old: Any, new: Any) -> Any:
         """``new`` with the tasks where ``frozen`` (``[T]`` bool) restored from ``old``.
 
@@ -206,9 +212,10 @@ def run(
     gaps growing by ``check_growth``; one synchronisation each), and the loop ends when
     none is. An engine that ``compacts`` then also drops the converged tasks from the
     batch once they are at least :data:`COMPACT_FRACTION` of it (:meth:`Engine.take`;
-    their final state is written back with :meth:`Engine.put`), so later steps cost only
-    what the moving tasks need; until then they are masked (not in the step after a check
-    that found every task moving, where the mask would keep nothing). Since converged
+    their final state is written back with :meth:`Engine.put`, into the loop's own copy
+    with :meth:`Engine.put_` after the first), so later steps cost only what the moving
+    tasks need; until then they are masked (not in the step after a check that found
+    every task moving, where the mask would keep nothing). Since converged
     tasks are frozen either way, neither the schedule nor the compaction changes a task's
     result. Without ``tol`` all ``n_steps`` steps run and nothing syncs.
 
@@ -217,6 +224,7 @@ def run(
     checks = set(check_steps(n_steps, check_every, check_growth)) if tol is not None else set()
     compact = tol is not None and engine.compacts
     full, where = state, None  # the whole batch, and the tasks ``state`` holds (None: all)
+    owned = False  # whether ``full`` is a state of the loop's own making (``put_`` applies)
     total = state.objective
     trace = [total]
     device = total.device
@@ -244,8 +252,9 @@ def run(
         none_frozen = moving.numel() == active.numel()
         if compact and moving.numel() <= (1 - COMPACT_FRACTION) * active.numel():
             full, all_steps, still = _write_back(
-                engine, full, where, state, all_steps, steps, still, active
+                engine, full, where, state, all_steps, steps, still, active, owned
             )
+            owned = where is not None  # ``full`` was made by ``put`` from now on
             where = moving if where is None else where[moving]
             state = engine.take(state, moving)
             steps, active = steps[moving], active[moving]
@@ -253,17 +262,19 @@ def run(
     if where is None:
         return state, RunInfo(torch.stack(trace), steps, ~active)
     full, all_steps, still = _write_back(
-        engine, full, where, state, all_steps, steps, still, active
+        engine, full, where, state, all_steps, steps, still, active, owned
     )
     return full, RunInfo(torch.stack(trace), all_steps, ~still)
 
 
-def _write_back(engine, full, where, state, all_steps, steps, still, active):
-    """The whole batch's state, steps and activity with the working tasks' written in."""
+def _write_back(engine, full, where, state, all_steps, steps, still, active, owned):
+    """The whole batch's state, steps and activity with the working tasks' written in
+    (``owned``: into ``full`` itself, a state an earlier write-back made)."""
     if where is None:
         return state, steps, active
+    put = engine.put_ if owned else engine.put
     return (
-        engine.put(full, where, state),
+        put(full, where, state),
         all_steps.index_copy(0, where, steps),
         still.index_copy(0, where, active),
     )

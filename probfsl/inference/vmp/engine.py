@@ -236,6 +236,14 @@ class VMP(Engine):
         }
         return VMPState(full.plan, q, full.objective.index_copy(0, index, part.objective))
 
+    def put_(self, full: VMPState, index: torch.Tensor, part: VMPState) -> VMPState:
+        """:meth:`put` into ``full`` itself (its factors and bound are overwritten)."""
+        for name, factor in full.q.items():
+            for a, b in zip(factor, part.q[name], strict=True):
+                a.index_copy_(0, index, b)
+        full.objective.index_copy_(0, index, part.objective)
+        return full
+
     def keep(self, frozen: torch.Tensor, old: VMPState, new: VMPState) -> VMPState:
         """``new`` with the factors and ELBO of the ``frozen`` tasks ([T] bool) from ``old``.
 
