@@ -606,7 +606,7 @@ def main() -> None:
     parser.add_argument("--bayespy-tasks", type=int, default=100)
     parser.add_argument("--full-tasks", type=int, default=200)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument(
         "--device-tasks", type=lambda v: [int(t) for t in v.split(",")], default=[1000, 10000]
     )
