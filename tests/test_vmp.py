@@ -394,6 +394,37 @@ def test_put_in_place_equals_put():
         assert all(torch.equal(a, c) for a, c in zip(full.q[name], before[name], strict=True))
 
 
+def test_take_keeps_the_broadcast_axes_of_the_factors():
+    """``take`` selects the tasks' factors (the values of ``index_select``); an axis a
+    factor holds broadcast (a Gamma shape, one value per class along the event axis) stays
+    broadcast, so that the next sweep's elementwise functions still run once per value."""
+
+    def model(x, way=3):
+        with pyro.plate("tasks", x.shape[0], dim=-2):
+            pi = pyro.sample("pi", dist.Dirichlet(x.new_ones((1, way))))
+            with pyro.plate("classes", way, dim=-1):
+                mu = pyro.sample("mu", dist.Normal(x.new_zeros(x.shape[-1]), 1.0).to_event(1))
+                tau = pyro.sample(
+                    "tau", dist.Gamma(x.new_full((x.shape[-1],), 2.0), 1.0).to_event(1)
+                )
+            with pyro.plate("points", x.shape[1], dim=-1):
+                z = pyro.sample("z", dist.Categorical(pi))
+                loc = Vindex(mu.unsqueeze(-3))[..., z, :]
+                scale = Vindex(tau.unsqueeze(-3))[..., z, :].rsqrt()
+                pyro.sample("x", dist.Normal(loc, scale).to_event(1), obs=x)
+
+    x = _mixture_data(t=4)[2]
+    vmp = VMP(model, tol=0)
+    state, _ = vmp.step(vmp.init(x))
+    assert state.q["tau"][0].stride()[-1] == 0
+    index = torch.tensor([3, 1])
+    part = vmp.take(state, index)
+    for name in state.q:
+        for t, u in zip(state.q[name], part.q[name], strict=True):
+            assert torch.equal(u, t.index_select(0, index))
+    assert part.q["tau"][0].stride()[-1] == 0
+
+
 def test_keep_restores_frozen_tasks_and_shares_the_plan():
     """``keep`` takes the frozen tasks' factors and ELBO from the old state, the others from
     the new one, and passes the plan (data, fixed parameters) through untouched."""

@@ -44,6 +44,18 @@ class VMPState:
     objective: torch.Tensor
 
 
+def _take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t`` at the tasks ``index``, its other broadcast axes (stride 0, a Gamma shape
+    shared along an event axis) kept broadcast: the elementwise functions of the factor
+    then still run on its distinct values (:func:`~probfsl.inference.vmp.moments.compact`)."""
+    shape, stride = t.shape, t.stride()
+    narrow = [i > 0 and stride[i] == 0 and shape[i] > 1 for i in range(t.dim())]
+    if not any(narrow):
+        return t.index_select(0, index)
+    small = t[tuple(slice(0, 1) if b else slice(None) for b in narrow)]
+    return small.index_select(0, index).expand(len(index), *t.shape[1:])
+
+
 def _pyro_shaped(s: layout.Site, t: torch.Tensor) -> torch.Tensor:
     """A factor's parameter in the model's batch shape (trailing axes kept)."""
     t = layout.uncanon(s, t)
@@ -225,7 +237,7 @@ class VMP(Engine):
 
     def take(self, state: VMPState, index: torch.Tensor) -> VMPState:
         """The tasks ``index`` alone: their factors, bound and data (:meth:`Plan.take`)."""
-        q = {n: tuple(t.index_select(0, index) for t in f) for n, f in state.q.items()}
+        q = {n: tuple(_take_rows(t, index) for t in f) for n, f in state.q.items()}
         return VMPState(state.plan.take(index), q, state.objective.index_select(0, index))
 
     def put(self, full: VMPState, index: torch.Tensor, part: VMPState) -> VMPState:

@@ -91,18 +91,24 @@ def _log_probs(plan: Plan, q: dict, s: Site) -> tuple:
 
 
 def prior(plan: Plan, s: Site) -> tuple:
-    """The fixed prior block of a Gamma, Dirichlet or Wishart site (full layout), its
-    natural parameters and its log-normaliser summed per task, cached in the plan."""
+    """The fixed prior block of a Gamma, Dirichlet, Wishart or Normal site (full layout),
+    its natural parameters and its log-normaliser summed per task, cached in the plan (a
+    plan of fewer tasks, :meth:`~probfsl.inference.vmp.layout.Plan.take`, computes them
+    anew)."""
     hit = plan.cache.get(("prior", s.name))
     if hit is None:
         block = prior_block(plan, s)
-        natural = block.natural()
-        if s.family == "Gamma":  # computed on the distinct values, broadcast (stride 0)
-            small = compact_block(s, tuple(getattr(block, f) for f in FIELDS["Gamma"]))
-            natural = tuple(
-                t.expand(f.shape) for t, f in zip(small.natural(), natural, strict=True)
-            )
-        hit = (block, natural, sum_tasks(block.log_normalizer()))
+        if s.family in ("Gamma", "Normal"):
+            # elementwise families: on the distinct values, broadcast back (stride 0)
+            small = compact_block(s, tuple(getattr(block, f) for f in FIELDS[s.family]))
+            shape = broadcast_shape(tuple(getattr(block, f) for f in FIELDS[s.family]))
+            natural = tuple(t.expand(shape) for t in small.natural())
+            per_variable = small._log_normalizer().expand(shape)
+            a_total = sum_tasks(sum_last(per_variable, block.event_dim))
+        else:
+            natural = block.natural()
+            a_total = sum_tasks(block.log_normalizer())
+        hit = (block, natural, a_total)
         plan.cache[("prior", s.name)] = hit
     return hit
 
