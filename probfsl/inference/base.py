@@ -215,9 +215,9 @@ def run(
     their final state is written back with :meth:`Engine.put`, into the loop's own copy
     with :meth:`Engine.put_` after the first), so later steps cost only what the moving
     tasks need; until then they are masked (not in the step after a check that found
-    every task moving, where the mask would keep nothing). Since converged
-    tasks are frozen either way, neither the schedule nor the compaction changes a task's
-    result. Without ``tol`` all ``n_steps`` steps run and nothing syncs.
+    every task moving, where the mask would keep nothing). Since converged tasks are
+    frozen either way, neither the schedule nor the compaction changes a task's result.
+    Without ``tol`` all ``n_steps`` steps run and nothing syncs.
 
     Returns the final state and a :class:`RunInfo` (trace, steps per task, converged).
     """

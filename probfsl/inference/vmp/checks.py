@@ -99,7 +99,7 @@ def close(got: torch.Tensor, expect: torch.Tensor, rtol: float = 1e-5, atol: flo
     return True
 
 
-def _ratios_within(got: torch.Tensor, expect: torch.Tensor, rtol: float, rows: int):
+def _ratios_within(got: torch.Tensor, expect: torch.Tensor, rtol: float, rows: int) -> torch.Tensor:
     """A 0-d bool tensor: |got / expect − 1| ≤ ``rtol`` everywhere, so |got − expect| ≤
     rtol |expect| (a sufficient test for :func:`close` at twice ``rtol``, whatever the
     quotient's rounding; a zero, infinite or NaN value fails it, and :func:`close` then

@@ -108,8 +108,8 @@ class Site:
     n_cat: int = 0
     event_shape: tuple = ()
     stats: tuple = ()  # ⟨u⟩ of an observed site
-    #: observed Normal data: (x, x²) stacked on an axis before the last, of which ``stats``
-    #: and ``value`` are views (:func:`normal_data`)
+    #: observed Normal data: (x, x²) stacked on the axis :func:`power_axis` gives, of which
+    #: ``stats`` and ``value`` are views (:func:`normal_data`)
     powers: torch.Tensor | None = None
     keep: list = field(default_factory=list)  # Pyro batch axes that are plates ...
     perm: list = field(default_factory=list)  # ... and their order in the layout
