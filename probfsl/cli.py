@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import inspect
 import math
 import sys
 from collections.abc import Sequence
@@ -17,10 +16,15 @@ from importlib import import_module
 
 import probfsl
 from probfsl.data.builtin import DATASETS
-from probfsl.methods import DEFAULTS, METHODS
+from probfsl.method_table import METHOD_TABLE
+from probfsl.methods import DEFAULTS, METHODS, parse_params
 
 #: the module of a subcommand's ``cmd_<name>`` where it is not :mod:`probfsl.commands`
-COMMAND_MODULES = {"sweep": "probfsl.sweeps.command", "report": "probfsl.sweeps.command"}
+COMMAND_MODULES = {
+    "datasets": "probfsl.cli",
+    "sweep": "probfsl.sweeps.command",
+    "report": "probfsl.sweeps.command",
+}
 #: ``--dtype`` choices
 DTYPES = ("float32", "float64")
 #: ``probfsl select --criterion`` choices (:data:`probfsl.selection.CRITERIA`)
@@ -173,18 +177,58 @@ def _add_zero_shot_range(parser: argparse.ArgumentParser) -> None:
 
 def _methods_epilog() -> str:
     """Per method: its named presets and its ``--param`` keys (the estimator's
-    hyperparameters)."""
+    hyperparameters), from :data:`probfsl.method_table.METHOD_TABLE`."""
     lines = ["methods, their presets and --param keys:"]
     for name, info in METHODS.items():
-        cls = info.load()
-        keys = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-        module = sys.modules[cls.__module__]
-        presets = list(getattr(module, "PRESETS", {})) if hasattr(cls, "from_preset") else []
+        row = METHOD_TABLE[name]
         lines.append(f"  {name}: {info.description}")
-        if presets:
-            lines.append(f"    presets: {', '.join(presets)}")
-        lines.append(f"    params: {', '.join(keys)}")
+        if row["presets"]:
+            lines.append(f"    presets: {', '.join(row['presets'])}")
+        lines.append(f"    params: {', '.join(row['params'])}")
     return "\n".join(lines)
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """What can be checked of a command's arguments before torch or any method loads:
+    the files named exist, ``--param`` keys and ``--preset`` names are the method's,
+    ``--engine`` is given to a method with two engines. The same checks (and messages)
+    run again where the work starts, for callers that skip the command line."""
+    from pathlib import Path
+
+    from probfsl.methods import check_param_keys, check_preset_name, methods_with_engines
+
+    feature_files = _as_list(getattr(args, "features", None))
+    if args.command == "merge":
+        feature_files += args.files
+    for path in feature_files:
+        if not Path(path).is_file():
+            raise ValueError(f"feature file not found: {path}")
+    if args.command == "extract":
+        for folder in (args.images, args.base_dir):
+            path = Path(folder) if folder else None
+            if path and not (path.is_dir() or path.is_file()):
+                raise ValueError(f"images must be a folder or a .zip archive, got {folder}")
+    task_file = getattr(args, "task_file", None)
+    if task_file and not Path(task_file).is_file():
+        raise ValueError(f"--task-file: file not found: {task_file}")
+    method = getattr(args, "method", None)
+    if method is None:
+        return
+    check_param_keys(method, parse_params(args.param))
+    preset = getattr(args, "preset", None)
+    if preset is not None and not getattr(args, "zero_shot", False):
+        check_preset_name(method, preset)
+    engine = getattr(args, "engine", None)
+    if engine is not None and method not in methods_with_engines():
+        raise ValueError(
+            f"--engine: {method} has one engine; methods with two: {methods_with_engines()}"
+        )
+
+
+def _as_list(value) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list | tuple) else [value]
 
 
 def _torch_version() -> str:
@@ -489,6 +533,16 @@ def build_parser(parser_class: type[_Parser] = _Parser) -> argparse.ArgumentPars
     return parser
 
 
+def cmd_datasets(args: argparse.Namespace) -> int:
+    """``probfsl datasets``: the built-in data sets, read without torch."""
+    from probfsl.data.builtin import dataset_summary
+    from probfsl.evaluation.tables import text_table
+
+    rows = [dataset_summary(name) for name in DATASETS]
+    print(text_table(rows, ["name", "dim", "base", "novel", "samples", "description"]))
+    return 0
+
+
 def _log_to_stderr() -> None:
     """The library's notes (the ``probfsl`` logger, INFO and up) as one line each on
     stderr, like the command's own notes; once per process."""
@@ -520,6 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _log_to_stderr()
     try:
+        check_arguments(args)
         commands = import_module(COMMAND_MODULES.get(args.command, "probfsl.commands"))
         if args.threads:
             import torch

@@ -16,7 +16,6 @@ import torch
 
 import probfsl
 from probfsl.data import (
-    DATASETS,
     FeatureSet,
     episodes_from_indices,
     load_dataset,
@@ -33,7 +32,7 @@ from probfsl.evaluation.protocol import evaluate_stream
 from probfsl.evaluation.tables import COLUMNS
 from probfsl.evaluation.zero_shot import evaluate_argmax, evaluate_zero_shot
 from probfsl.fileio import check_writable
-from probfsl.methods import DEFAULTS, METHODS, method_info, parse_params
+from probfsl.methods import DEFAULTS, METHODS, method_info, methods_with_engines, parse_params
 from probfsl.selection import rank_feature_files
 from probfsl.temperature import TemperatureScaled
 from probfsl.tuning import (
@@ -216,24 +215,6 @@ def run_setting(
         "baseline_accuracy": base.accuracy,
         "baseline_ci95": base.ci95,
     }
-
-
-def cmd_datasets(args: argparse.Namespace) -> int:
-    rows = []
-    for name, (_, description) in DATASETS.items():
-        fs = load_dataset(name)
-        rows.append(
-            {
-                "name": name,
-                "dim": fs.dim,
-                "base": len(fs.classes_in("base")),
-                "novel": len(fs.classes_in("novel")),
-                "samples": int((fs.labels >= 0).sum()),
-                "description": description,
-            }
-        )
-    print(text_table(rows, ["name", "dim", "base", "novel", "samples", "description"]))
-    return 0
 
 
 def run_zero_shot(
@@ -436,12 +417,8 @@ def _task_shape_hint(fs: FeatureSet, way: int, shot: int, query: int, balance: s
 def _engine_param(method: str, engine: str, params: dict) -> str:
     """``--engine``'s value for ``method``; ``ValueError`` for a method with one engine or
     a ``--param engine=...`` that says otherwise."""
-    if "engine" not in inspect.signature(method_info(method).load().__init__).parameters:
-        with_engines = [
-            m
-            for m, info in METHODS.items()
-            if "engine" in inspect.signature(info.load().__init__).parameters
-        ]
+    with_engines = methods_with_engines()
+    if method not in with_engines:
         raise ValueError(f"--engine: {method} has one engine; methods with two: {with_engines}")
     if params.get("engine", engine) != engine:
         raise ValueError(f"--engine {engine} and --param engine={params['engine']} disagree")

@@ -8,9 +8,12 @@ the registry, and the command line on both: registry -> tuning -> cli, one direc
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import import_module
 from typing import TYPE_CHECKING
+
+from probfsl.method_table import METHOD_TABLE
 
 if TYPE_CHECKING:  # the estimators import torch: only when one is built
     from probfsl.models.base import FewShotClassifier
@@ -115,11 +118,8 @@ def make_estimator(name: str, preset: str | None = None, **params) -> FewShotCla
     up, by :func:`probfsl.tuning.make_estimator`: the registry knows nothing of tuning.
     """
     cls = method_info(name).load()
-    accepted = inspect.signature(cls.__init__).parameters
-    unknown = sorted(set(params) - set(accepted))
-    if unknown:
-        choices = ", ".join(p for p in accepted if p != "self")
-        raise ValueError(f"{name}: unknown hyperparameter(s) {unknown}; accepted: {choices}")
+    accepted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    check_param_keys(name, params, accepted)
     if preset is None:
         return _checked(cls(**params))
     if preset == "auto":
@@ -130,6 +130,39 @@ def make_estimator(name: str, preset: str | None = None, **params) -> FewShotCla
     if not hasattr(cls, "from_preset"):
         raise ValueError(f"method {name!r} has no presets")
     return _checked(cls.from_preset(preset, **params))
+
+
+def check_param_keys(name: str, params: dict, accepted: Sequence[str] | None = None) -> None:
+    """``ValueError`` for a hyperparameter that method ``name`` does not take; ``accepted``
+    defaults to :data:`probfsl.method_table.METHOD_TABLE`'s list (no estimator import)."""
+    if accepted is None:
+        accepted = METHOD_TABLE[method_info(name).name]["params"]
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"{name}: unknown hyperparameter(s) {unknown}; accepted: {', '.join(accepted)}"
+        )
+
+
+def check_preset_name(name: str, preset: str | None) -> None:
+    """``ValueError`` for a ``preset`` that method ``name`` does not have (``None``,
+    :data:`DEFAULTS` and ``"auto"`` for a tunable method are always valid), from
+    :data:`probfsl.method_table.METHOD_TABLE` without importing the estimator."""
+    row = METHOD_TABLE[method_info(name).name]
+    if preset in (None, DEFAULTS) or (preset == "auto" and row["tunable"]):
+        return
+    if preset == "auto":
+        tunable = ", ".join(m for m, r in METHOD_TABLE.items() if r["tunable"])
+        raise ValueError(f"no search space for method {name!r}; tunable: {tunable}")
+    if not row["presets"]:
+        raise ValueError(f"method {name!r} has no presets")
+    if preset not in row["presets"]:
+        raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(row['presets'])}")
+
+
+def methods_with_engines() -> list[str]:
+    """The methods with a hand-written and a derived engine (an ``engine`` parameter)."""
+    return [m for m, row in METHOD_TABLE.items() if "engine" in row["params"]]
 
 
 def _checked(estimator: FewShotClassifier) -> FewShotClassifier:

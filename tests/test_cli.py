@@ -609,7 +609,7 @@ def test_a_task_shape_the_data_cannot_hold_says_what_would_work(tmp_path, capsys
 
 
 def test_ctrl_c_ends_with_one_line_and_status_130(monkeypatch, capsys):
-    import probfsl.commands as cli
+    import probfsl.cli as cli
 
     def interrupted(args):
         raise KeyboardInterrupt

@@ -47,6 +47,31 @@ def wordnet_base_classes() -> np.ndarray:
     return np.random.default_rng(0).permutation(41)[:21]
 
 
+def dataset_summary(name: str) -> dict:
+    """``name``'s feature width, base and novel class counts and labelled samples, read
+    with NumPy alone (``probfsl datasets`` answers without torch); the same counts as
+    :func:`load_dataset`'s :class:`~probfsl.data.featureset.FeatureSet`."""
+    import numpy as np
+
+    with resources.as_file(dataset_path(name)) as file, np.load(file) as data:
+        labels = data["labels"].astype(np.int64)
+        if "split" in data.files:
+            split = data["split"]
+        else:
+            base = np.isin(labels, wordnet_base_classes() if name == "wordnet" else [])
+            split = np.where(base, "base", "novel")
+        width = data["features"].shape[1]
+    labelled = labels >= 0
+    return {
+        "name": name,
+        "dim": int(width),
+        "base": int(np.unique(labels[labelled & (split == "base")]).size),
+        "novel": int(np.unique(labels[labelled & (split == "novel")]).size),
+        "samples": int(labelled.sum()),
+        "description": DATASETS[name][1],
+    }
+
+
 def load_dataset(name: str) -> FeatureSet:
     """Load a built-in data set by name (see :data:`DATASETS`).
 
