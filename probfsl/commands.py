@@ -551,14 +551,36 @@ def cmd_demo(args: argparse.Namespace) -> int:
         # 64-d tasks are small: one thread avoids oversubscribing a busy machine
         torch.set_num_threads(1)
     fs = load_dataset("omniglot")
-    # the table says what ran; the per-run notes (fitted temperatures) would bury it
+    # the table says what ran; the per-run notes (fitted temperatures) would bury it,
+    # and a note that every setting repeats is said once
     quiet = logging.getLogger("probfsl.temperature")
     level = quiet.level
     quiet.setLevel(logging.WARNING)
+    once = _OnceFilter()
+    handlers = logging.getLogger("probfsl").handlers
+    for handler in handlers:
+        handler.addFilter(once)
     try:
         return _demo(args, fs, device, dtype)
     finally:
         quiet.setLevel(level)
+        for handler in handlers:
+            handler.removeFilter(once)
+
+
+class _OnceFilter(logging.Filter):
+    """Lets each distinct message through once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
 
 
 def _demo(args: argparse.Namespace, fs: FeatureSet, device, dtype) -> int:
@@ -597,8 +619,18 @@ def _demo(args: argparse.Namespace, fs: FeatureSet, device, dtype) -> int:
         "probfsl demo: built-in Omniglot (PCA-64), 5-way, 75 queries, seed 0, "
         f"{args.dtype} on {device}; each method at the command line's defaults (ran: "
         "'auto' = tuned on base-class episodes, or the baseline's name where the method "
-        "scored below it there)\n"
+        "scored below it there)"
     )
+    if args.tasks is None:
+        most = max(info.demo_tasks for info in METHODS.values())
+        fewer = {name: info.demo_tasks for name, info in METHODS.items() if info.demo_tasks < most}
+        print(
+            f"tasks per row: {most}, but "
+            + ", ".join(f"{n} for {name}" for name, n in fewer.items())
+            + " (the slowest methods on the CPU, so that the demo takes a few minutes; "
+            "--tasks N sets every row; the ci95 column is wider where there are fewer)"
+        )
+    print()
     print(
         text_table(
             rows,

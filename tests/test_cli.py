@@ -539,6 +539,33 @@ def test_demo_on_the_device_and_dtype_given(capsys, monkeypatch):
     assert "float64 on cpu" in out and out.count("nearest-centroid") == 4
 
 
+def test_demo_says_a_repeated_note_once_and_why_rows_have_fewer_tasks(capsys, monkeypatch):
+    import logging
+
+    import probfsl.commands as cli
+
+    methods = {m: cli.METHODS[m] for m in ("nearest-centroid", "gp-tree")}
+    monkeypatch.setattr(cli, "METHODS", methods)
+    monkeypatch.setattr(cli, "_auto_by_default", lambda name, fs: False)
+    tasks_seen = []
+
+    def run_setting(method, fs, way, shot, query, balance, alpha, tasks, *rest, **kwargs):
+        logging.getLogger("probfsl.models").info("the same note every setting")
+        tasks_seen.append(tasks)
+        return {"method": method, "tasks": tasks, "accuracy": 50.0}
+
+    monkeypatch.setattr(cli, "run_setting", run_setting)
+    rc, out, err = _run(["demo"], capsys)
+    assert rc == 0, err
+    assert err.count("the same note every setting") == 1
+    assert "tasks per row: 500, but 30 for gp-tree" in out
+    assert sorted(set(tasks_seen)) == [30, 500]
+    # the filter is gone after the demo
+    logging.getLogger("probfsl.models").info("after the demo")
+    logging.getLogger("probfsl.models").info("after the demo")
+    assert capsys.readouterr().err.count("after the demo") == 2
+
+
 def test_select_main_prints_ranking(tmp_path, capsys):
     from probfsl.commands import select_main
 
