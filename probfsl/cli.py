@@ -24,6 +24,7 @@ COMMAND_MODULES = {
     "datasets": "probfsl.cli",
     "sweep": "probfsl.sweeps.command",
     "report": "probfsl.sweeps.command",
+    "cache": "probfsl.tuning_cache",
 }
 #: ``--dtype`` choices
 DTYPES = ("float32", "float64")
@@ -64,6 +65,17 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
+        #: checks of the parsed arguments as a whole: ``check(namespace)`` returns the
+        #: message of a usage error, or ``None``
+        self.checks: list = []
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        for check in self.checks:
+            message = check(namespace)
+            if message:
+                self.error(message)
+        return namespace, extras
 
     def format_help(self) -> str:
         if callable(self.epilog):  # made when asked for: it imports every method
@@ -239,6 +251,15 @@ def _torch_version() -> str:
         return version("torch")
     except PackageNotFoundError:
         return "not installed"
+
+
+def _sweep_address_needs_ray(args: argparse.Namespace) -> str | None:
+    """``probfsl sweep --address`` is a Ray cluster's: without ``--executor ray`` it is a
+    usage error rather than ignored."""
+    if getattr(args, "command", None) == "sweep" and args.address is not None:
+        if args.executor != "ray":
+            return f"sweep: --address {args.address} needs --executor ray (got {args.executor})"
+    return None
 
 
 def build_parser(parser_class: type[_Parser] = _Parser) -> argparse.ArgumentParser:
@@ -497,7 +518,7 @@ def build_parser(parser_class: type[_Parser] = _Parser) -> argparse.ArgumentPars
         sweep,
         ["local", "ray"],
         "local: worker processes on this machine (no server); ray: a Ray cluster "
-        "(pip install 'probfsl[distributed]')",
+        '(pip install -c constraints.txt -e ".[distributed]" from a clone of probfsl)',
         "local: worker processes (default: cores / resources.cpus, or the GPUs' slots)",
     )
     sweep.add_argument(
@@ -509,6 +530,7 @@ def build_parser(parser_class: type[_Parser] = _Parser) -> argparse.ArgumentPars
     sweep.add_argument(
         "--report", metavar="DIR", help="then write the report (tables, figures) into DIR"
     )
+    parser.checks.append(_sweep_address_needs_ray)
 
     report = sub.add_parser(
         "report", help="tables (Markdown, HTML) and figures from a sweep's results"
@@ -520,6 +542,27 @@ def build_parser(parser_class: type[_Parser] = _Parser) -> argparse.ArgumentPars
         "--out", metavar="DIR", help="folder of the report (default: RESULTS/report)"
     )
     report.add_argument("--title", default="probfsl sweep report", help="the report's title")
+    report.add_argument(
+        "--code-version",
+        metavar="VERSION",
+        help="report the rows of this code version (default: the installed code's version "
+        "where the results hold it, else that of the most recently written rows); rows of "
+        "two versions are never pooled",
+    )
+    report.add_argument(
+        "--prune",
+        action="store_true",
+        help="first remove from the results folder the rows of every other code version and "
+        "the damaged row files (says how many)",
+    )
+
+    cache = sub.add_parser(
+        "cache",
+        help="list the tuning cache (--preset auto's choices, fitted temperatures), or clear it",
+    )
+    cache.add_argument(
+        "--clear", action="store_true", help="remove every entry of the user's cache"
+    )
 
     merge = sub.add_parser(
         "merge",

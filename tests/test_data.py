@@ -88,8 +88,12 @@ def test_missing_and_unreadable_files(tmp_path):
     with pytest.raises(ValueError, match="not found"):
         load_features(tmp_path / "none.npz")
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
-    with pytest.raises(ValueError, match="junk.npz"):
+    with pytest.raises(ValueError, match="junk.npz: .*not a zip archive") as refused:
         load_features(tmp_path / "junk.npz")
+    assert "pickle" not in str(refused.value)  # random bytes are not blamed on pickling
+    (tmp_path / "empty.npz").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty.npz: .* \(the file is empty"):
+        load_features(tmp_path / "empty.npz")
     (tmp_path / "torn.npz").write_bytes(b"PK\x03\x04 a zip cut short")
     with pytest.raises(ValueError, match="torn.npz: not a readable .npz file"):
         load_features(tmp_path / "torn.npz")

@@ -181,14 +181,14 @@ def test_ray_and_local_give_the_same_table(local_table, tmp_path):
 
 def test_ray_missing_says_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "ray", None)
-    with pytest.raises(ValueError, match=r"pip install 'probfsl\[distributed\]'"):
+    with pytest.raises(ValueError, match=r'pip install -c constraints.txt -e "\.\[distributed\]"'):
         sweep(config_from_dict(SMALL), tmp_path, executor="ray")
 
 
-def _three_class_file(path: Path) -> Path:
-    """Features of 3 novel and 4 base classes: 5-way tasks cannot be formed."""
+def _three_class_file(path: Path, novel: int = 3) -> Path:
+    """Features of 3 (``novel``) novel and 4 base classes: 5-way tasks cannot be formed."""
     rng = np.random.default_rng(0)
-    labels = np.repeat(np.arange(7), 12)
+    labels = np.repeat(np.arange(4 + novel), 12)
     np.savez(
         path,
         features=rng.normal(size=(labels.size, 8)).astype(np.float32) + labels[:, None],
@@ -199,14 +199,19 @@ def _three_class_file(path: Path) -> Path:
 
 
 def test_a_failing_cell_is_recorded_and_the_others_finish(tmp_path):
+    """The feature file has five novel classes when the sweep is checked and three when
+    its cells run (a file changed under a sweep): its 5-way cells fail as cells."""
+    path = _three_class_file(tmp_path / "f.npz", novel=5)
     config = {
-        "data": {"small": {"features": str(_three_class_file(tmp_path / "f.npz"))}},
+        "data": {"small": {"features": str(path)}},
         "methods": ["nearest-centroid"],
         "grid": {"way": [3, 5], "seed": [0, 1]},
         "run": {"tasks": 10, "device": "cpu"},
     }
-    config["grid"]["query"] = 6
-    table = sweep(config_from_dict(config), tmp_path / "r", workers=2)
+    config["grid"]["query"] = 15
+    checked = config_from_dict(config)
+    _three_class_file(path)
+    table = sweep(checked, tmp_path / "r", workers=2)
     failed = table[table["status"] == "failed"]
     assert sorted(failed["way"]) == [5, 5]
     assert failed["error"].str.contains("ValueError").all()
@@ -215,9 +220,9 @@ def test_a_failing_cell_is_recorded_and_the_others_finish(tmp_path):
     logs = [(tmp_path / "r" / "logs" / f"{k}.log").read_text() for k in failed["cell_key"]]
     assert all("Traceback" in text for text in logs)
     # stored failures are not run again, unless asked
-    again = sweep(config_from_dict(config), tmp_path / "r", workers=1)
+    again = sweep(checked, tmp_path / "r", workers=1)
     assert again["finished"].tolist() == table["finished"].tolist()
-    retried = sweep(config_from_dict(config), tmp_path / "r", workers=1, retry_failed=True)
+    retried = sweep(checked, tmp_path / "r", workers=1, retry_failed=True)
     changed = retried["finished"] != table["finished"]
     assert retried[changed]["way"].tolist() in ([], [5, 5])  # same second: equal stamps
     assert (retried["status"] == table["status"]).all()
@@ -305,6 +310,7 @@ def test_keys_follow_the_content_not_the_place_of_a_file(tmp_path):
 
     def keys(path):
         raw = {"data": {"x": {"features": str(path)}}, "methods": ["nearest-centroid"]}
+        raw["grid"] = {"way": 3, "query": 6}
         return plan(config_from_dict(raw), ResultsStore(tmp_path / "r"))[1]
 
     assert keys(a) == keys(b)

@@ -12,6 +12,7 @@ from probfsl.sweeps.report import (
     failures_table,
     method_table,
     pooled,
+    select_version,
     throughput_table,
     write_report,
 )
@@ -212,8 +213,10 @@ def test_write_report_without_matplotlib(table, tmp_path, monkeypatch):
     assert set(paths) == {"markdown", "html"}
     markdown = paths["markdown"].read_text()
     assert "83.00 ± 0.90" in markdown
-    assert "pip install 'probfsl[plots]'" in markdown and ".png" not in markdown
-    assert "<code>pip install &#x27;probfsl[plots]&#x27;</code>" in paths["html"].read_text()
+    assert 'pip install -c constraints.txt -e ".[plots]"' in markdown and ".png" not in markdown
+    assert "<code>pip install -c constraints.txt -e &quot;.[plots]&quot;</code>" in paths[
+        "html"
+    ].read_text()
     assert not list(tmp_path.glob("*.png"))
 
 
@@ -260,3 +263,72 @@ def test_a_fallback_of_the_default_search_is_named():
     text = method_table(pd.DataFrame(rows))
     assert "70.00 ± 1.00 (ran nearest-centroid)" in text
     assert "80.00 ± 1.00 _best_" in text and "80.00 ± 1.00 (ran" not in text
+
+
+def _two_versions():
+    """Two seeds of the current version (74 and 76) and one older row (11, written
+    later): the attacker's store after an upgrade."""
+    rows = [
+        _row("nc", 1, 0, 100, 74.0, 2.0, 74.0, 2.0, finished="2024-05-01T10:00:00+00:00"),
+        _row("nc", 1, 1, 100, 76.0, 2.0, 76.0, 2.0, finished="2024-05-01T10:00:01+00:00"),
+        _row(
+            "nc", 1, 2, 100, 11.0, 2.0, 11.0, 2.0,
+            code_version="0.0.9+old", finished="2024-06-01T00:00:00+00:00",
+        ),
+    ]  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_pooling_refuses_two_code_versions():
+    mixed = _two_versions()
+    with pytest.raises(ValueError, match=r"code versions 0\.1\+abc, 0\.0\.9\+old would be pooled"):
+        pooled(mixed)
+    with pytest.raises(ValueError, match="code versions"):
+        method_table(mixed)
+    with pytest.raises(ValueError, match="the throughput of nc on cpu"):
+        throughput_table(mixed)
+    one = pooled(mixed[mixed["code_version"] == "0.1+abc"])
+    assert one["accuracy"].tolist() == [pytest.approx(75.0)]
+    # a missing version is a version of its own: not pooled with a known one
+    unknown = mixed.iloc[:2].copy()
+    unknown.loc[1, "code_version"] = None
+    with pytest.raises(ValueError, match="0.1\\+abc, unknown"):
+        pooled(unknown)
+
+
+def test_select_version_prefers_installed_then_newest():
+    mixed = _two_versions()
+    kept, choice = select_version(mixed, installed="0.1+abc")
+    assert kept["seed"].tolist() == [0, 1]
+    assert (choice.version, choice.reason) == ("0.1+abc", "the installed code's version")
+    assert choice.left_out == {"0.0.9+old": 1}
+    assert choice.note().startswith("1 row of another code version left out (0.0.9+old: 1 row)")
+    # the installed version absent: the most recently written rows' version
+    kept, choice = select_version(mixed, installed="9.9+new")
+    assert kept["seed"].tolist() == [2] and choice.version == "0.0.9+old"
+    assert choice.reason == "the version of the most recently written rows"
+    assert choice.note().startswith("2 rows of another code version left out (0.1+abc: 2 rows)")
+    # without times: the version of the table's last row
+    kept, choice = select_version(mixed.drop(columns="finished"), installed="9.9+new")
+    assert choice.version == "0.0.9+old" and choice.reason == "the version of the table's last row"
+    kept, choice = select_version(mixed, code_version="0.1+abc", installed="9.9+new")
+    assert kept["seed"].tolist() == [0, 1] and choice.reason == "as asked"
+    with pytest.raises(ValueError, match=r"no rows of code version '1\.0'; the results hold "):
+        select_version(mixed, code_version="1.0")
+    whole, choice = select_version(mixed.drop(columns="code_version"))
+    assert len(whole) == 3 and choice.version is None and choice.note() is None
+
+
+def test_write_report_shows_one_version_and_says_what_it_left_out(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    mixed = _two_versions()
+    markdown = write_report(mixed, tmp_path / "a", code_version="0.1+abc")["markdown"].read_text()
+    assert "3 cells" not in markdown and "2 cells: 2 ok, 0 failed." in markdown
+    assert (
+        "- 1 row of another code version left out (0.0.9+old: 1 row): this report shows" in markdown
+    )
+    assert "| omniglot | 5 | 1 | balanced | 2 | 75.00 ± 1.41 |" in markdown  # not 53.67
+    markdown = write_report(mixed, tmp_path / "b")["markdown"].read_text()  # newest: the old
+    assert "| 1 | 11.00 ± 2.00 |" in markdown and "0.1+abc: 2 rows" in markdown
+    page = (tmp_path / "b" / "report.html").read_text()
+    assert "<li>2 rows of another code version left out" in page

@@ -101,6 +101,25 @@ def from_arrays(
     )
 
 
+def read_npz(path: Path) -> dict[str, np.ndarray]:
+    """The arrays of the ``.npz`` file ``path`` (never unpickled); a ``ValueError`` naming
+    the file and what it is instead: empty, not a zip archive, or a damaged one."""
+    with open(path, "rb") as file:
+        head = file.read(4)
+    if not head:
+        raise ValueError(f"{path}: not a readable .npz file (the file is empty)")
+    if head[:2] != b"PK":  # an .npz is a zip archive of .npy arrays
+        raise ValueError(
+            f"{path}: not a readable .npz file (not a zip archive of NumPy arrays; "
+            "an .npz is written by numpy.savez)"
+        )
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            return {k: npz[k] for k in npz.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+        raise ValueError(f"{path}: not a readable .npz file ({err})") from err
+
+
 def load_npz(
     path: str | Path, name: str | None = None, base_classes: Sequence[int] | None = None
 ) -> FeatureSet:
@@ -109,12 +128,7 @@ def load_npz(
     Without a ``split`` field every labelled row is novel, unless ``base_classes``
     names the labels to treat as base classes.
     """
-    path = _require_file(path)
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            fields = {k: npz[k] for k in npz.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
-        raise ValueError(f"{path}: not a readable .npz file ({err})") from err
+    fields = read_npz(_require_file(path))
     return from_arrays(fields, str(path), name=name, base_classes=base_classes)
 
 
@@ -315,12 +329,7 @@ def merge_main(paths: Sequence[str | Path], out: str | Path) -> str:
             raise ValueError(f"merge reads .npz feature files, got {str(p)!r}")
     parts = []
     for p in paths:
-        path = _require_file(p)
-        try:
-            with np.load(path, allow_pickle=False) as npz:
-                parts.append({k: npz[k] for k in npz.files})
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
-            raise ValueError(f"{path}: not a readable .npz file ({err})") from err
+        parts.append(read_npz(_require_file(p)))
     fields, notes = merge_fields(parts, [str(p) for p in paths])
     for note in notes:
         log.info(note)

@@ -27,13 +27,23 @@ their means add). The same rule pools the baseline, ECE, NLL and Brier columns (
 over the seeds where it is present). A method (a "variant") is its ``label``, with its
 preset, engine, parameters, calibration or dtype added to its name where one label ran
 several of them.
+
+One code version at a time (:func:`select_version`): every row records the
+``code_version`` that computed it, and the rows of two versions are never pooled into one
+number (:func:`pooled` refuses them). :func:`write_report` reports the rows of one
+version: the one asked for, else the installed code's version where the table has rows
+of it, else the version of the most recently written rows (the latest ``finished``
+time; without times, the version of the table's last row). How many rows of other
+versions it left out, and which, is said in the report's header and logged.
 """
 
 from __future__ import annotations
 
 import html
+import logging
 import math
 import re
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +52,8 @@ import numpy as np
 import pandas as pd
 
 from probfsl.fileio import atomic_path, atomic_write_text
+
+log = logging.getLogger("probfsl.sweep")
 
 #: the columns every results table needs (failed cells have them too)
 IDENTITY = ("status", "data", "label", "zero_shot", "way", "shot", "query", "balance", "seed")
@@ -64,6 +76,7 @@ METRICS = (
 TEXTS = (
     "baseline",
     "ran_preset",
+    "method_run",
     "device",
     "gpu",
     "machine",
@@ -72,7 +85,10 @@ TEXTS = (
     "torch_version",
 )
 FORMATS = ("markdown", "html")
-FIGURES_HINT = "Figures need `pip install 'probfsl[plots]'` (matplotlib)."
+FIGURES_HINT = (
+    'Figures need matplotlib: `pip install -c constraints.txt -e ".[plots]"` '
+    "(from a clone of probfsl)."
+)
 DPI = 110
 
 _CSS = (
@@ -134,6 +150,99 @@ def _ok(table: pd.DataFrame) -> pd.DataFrame:
     return table[table["status"] == "ok"]
 
 
+#: the name of a row's version where its ``code_version`` is missing
+UNKNOWN_VERSION = "unknown"
+
+
+def _versions(frame: pd.DataFrame) -> pd.Series:
+    """Each row's code version as text (:data:`UNKNOWN_VERSION` where missing)."""
+    return frame["code_version"].map(lambda v: UNKNOWN_VERSION if _missing(v) else str(v))
+
+
+def _check_one_version(group: pd.DataFrame, what: str) -> None:
+    """Refuse to pool ``group`` when its rows hold more than one code version."""
+    if "code_version" not in group.columns:
+        return
+    versions = list(dict.fromkeys(_versions(group)))
+    if len(versions) > 1:
+        raise ValueError(
+            f"{what}: rows of code versions {', '.join(versions)} would be pooled into one "
+            "number; report one version at a time (select_version)"
+        )
+
+
+@dataclass(frozen=True)
+class VersionChoice:
+    """The code version a report shows (:func:`select_version`): ``version`` (``None``
+    where the table has no ``code_version`` column), why that one (``reason``) and the
+    rows of other versions left out (``left_out``, rows per version)."""
+
+    version: str | None
+    reason: str
+    left_out: dict[str, int]
+
+    def note(self) -> str | None:
+        """One sentence on the rows left out (``None`` when none was)."""
+        if not self.left_out:
+            return None
+        n = sum(self.left_out.values())
+        counts = ", ".join(f"{v}: {_rows(c)}" for v, c in self.left_out.items())
+        other = "another code version" if len(self.left_out) == 1 else "other code versions"
+        return (
+            f"{_rows(n)} of {other} left out ({counts}): this report shows code version "
+            f"{self.version} only ({self.reason}), and never pools two versions; "
+            "--code-version picks another."
+        )
+
+
+def _rows(n: int) -> str:
+    return f"{n} row" if n == 1 else f"{n} rows"
+
+
+def select_version(
+    table: pd.DataFrame, code_version: str | None = None, installed: str | None = None
+) -> tuple[pd.DataFrame, VersionChoice]:
+    """The rows of one code version, and which one (a :class:`VersionChoice`).
+
+    ``code_version`` names it; else it is ``installed`` (default: the installed
+    probfsl's :func:`~probfsl.sweeps.cell.code_version`) where the table has rows of it,
+    else the version of the most recently written rows (the latest ``finished``), else,
+    without times, the version of the table's last row. A table without a
+    ``code_version`` column is returned whole. A ``code_version`` the table does not
+    hold is a ``ValueError`` listing those it holds.
+    """
+    _check(table)
+    if "code_version" not in table.columns:
+        return table, VersionChoice(None, "the table records no code version", {})
+    versions = _versions(table)
+    counts = Counter(versions)
+    if code_version is not None:
+        if code_version not in counts:
+            held = ", ".join(f"{v} ({_rows(c)})" for v, c in counts.items())
+            raise ValueError(f"no rows of code version {code_version!r}; the results hold {held}")
+        chosen, reason = code_version, "as asked"
+    else:
+        if installed is None:
+            from probfsl.sweeps.cell import code_version as installed_version
+
+            installed = installed_version()
+        finished = (
+            pd.to_datetime(table["finished"], utc=True, errors="coerce", format="ISO8601")
+            if "finished" in table.columns
+            else pd.Series(pd.NaT, index=table.index)
+        )
+        if installed in counts:
+            chosen, reason = installed, "the installed code's version"
+        elif finished.notna().any():
+            chosen = versions.loc[finished.idxmax()]
+            reason = "the version of the most recently written rows"
+        else:
+            chosen, reason = versions.iloc[-1], "the version of the table's last row"
+    keep = versions == chosen
+    left_out = {v: c for v, c in counts.items() if v != chosen}
+    return table[keep], VersionChoice(chosen, reason, left_out)
+
+
 def pooled(table: pd.DataFrame) -> pd.DataFrame:
     """The ``ok`` cells pooled over seeds (see the module's docstring for the rule).
 
@@ -141,7 +250,8 @@ def pooled(table: pd.DataFrame) -> pd.DataFrame:
     and :data:`VARIANT` present), in order of first appearance, with the pooled metric
     columns, ``seeds`` (distinct seeds), ``cells`` (rows pooled), ``tasks`` (summed),
     ``tasks_per_second`` (mean over the cells), ``seconds`` / ``wall_seconds`` (summed)
-    and the distinct values of the :data:`TEXTS` columns.
+    and the distinct values of the :data:`TEXTS` columns. Rows of two code versions in
+    one group are a ``ValueError`` (:func:`select_version` picks one version).
     """
     _check(table)
     ok = _ok(table)
@@ -150,6 +260,7 @@ def pooled(table: pd.DataFrame) -> pd.DataFrame:
     if not ok.empty:
         for _, group in ok.groupby(keys, dropna=False, sort=False):
             first = group.iloc[0]
+            _check_one_version(group, f"pooling {first['data']}/{first['label']} seeds")
             row = {key: first[key] for key in keys}
             tasks = _numbers(group, "tasks")
             for value, half in METRICS:
@@ -382,11 +493,15 @@ def method_table(table: pd.DataFrame, fmt: str = "markdown") -> str:
 
 def _fallback_note(row: pd.Series) -> str:
     """`` (ran M)`` where the default search on base-class episodes ran another method
-    ``M`` instead (``ran_preset`` "auto (M)", the choice of ``probfsl run``), else ``""``."""
+    ``M`` instead (``method_run`` beside ``method``, or in older rows ``ran_preset``
+    "auto (M)", the choice of ``probfsl run``), else ``""``."""
+    method, run = row.get("method"), row.get("method_run")
+    other = []
+    if not _missing(run):
+        other = [m.strip() for m in str(run).split(";") if m.strip() and m.strip() != method]
     ran = row.get("ran_preset")
-    if _missing(ran):
-        return ""
-    other = re.findall(r"auto \(([\w-]+)\)", str(ran))
+    if not other and not _missing(ran):
+        other = re.findall(r"auto \(([\w-]+)\)", str(ran))
     return f" (ran {', '.join(dict.fromkeys(other))})" if other else ""
 
 
@@ -427,6 +542,13 @@ def _throughput(table: pd.DataFrame) -> pd.DataFrame:
             "rate": _numbers(ok, "tasks_per_second"),
         }
     )
+    if "code_version" in ok.columns:
+        frame["version"] = _versions(ok).to_numpy()
+        for (variant, device), group in frame.groupby(["variant", "device"], sort=False):
+            _check_one_version(
+                group.rename(columns={"version": "code_version"}),
+                f"the throughput of {variant} on {device}",
+            )
     frame = frame[frame["rate"].notna()]
     if frame.empty:
         return pd.DataFrame()
@@ -696,7 +818,13 @@ _FIGURES = (
 )
 
 
-def _document(table: pd.DataFrame, title: str, figures: dict[str, Path], fmt: str) -> str:
+def _document(
+    table: pd.DataFrame,
+    title: str,
+    figures: dict[str, Path],
+    fmt: str,
+    notes: Sequence[str] = (),
+) -> str:
     md = fmt == "markdown"
     parts: list[str] = []
 
@@ -707,7 +835,7 @@ def _document(table: pd.DataFrame, title: str, figures: dict[str, Path], fmt: st
         parts.append(text if md else f"<p>{_inline_html(text)}</p>")
 
     heading(title, 1)
-    summary = _summary(table)
+    summary = [*_summary(table), *notes]
     if md:
         parts.append("\n".join(f"- {_md_escape(line)}" for line in summary))
     else:
@@ -743,20 +871,34 @@ def _document(table: pd.DataFrame, title: str, figures: dict[str, Path], fmt: st
 
 
 def write_report(
-    table: pd.DataFrame, out_dir: str | Path, title: str = "probfsl sweep report"
+    table: pd.DataFrame,
+    out_dir: str | Path,
+    title: str = "probfsl sweep report",
+    code_version: str | None = None,
+    notes: Sequence[str] = (),
 ) -> dict[str, Path]:
     """Write ``report.md``, ``report.html`` and the figures of ``table`` into ``out_dir``.
+
+    The report holds the rows of one code version (:func:`select_version`:
+    ``code_version``, by default the installed code's version where present, else the
+    most recently written rows'); how many rows of other versions it left out is said in
+    its header and logged. ``notes``: more lines for the header (problems met reading
+    the results, say).
 
     Returns the written paths by name: ``"markdown"``, ``"html"`` and those of the
     figures drawn (``"accuracy"``, ``"calibration"``, ``"throughput"``; none without
     matplotlib, which the report then says). Every file is written atomically.
     """
-    _check(table)
+    table, choice = select_version(table, code_version)
+    notes = list(notes)
+    if choice.note():
+        log.info("report: %s", choice.note())
+        notes.append(choice.note())
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     figures = write_figures(table, out_dir)
     paths: dict[str, Path] = {}
     for fmt, name in (("markdown", "report.md"), ("html", "report.html")):
-        atomic_write_text(out_dir / name, _document(table, title, figures, fmt))
+        atomic_write_text(out_dir / name, _document(table, title, figures, fmt, notes))
         paths[fmt] = out_dir / name
     return {**paths, **figures}

@@ -30,6 +30,10 @@ class Job:
     cell: Cell
 
 
+#: the ``status`` of a cell whose run did not end with a row (its worker process died,
+#: the executor failed): shown in the sweep's table, never stored
+LOST = "lost"
+
 #: seconds between rewrites of the results tables while a sweep runs
 TABLE_EVERY = 30.0
 
@@ -37,19 +41,47 @@ TABLE_EVERY = 30.0
 def plan(
     config: SweepConfig, store: ResultsStore, retry_failed: bool = False
 ) -> tuple[list[Job], list[str]]:
-    """``(jobs to run, keys of every cell)``: the cells of ``config`` whose key is not in
-    ``store`` (nor failed there, unless ``retry_failed``), and all the sweep's keys."""
+    """``(jobs to run, keys of every cell)``: the cells of ``config`` that ``store`` does
+    not hold as a row of this code version (a cell with no row, a damaged row file, or a
+    row that another code version computed), and its failed cells with
+    ``retry_failed``; and all the sweep's keys."""
     code = code_version()
     digests = {s.name: data_digest(s.dataset, s.features) for s in config.data}
-    stored = store.stored()
+    stored, _ = store.scan()
     jobs, keys = [], []
     for cell in config.cells():
         key = cell.key(code, digests[cell.data])
         keys.append(key)
-        status = stored.get(key)
-        if status is None or (status == "failed" and retry_failed):
+        row = stored.get(key)
+        if (
+            row is None
+            or row["code_version"] != code
+            or (row["status"] == "failed" and retry_failed)
+        ):
             jobs.append(Job(key, cell))
     return jobs, keys
+
+
+def _note_store(store: ResultsStore, keys: list[str], code: str) -> None:
+    """Log what of ``store`` a sweep of ``keys`` (code version ``code``) does not use:
+    damaged row files (by name) and rows of other code versions."""
+    rows, damaged = store.scan()
+    mine = set(keys)
+    for bad in damaged:
+        if bad.path.stem in mine:
+            log.warning("%s; its cell runs again", bad)
+        else:
+            log.warning(
+                "%s; not a cell of this sweep, left alone (probfsl report --prune removes it)",
+                bad,
+            )
+    other = sum(row["code_version"] != code for row in rows.values())
+    if other:
+        log.info(
+            "sweep: the store holds %d row(s) of other code versions: they are not reused, "
+            "nor reported with this version's rows (probfsl report --prune removes them)",
+            other,
+        )
 
 
 def sweep(
@@ -70,12 +102,21 @@ def sweep(
     or ``"ray://host:port"``). A cell that fails is stored with its error and the others
     go on; it is run again only with ``retry_failed``. Rows are stored as cells end, so
     an interrupted sweep, run again, resumes where it stopped.
+
+    A cell whose run did not return a row (its worker process died, the executor
+    failed) is not stored: it has ``status`` ``"lost"`` in the returned table and runs
+    again in the next sweep (the local executor first runs a cell whose worker died once
+    more, on a new worker, while the others go on). A stored row that another code
+    version computed, or a damaged row file (named in a warning), is run again and
+    replaced.
     """
     if not isinstance(config, SweepConfig):
         config = load_config(config)
     store = ResultsStore(results)
     runner = make_executor(executor, config.resources, address, workers)
     jobs, keys = plan(config, store, retry_failed)
+    code = code_version()
+    _note_store(store, keys, code)
     store.set_order(keys)
     log.info(
         "sweep: %d cells, %d stored, %d to run on %s",
@@ -84,25 +125,32 @@ def sweep(
         len(jobs),
         runner.describe(),
     )
-    code = code_version()
     last = time.monotonic()
+    lost: dict[str, dict] = {}
 
     cells = [job.cell for job in jobs]
     try:
         with progress_bar(len(jobs), "sweep", "cells", progress) as bar:
             for index, result, error in runner.stream(cell_job, cells, source_of):
-                row, text = result if not error else ({"status": "failed", "error": error}, "")
                 key, cell = jobs[index].key, cells[index]
+                bar.update(1)
+                if error:  # the executor's failure, not the cell's: not a result
+                    row = {"status": LOST, "error": error}
+                    lost[key] = _full_row(cell, row, code, store.root)
+                    log.warning(
+                        "sweep: %s lost: %s (not stored: it runs again)", cell.describe(), error
+                    )
+                    continue
+                row, text = result
                 store.record(key, _full_row(cell, row, code, store.root), text)
                 if row["status"] != "ok":
                     log.info("sweep: %s failed: %s", cell.describe(), row["error"])
-                bar.update(1)
                 if time.monotonic() - last > TABLE_EVERY:
                     store.write_tables()
                     last = time.monotonic()
     finally:
         store.write_tables()
-    return store.table(keys)
+    return store.table(keys, extra=lost)
 
 
 #: the cell's options that name its setting in the table (a zero-shot run's own row says
