@@ -18,13 +18,22 @@ loader import or build anything else. The check reads the class, not the registr
 this module imports nothing above it.
 
 A file is checked, not trusted. It carries its format version and a SHA-256 checksum of
-its content (class, hyperparameters and every tensor's dtype, shape and bytes), and
-loading refuses with a ``ValueError`` that names the file: a file that cannot be read
-(empty, truncated, not a torch file, or holding objects ``weights_only`` refuses), an
-unknown format, missing or extra keys, a checksum that does not match, hyperparameters
-the class does not take, fitted attributes that are not fitted-attribute names or that
-would hide a method, floating values of another dtype than float32/float64, and NaN or
-infinite floating values.
+its content (class, hyperparameters and every tensor's dtype, shape and bytes); the
+checksum catches damage, not a deliberate forger, who can recompute it. So the content
+is also checked against the declaration of its class (the class attribute ``schema``, a
+:class:`probfsl.schema.EstimatorSchema`), before anything is decoded or computed. Loading
+refuses with a ``ValueError`` that names the file, and the attribute or hyperparameter
+with the form it should have: a file that cannot be read (empty, truncated, not a torch
+file, or holding objects ``weights_only`` refuses), an unknown format, missing or extra
+keys, a checksum that does not match, a class that is not a saveable estimator (or not
+the one asked for), hyperparameters the class does not take, that are missing, or of
+the wrong type or range (:meth:`~probfsl.models.base.Hyperparameters.check_params`'s
+rules, from the same declaration), fitted attributes the class does not declare or that
+are missing from their group, and any fitted tensor of the wrong dtype (int64,
+complex64, float16, ...), rank or shape (the named dimensions, e.g. the width D of the
+base features, agreeing across attributes), with NaN or infinite values, or out of its
+declared range (e.g. a base mean of magnitude above 1e15). Saving checks the state
+against the same declaration, so a file that would be refused is never written.
 """
 
 from __future__ import annotations
@@ -42,8 +51,9 @@ import numpy as np
 import torch
 
 from probfsl.fileio import atomic_path
+from probfsl.schema import TAG as _TAG
+from probfsl.schema import EstimatorSchema
 
-_TAG = "__probfsl__"
 FORMAT = 2
 KEYS = frozenset({"format", "class", "params", "state", "checksum"})
 
@@ -168,12 +178,18 @@ def save_estimator(estimator: Any, path: str | Path) -> None:
         raise TypeError(
             f"cannot save a {cls.__name__}: only the estimators of probfsl.models can be saved"
         ) from None
+    schema = _schema(cls)
+    if schema is None:
+        raise TypeError(f"cannot save a {cls.__name__}: it declares no schema")
     payload = {
         "format": FORMAT,
         "class": target,
         "params": encode(estimator.get_params(), "params"),
         "state": {k: encode(v, k) for k, v in estimator.fitted_state().items()},
     }
+    schema.check_state(
+        payload["state"], f"cannot save {cls.__name__} to {str(path)!r}", cls.__name__
+    )
     payload["checksum"] = checksum(payload)
     with atomic_path(path) as tmp:
         torch.save(payload, tmp)
@@ -225,26 +241,10 @@ def _check_payload(payload: dict, path: Path) -> None:
         raise ValueError(f"{name}: the checksum does not match: the file was changed or damaged")
 
 
-def _check_values(value: Any, name: str, where: str) -> None:
-    """Floating tensors and arrays are float32/float64 and finite."""
-    if isinstance(value, np.ndarray):
-        value = torch.from_numpy(value)
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        if value.dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"{where}: {name} is {value.dtype}, not float32 or float64")
-        if not bool(torch.isfinite(value).all()):
-            raise ValueError(f"{where}: {name} holds NaN or infinite values")
-    elif isinstance(value, float) and not np.isfinite(value) and name.startswith("state"):
-        raise ValueError(f"{where}: {name} is {value}")
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _check_values(v, f"{name}[{k!r}]", where)
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            _check_values(v, f"{name}[{i}]", where)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            _check_values(getattr(value, f.name), f"{name}.{f.name}", where)
+def _schema(cls: type) -> EstimatorSchema | None:
+    """The declaration of ``cls`` (its class attribute ``schema``), if it has one."""
+    schema = getattr(cls, "schema", None)
+    return schema if isinstance(schema, EstimatorSchema) else None
 
 
 def load_estimator(path: str | Path, expected: type | None = None) -> Any:
@@ -260,34 +260,28 @@ def load_estimator(path: str | Path, expected: type | None = None) -> Any:
         raise ValueError(f"{where}: {err}") from None
     if expected is not None and not issubclass(cls, expected):
         raise ValueError(f"{where} holds a {cls.__name__}, not a {expected.__name__}")
-    params, state = decode(payload["params"]), decode(payload["state"])
-    accepted = set(cls().get_params()) if _default_constructible(cls) else None
-    for key in params:
+    schema = _schema(cls)
+    if schema is None:
+        raise ValueError(f"{where}: {cls.__name__} declares no schema and cannot be loaded")
+    accepted = set(schema.params)
+    for key in payload["params"]:
         if not isinstance(key, str) or not key.isidentifier() or key.startswith("_"):
             raise ValueError(f"{where}: {key!r} is not a hyperparameter name")
-        if callable(getattr(cls, key, None)) or (accepted is not None and key not in accepted):
+        if callable(getattr(cls, key, None)) or key not in accepted:
             raise ValueError(f"{where}: {key!r} is not a hyperparameter of {cls.__name__}")
-    for key in state:
+    for key in payload["state"]:
         if not (isinstance(key, str) and key.isidentifier() and key.endswith("_")):
             raise ValueError(f"{where}: {key!r} is not a fitted attribute name")
         if key.startswith("_") or callable(getattr(cls, key, None)):
             raise ValueError(f"{where}: fitted attribute {key!r} would hide a method")
-    _check_values(state, "state", where)
-    signature = inspect.signature(cls.__init__).parameters
+    # the declared form, on the encoded content: nothing is built or computed before
+    params = schema.check_saved_params(payload["params"], where, cls.__name__)
+    schema.check_state(payload["state"], where, cls.__name__)
+    state = decode(payload["state"])
     try:
-        estimator = cls(**{k: v for k, v in params.items() if k in signature})
+        estimator = cls(**params)
+        estimator.check_params()  # rules that tie hyperparameters together
     except (TypeError, ValueError) as err:
         raise ValueError(f"{where}: invalid hyperparameters: {err}") from None
-    for k, v in params.items():  # public attributes that are not __init__ arguments
-        setattr(estimator, k, v)
     estimator.restore_fitted_state(state)
     return estimator
-
-
-def _default_constructible(cls: type) -> bool:
-    """Whether ``cls()`` works (to read the names of its hyperparameters)."""
-    try:
-        cls()
-    except (TypeError, ValueError):
-        return False
-    return True

@@ -353,7 +353,7 @@ def test_saved_files_are_checked_not_trusted(saved, tmp_path):
         ),
         "half-precision": (
             _forged(payload, state={**state, tensor_key: state[tensor_key].half()}),
-            "not float32 or float64",
+            "should be a float32 or float64 tensor.*got float16",
         ),
     }
     for name, (content, message) in cases.items():

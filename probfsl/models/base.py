@@ -24,25 +24,27 @@ from __future__ import annotations
 import inspect
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 import numpy as np
 import torch
 
 from probfsl.data.featureset import FeatureSet
 from probfsl.data.tasks import Episodes
+from probfsl.schema import FEATURE_BOUND, Choice, EstimatorSchema, Group, Tensor
 from probfsl.validation import (
     as_device,
     as_float_tensor,
     as_label_tensor,
     as_user_array,
     check_base,
-    check_choice,
     check_episodes,
     check_float_dtype,
 )
 
 __all__ = [
+    "BASE_MEAN",
+    "ENGINE",
     "ENGINES",
     "BaseMeanCentering",
     "FewShotClassifier",
@@ -55,18 +57,31 @@ __all__ = [
 #: updates derived by hand for the method; ``"derived"``, the updates that variational
 #: message passing derives from the method's Pyro declaration (:mod:`probfsl.derived`)
 ENGINES = ("handwritten", "derived")
+#: the declaration of an ``engine`` hyperparameter (:data:`ENGINES`)
+ENGINE = Choice(ENGINES)
+#: the fitted attributes of ``fit_base`` for the methods that only centre on the base mean:
+#: ``base_mean_ [D]``, D the width of the base features
+BASE_MEAN = Group("fit_base", {"base_mean_": Tensor("D", bound=FEATURE_BOUND)})
 
 
 def check_engine(engine: Any) -> str:
     """``engine`` if it is one of :data:`ENGINES`; ``ValueError`` listing them otherwise."""
-    return check_choice("engine", engine, ENGINES)
+    ENGINE.check("engine", engine)
+    return engine
 
 
 class Hyperparameters:
     """scikit-learn's hyperparameter convention: ``__init__`` stores its arguments under
     their own names and does nothing else; :meth:`get_params`/:meth:`set_params` read and
     write them (so ``sklearn.base.clone`` works) and :meth:`check_params` validates them,
-    before every fit and prediction."""
+    before every fit and prediction.
+
+    ``schema`` declares, once, every hyperparameter's type and range and every fitted
+    attribute's form (:class:`probfsl.schema.EstimatorSchema`): :meth:`check_params`
+    checks against it, and so does loading a saved estimator."""
+
+    #: the declared hyperparameters and fitted attributes (``None``: nothing declared)
+    schema: ClassVar[EstimatorSchema | None] = None
 
     @classmethod
     def _param_names(cls) -> list[str]:
@@ -116,7 +131,11 @@ class Hyperparameters:
         return self
 
     def _check_params(self) -> None:
-        """Raise on an invalid hyperparameter; never changes an attribute."""
+        """Raise on an invalid hyperparameter (``TypeError``/``ValueError`` naming the first
+        bad one, in the order of :attr:`schema`); never changes an attribute. A subclass
+        with rules that tie hyperparameters together adds them after this."""
+        if self.schema is not None:
+            self.schema.check_params(self)
 
 
 class FewShotClassifier(Hyperparameters, ABC):

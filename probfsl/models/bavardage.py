@@ -54,12 +54,23 @@ from probfsl.inference.plda import (
 )
 from probfsl.inference.soft_kmeans import soft_kmeans_gram
 from probfsl.inference.vb_mixture import BavardageVB, VBMixtureState, fit_bavardage_vb
-from probfsl.models.base import FewShotClassifier, check_engine
+from probfsl.models.base import ENGINE, FewShotClassifier
+from probfsl.schema import (
+    FEATURE_BOUND,
+    Choice,
+    EstimatorSchema,
+    Flag,
+    Group,
+    Int,
+    Items,
+    Real,
+    Record,
+    Tensor,
+)
 from probfsl.validation import (
     as_float_tensor,
     as_label_tensor,
     check_base,
-    check_choice,
     check_episodes,
     check_hyperparameter,
 )
@@ -116,6 +127,34 @@ SCALES = ("code", "relative")
 WHITENINGS = ("task_span", "global")
 MODES = ("bavardage", "vb", "soft_kmeans")
 
+#: the whitening clamp: positive, inf or None (no clamping)
+S_MAX = Real(positive=True, infinite=True, optional=True)
+
+#: what ``fit_base`` sets, always in float64 (D the width of the base features): the base
+#: mean, S_w [D, D], its inverse and eigendecomposition, the mean squared distance to the
+#: class means, the clamp and precision in the code's units and the global whitening
+BASE_STATISTICS = Group(
+    "fit_base",
+    {
+        "base_mean_": Tensor("D", bound=FEATURE_BOUND),
+        "scatter_": Tensor("D", "D", bound=FEATURE_BOUND),
+        "precision_": Tensor("D", "D"),
+        "scatter_eigen_": Items(Tensor("D", bound=FEATURE_BOUND), Tensor("D", "D")),
+        "within_": Real(positive=True),
+        "s_max_": S_MAX,
+        "temperature_vb_": Real(positive=True),
+        "whitening_": Record(
+            GlobalWhitening,
+            {
+                "rotation": Tensor("D", "D"),
+                "scales": Tensor("D", nonnegative=True),
+                "s_max": S_MAX,
+            },
+        ),
+    },
+    dtype=torch.float64,
+)
+
 
 class Bavardage(FewShotClassifier):
     """BAVARDAGE transductive few-shot classifier (Hu, Pateux & Gripon, AISTATS 2023).
@@ -170,6 +209,27 @@ class Bavardage(FewShotClassifier):
     transductive = True
     needs_base = True
     call_diagnostics = ("init_resp_", "state_", "elbo_trace_")
+    schema = EstimatorSchema(
+        params={
+            "temperature_km": Real(positive=True),
+            "temperature_vb": Real(positive=True),
+            "s_max": S_MAX,
+            "alpha0": Real(positive=True),
+            "beta0": Real(positive=True),
+            "gamma": Real(nonnegative=True, optional=True),
+            "n_km": Int(low=1),
+            "n_vb": Int(low=1),
+            "balanced": Flag(),
+            "count_support": Flag(),
+            "whitening": Choice(WHITENINGS),
+            "mode": Choice(MODES),
+            "scatter": Choice(("code", "paper")),
+            "scale": Choice(SCALES),
+            "trace_elbo": Flag(),
+            "engine": ENGINE,
+        },
+        fitted=(BASE_STATISTICS,),
+    )
 
     def __init__(
         self,
@@ -213,28 +273,6 @@ class Bavardage(FewShotClassifier):
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
-
-    def _check_params(self) -> None:
-        """``TypeError``/``ValueError`` naming the first bad hyperparameter (called by
-        ``fit_base`` and ``predict_proba`` before any computation)."""
-        check_engine(self.engine)
-        check_choice("whitening", self.whitening, WHITENINGS)
-        check_choice("scale", self.scale, SCALES)
-        check_choice("mode", self.mode, MODES)
-        check_choice("scatter", self.scatter, ("code", "paper"))
-        if self.s_max is not None and not (
-            isinstance(self.s_max, float) and self.s_max == float("inf")
-        ):
-            check_hyperparameter("s_max", self.s_max, positive=True)
-        for name in ("temperature_km", "temperature_vb", "alpha0", "beta0"):
-            check_hyperparameter(name, getattr(self, name), positive=True)
-        if self.gamma is not None:
-            check_hyperparameter("gamma", self.gamma, nonnegative=True)
-        for name in ("n_km", "n_vb"):
-            check_hyperparameter(name, getattr(self, name), integer=True, low=1)
-        for name in ("balanced", "count_support", "trace_elbo"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     # ------------------------------------------------------------------ base statistics
     def fit_base(self, features: torch.Tensor, labels: torch.Tensor) -> Self:

@@ -37,6 +37,7 @@ from probfsl.inference.class_stats import one_hot_support
 from probfsl.inference.vb_mixture import BavardageVB
 from probfsl.inference.vmp import VMP
 from probfsl.models.bavardage import Bavardage, _seeded_rng
+from probfsl.schema import Real
 from probfsl.validation import check_hyperparameter
 
 
@@ -123,6 +124,11 @@ class BavardageGamma(Bavardage):
     engine = "derived"
     count_support = False
     trace_elbo = True
+    #: Bavardage's declaration without the hyperparameters fixed here, with ``a0``
+    schema = Bavardage.schema.derive(
+        drop=("count_support", "mode", "trace_elbo", "engine"),
+        params={"a0": Real(positive=True)},
+    )
 
     def __init__(
         self,
@@ -153,10 +159,6 @@ class BavardageGamma(Bavardage):
         self.whitening = whitening
         self.scatter = scatter
         self.scale = scale
-
-    def _check_params(self) -> None:
-        super()._check_params()
-        check_hyperparameter("a0", self.a0, positive=True)
 
     def declared_model(self, engine: BavardageVB) -> Callable[..., None]:
         """:func:`bavardage_gamma_model` with this estimator's hyperparameters (τ and the

@@ -42,14 +42,21 @@ from probfsl.inference.dirichlet_mm import (
     EMDirichletEngine,
     gather_alpha,
 )
-from probfsl.models.base import FewShotClassifier, check_engine
+from probfsl.models.base import BASE_MEAN, ENGINE, FewShotClassifier
+from probfsl.schema import (
+    FEATURE_BOUND,
+    Choice,
+    EstimatorSchema,
+    Flag,
+    Group,
+    Int,
+    Real,
+    Tensor,
+)
 from probfsl.validation import (
     as_float_tensor,
     check_base,
-    check_choice,
     check_episodes,
-    check_hyperparameter,
-    check_temperature,
 )
 
 MATCHINGS = ("hungarian", "argmax")
@@ -258,6 +265,29 @@ class EMDirichlet(FewShotClassifier):
 
     transductive = True
     call_diagnostics = ("state_", "trace_")
+    schema = EstimatorSchema(
+        params={
+            "hard": Flag(),
+            "lambda_coef": Real(nonnegative=True, optional=True),
+            "k_eff": Int(low=1),
+            "temperature": Real(positive=True),
+            "n_iter": Int(low=1, optional=True),
+            "tol": Real(nonnegative=True, optional=True),
+            "center": Flag(),
+            "mm_max_iter": Int(low=1, optional=True),
+            "mm_tol": Real(nonnegative=True, optional=True),
+            "mm_check_every": Int(low=1, optional=True),
+            "matching": Choice(MATCHINGS),
+            "solver": Choice(tuple(SOLVERS), optional=True),
+            "compiled": Flag(optional=True),
+            "engine": ENGINE,
+        },
+        fitted=(
+            BASE_MEAN,
+            # few-shot prototypes [C, D], one row per data-set class (set_class_features)
+            Group("set_class_features", {"class_features_": Tensor("C", "D", bound=FEATURE_BOUND)}),
+        ),
+    )
 
     def __init__(
         self,
@@ -295,27 +325,6 @@ class EMDirichlet(FewShotClassifier):
     @property
     def needs_base(self) -> bool:
         return self.center
-
-    def _check_params(self) -> None:
-        """``TypeError``/``ValueError`` naming the first bad hyperparameter (called before
-        any computation by ``fit_base``, ``fit_probabilities`` and ``predict_*``)."""
-        check_engine(self.engine)
-        check_temperature(self.temperature)
-        check_hyperparameter("k_eff", self.k_eff, integer=True, low=1)
-        for name in ("n_iter", "mm_max_iter", "mm_check_every"):
-            if getattr(self, name) is not None:
-                check_hyperparameter(name, getattr(self, name), integer=True, low=1)
-        for name in ("lambda_coef", "tol", "mm_tol"):
-            if getattr(self, name) is not None:
-                check_hyperparameter(name, getattr(self, name), nonnegative=True)
-        check_choice("matching", self.matching, MATCHINGS)
-        if self.solver is not None:
-            check_choice("solver", self.solver, tuple(SOLVERS))
-        if self.compiled is not None and not isinstance(self.compiled, bool):
-            raise TypeError(f"compiled must be None, True or False, got {self.compiled!r}")
-        for name in ("hard", "center"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     def mm_options(self, zero_shot: bool) -> dict:
         """The inner-loop settings used, where the corresponding hyperparameter is ``None``:

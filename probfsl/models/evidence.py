@@ -54,19 +54,86 @@ from probfsl.inference.evidence import (
     spectrum,
     spectrum_from_gram,
 )
-from probfsl.models.base import FewShotClassifier, check_engine
+from probfsl.models.base import ENGINE, FewShotClassifier
+from probfsl.schema import (
+    FEATURE_BOUND,
+    Array,
+    Choice,
+    Dim,
+    EstimatorSchema,
+    Flag,
+    FloatDType,
+    Group,
+    Int,
+    Real,
+    Record,
+    Tensor,
+)
 from probfsl.validation import (
-    FLOAT_DTYPES,
     as_float_tensor,
     as_label_tensor,
     check_base,
-    check_choice,
     check_episodes,
     check_float_dtype,
-    check_hyperparameter,
 )
 
 SCORES = ("sum", "mean_per_sample")
+
+#: the per-class results of :meth:`EvidenceLSSVM.fit`, ``[K]`` each (lambda and alpha
+#: may be very large where the evidence has no finite maximiser)
+_PER_CLASS = {
+    "lam": Tensor("K", nonnegative=True),
+    "alpha": Tensor("K", nonnegative=True),
+    "beta": Tensor("K", nonnegative=True),
+    "log_evidence": Tensor("K"),
+    "n_iter": Tensor("K", kind="int"),
+    "converged": Tensor("K", kind="bool"),
+    "at_boundary": Tensor("K", kind="bool"),
+    "degenerate": Tensor("K", kind="bool"),
+}
+
+#: what :meth:`EvidenceLSSVM.fit` sets: N samples of width D, K targets; the spectrum
+#: has R eigenvalues (R = D in the primal mode, the N x N Gram's in the dual mode)
+SINGLE_PROBLEM = Group(
+    "fit",
+    {
+        "classes_": Array("K", kind="int"),
+        "spectrum_": Record(
+            Spectrum,
+            {
+                "mode": Choice(("dual", "primal")),
+                "s": Tensor("R", nonnegative=True),
+                "c": Tensor("R", "K", nonnegative=True),
+                "e0": Tensor("K", nonnegative=True),
+                "yy": Tensor("K", nonnegative=True),
+                "n": Int(low=1),
+                "dim": Dim("D"),
+                "basis": Tensor("D", "R"),
+                "proj": Tensor("R", "K"),
+            },
+            by="mode",
+            variants={
+                "dual": {},
+                "primal": {
+                    "s": Tensor("D", nonnegative=True),
+                    "c": Tensor("D", "K", nonnegative=True),
+                    "basis": Tensor("D", "D"),
+                    "proj": Tensor("D", "K"),
+                },
+            },
+        ),
+        "result_": Record(EvidenceResult, _PER_CLASS),
+        "lambda_": _PER_CLASS["lam"],
+        "alpha_": _PER_CLASS["alpha"],
+        "beta_": _PER_CLASS["beta"],
+        "log_evidence_": _PER_CLASS["log_evidence"],
+        "at_boundary_": _PER_CLASS["at_boundary"],
+        "n_iter_": _PER_CLASS["n_iter"],
+        "total_log_evidence_": Real(),
+        "coef_": Tensor("K", "D"),
+        "intercept_": Tensor("K"),
+    },
+)
 
 
 def _regression(
@@ -291,6 +358,26 @@ class EvidenceLSSVM(FewShotClassifier):
         self.engine = engine
 
     call_diagnostics = ("last_lambda_", "last_log_evidence_", "last_at_boundary_", "last_at_limit_")
+    schema = EstimatorSchema(
+        params={
+            "normalize": Flag(),
+            "center": Flag(),
+            "fit_intercept": Flag(),
+            "paper_exact": Flag(),
+            "accelerate": Flag(),
+            "lam_init": Real(positive=True),
+            "temperature": Real(positive=True),
+            "score": Choice(SCORES),
+            "lambda_mode": Choice(("per_class", "shared")),
+            "dtype": FloatDType(),
+            "engine": ENGINE,
+        },
+        # fit_base's base mean [D] (for centring) and fit's single problem, each optional
+        fitted=(
+            Group("fit_base", {"base_mean_": Tensor("D", bound=FEATURE_BOUND)}),
+            SINGLE_PROBLEM,
+        ),
+    )
 
     @property
     def needs_base(self) -> bool:
@@ -307,19 +394,6 @@ class EvidenceLSSVM(FewShotClassifier):
                 "centroid's (the same labels)"
             )
         return ""
-
-    def _check_params(self) -> None:
-        """``TypeError``/``ValueError`` naming the first bad hyperparameter."""
-        check_engine(self.engine)
-        check_choice("score", self.score, SCORES)
-        check_choice("lambda_mode", self.lambda_mode, ("per_class", "shared"))
-        check_hyperparameter("lam_init", self.lam_init, positive=True)
-        check_hyperparameter("temperature", self.temperature, positive=True)
-        for name in ("normalize", "center", "fit_intercept", "paper_exact", "accelerate"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"dtype must be torch.float32 or torch.float64, got {self.dtype!r}")
 
     def _solve(self, sp: Spectrum, warn: bool = True) -> EvidenceResult:
         if self.lambda_mode == "shared":

@@ -7,8 +7,8 @@ import torch
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
 from probfsl.inference.class_stats import class_means, one_hot_support
-from probfsl.models.base import BaseMeanCentering, FewShotClassifier
-from probfsl.validation import check_choice, check_flag, check_temperature
+from probfsl.models.base import BASE_MEAN, BaseMeanCentering, FewShotClassifier
+from probfsl.schema import Choice, EstimatorSchema, Flag, Real
 
 
 class NearestCentroid(BaseMeanCentering, FewShotClassifier):
@@ -30,6 +30,14 @@ class NearestCentroid(BaseMeanCentering, FewShotClassifier):
     """
 
     PROTOTYPES = ("mean", "normalized")
+    schema = EstimatorSchema(
+        params={
+            "center": Flag(),
+            "prototype": Choice(PROTOTYPES),
+            "temperature": Real(positive=True),
+        },
+        fitted=(BASE_MEAN,),
+    )
 
     def __init__(
         self, center: bool = True, prototype: str = "mean", temperature: float = 10.0
@@ -37,11 +45,6 @@ class NearestCentroid(BaseMeanCentering, FewShotClassifier):
         self.center = center
         self.prototype = prototype
         self.temperature = temperature
-
-    def _check_params(self) -> None:
-        check_choice("prototype", self.prototype, self.PROTOTYPES)
-        check_temperature(self.temperature)
-        check_flag("center", self.center)
 
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
         """Query probabilities ``[T, Q, K]``: softmax of the temperature-scaled scores."""

@@ -55,7 +55,18 @@ from probfsl.inference.woodbury import (
     slem_similarity,
     slem_woodbury,
 )
-from probfsl.models.base import FewShotClassifier, check_engine
+from probfsl.models.base import ENGINE, FewShotClassifier
+from probfsl.schema import (
+    FEATURE_BOUND,
+    Choice,
+    EstimatorSchema,
+    Flag,
+    Group,
+    Maybe,
+    Real,
+    Record,
+    Tensor,
+)
 from probfsl.validation import as_float_tensor, check_base, check_episodes, check_hyperparameter
 
 
@@ -105,10 +116,35 @@ def _tensor(x: Any, name: str = "x") -> torch.Tensor:
     return as_float_tensor(x, name)
 
 
+#: the ridge penalty: positive (0 is no ridge, a singular system) or None (relative)
+LAM = Real(positive=True, optional=True)
+#: the relative ridge penalty used when ``lam`` is None
+REL_LAM = Real(positive=True)
+
+
 def _check_lam(lam: Any, rel_lam: Any) -> None:
-    if lam is not None:
-        check_hyperparameter("lam", lam, positive=True)  # 0: no ridge, a singular system
-    check_hyperparameter("rel_lam", rel_lam, positive=True)
+    LAM.check("lam", lam)
+    REL_LAM.check("rel_lam", rel_lam)
+
+
+#: a :class:`~probfsl.inference.woodbury.NegativeFactor` of the base features ``[N, D]``
+#: (one factor, no batch): ``chol`` is the factor of ``Sigma + lambda I`` ``[D, D]``
+#: (primal) or of the N x N dual system with the centred negatives ``xc`` (dual)
+NEGATIVE_FACTOR = Record(
+    NegativeFactor,
+    {
+        "mode": Choice(("primal", "dual")),
+        "mu": Tensor("D", bound=FEATURE_BOUND),
+        "lam": Tensor(positive=True),
+        "chol": Tensor("D", "D"),
+        "xc": Maybe(),
+    },
+    by="mode",
+    variants={
+        "primal": {},
+        "dual": {"chol": Tensor("N", "N"), "xc": Tensor("N", "D", bound=FEATURE_BOUND)},
+    },
+)
 
 
 class SLEMEncoder:
@@ -199,6 +235,27 @@ class SLEM(FewShotClassifier):
     """
 
     needs_base = True
+    schema = EstimatorSchema(
+        params={
+            "lam": LAM,
+            "rel_lam": REL_LAM,
+            "normalize": Flag(),
+            "temperature": Real(positive=True),
+            "engine": ENGINE,
+        },
+        fitted=(
+            Group(
+                "fit_base",
+                {
+                    "base_mean_": Tensor("D", bound=FEATURE_BOUND),
+                    "factor_": NEGATIVE_FACTOR,
+                    "lam_": Tensor(positive=True),
+                    "negatives_": Tensor("N", "D", bound=FEATURE_BOUND),
+                },
+                optional=frozenset({"negatives_"}),
+            ),
+        ),
+    )
 
     def __init__(
         self,
@@ -223,14 +280,6 @@ class SLEM(FewShotClassifier):
             "task (the closed form factors one matrix for all tasks): seconds per 100 tasks "
             "at 64 dimensions, minutes at a few hundred"
         )
-
-    def _check_params(self) -> None:
-        """``TypeError``/``ValueError`` naming the first bad hyperparameter."""
-        check_engine(self.engine)
-        _check_lam(self.lam, self.rel_lam)
-        check_hyperparameter("temperature", self.temperature, positive=True)
-        if not isinstance(self.normalize, bool):
-            raise TypeError(f"normalize must be True or False, got {self.normalize!r}")
 
     def _prep(self, x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
         return center_and_normalize(x, mean) if self.normalize else x - mean.to(x)

@@ -7,8 +7,8 @@ import torch
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
 from probfsl.inference.soft_kmeans import soft_kmeans_gram
-from probfsl.models.base import BaseMeanCentering, FewShotClassifier
-from probfsl.validation import check_flag, check_hyperparameter, check_temperature
+from probfsl.models.base import BASE_MEAN, BaseMeanCentering, FewShotClassifier
+from probfsl.schema import EstimatorSchema, Flag, Int, Real
 
 
 class SoftKMeans(BaseMeanCentering, FewShotClassifier):
@@ -22,16 +22,15 @@ class SoftKMeans(BaseMeanCentering, FewShotClassifier):
     """
 
     transductive = True
+    schema = EstimatorSchema(
+        params={"temperature": Real(positive=True), "n_iter": Int(low=1), "center": Flag()},
+        fitted=(BASE_MEAN,),
+    )
 
     def __init__(self, temperature: float = 10.0, n_iter: int = 5, center: bool = True) -> None:
         self.temperature = temperature
         self.n_iter = n_iter
         self.center = center
-
-    def _check_params(self) -> None:
-        check_temperature(self.temperature)
-        check_flag("center", self.center)
-        check_hyperparameter("n_iter", self.n_iter, integer=True, low=1)
 
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
         """Query responsibilities ``[T, Q, K]`` after ``n_iter`` soft k-means passes."""

@@ -28,12 +28,8 @@ from probfsl.data.tasks import Episodes
 from probfsl.inference.soft_kmeans import soft_kmeans_gram
 from probfsl.inference.vmp import VMP, VMPState
 from probfsl.models.base import FewShotClassifier
-from probfsl.validation import (
-    check_base,
-    check_choice,
-    check_episodes,
-    check_hyperparameter,
-)
+from probfsl.schema import FEATURE_BOUND, Choice, EstimatorSchema, Group, Int, Real, Tensor
+from probfsl.validation import check_base, check_episodes
 
 
 def vmp_gmm_model(
@@ -151,6 +147,30 @@ class VMPGaussianMixture(FewShotClassifier):
     transductive = True
     needs_base = True
     call_diagnostics = ("episode_objective_",)
+    schema = EstimatorSchema(
+        params={
+            "alpha0": Real(positive=True),
+            "beta0": Real(positive=True),
+            "a0": Real(positive=True),
+            "temperature": Real(positive=True),
+            "n_kmeans": Int(low=1),
+            "max_iter": Int(low=1),
+            "tol": Real(nonnegative=True),
+            "precision": Choice(("diagonal", "full")),
+            "chunk": Int(low=1),
+        },
+        # the base mean [D] and the average within-class variance of each normalised
+        # feature [D] (floored at 1e-8)
+        fitted=(
+            Group(
+                "fit_base",
+                {
+                    "base_mean_": Tensor("D", bound=FEATURE_BOUND),
+                    "within_var_": Tensor("D", bound=FEATURE_BOUND, positive=True),
+                },
+            ),
+        ),
+    )
 
     def __init__(
         self,
@@ -168,15 +188,6 @@ class VMPGaussianMixture(FewShotClassifier):
         self.temperature, self.n_kmeans = temperature, n_kmeans
         self.max_iter, self.tol = max_iter, tol
         self.precision, self.chunk = precision, chunk
-
-    def _check_params(self) -> None:
-        """``TypeError``/``ValueError`` naming the first bad hyperparameter."""
-        check_choice("precision", self.precision, ("diagonal", "full"))
-        for name in ("alpha0", "beta0", "a0", "temperature"):
-            check_hyperparameter(name, getattr(self, name), positive=True)
-        for name in ("n_kmeans", "max_iter", "chunk"):
-            check_hyperparameter(name, getattr(self, name), integer=True, low=1)
-        check_hyperparameter("tol", self.tol, nonnegative=True)
 
     def fit_base(self, features: Any, labels: Any) -> Self:
         """Base mean and the average within-class variance of each normalised feature."""

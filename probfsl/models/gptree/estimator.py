@@ -33,17 +33,11 @@ import torch
 from probfsl.derived.gp_tree import DerivedVINodes
 from probfsl.inference import gp_nodes as gpn
 from probfsl.inference.base import run
-from probfsl.models.base import Hyperparameters, check_engine
+from probfsl.models.base import ENGINE, Hyperparameters
 from probfsl.models.gptree.model import inducing_slots, node_batch
 from probfsl.models.gptree.tree import Tree, build_tree, hard_kmeans, path_probabilities
-from probfsl.validation import (
-    as_float_tensor,
-    as_label_tensor,
-    check_choice,
-    check_flag,
-    check_float_dtype,
-    check_hyperparameter,
-)
+from probfsl.schema import Choice, EstimatorSchema, Flag, FloatDType, Int, Real
+from probfsl.validation import as_float_tensor, as_label_tensor
 
 
 def group_by_size(sizes: list[int], waste: float = 1.25) -> list[list[int]]:
@@ -189,6 +183,31 @@ class GPTree(Hyperparameters):
     node ELBOs).
     """
 
+    #: its hyperparameters (GPTree is not saved: its fitted nodes hold inference engines)
+    schema = EstimatorSchema(
+        params={
+            "inference": Choice(("vi", "gibbs")),
+            "n_chains": Int(low=1),
+            "n_sweeps": Int(low=1),
+            "gibbs_outputscale": Real(positive=True),
+            "gibbs_lengthscale": Real(positive=True),
+            "n_inducing": Int(low=1),
+            "vi_outputscale": Real(positive=True),
+            "vi_lengthscale": Real(above=1e-2),  # the kernel constraint's bound, l > 1e-2
+            "vi_iter": Int(nonnegative=True),
+            "vi_lr": Real(nonnegative=True),
+            "learn_inducing": Flag(),
+            "natural_lr": Real(positive=True, high=1),
+            "code_elbo": Flag(),
+            "pg_sampler": Choice(("torch", "exact")),
+            "kmeans_n_init": Int(low=1),
+            "seed": Int(nonnegative=True),
+            "dtype": FloatDType(optional=True),
+            "record": Flag(),
+            "engine": ENGINE,
+        }
+    )
+
     def __init__(
         self,
         inference: str = "vi",
@@ -232,32 +251,15 @@ class GPTree(Hyperparameters):
         self.engine = engine
 
     def _check_params(self) -> None:
-        """``TypeError``/``ValueError`` naming the first bad hyperparameter."""
-        hp = check_hyperparameter
-        check_engine(self.engine)
-        check_choice("inference", self.inference, ("vi", "gibbs"))
+        """``TypeError``/``ValueError`` naming the first bad hyperparameter (the
+        declaration, then the rule that ties ``engine`` to ``inference``)."""
+        super()._check_params()
         if self.engine == "derived" and self.inference == "gibbs":
             raise ValueError(
                 "engine='derived' needs inference='vi': the derived engine is variational "
                 "message passing on the VI nodes' declaration, and the Gibbs sampler is not "
                 "a message-passing derivation"
             )
-        for name in ("n_chains", "n_sweeps", "n_inducing", "kmeans_n_init"):
-            hp(name, getattr(self, name), integer=True, low=1)
-        for name in ("vi_iter", "seed"):
-            hp(name, getattr(self, name), integer=True, nonnegative=True)
-        for name in ("gibbs_outputscale", "gibbs_lengthscale", "vi_outputscale"):
-            hp(name, getattr(self, name), positive=True)
-        hp("vi_lengthscale", self.vi_lengthscale)
-        if self.vi_lengthscale <= 1e-2:  # the constraint's bound, l > 1e-2
-            raise ValueError(f"vi_lengthscale must exceed 1e-2, got {self.vi_lengthscale!r}")
-        hp("vi_lr", self.vi_lr, nonnegative=True)
-        hp("natural_lr", self.natural_lr, positive=True, high=1)
-        for name in ("learn_inducing", "code_elbo", "record"):
-            check_flag(name, getattr(self, name))
-        check_choice("pg_sampler", self.pg_sampler, ("torch", "exact"))
-        if self.dtype is not None:
-            check_float_dtype("dtype", self.dtype)
 
     # ------------------------------------------------------------------ helpers
     def _gibbs_engine(self, stage: int, device) -> gpn.GibbsNodes:

@@ -19,15 +19,10 @@ from probfsl.data.tasks import Episodes
 from probfsl.derived import gp_tree as derived_gp_tree
 from probfsl.inference import gp_nodes as gpn
 from probfsl.inference.polya_gamma import mix32
-from probfsl.models.base import BaseMeanCentering, FewShotClassifier, check_engine
+from probfsl.models.base import BASE_MEAN, ENGINE, BaseMeanCentering, FewShotClassifier
 from probfsl.models.gptree.tree import build_tree
-from probfsl.validation import (
-    check_base,
-    check_choice,
-    check_episodes,
-    check_flag,
-    check_hyperparameter,
-)
+from probfsl.schema import Choice, EstimatorSchema, Flag, Int, Real
+from probfsl.validation import check_base, check_episodes
 
 
 class GPTreeFewShot(BaseMeanCentering, FewShotClassifier):
@@ -65,6 +60,21 @@ class GPTreeFewShot(BaseMeanCentering, FewShotClassifier):
             play no part).
     """
 
+    schema = EstimatorSchema(
+        params={
+            "n_chains": Int(low=1),
+            "n_sweeps": Int(low=1),
+            "outputscale": Real(positive=True),
+            "lengthscale": Real(positive=True),
+            "center": Flag(),
+            "pg_sampler": Choice(("torch", "exact")),
+            "seed": Int(nonnegative=True),
+            "max_nodes": Int(low=1),
+            "engine": ENGINE,
+        },
+        fitted=(BASE_MEAN,),
+    )
+
     def __init__(
         self,
         n_chains: int = 20,
@@ -86,18 +96,6 @@ class GPTreeFewShot(BaseMeanCentering, FewShotClassifier):
         self.seed = seed
         self.max_nodes = max_nodes
         self.engine = engine
-
-    def _check_params(self) -> None:
-        """``TypeError``/``ValueError`` naming the first bad hyperparameter."""
-        hp = check_hyperparameter
-        for name in ("n_chains", "n_sweeps", "max_nodes"):
-            hp(name, getattr(self, name), integer=True, low=1)
-        hp("outputscale", self.outputscale, positive=True)
-        hp("lengthscale", self.lengthscale, positive=True)
-        check_flag("center", self.center)
-        check_choice("pg_sampler", self.pg_sampler, ("torch", "exact"))
-        hp("seed", self.seed, integer=True, nonnegative=True)
-        check_engine(self.engine)
 
     def fit_base(self, features, labels) -> Self:
         """Store the mean of the base ``features [N, D]`` (tensor or NumPy array)."""

@@ -1,0 +1,608 @@
+"""The declared form of an estimator: its hyperparameters and its fitted attributes.
+
+Every estimator class that can be saved declares both once, as its class attribute
+``schema`` (an :class:`EstimatorSchema`):
+
+* ``params``: every hyperparameter (every argument of ``__init__``) with its type and
+  range: :class:`Real`, :class:`Int`, :class:`Flag`, :class:`Choice` and
+  :class:`FloatDType`, each optionally ``None``. ``check_params``
+  (:meth:`~probfsl.models.base.Hyperparameters.check_params`, before every fit and
+  prediction) and loading (:mod:`probfsl.estimator_io`) both check against it, so the
+  two cannot drift apart.
+* ``fitted``: the fitted attributes, in groups (:class:`Group`), one per fitting call (the
+  attributes ``fit_base`` sets together, those of ``fit``, ...). A saved state is a union
+  of whole groups (no group at all: an estimator saved before it was fitted); an
+  attribute a group lists as optional may be absent. Each attribute has a form:
+
+  - :class:`Tensor`: dtype kind (``"float"``: float32 or float64, one dtype for the
+    whole group, or the group's fixed dtype; ``"int"``: int64; ``"bool"``), rank and
+    shape in named dimensions shared by every attribute (``D``, the width of the base
+    features, is the same in ``base_mean_ [D]`` and ``coef_ [K, D]``), finite values,
+    and where meaningful a sign and a bound on the magnitude (:data:`FEATURE_BOUND`
+    for statistics of the features);
+  - :class:`Array`: the same for a NumPy array;
+  - :class:`Record`: a dataclass of probfsl, field by field, with variants chosen by
+    one field (e.g. a factorisation whose ``mode`` says which matrices it holds);
+  - :class:`Items`: a tuple of forms; :class:`Maybe`: ``None`` or a form;
+    :class:`Dim`: an integer equal to a named dimension; a hyperparameter form
+    (:class:`Real`, :class:`Int`, ...) for a plain number, flag or string.
+
+:meth:`EstimatorSchema.check_state` checks a state in the encoded form that
+:mod:`probfsl.estimator_io` writes (tensors, tagged dicts for NumPy arrays and
+dataclasses, tuples, plain values), before anything is decoded or computed, and raises a
+``ValueError`` that names the file, the attribute and the form it should have, e.g.
+``'model.pt': base_mean_ should be a float32 tensor of shape [D] (D = 64), got float32
+of shape [2, 64]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn
+
+import torch
+
+from probfsl.validation import (
+    FLOAT_DTYPES,
+    check_choice,
+    check_flag,
+    check_float_dtype,
+    check_hyperparameter,
+)
+
+__all__ = [
+    "FEATURE_BOUND",
+    "TAG",
+    "Array",
+    "Choice",
+    "Dim",
+    "EstimatorSchema",
+    "Flag",
+    "FloatDType",
+    "Group",
+    "Int",
+    "Items",
+    "Maybe",
+    "Param",
+    "Real",
+    "Record",
+    "Tensor",
+]
+
+#: the key that marks an encoded NumPy array, dtype or dataclass in a saved file
+TAG = "__probfsl__"
+
+#: the largest magnitude accepted in a statistic of the features (a mean, a variance, a
+#: scatter matrix, stored features): far beyond any real feature, and far below where
+#: float32 arithmetic on the features (squares, norms) overflows
+FEATURE_BOUND = 1e15
+
+
+# ------------------------------------------------------------------------- hyperparameters
+class Param(ABC):
+    """The declared type and range of one hyperparameter (or plain fitted value)."""
+
+    @abstractmethod
+    def check(self, name: str, value: Any) -> None:
+        """``TypeError`` (wrong type) or ``ValueError`` (out of range) naming ``name``."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """The accepted values in words (for messages)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Real(Param):
+    """A finite real number (not a bool), with optional bounds.
+
+    ``positive``: > 0; ``nonnegative``: >= 0; ``low``/``high``: inclusive bounds;
+    ``above``: an exclusive lower bound; ``infinite``: ``float("inf")`` is accepted too;
+    ``optional``: ``None`` is accepted."""
+
+    positive: bool = False
+    nonnegative: bool = False
+    low: float | None = None
+    high: float | None = None
+    above: float | None = None
+    infinite: bool = False
+    optional: bool = False
+
+    def check(self, name: str, value: Any) -> None:
+        if self.infinite and isinstance(value, float) and value == math.inf:
+            return
+        check_hyperparameter(
+            name,
+            value,
+            positive=self.positive,
+            nonnegative=self.nonnegative,
+            low=self.low,
+            high=self.high,
+            optional=self.optional,
+        )
+        if value is not None and self.above is not None and value <= self.above:
+            raise ValueError(f"{name} must exceed {self.above:g}, got {value!r}")
+
+    def describe(self) -> str:
+        parts = ["a finite real number"]
+        if self.positive:
+            parts.append("> 0")
+        if self.nonnegative:
+            parts.append(">= 0")
+        if self.above is not None:
+            parts.append(f"> {self.above:g}")
+        if self.low is not None:
+            parts.append(f">= {self.low:g}")
+        if self.high is not None:
+            parts.append(f"<= {self.high:g}")
+        text = " ".join(parts)
+        if self.infinite:
+            text += " or inf"
+        return text + (" or None" if self.optional else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Int(Param):
+    """A whole number (``5`` or ``5.0``; not a bool), at least ``low`` when given,
+    non-negative with ``nonnegative``; ``None`` with ``optional``."""
+
+    low: int | None = None
+    nonnegative: bool = False
+    optional: bool = False
+
+    def check(self, name: str, value: Any) -> None:
+        check_hyperparameter(
+            name,
+            value,
+            integer=True,
+            low=self.low,
+            nonnegative=self.nonnegative,
+            optional=self.optional,
+        )
+
+    def describe(self) -> str:
+        text = "an integer"
+        if self.low is not None:
+            text += f" >= {self.low}"
+        elif self.nonnegative:
+            text += " >= 0"
+        return text + (" or None" if self.optional else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag(Param):
+    """``True`` or ``False`` (or ``None`` with ``optional``)."""
+
+    optional: bool = False
+
+    def check(self, name: str, value: Any) -> None:
+        if value is None and self.optional:
+            return
+        if self.optional and not isinstance(value, bool):
+            raise TypeError(f"{name} must be None, True or False, got {value!r}")
+        check_flag(name, value)
+
+    def describe(self) -> str:
+        return "None, True or False" if self.optional else "True or False"
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice(Param):
+    """One of ``choices`` (or ``None`` with ``optional``)."""
+
+    choices: tuple
+    optional: bool = False
+
+    def check(self, name: str, value: Any) -> None:
+        if value is None and self.optional:
+            return
+        if not isinstance(value, str) and all(isinstance(c, str) for c in self.choices):
+            # a container or tensor is no name (and `in` would compare it elementwise)
+            raise ValueError(f"{name} must be one of {list(self.choices)}, got {value!r}")
+        check_choice(name, value, self.choices)
+
+    def describe(self) -> str:
+        return f"one of {list(self.choices)}" + (" or None" if self.optional else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class FloatDType(Param):
+    """``torch.float32`` or ``torch.float64`` (or ``None`` with ``optional``)."""
+
+    optional: bool = False
+
+    def check(self, name: str, value: Any) -> None:
+        if value is None and self.optional:
+            return
+        check_float_dtype(name, value)
+
+    def describe(self) -> str:
+        return "torch.float32 or torch.float64" + (" or None" if self.optional else "")
+
+
+# ------------------------------------------------------------------------- fitted values
+class _Context:
+    """What a check of one state has learnt so far: the sizes of the named dimensions
+    and the float dtype of each group, and where the state comes from (for messages)."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.dims: dict[str, int] = {}
+        self.dtypes: dict[str, torch.dtype] = {}
+        self.group = ""
+        self.fixed: torch.dtype | None = None
+
+    def fail(self, path: str, form: str, got: str) -> NoReturn:
+        raise ValueError(f"{self.where}: {path} should be {form}, got {got}")
+
+    def float_dtype(self) -> torch.dtype | None:
+        return self.fixed or self.dtypes.get(self.group)
+
+
+def _got(value: Any) -> str:
+    """A value's form in words, for messages (never its whole content)."""
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')} of shape {list(value.shape)}"
+    if isinstance(value, dict) and value.get(TAG) == "dataclass":
+        return f"a {str(value.get('class')).rpartition(':')[2]}"
+    if isinstance(value, dict) and value.get(TAG) == "ndarray":
+        inner = value.get("value")
+        return f"a NumPy array of {_got(inner)}" if isinstance(inner, torch.Tensor) else "a dict"
+    if value is None:
+        return "None"
+    if isinstance(value, (bool, int, float, str)):
+        text = repr(value)
+        text = text if len(text) <= 60 else text[:57] + "..."
+        return f"{text} ({type(value).__name__})"
+    return f"a {type(value).__name__}"
+
+
+class Value(ABC):
+    """The declared form of a fitted attribute (or of a field of one)."""
+
+    @abstractmethod
+    def validate(self, value: Any, path: str, ctx: _Context) -> None:
+        """``ValueError`` through ``ctx`` unless ``value`` (encoded) has this form."""
+
+    @abstractmethod
+    def form(self, ctx: _Context) -> str:
+        """The form in words, with the sizes of the dimensions known so far."""
+
+
+_KINDS = {"float": None, "int": (torch.int64,), "bool": (torch.bool,)}
+
+
+class Tensor(Value):
+    """A dense tensor of rank ``len(shape)``; ``shape`` holds dimension names (shared by
+    every attribute of a state) or fixed sizes.
+
+    ``kind``: ``"float"`` (float32 or float64: the group's one float dtype), ``"int"``
+    (int64) or ``"bool"``. Float values must be finite, within ``bound`` in magnitude
+    when given, and > 0 (``positive``) or >= 0 (``nonnegative``) when asked."""
+
+    def __init__(
+        self,
+        *shape: str | int,
+        kind: str = "float",
+        bound: float | None = None,
+        positive: bool = False,
+        nonnegative: bool = False,
+    ) -> None:
+        if kind not in _KINDS:
+            raise ValueError(f"kind must be one of {list(_KINDS)}, got {kind!r}")
+        self.shape, self.kind, self.bound = shape, kind, bound
+        self.positive, self.nonnegative = positive, nonnegative
+
+    noun = "tensor"
+
+    def dtypes(self, ctx: _Context) -> tuple[torch.dtype, ...]:
+        if self.kind != "float":
+            return _KINDS[self.kind]
+        known = ctx.float_dtype()
+        return (known,) if known is not None else FLOAT_DTYPES
+
+    def form(self, ctx: _Context) -> str:
+        dtypes = " or ".join(str(d).removeprefix("torch.") for d in self.dtypes(ctx))
+        if not self.shape:
+            return f"a {dtypes} scalar {self.noun}"
+        known = [f"{d} = {ctx.dims[d]}" for d in dict.fromkeys(self.shape) if d in ctx.dims]
+        sizes = f" ({', '.join(known)})" if known else ""
+        return f"a {dtypes} {self.noun} of shape [{', '.join(map(str, self.shape))}]{sizes}"
+
+    def validate(self, value: Any, path: str, ctx: _Context) -> None:
+        if not isinstance(value, torch.Tensor):
+            ctx.fail(path, self.form(ctx), _got(value))
+        self._validate_tensor(value, path, ctx, _got(value))
+
+    def _validate_tensor(self, value: torch.Tensor, path: str, ctx: _Context, got: str) -> None:
+        """The checks of a tensor (``got``: how the value is described in messages)."""
+        if (
+            value.layout != torch.strided
+            or value.dtype not in self.dtypes(ctx)
+            or value.ndim != len(self.shape)
+        ):
+            ctx.fail(path, self.form(ctx), got)
+        bound: dict[str, int] = {}
+        for dim, size in zip(self.shape, value.shape, strict=True):
+            expected = dim if isinstance(dim, int) else ctx.dims.get(dim, bound.get(dim))
+            if expected is not None and size != expected:
+                ctx.fail(path, self.form(ctx), got)
+            if isinstance(dim, str):
+                bound[dim] = size
+        if self.kind == "float":
+            self._check_values(value, path, ctx)
+            ctx.dtypes.setdefault(ctx.group, value.dtype)
+        ctx.dims.update(bound)
+
+    def _check_values(self, value: torch.Tensor, path: str, ctx: _Context) -> None:
+        if value.numel() == 0:
+            return
+        if not bool(torch.isfinite(value).all()):
+            ctx.fail(path, self.form(ctx) + " with finite values", "NaN or infinite values")
+        if self.bound is not None:
+            top = float(value.abs().max())
+            if top > self.bound:
+                ctx.fail(
+                    path,
+                    f"{self.form(ctx)} with values at most {self.bound:.0e} in magnitude",
+                    f"a value of magnitude {top:.3g}",
+                )
+        if self.positive and not bool((value > 0).all()):
+            ctx.fail(path, self.form(ctx) + " with positive values", f"{float(value.min()):.3g}")
+        if self.nonnegative and not bool((value >= 0).all()):
+            ctx.fail(path, self.form(ctx) + " with values >= 0", f"{float(value.min()):.3g}")
+
+
+class Array(Tensor):
+    """A NumPy array (encoded as a tagged dict holding a tensor) of this form."""
+
+    noun = "NumPy array"
+
+    def validate(self, value: Any, path: str, ctx: _Context) -> None:
+        if not (
+            isinstance(value, dict)
+            and value.get(TAG) == "ndarray"
+            and set(value) == {TAG, "value"}
+            and isinstance(value["value"], torch.Tensor)
+        ):
+            ctx.fail(path, self.form(ctx), _got(value))
+        self._validate_tensor(value["value"], path, ctx, _got(value))
+
+
+class Dim(Value):
+    """A plain ``int`` equal to the named dimension ``name`` (binding it if still free)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def form(self, ctx: _Context) -> str:
+        known = f" ({self.name} = {ctx.dims[self.name]})" if self.name in ctx.dims else ""
+        return f"an int equal to {self.name}{known}"
+
+    def validate(self, value: Any, path: str, ctx: _Context) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            ctx.fail(path, self.form(ctx), _got(value))
+        if ctx.dims.setdefault(self.name, value) != value:
+            ctx.fail(path, self.form(ctx), _got(value))
+
+
+class Maybe(Value):
+    """``None`` or ``inner`` (``Maybe()``: ``None`` only)."""
+
+    def __init__(self, inner: Value | Param | None = None) -> None:
+        self.inner = inner
+
+    def form(self, ctx: _Context) -> str:
+        return "None" if self.inner is None else f"None or {_form(self.inner, ctx)}"
+
+    def validate(self, value: Any, path: str, ctx: _Context) -> None:
+        if value is None:
+            return
+        if self.inner is None:
+            ctx.fail(path, "None", _got(value))
+        _validate(self.inner, value, path, ctx)
+
+
+class Items(Value):
+    """A tuple whose items have the forms ``items`` (e.g. an eigendecomposition)."""
+
+    def __init__(self, *items: Value | Param) -> None:
+        self.items = items
+
+    def form(self, ctx: _Context) -> str:
+        return f"a tuple of {len(self.items)} ({', '.join(_form(i, ctx) for i in self.items)})"
+
+    def validate(self, value: Any, path: str, ctx: _Context) -> None:
+        if not isinstance(value, tuple) or len(value) != len(self.items):
+            ctx.fail(path, self.form(ctx), _got(value))
+        for i, (item, spec) in enumerate(zip(value, self.items, strict=True)):
+            _validate(spec, item, f"{path}[{i}]", ctx)
+
+
+class Record(Value):
+    """An instance of the dataclass ``cls`` (encoded as a tagged dict), its fields of the
+    forms ``fields``; with ``by``, the field ``by`` (a :class:`Choice`, checked first)
+    selects further fields from ``variants[value]``."""
+
+    def __init__(
+        self,
+        cls: type,
+        fields: Mapping[str, Value | Param],
+        by: str | None = None,
+        variants: Mapping[Any, Mapping[str, Value | Param]] | None = None,
+    ) -> None:
+        self.cls, self.fields, self.by, self.variants = cls, dict(fields), by, variants or {}
+        self.target = f"{cls.__module__}:{cls.__qualname__}"
+
+    def field_names(self) -> set[str]:
+        """Every field this declaration knows (common and of every variant)."""
+        names = set(self.fields)
+        for extra in self.variants.values():
+            names |= set(extra)
+        return names
+
+    def form(self, ctx: _Context) -> str:
+        return f"a {self.cls.__name__}"
+
+    def validate(self, value: Any, path: str, ctx: _Context) -> None:
+        if not (isinstance(value, dict) and value.get(TAG) == "dataclass"):
+            ctx.fail(path, self.form(ctx), _got(value))
+        if value.get("class") != self.target:
+            ctx.fail(path, self.form(ctx), _got(value))
+        given = {k: v for k, v in value.items() if k not in (TAG, "class")}
+        fields = dict(self.fields)
+        if self.by is not None:
+            _validate(self.fields[self.by], given.get(self.by), f"{path}.{self.by}", ctx)
+            fields.update(self.variants.get(given[self.by], {}))
+        for name in fields:
+            if name not in given:
+                raise ValueError(
+                    f"{ctx.where}: {path}.{name} is missing ({path} is a "
+                    f"{self.cls.__name__} with fields {', '.join(fields)})"
+                )
+        for name in given:
+            if name not in fields:
+                raise ValueError(
+                    f"{ctx.where}: {path}.{name} is not a field of {self.cls.__name__} "
+                    f"(its fields: {', '.join(fields)})"
+                )
+        for name, spec in fields.items():
+            if name != self.by:
+                _validate(spec, given[name], f"{path}.{name}", ctx)
+
+
+def _form(spec: Value | Param, ctx: _Context) -> str:
+    return spec.form(ctx) if isinstance(spec, Value) else spec.describe()
+
+
+def _validate(spec: Value | Param, value: Any, path: str, ctx: _Context) -> None:
+    if isinstance(spec, Value):
+        spec.validate(value, path, ctx)
+        return
+    if isinstance(value, (dict, list, tuple, torch.Tensor)):
+        ctx.fail(path, spec.describe(), _got(value))
+    try:
+        spec.check(path, value)
+    except (TypeError, ValueError):
+        ctx.fail(path, spec.describe(), _got(value))
+
+
+# ------------------------------------------------------------------------- the schema
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Fitted attributes that one call sets together (``call``: e.g. ``"fit_base"``).
+
+    ``attributes`` maps each name to its form, in the order they are checked (the first
+    attribute with a named dimension sets its size); ``optional`` names those that may be
+    absent when the group is present; float tensors of the group share one dtype,
+    ``dtype`` when given."""
+
+    call: str
+    attributes: Mapping[str, Value | Param]
+    optional: frozenset[str] = frozenset()
+    dtype: torch.dtype | None = None
+
+    def required(self) -> list[str]:
+        return [a for a in self.attributes if a not in self.optional]
+
+
+def _decode_param(value: Any) -> Any:
+    """A hyperparameter as stored: plain values as they are, an encoded ``torch.dtype``
+    as the dtype (looked up by name, never built); anything else stays as it is, for
+    the declaration to refuse."""
+    if isinstance(value, dict) and value.get(TAG) == "dtype" and set(value) == {TAG, "value"}:
+        dtype = getattr(torch, str(value["value"]), None)
+        return dtype if isinstance(dtype, torch.dtype) else value
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimatorSchema:
+    """The hyperparameters and fitted attributes of an estimator class (module docstring)."""
+
+    params: Mapping[str, Param]
+    fitted: Sequence[Group] = ()
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for group in self.fitted:
+            clash = seen & set(group.attributes)
+            if clash:
+                raise ValueError(f"fitted attributes {sorted(clash)} are in two groups")
+            seen |= set(group.attributes)
+
+    def attributes(self) -> list[str]:
+        """Every declared fitted attribute."""
+        return [a for g in self.fitted for a in g.attributes]
+
+    def derive(
+        self, params: Mapping[str, Param] | None = None, drop: Sequence[str] = ()
+    ) -> EstimatorSchema:
+        """This schema with hyperparameters ``drop`` removed and ``params`` added or
+        replaced (for a subclass that fixes or adds some); the same fitted attributes."""
+        kept = {k: v for k, v in self.params.items() if k not in drop}
+        return dataclasses.replace(self, params={**kept, **(params or {})})
+
+    # -------------------------------------------------------------- hyperparameters
+    def check_params(self, estimator: Any) -> None:
+        """Each declared hyperparameter of ``estimator`` (its attribute of that name), in
+        declaration order: ``TypeError``/``ValueError`` naming the first bad one."""
+        for name, spec in self.params.items():
+            spec.check(name, getattr(estimator, name))
+
+    def check_saved_params(self, params: Mapping[str, Any], where: str, owner: str) -> dict:
+        """The hyperparameters of a file, checked: every declared one present and valid
+        (``ValueError`` naming ``where`` and the hyperparameter), encoded dtypes decoded.
+        Names that are not declared are left for the caller to refuse."""
+        missing = [k for k in self.params if k not in params]
+        if missing:
+            raise ValueError(
+                f"{where}: hyperparameter {missing[0]} of {owner} is missing "
+                f"(it should be {self.params[missing[0]].describe()})"
+            )
+        decoded = {k: _decode_param(v) for k, v in params.items()}
+        for name, spec in self.params.items():
+            value = decoded[name]
+            if isinstance(value, (dict, list, tuple, torch.Tensor)):
+                raise ValueError(
+                    f"{where}: hyperparameter {name} should be {spec.describe()}, got {_got(value)}"
+                )
+            try:
+                spec.check(name, value)
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"{where}: hyperparameter {name} should be {spec.describe()}, got {_got(value)}"
+                ) from None
+        return decoded
+
+    # -------------------------------------------------------------- fitted state
+    def check_state(self, state: Mapping[str, Any], where: str, owner: str) -> None:
+        """``ValueError`` naming ``where`` and the attribute unless the (encoded) fitted
+        ``state`` is a union of whole declared groups whose every attribute has its
+        declared form, the named dimensions agreeing across attributes."""
+        declared = self.attributes()
+        for name in state:
+            if name not in declared:
+                listed = ", ".join(declared) if declared else "none"
+                raise ValueError(
+                    f"{where}: {name} is not a fitted attribute of {owner} "
+                    f"(its fitted attributes: {listed})"
+                )
+        for group in self.fitted:
+            present = [a for a in group.attributes if a in state]
+            missing = [a for a in group.required() if a not in state]
+            if present and missing:
+                optional = sorted(group.optional)
+                extra = f" (and optionally {', '.join(optional)})" if optional else ""
+                raise ValueError(
+                    f"{where}: {missing[0]} is missing: {owner}.{group.call} sets "
+                    f"{', '.join(group.required())} together{extra}"
+                )
+        ctx = _Context(where)
+        for group in self.fitted:
+            ctx.group, ctx.fixed = group.call, group.dtype
+            for name, spec in group.attributes.items():
+                if name in state:
+                    _validate(spec, state[name], name, ctx)
