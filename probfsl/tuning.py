@@ -41,10 +41,13 @@ import torch
 
 from probfsl import methods, tuning_cache
 from probfsl.data.base_episodes import (
+    base_as_novel,
     base_classes_only,
     base_episode_shape,
     base_episode_split,
     class_sizes,
+    class_subset_views,
+    hardest_episode_shape,
 )
 from probfsl.data.featureset import FeatureSet
 from probfsl.data.simplex import zero_shot_probabilities
@@ -93,6 +96,25 @@ SEARCH_SPACES: dict[str, dict[str, list]] = {
 #: base episodes per candidate of ``preset="auto"`` where 300 would cost minutes: each
 #: GP-Tree candidate runs Gibbs chains at every node of every episode
 SEARCH_EPISODES: dict[str, int] = {"gp-tree": 100}
+
+
+#: the seed of the base episodes of ``probfsl run``'s search and temperature, whatever
+#: the run's ``--seed`` (which draws the evaluation tasks): one search and one temperature
+#: per data set and setting, shared by the runs of every seed
+SEARCH_SEED = 0
+
+#: a search's base episodes separate the candidates unless both the best candidate and
+#: nearest centroid misclassify fewer than this many of their queries ...
+SEPARATING_ERRORS = 5
+#: ... or score at least this accuracy (%) on them
+SATURATED_ACCURACY = 99.0
+#: class draws of the harder episodes (:func:`probfsl.data.base_episodes.class_subset_views`)
+HARDER_DRAWS = 10
+#: the share of the base episodes (at least :data:`SCREEN_MIN` episodes) on which the
+#: coarse grid is first held against nearest centroid: a search whose every candidate
+#: loses there by more than its 95% interval stops
+SCREEN_SHARE = 0.1
+SCREEN_MIN = 20
 
 
 def search_episodes(method: str, n_episodes: int | None) -> int:
@@ -177,13 +199,32 @@ class _Candidates:
         return self.shared.with_params(**params)
 
 
+def _row(params: dict, proba: torch.Tensor, labels: torch.Tensor) -> dict:
+    """A trace row of ``proba`` [T, Q, K] against ``labels`` [T, Q]: accuracy and its 95%
+    interval (percent), the mean query NLL (nats) and its interval, the misclassified
+    queries (``errors``) and the ``queries`` scored."""
+    labels = labels.to(proba.device)
+    hits = proba.argmax(-1) == labels
+    accuracy, ci95 = accuracy_ci(hits.double().mean(-1).cpu().numpy())
+    p_true = proba.gather(-1, labels.unsqueeze(-1)).squeeze(-1).double()
+    nll = -p_true.clamp_min(torch.finfo(proba.dtype).tiny).log().mean(-1).cpu().numpy()
+    nll_ci = 1.96 * nll.std(ddof=1) / np.sqrt(nll.size) if nll.size > 1 else 0.0
+    return {
+        "params": params,
+        "accuracy": accuracy,
+        "ci95": ci95,
+        "nll": float(nll.mean()),
+        "nll_ci95": float(nll_ci),
+        "errors": int((~hits).sum()),
+        "queries": int(labels.numel()),
+    }
+
+
 def _score(candidates: _Candidates, params: dict, episodes: Episodes, criterion: str) -> dict:
     tic = time.perf_counter()
     model = candidates.fitted(params)
     proba = model.predict_proba(episodes)
-    hits = (proba.argmax(-1) == episodes.query_labels).double().mean(-1).cpu().numpy()
-    accuracy, ci95 = accuracy_ci(hits)
-    row = {"params": params, "accuracy": accuracy, "ci95": ci95}
+    row = _row(params, proba, episodes.query_labels)
     if hasattr(type(model), "episode_objective_"):
         row["objective"] = float(torch.as_tensor(model.episode_objective_).mean())
     elif criterion == "objective":
@@ -225,6 +266,42 @@ def _checked(
     return space
 
 
+def _best_row(rows: Sequence[dict], criterion: str = "accuracy") -> dict:
+    """The best row: the highest ``criterion``; with ``"accuracy"``, equal accuracies
+    go to the lower query NLL (a proper score that still orders them)."""
+    if criterion != "accuracy":
+        return max(rows, key=lambda r: r[criterion])
+    return max(rows, key=lambda r: (r["accuracy"], -r.get("nll", 0.0)))
+
+
+def _nll_best_row(rows: Sequence[dict]) -> dict:
+    """The lowest query NLL among the rows whose accuracy lies within the 95% interval of
+    the most accurate one (the ranking on :func:`_harder_pool`'s episodes)."""
+    top = _best_row(rows)
+    tied = [r for r in rows if r["accuracy"] >= top["accuracy"] - top["ci95"]]
+    return min(tied, key=lambda r: r["nll"])
+
+
+def _prefer(a: dict, b: dict) -> bool:
+    """Whether row ``a`` beats row ``b``: more accurate by more than ``a``'s 95% interval,
+    or not less accurate by more than ``b``'s and of lower query NLL."""
+    if a["accuracy"] - a["ci95"] > b["accuracy"]:
+        return True
+    if b["accuracy"] - b["ci95"] > a["accuracy"]:
+        return False
+    return a["nll"] < b["nll"]
+
+
+def _separates(*rows: dict) -> bool:
+    """Whether episodes on which these rows were scored can rank candidates by accuracy:
+    not every row near-perfect (:data:`SEPARATING_ERRORS`, :data:`SATURATED_ACCURACY`)."""
+    return any(
+        r.get("errors", SEPARATING_ERRORS) >= SEPARATING_ERRORS
+        and r["accuracy"] < SATURATED_ACCURACY
+        for r in rows
+    )
+
+
 def _search(
     method: str,
     space: Mapping[str, Sequence] | None,
@@ -233,11 +310,13 @@ def _search(
     fixed: Mapping | None,
     score,
     progress: bool = False,
+    best=None,
 ) -> TuneResult:
     """Coarse grid, then one refinement around the best; ``score(params) -> row``.
 
     ``space`` comes checked (:func:`_checked`); ``progress`` shows the candidates done
-    (:func:`probfsl.progress.progress`)."""
+    (:func:`probfsl.progress.progress`); ``best(rows) -> row`` ranks (default
+    :func:`_best_row` on ``criterion``)."""
     from probfsl.progress import progress as progress_display
 
     tic = time.perf_counter()
@@ -253,7 +332,7 @@ def _search(
         trace = [scored(p) for p in grid]
 
         def best_of(rows):
-            return max(rows, key=lambda r: r[criterion])["params"]
+            return (best or (lambda r: _best_row(r, criterion)))(rows)["params"]
 
         if refine:
             seen = [r["params"] for r in trace]
@@ -409,6 +488,11 @@ class AutoChoice:
     method: str | None = None
     baseline_accuracy: float | None = None
 
+    def method_run(self, requested: str) -> str:
+        """The method that runs when ``requested`` was asked for: ``requested``, or
+        :data:`BASELINE` where the choice fell back to it."""
+        return self.method or requested
+
     def describe(self) -> str:
         """One line for result files: how the hyperparameters were chosen."""
         if self.result is None:
@@ -456,13 +540,92 @@ def _version() -> str:
     return __version__
 
 
+@dataclass
+class _Pool:
+    """Labelled base episodes to score on: one or more (view, episodes) pairs of the same
+    task ``shape`` (each view with its own base classes), and how to name them."""
+
+    parts: list[tuple[FeatureSet, Episodes]]
+    shape: tuple[int, int, int]
+    where: str
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return torch.cat([episodes.query_labels for _, episodes in self.parts])
+
+
+def _pool_row(
+    method: str, preset: str | None, params: dict, pool: _Pool, dtype, device, candidates=None
+) -> dict:
+    """:func:`_row` of ``method`` (fitted on each view's base classes, or taken from
+    ``candidates``, one :class:`_Candidates` per view) on every episode of ``pool``."""
+    probas = []
+    for i, (view, episodes) in enumerate(pool.parts):
+        if candidates is not None:
+            model = candidates[i].fitted(params)
+        else:
+            model = methods.make_estimator(method, preset, **params)
+            model = model.fit_featureset(view, dtype, device)
+        probas.append(model.predict_proba(episodes))
+    return _row(params, torch.cat(probas), pool.labels)
+
+
 def _accuracy(
     method: str, preset: str | None, params: dict, view: FeatureSet, episodes, dtype, device
 ) -> float:
     """Accuracy (%) on ``episodes`` of ``method`` fitted on the base classes of ``view``."""
-    model = methods.make_estimator(method, preset, **params).fit_featureset(view, dtype, device)
-    hits = (model.predict(episodes) == episodes.query_labels).double().mean(-1)
-    return accuracy_ci(hits.cpu().numpy())[0]
+    pool = _Pool([(view, episodes)], (episodes.way, episodes.shot, episodes.n_query), "")
+    return _pool_row(method, preset, params, pool, dtype, device)["accuracy"]
+
+
+def _harder_pool(fs, shot, balance, alpha, seed, n_episodes, dtype, device) -> _Pool | None:
+    """Episodes as hard as the base classes allow: as many ways as leave two base classes
+    for the statistics, the most queries the smallest class allows, over
+    :data:`HARDER_DRAWS` draws of classes (:func:`class_subset_views`); ``None`` when
+    they cannot be formed."""
+    shape = hardest_episode_shape(fs, shot)
+    if shape is None:
+        return None
+    views = class_subset_views(fs, shape[0], HARDER_DRAWS, seed)
+    per_view = max(1, -(-n_episodes // max(len(views), 1)))
+    parts = []
+    for view in views:
+        try:
+            episodes = sample_episodes(
+                view, per_view, *shape, balance, alpha, seed, dtype=dtype, device=device
+            )
+        except ValueError:
+            continue
+        parts.append((view, episodes))
+    if not parts:
+        return None
+    w, s, q = shape
+    n_base = int(fs.classes_in("base").size)
+    draws = f"{len(parts)} draws of the {n_base} base classes"
+    return _Pool(parts, shape, f"{w}-way {s}-shot {q}-query episodes of {draws}")
+
+
+def _screen(method, preset, fixed, view, episodes, n_episodes, dtype, device) -> dict | None:
+    """Nearest centroid's row, and the best coarse candidate's, on the first base
+    episodes when every coarse candidate (and ``preset``, where given) scores below
+    nearest centroid there by more than its 95% interval; else ``None``."""
+    n_first = min(n_episodes, max(SCREEN_MIN, round(SCREEN_SHARE * n_episodes)))
+    if n_first >= n_episodes:
+        return None
+    first = episodes[:n_first]
+    w, s, q = first.way, first.shot, first.n_query
+    pool = _Pool([(view, first)], (w, s, q), f"the first {n_first} {w}-way {s}-shot base episodes")
+    baseline = _pool_row(BASELINE, None, {}, pool, dtype, device)
+    candidates = [_Candidates(method, view, fixed, dtype, device)]
+    rows = [
+        _pool_row(method, None, {**fixed, **params}, pool, dtype, device, candidates)
+        for params in _grid(search_space(method))
+    ]
+    if preset is not None:
+        rows.append(_pool_row(method, preset, dict(fixed), pool, dtype, device))
+    if all(r["accuracy"] + r["ci95"] < baseline["accuracy"] for r in rows):
+        return {"baseline": baseline, "best": _best_row(rows), "where": pool.where}
+    return None
 
 
 def auto_preset(
@@ -506,6 +669,17 @@ def auto_preset(
     shot, or EM-Dirichlet on embeddings that are not class probabilities): the choice is
     then to run the baseline (``method``), and ``note`` says so with both accuracies.
 
+    Where the base episodes cannot separate the candidates (neither the best candidate
+    nor nearest centroid misclassifies :data:`SEPARATING_ERRORS` queries, or both score
+    :data:`SATURATED_ACCURACY`), the search runs again on the hardest episodes the base
+    classes allow (:func:`_harder_pool`) and ranks by query NLL among the candidates
+    within the most accurate one's 95% interval; the reference and nearest centroid are
+    then held to the same rule (:func:`_prefer`). Wherever the episodes searched have
+    fewer ways than the target, the choice of any method is held against nearest
+    centroid at the target way (:func:`_full_way_comparison`). A search whose every
+    coarse candidate scores below nearest centroid on its first episodes
+    (:data:`SCREEN_SHARE`) stops there and runs nearest centroid (``result`` ``None``).
+
     ``fixed`` hyperparameters are kept in every case. Novel classes are never read.
     The search and the reference run in ``dtype`` on ``device``; ``progress`` shows a
     bar over the candidates. With ``cache`` the outcome is stored on disk and read back
@@ -541,7 +715,7 @@ def auto_preset(
         "baseline": BASELINE,
         "shape": [way, shot, n_query],
         "balance": balance,
-        "alpha": alpha,
+        "alpha": alpha if balance == "dirichlet" else None,  # balanced episodes ignore it
         "n_episodes": n_episodes,
         "seed": seed,
         "criterion": criterion,
@@ -570,6 +744,32 @@ def _auto_preset(
             note=f"no base episodes possible: {why}; using {used}",
             reason=f"no base episodes possible: {why}",
         )
+    w, s, q = shape
+    notes = []
+    if shape != target:
+        notes.append(
+            f"tuned on {w}-way {s}-shot {q}-query base episodes (the {n_base} base classes "
+            f"cannot form {way}-way {shot}-shot {n_query}-query ones)"
+        )
+    view = base_episode_split(fs, seed)
+    episodes = sample_episodes(  # tune's
+        view, n_episodes, *shape, balance, alpha, seed, dtype=dtype, device=device
+    )
+    reference = preset if shape != target else None
+    screened = _screen(method, reference, fixed, view, episodes, n_episodes, dtype, device)
+    if screened is not None:  # every candidate clearly below the baseline: stop here
+        best, base = screened["best"], screened["baseline"]
+        notes.append(
+            f"every candidate of {method} scored below {BASELINE} on {screened['where']} "
+            f"(best {best['accuracy']:.1f}% against {base['accuracy']:.1f}%): search stopped, "
+            f"running {BASELINE}"
+        )
+        return AutoChoice(
+            params={},
+            note="; ".join(notes),
+            method=BASELINE,
+            baseline_accuracy=base["accuracy"],
+        )
     result = tune(
         method,
         fs,
@@ -586,43 +786,83 @@ def _auto_preset(
         device=device,
         progress=progress,
     )
-    view = base_episode_split(fs, seed)
-    episodes = sample_episodes(  # tune's
-        view, n_episodes, *shape, balance, alpha, seed, dtype=dtype, device=device
-    )
-    baseline = _accuracy(BASELINE, None, {}, view, episodes, dtype, device)
-    best = max(result.trace, key=lambda row: row[criterion])
-    w, s, q = shape
-    choice = AutoChoice(params=result.best, result=result, baseline_accuracy=baseline)
-    accuracy = best["accuracy"]
-    if shape != target:
-        choice.note = (
-            f"tuned on {w}-way {s}-shot {q}-query base episodes (the {n_base} base classes "
-            f"cannot form {way}-way {shot}-shot {n_query}-query ones)"
-        )
-        reference_accuracy = _accuracy(method, preset, fixed, view, episodes, dtype, device)
-        if best["accuracy"] - best["ci95"] <= reference_accuracy:
-            choice.note += (
-                f"; no candidate beat {used} there ({reference_accuracy:.1f}%) by more than "
-                f"its 95% interval: using {used}"
+    pool = _Pool([(view, episodes)], shape, f"{w}-way {s}-shot base episodes")
+    baseline = _pool_row(BASELINE, None, {}, pool, dtype, device)
+    best = _best_row(result.trace, criterion)
+    ranked_by_nll = False
+    if criterion == "accuracy" and not _separates(best, baseline):
+        harder = _harder_pool(fs, shot, balance, alpha, seed, n_episodes, dtype, device)
+        if harder is not None:
+            candidates = [_Candidates(method, v, fixed, dtype, device) for v, _ in harder.parts]
+            result = _search(
+                method,
+                search_space(method),
+                "accuracy",
+                True,
+                fixed,
+                lambda params: _pool_row(
+                    method, None, {**fixed, **params}, harder, dtype, device, candidates
+                ),
+                progress,
+                best=_nll_best_row,
             )
-            choice.params, choice.preset, accuracy = fixed, preset, reference_accuracy
-    where = f"{w}-way {s}-shot base episodes"
-    if w < way and _way_dependent(method):  # GP-Tree's tree: compare at the target way too
-        q_full = way * max(1, round(q / w))  # the same queries per class, at the target way
+            result.criterion = "nll among the most accurate"
+            notes.append(
+                f"the {w}-way {s}-shot {q}-query base episodes could not separate the "
+                f"candidates ({best['errors']} of {best['queries']} queries misclassified "
+                f"by the best, {baseline['errors']} by {BASELINE}): searched on "
+                f"{harder.where}, ranked by query NLL among the candidates within the most "
+                "accurate one's 95% interval"
+            )
+            pool, best, ranked_by_nll = harder, _nll_best_row(result.trace), True
+            baseline = _pool_row(BASELINE, None, {}, pool, dtype, device)
+    choice = AutoChoice(params=result.best, result=result, baseline_accuracy=baseline["accuracy"])
+    chosen = best
+    saturated = not _separates(best, baseline)
+    if shape != target or ranked_by_nll:
+        ref = _pool_row(method, preset, dict(fixed), pool, dtype, device)
+        if saturated:  # no errors to rank by: only a clearly more accurate candidate counts
+            keep = best["accuracy"] - best["ci95"] <= ref["accuracy"]
+            why = f"these too hold too few errors to rank candidates; none beat {used}"
+        elif ranked_by_nll:
+            keep = not _prefer(best, ref)
+            why = f"no candidate beat {used} there ({ref['accuracy']:.1f}%, NLL {ref['nll']:.3f})"
+        else:
+            keep = best["accuracy"] - best["ci95"] <= ref["accuracy"]
+            why = (
+                f"no candidate beat {used} there ({ref['accuracy']:.1f}%) by more than its 95% "
+                "interval"
+            )
+        if keep:
+            notes.append(f"{why}: using {used}")
+            choice.params, choice.preset, chosen = fixed, preset, ref
+    below = None
+    if pool.shape[0] < way:  # a choice made on fewer ways: checked at the target way
+        ps = pool.shape[1]
+        q_full = way * max(1, round(pool.shape[2] / pool.shape[0]))
         full = _full_way_comparison(
-            method, choice, fs, (way, s, q_full), balance, alpha, seed, dtype, device
+            method, choice, fs, (way, ps, q_full), balance, alpha, seed, dtype, device
         )
         if full is not None and full[0] < full[1]:
-            accuracy, baseline = full
-            where = f"{way}-way {s}-shot episodes of all {n_base} base classes"
-    if accuracy < baseline:
+            below = (
+                f"{method} scored {full[0]:.1f}% on {full[2]}, below {BASELINE} "
+                f"({full[1]:.1f}%): running {BASELINE}"
+            )
+    if below is None and ranked_by_nll and _prefer(baseline, chosen):
         below = (
-            f"{method} scored {accuracy:.1f}% on {where}, below {BASELINE} "
-            f"({baseline:.1f}%): running {BASELINE}"
+            f"{method} scored {chosen['accuracy']:.1f}% (NLL {chosen['nll']:.3f}) on "
+            f"{pool.where}, not above {BASELINE} ({baseline['accuracy']:.1f}%, NLL "
+            f"{baseline['nll']:.3f}) by its 95% interval and of higher NLL: running {BASELINE}"
         )
-        choice.note = f"{choice.note}; {below}" if choice.note else below
+    elif below is None and chosen["accuracy"] < baseline["accuracy"]:
+        below = (
+            f"{method} scored {chosen['accuracy']:.1f}% on {pool.where}, below {BASELINE} "
+            f"({baseline['accuracy']:.1f}%): running {BASELINE}"
+        )
+    if below is not None:
+        notes.append(below)
         choice.params, choice.preset, choice.method = {}, None, BASELINE
+    choice.note = "; ".join(notes)
     return choice
 
 
@@ -633,36 +873,44 @@ def _way_dependent(method: str) -> bool:
 
 def _full_way_comparison(
     method, choice, fs, shape, balance, alpha, seed, dtype, device, n_episodes=100
-) -> tuple[float, float] | None:
+) -> tuple[float, float, str] | None:
     """Accuracy (%) of ``choice`` and of :data:`BASELINE` on episodes of the target way
-    drawn from *all* base classes, or ``None`` when they cannot form one.
+    drawn from the base classes, and where; ``None`` when they cannot form one.
 
     When the base classes are too few for base episodes of the target way (half of them
-    play the novel classes), the search runs on fewer ways, where a method whose
-    behaviour depends on the way (GP-Tree's class tree is a single node at 2 ways) can
-    look better than it is (:attr:`probfsl.methods.MethodInfo.way_dependent`). Here
-    every base class plays a novel class and the base statistics come from the same
-    classes, which suits a method that only centres on them (GP-Tree, nearest centroid)
-    but not one that uses them as negatives (SLEM): hence only for way-dependent
-    methods."""
-    base = fs.rows("base")
-    both = FeatureSet(
-        features=np.concatenate([fs.features[base], fs.features[base]]),
-        labels=np.concatenate([fs.labels[base], fs.labels[base]]),
-        class_names=fs.class_names,
-        split=np.array(["base"] * base.size + ["novel"] * base.size),
-        name=f"{fs.name}[base classes as novel]",
-    )
-    try:
-        episodes = sample_episodes(
-            both, n_episodes, *shape, balance, alpha, seed, dtype=dtype, device=device
-        )
-    except ValueError:
+    play the novel classes), the search runs on fewer ways, where any method can look
+    better than it is: 2-way tasks are easy, and a method whose behaviour depends on the
+    way (GP-Tree's class tree is a single node at 2 ways,
+    :attr:`probfsl.methods.MethodInfo.way_dependent`) even more so. Here draws of the
+    target way's number of base classes play the novel classes and the other base
+    classes (at least two) the base classes
+    (:func:`probfsl.data.base_episodes.class_subset_views`); with too few classes left,
+    every base class plays both (:func:`probfsl.data.base_episodes.base_as_novel`: it
+    suits methods that only centre on the base classes, flatters BAVARDAGE's projection
+    and handicaps SLEM's negatives)."""
+    way, s, _ = shape
+    n_base = int(fs.classes_in("base").size)
+    views = class_subset_views(fs, way, HARDER_DRAWS, seed)
+    if views:
+        where = f"{way}-way {s}-shot episodes of {len(views)} draws of the {n_base} base classes"
+    else:
+        views = [base_as_novel(fs)]
+        where = f"{way}-way {s}-shot episodes of all {n_base} base classes"
+    per_view = max(1, -(-n_episodes // len(views)))
+    parts = []
+    for view in views:
+        try:
+            episodes = sample_episodes(
+                view, per_view, *shape, balance, alpha, seed, dtype=dtype, device=device
+            )
+        except ValueError:
+            continue
+        parts.append((view, episodes))
+    if not parts:
         return None
-    return (
-        _accuracy(method, choice.preset, choice.params, both, episodes, dtype, device),
-        _accuracy(BASELINE, None, {}, both, episodes, dtype, device),
-    )
+    pool = _Pool(parts, shape, where)
+    ran = _pool_row(choice.method_run(method), choice.preset, choice.params, pool, dtype, device)
+    return ran["accuracy"], _pool_row(BASELINE, None, {}, pool, dtype, device)["accuracy"], where
 
 
 def auto_preset_zero_shot(
@@ -741,7 +989,8 @@ class AutoPreset(FewShotClassifier):
     few; nearest centroid where the method scores below it there), keeps the choice in
     ``choices_`` and the search in ``tuning_`` (``None`` for a fallback), logs what it
     chose (``logging``, logger ``probfsl.tuning``), and predicts with the chosen
-    estimator. The search and the chosen estimator run in the dtype and on the device of
+    estimator; ``methods_run_`` (task shape to method) and ``method_run_`` say which
+    method ran. The search and the chosen estimator run in the dtype and on the device of
     the tasks (the estimator is refitted for a new dtype or device; the choice is kept).
     Novel classes and query labels are never read. Built by name with
     :func:`make_estimator` (``preset="auto"``).
@@ -775,7 +1024,16 @@ class AutoPreset(FewShotClassifier):
         features, labels = check_base(features, labels)
         self.base_ = FeatureSet.of_base_classes(features.double(), labels)
         self.tuning_, self.choices_, self.estimators_ = {}, {}, {}
+        self.methods_run_ = {}
         return self
+
+    @property
+    def method_run_(self) -> str | None:
+        """The method that ran on the tasks met so far: :attr:`method`, or
+        :data:`BASELINE` where the choice fell back to it (``"A, B"`` when task shapes
+        differed in it; ``None`` before any task)."""
+        ran = list(dict.fromkeys(getattr(self, "methods_run_", {}).values()))
+        return ", ".join(ran) if ran else None
 
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
         if getattr(self, "base_", None) is None:
@@ -797,6 +1055,7 @@ class AutoPreset(FewShotClassifier):
                 device=device,
             )
             self.tuning_[shape] = choice.result
+            self.methods_run_[shape] = choice.method_run(self.method)
             log.info(
                 "preset auto, %s %d-way %d-shot: %s %s%s",
                 self.method,

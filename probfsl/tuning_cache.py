@@ -10,7 +10,13 @@ back on the next run.
 Where: ``$PROBFSL_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/probfsl``, else
 ``~/.cache/probfsl``; ``PROBFSL_CACHE_DIR=off`` turns the cache off. Entries are small
 JSON files written atomically (a crash leaves no partial entry); an entry that cannot be
-read is ignored and searched again.
+read is ignored and searched again. The temperatures of temperature scaling
+(:mod:`probfsl.temperature`) are stored alike, beside the choices.
+
+The cache holds at most :func:`max_entries` entries (``$PROBFSL_CACHE_MAX_ENTRIES``,
+default :data:`MAX_ENTRIES`): each write removes the least recently used beyond that
+(reading an entry marks it used). ``probfsl cache`` lists the entries, ``probfsl cache
+--clear`` removes them (:func:`cmd_cache`).
 
 The package ships the entries of its built-in data sets at the common settings
 (``probfsl/data/builtin/auto/``, made by ``tools/ship_auto_cache.py``), so that the demo
@@ -20,20 +26,40 @@ while their key (version, search space, data) is the current one.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import logging
 import os
+import time
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from probfsl.data.featureset import FeatureSet
+if TYPE_CHECKING:  # no torch import for ``probfsl cache``
+    from probfsl.data.featureset import FeatureSet
 
 log = logging.getLogger(__name__)
 
-__all__ = ["cache_dir", "entry_name", "fingerprint", "load", "shipped_entries", "store"]
+__all__ = [
+    "MAX_ENTRIES",
+    "cache_dir",
+    "clear",
+    "cmd_cache",
+    "entries",
+    "entry_name",
+    "fingerprint",
+    "load",
+    "max_entries",
+    "prune",
+    "shipped_entries",
+    "store",
+]
+
+#: default bound on the number of entries (``$PROBFSL_CACHE_MAX_ENTRIES`` overrides it)
+MAX_ENTRIES = 1000
 
 
 def cache_dir() -> Path | None:
@@ -92,6 +118,11 @@ def load(key: dict) -> dict | None:
             log.warning("ignoring an unreadable cache entry %s", candidate)
             continue
         if entry.get("key") == json.loads(json.dumps(key, default=str)):
+            if candidate == path:
+                try:  # mark it used: pruning removes the least recently used first
+                    os.utime(path)
+                except OSError:
+                    pass
             return entry.get("value")
     return None
 
@@ -109,3 +140,120 @@ def store(key: dict, value: dict) -> None:
     except OSError as err:
         log.warning("cannot write the tuning cache %s: %s", path, err)
         tmp.unlink(missing_ok=True)
+        return
+    prune()
+
+
+def max_entries() -> int:
+    """The bound on the number of entries: ``$PROBFSL_CACHE_MAX_ENTRIES`` (a positive
+    integer) or :data:`MAX_ENTRIES`."""
+    given = os.environ.get("PROBFSL_CACHE_MAX_ENTRIES", "").strip()
+    try:
+        return max(1, int(given)) if given else MAX_ENTRIES
+    except ValueError:
+        log.warning("ignoring PROBFSL_CACHE_MAX_ENTRIES=%r (not an integer)", given)
+        return MAX_ENTRIES
+
+
+def _entry_files() -> list[Path]:
+    folder = cache_dir()
+    if folder is None or not (folder / "auto").is_dir():
+        return []
+    return [f for f in (folder / "auto").glob("*.json") if not f.name.startswith(".")]
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # removed meanwhile by another process
+        return float("inf")
+
+
+def prune(limit: int | None = None) -> int:
+    """Remove the least recently used entries beyond ``limit`` (default
+    :func:`max_entries`); returns how many were removed."""
+    limit = max_entries() if limit is None else limit
+    files = sorted(_entry_files(), key=_mtime)
+    removed = 0
+    for path in files[: max(0, len(files) - limit)]:
+        try:
+            path.unlink()
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
+def entries() -> list[dict]:
+    """The user's entries, most recently used first: ``path``, ``kind``, ``method`` (or
+    the estimator of a temperature), ``setting`` (shape and balance), ``bytes`` and
+    ``used`` (seconds since last written or read)."""
+    now, out = time.time(), []
+    for path in sorted(_entry_files(), key=_mtime, reverse=True):
+        try:
+            key = json.loads(path.read_text()).get("key", {})
+            size, used = path.stat().st_size, now - path.stat().st_mtime
+        except (OSError, ValueError, AttributeError):
+            key, size, used = {}, 0, float("nan")
+        method = key.get("method") or str(key.get("estimator", "?")).rsplit(".", 1)[-1]
+        shape = key.get("shape") or key.get("classes") or []
+        setting = "x".join(str(v) for v in shape)
+        if key.get("balance"):
+            setting = f"{setting} {key['balance']}".strip()
+        out.append(
+            {
+                "path": path,
+                "kind": key.get("kind", "unreadable"),
+                "method": method,
+                "setting": setting,
+                "bytes": size,
+                "used": used,
+            }
+        )
+    return out
+
+
+def clear() -> int:
+    """Remove every entry of the user's cache (not the shipped ones); returns how many."""
+    removed = 0
+    for path in _entry_files():
+        try:
+            path.unlink()
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
+def _age(seconds: float) -> str:
+    if seconds != seconds:  # NaN
+        return "?"
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    """``probfsl cache``: where the cache is and its entries; ``--clear`` removes them."""
+    folder = cache_dir()
+    if folder is None:
+        print("the tuning cache is off (PROBFSL_CACHE_DIR=off)")
+        return 0
+    if getattr(args, "clear", False):
+        print(f"removed {clear()} entries from {folder / 'auto'}")
+        return 0
+    rows = entries()
+    total = sum(r["bytes"] for r in rows)
+    print(
+        f"{folder / 'auto'}: {len(rows)} entries, {total / 1024:.0f} KiB "
+        f"(at most {max_entries()}, least recently used removed first)"
+    )
+    if rows:
+        width = max(len(r["method"]) for r in rows)
+        for r in rows:
+            print(
+                f"  {r['path'].name}  {r['kind']:<11} {r['method']:<{width}}  "
+                f"{r['setting']:<18} used {_age(r['used'])} ago"
+            )
+    return 0

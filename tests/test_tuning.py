@@ -415,6 +415,98 @@ def test_auto_on_fewer_ways_is_held_against_nearest_centroid_at_the_target_way(m
     assert "tuned on 2-way" in choice.note
     assert choice.method == "nearest-centroid", choice.note
     assert "5-way 1-shot episodes of all 5 base classes" in choice.note
-    # a method not declared way-dependent is judged on the base episodes alone
+    # a method not declared way-dependent is checked at the target way too
     monkeypatch.setitem(METHODS, "waydep", MethodInfo("waydep", info.target, "toy"))
-    assert auto_preset("waydep", fs, 5, 1, 15, n_episodes=10, cache=False).method is None
+    other = auto_preset("waydep", fs, 5, 1, 15, n_episodes=10, cache=False)
+    assert other.method == "nearest-centroid", other.note
+    assert "5-way 1-shot episodes of all 5 base classes" in other.note
+
+
+def test_the_target_way_check_draws_classes_for_any_method(monkeypatch):
+    """With enough base classes, the check at the target way lets draws of base classes
+    play the novel classes, the rest the base classes: a non-GP method is held to it."""
+    monkeypatch.setitem(
+        METHODS, "waydep", MethodInfo("waydep", "tests.test_tuning:WayDependent", "toy")
+    )
+    monkeypatch.setitem(SEARCH_SPACES, "waydep", {"flip": [0.8, 0.9]})
+    fs = make_featureset(n_base=7, n_novel=6, per_class=12, dim=4, spread=1.5)
+    assert base_episode_shape(fs, 4, 1, 20)[0] == 3  # 3 of the 7 play novel classes
+    choice = auto_preset("waydep", fs, 4, 1, 20, n_episodes=10)
+    assert choice.method == "nearest-centroid", choice.note
+    assert "4-way 1-shot episodes of 10 draws of the 7 base classes" in choice.note
+
+
+def _separable(n_base: int = 6) -> FeatureSet:
+    return make_featureset(n_base=n_base, n_novel=4, per_class=8, dim=4, spread=60.0)
+
+
+def test_separable_base_episodes_search_on_harder_ones_by_nll():
+    fs = _separable()
+    choice = auto_preset("soft-kmeans", fs, 3, 1, 15, n_episodes=20)
+    assert "could not separate the candidates" in choice.note, choice.note
+    # as many ways as leave 2 base classes for the statistics, every query the classes hold
+    assert "4-way 1-shot 28-query episodes of 10 draws of the 6 base classes" in choice.note
+    assert choice.result.criterion == "nll among the most accurate"
+    assert all("nll" in row and "errors" in row for row in choice.result.trace)
+
+
+def test_ranking_by_nll_among_the_most_accurate():
+    rows = [
+        {"params": {"a": 1}, "accuracy": 90.0, "ci95": 2.0, "nll": 0.5},
+        {"params": {"a": 2}, "accuracy": 89.0, "ci95": 2.0, "nll": 0.3},
+        {"params": {"a": 3}, "accuracy": 80.0, "ci95": 2.0, "nll": 0.1},
+    ]
+    assert tuning._nll_best_row(rows)["params"] == {"a": 2}  # 3 is clearly less accurate
+    assert tuning._best_row(rows)["params"] == {"a": 1}
+    tie = [{**rows[0], "nll": 0.9}, {**rows[0], "params": {"a": 4}}]
+    assert tuning._best_row(tie)["params"] == {"a": 4}  # equal accuracy: the lower NLL
+    assert tuning._prefer(rows[1], rows[0]) and not tuning._prefer(rows[2], rows[0])
+
+
+def test_a_search_that_loses_everywhere_stops_early_and_runs_the_baseline(monkeypatch):
+    monkeypatch.setitem(METHODS, "noisy", MethodInfo("noisy", "tests.test_tuning:Noisy", "toy"))
+    monkeypatch.setitem(SEARCH_SPACES, "noisy", {"flip": [0.8, 0.6]})
+    scored = []
+    real = tuning._score
+    monkeypatch.setattr(tuning, "_score", lambda *a: scored.append(a[1]) or real(*a))
+    fs = make_featureset(n_base=12, n_novel=4, per_class=25)
+    choice = auto_preset("noisy", fs, 4, 1, 20, n_episodes=200)
+    assert choice.method == "nearest-centroid" and choice.result is None
+    assert "search stopped" in choice.note and "the first 20 4-way 1-shot" in choice.note
+    assert scored == []  # no candidate was scored on the 200 episodes
+
+
+def test_the_method_that_ran_is_exposed(monkeypatch):
+    from probfsl.evaluation import evaluate
+
+    monkeypatch.setitem(METHODS, "noisy", MethodInfo("noisy", "tests.test_tuning:Noisy", "toy"))
+    monkeypatch.setitem(SEARCH_SPACES, "noisy", {"flip": [0.8, 0.4]})
+    fs = make_featureset(n_base=12, n_novel=4, per_class=25)
+    auto = make_estimator("noisy", preset="auto")
+    auto.n_episodes = 10
+    auto.fit_featureset(fs)
+    assert auto.method_run_ is None
+    result = evaluate(auto, sample_episodes(fs, 4, way=4, shot=1, n_query=20, seed=1))
+    assert auto.methods_run_ == {(4, 1, 20): "nearest-centroid"}
+    assert auto.method_run_ == result.method_run == "nearest-centroid"
+    assert result.summary()["method_run"] == "nearest-centroid" and "(ran " in str(result)
+
+
+def test_the_result_file_and_table_name_the_method_that_ran(monkeypatch, tmp_path, capsys):
+    import json
+
+    from probfsl import cli
+    from probfsl.method_table import METHOD_TABLE
+
+    monkeypatch.setitem(METHODS, "noisy", MethodInfo("noisy", "tests.test_tuning:Noisy", "toy"))
+    monkeypatch.setitem(SEARCH_SPACES, "noisy", {"flip": [0.8, 0.4]})
+    monkeypatch.setitem(METHOD_TABLE, "noisy", {"params": ("flip",), "presets": (), "tunable": True})
+    fs = make_featureset(n_base=12, n_novel=6, per_class=25)
+    path, out = tmp_path / "features.npz", tmp_path / "result.json"
+    np.savez(path, features=fs.features, labels=fs.labels, split=fs.split)
+    argv = ["run", "--method", "noisy", "--features", str(path), "--way", "4", "--query", "20"]
+    assert cli.main([*argv, "--tasks", "5", "--episodes", "10", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())
+    assert row["method"] == "noisy" and row["method_run"] == "nearest-centroid"
+    header = capsys.readouterr().out.splitlines()[0].split()
+    assert header[:2] == ["method", "method_run"]

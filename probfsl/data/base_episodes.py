@@ -6,15 +6,39 @@ classes are split in two seeded halves, one plays the base classes (statistics s
 centring means or within-class scatter), the other plays the novel classes (episodes).
 Novel classes and their labels are never read. :func:`base_episode_shape` says which
 task shape such episodes can have; :func:`base_classes_only` is the zero-shot view.
+
+When those episodes are too easy to tell candidates apart, or have fewer ways than the
+target tasks, :func:`class_subset_views` gives harder ones: each view lets a seeded draw
+of ``way`` base classes play the novel classes and the remaining base classes (at least
+:data:`MIN_STATISTICS_CLASSES`) the base classes, so that episodes can have as many
+ways as the base classes allow (:func:`hardest_episode_shape`), and successive draws
+cover more combinations of classes than one fixed half. :func:`base_as_novel` is the
+last resort when too few classes would be left for the statistics.
 """
 
 from __future__ import annotations
+
+import itertools
+import math
 
 import numpy as np
 
 from probfsl.data.featureset import FeatureSet
 
-__all__ = ["base_classes_only", "base_episode_shape", "base_episode_split", "class_sizes"]
+__all__ = [
+    "MIN_STATISTICS_CLASSES",
+    "base_as_novel",
+    "base_classes_only",
+    "base_episode_shape",
+    "base_episode_split",
+    "class_sizes",
+    "class_subset_views",
+    "hardest_episode_shape",
+]
+
+#: base classes kept for the statistics (centring, scatter, negatives) in
+#: :func:`class_subset_views`: the other base classes may play novel classes
+MIN_STATISTICS_CLASSES = 2
 
 
 def base_episode_split(fs: FeatureSet, seed: int = 0) -> FeatureSet:
@@ -90,3 +114,84 @@ def base_episode_shape(
         room = int(np.sort(sizes)[:w].sum()) - w * s
         q = min(max(round(n_query * w / way), 1), room)
     return w, s, q
+
+
+def _view(fs: FeatureSet, novel: np.ndarray, name: str) -> FeatureSet:
+    """``fs`` with the base classes ``novel`` marked novel, the other base rows base and
+    every original non-base row ``"held_out"``."""
+    split = np.where(fs.split == "base", "base", "held_out")
+    split[np.isin(fs.labels, novel) & (fs.split == "base")] = "novel"
+    return FeatureSet(
+        features=fs.features,
+        labels=fs.labels,
+        class_names=fs.class_names,
+        split=split,
+        class_features=fs.class_features,
+        name=name,
+    )
+
+
+def class_subset_views(
+    fs: FeatureSet,
+    way: int,
+    n_views: int = 10,
+    seed: int = 0,
+    min_base: int = MIN_STATISTICS_CLASSES,
+) -> list[FeatureSet]:
+    """Views of ``fs`` in each of which ``way`` base classes play the novel classes.
+
+    The rest of the base classes stay base (their statistics are what the method fits);
+    the original novel rows are ``"held_out"``. Every combination of classes when there
+    are at most ``n_views`` of them, else ``n_views`` seeded draws. An empty list when
+    fewer than ``min_base`` base classes would be left for the statistics, or ``way``
+    is below 2.
+    """
+    classes = fs.classes_in("base")
+    if way < 2 or classes.size - way < min_base:
+        return []
+    if math.comb(classes.size, way) <= n_views:
+        draws = [np.array(c) for c in itertools.combinations(classes, way)]
+    else:
+        rng = np.random.default_rng([seed, 104729])
+        draws = [rng.choice(classes, way, replace=False) for _ in range(n_views)]
+    return [_view(fs, d, f"{fs.name}[base draw {i}]") for i, d in enumerate(draws)]
+
+
+def base_as_novel(fs: FeatureSet) -> FeatureSet:
+    """Every base row twice: once as a base row, once as a novel one.
+
+    Episodes of it may use every base class; the base statistics then come from the
+    episode's own classes, which suits methods that only centre on them but flatters
+    those that learn a projection from them (BAVARDAGE) and handicaps those that use
+    them as negatives (SLEM): a last resort when :func:`class_subset_views` has none.
+    """
+    base = fs.rows("base")
+    return FeatureSet(
+        features=np.concatenate([fs.features[base], fs.features[base]]),
+        labels=np.concatenate([fs.labels[base], fs.labels[base]]),
+        class_names=fs.class_names,
+        split=np.array(["base"] * base.size + ["novel"] * base.size),
+        name=f"{fs.name}[base classes as novel]",
+    )
+
+
+def hardest_episode_shape(
+    fs: FeatureSet,
+    shot: int,
+    max_query_per_class: int = 15,
+    min_base: int = MIN_STATISTICS_CLASSES,
+) -> tuple[int, int, int] | None:
+    """The hardest (way, shot, queries) of the episodes of :func:`class_subset_views`.
+
+    As many ways as leave ``min_base`` base classes for the statistics, the target
+    ``shot`` (capped by the smallest base class), and as many queries per class as the
+    smallest class leaves (at most ``max_query_per_class``). ``None`` when not even
+    2-way 1-shot episodes fit.
+    """
+    sizes = class_sizes(fs, "base")
+    way = sizes.size - min_base
+    if way < 2 or sizes.min() < 2:
+        return None
+    s = min(shot, int(sizes.min()) - 1)
+    per_class = min(int(sizes.min()) - s, max_query_per_class)
+    return way, s, way * per_class

@@ -33,6 +33,9 @@ class EvalResult:
     per_task_accuracy: np.ndarray = field(repr=False)
     calibration: dict[str, tuple[float, float]] = field(default_factory=dict)
     per_task_calibration: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    #: the method that ran, where the estimator says so (``preset="auto"``: the method
+    #: tuned, or nearest centroid where it fell back, :attr:`probfsl.tuning.AutoPreset.method_run_`)
+    method_run: str | None = None
 
     def summary(self) -> dict:
         """The JSON-friendly fields (without per-task values); calibration metrics flat,
@@ -40,12 +43,16 @@ class EvalResult:
         out = asdict(self)
         for key in ("per_task_accuracy", "calibration", "per_task_calibration"):
             out.pop(key)
+        if out["method_run"] is None:
+            out.pop("method_run")
         for name, (mean, ci) in self.calibration.items():
             out[name], out[f"{name}_ci95"] = mean, ci
         return out
 
     def __str__(self) -> str:
         text = f"{self.accuracy:.2f} ± {self.ci95:.2f} %"
+        if self.method_run:
+            text = f"(ran {self.method_run}) {text}"
         if self.calibration:
             text += "  " + "  ".join(
                 f"{name} {mean:.3f} ± {ci:.3f}" for name, (mean, ci) in self.calibration.items()
@@ -186,9 +193,10 @@ def evaluate(
     accuracy (argmax of ``predict_proba``) and calibration of the probabilities.
 
     Timing covers the estimator's work on the batches (moving each batch to
-    ``device`` included), not the sampling of the tasks.
+    ``device`` included), not the sampling of the tasks. ``method_run`` of the result
+    names the method that ran where the estimator says so (``preset="auto"``).
     """
-    return evaluate_stream(
+    result = evaluate_stream(
         {"estimator": estimator},
         lambda start, stop: episodes[start:stop],
         len(episodes),
@@ -197,3 +205,6 @@ def evaluate(
         device,
         dtype,
     )["estimator"]
+    inner = getattr(estimator, "estimator_", estimator)  # through temperature scaling
+    result.method_run = getattr(inner, "method_run_", None)
+    return result
