@@ -15,21 +15,26 @@ writes their feature file). The zero-shot row (WordNet) gives EM-Dirichlet at it
 default beside the argmax baselines. The results stores are ``results/sweeps/defaults``
 and ``results/sweeps/zero_shot`` (a cell already stored for the same code is not run
 again); this script writes ``results/defaults.md`` (a page of the docs' benchmarks
-section) and ``results/defaults.json`` from them.
+section) and ``results/defaults.json`` from them. The tables hold the rows of one code
+version (the installed code's where the stores have it, else the newest rows', or
+``--code-version``): rows of two versions of the code are never put in one table.
 
     python benchmarks/bench_defaults.py [--workers 2] [--executor local|ray]
     python benchmarks/bench_defaults.py --tables-only     # redo the tables from the stores
+    python benchmarks/bench_defaults.py --tables-only --code-version V   # another version's
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import probfsl
 from probfsl.methods import METHODS
 from probfsl.sweeps import read_table
+from probfsl.sweeps.report import select_version
 
 HERE = Path(__file__).resolve().parent
 SWEEPS = ("defaults", "zero_shot")
@@ -51,6 +56,12 @@ def main() -> None:
     parser.add_argument(
         "--tables-only", action="store_true", help="rewrite defaults.md from the stores"
     )
+    parser.add_argument(
+        "--code-version",
+        default=None,
+        help="the code version whose rows make the tables (default: the installed code's "
+        "where the stores have it, else the newest rows')",
+    )
     args = parser.parse_args()
     stores = {name: args.out / "sweeps" / name for name in SWEEPS}
     if not args.tables_only:
@@ -64,11 +75,10 @@ def main() -> None:
                 progress=True,
             )
     rows = []
-    for store in stores.values():
-        for row in read_table(store).to_dict("records"):
-            # the table shows what ran: the default search's choice
-            row["preset"], row["params"] = row["ran_preset"], row["ran_params"]
-            rows.append(row)
+    for row in stored_rows(list(stores.values()), args.code_version):
+        # the table shows what ran: the default search's choice
+        row["preset"], row["params"] = row["ran_preset"], row["ran_params"]
+        rows.append(row)
     failed = [r for r in rows if r["status"] != "ok"]
     for r in failed:
         print(f"failed: {r['data']} {r['label']} {r['shot']}-shot {r['balance']}: {r['error']}")
@@ -85,6 +95,25 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "defaults.json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
     (args.out / "defaults.md").write_text(tables(rows))
+
+
+def stored_rows(stores: list[Path], code_version: str | None = None) -> list[dict]:
+    """The rows of the results ``stores`` of one code version, the same for all of them
+    (:func:`probfsl.sweeps.report.select_version` on their rows together:
+    ``code_version``, else the installed code's where the stores hold it, else the newest
+    rows'); the rows of other versions are left out, with a note on stderr."""
+    import pandas as pd
+
+    tables = [read_table(store) for store in stores]
+    _, choice = select_version(pd.concat(tables, ignore_index=True), code_version)
+    if note := choice.note():
+        print(f"bench_defaults: {note}", file=sys.stderr)
+    return [
+        row
+        for table in tables
+        for row in table.to_dict("records")
+        if choice.version is None or row["code_version"] == choice.version
+    ]
 
 
 def sweep_config(name: str, quick: bool, data_dir: Path | None):

@@ -321,7 +321,9 @@ def build_parser(parser_class: type[_Parser] = _Parser) -> argparse.ArgumentPars
     run.add_argument(
         "--task-file",
         metavar="PATH",
-        help="explicit task file (.npz of row indices) instead of sampling",
+        help="explicit task file (.npz of row indices) instead of sampling; it sets way, "
+        "shot and queries, is checked once before the run (with progress) and is made "
+        "into tasks a batch at a time",
     )
     run.add_argument(
         "--preset",
