@@ -308,14 +308,14 @@ def linear_probe(fs: FeatureSet, train: np.ndarray, test: np.ndarray, quick: boo
     xtr, xte, ytr, yte = x[train], x[test], fs.labels[train], fs.labels[test]
     out = {}
     tic = time.perf_counter()
-    model = EvidenceLSSVM(center=False).fit(xtr, ytr)
+    model = EvidenceLSSVM(center=False).fit_probe(xtr, ytr)
     out["evidence"] = {
         "accuracy": float((model.predict(xte) == yte).mean() * 100),
         "seconds": time.perf_counter() - tic,
         "lambda": float(model.lambda_[0]),
     }
     tic = time.perf_counter()
-    model = EvidenceLSSVM(center=False, lambda_mode="per_class").fit(xtr, ytr)
+    model = EvidenceLSSVM(center=False, lambda_mode="per_class").fit_probe(xtr, ytr)
     out["evidence_per_class"] = {
         "accuracy": float((model.predict(xte) == yte).mean() * 100),
         "seconds": time.perf_counter() - tic,

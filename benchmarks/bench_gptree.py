@@ -1,6 +1,6 @@
 """Class-incremental (FSCIL) benchmark of GP-Tree on the shared Omniglot features.
 
-Protocol (spec gptree.md §3.7): every class's 20 samples are split (seeded) into
+Protocol (docs/design/gp-tree.md §3.7): every class's 20 samples are split (seeded) into
 15 train / 5 test. Stage 1 = the 136 base classes with their 15 train samples; then the
 novel classes in a seeded order, in stages of 10-way 5-shot (the first 5 train samples
 of each class). After each stage, accuracy on the test samples of all classes seen so

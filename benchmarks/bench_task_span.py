@@ -14,7 +14,8 @@ In one process, on the same tasks, for the default estimator ``Bavardage()``:
   route's agreement with the old function's float64 labels;
 * CPU time of ``predict_proba`` for 5-way 1-shot tasks at 1280-d (15 queries per class),
   old and new alternating, best of ``--rounds``; and of the whitening alone, also against
-  the reference code's whitening operations (thin SVD, inverses, eigh; spec §3.1).
+  the reference code's whitening operations (thin SVD, inverses, eigh;
+  docs/design/bavardage.md §3.1).
 
     python benchmarks/bench_task_span.py [--data-dir DIR] [--tasks 500] [--time-tasks 1000]
 """
@@ -66,7 +67,7 @@ def task_span_whitening_qr_eigh(
 
 
 def reference_code_whitening(x: torch.Tensor, scatter: torch.Tensor) -> torch.Tensor:
-    """The whitening operations of the reference code as spec §3.1 describes them (steps S
+    """The whitening operations of the reference code as design §3.1 describes them (steps S
     and V; for timing only): thin SVD of x^T, X U_t, S_w^{-1} (once), M_t = (U_t^T S_w^{-1}
     U_t)^{-1}, eigh(M_t) with the eigenvalues sorted in descending order, X U_t V_e."""
     u, _, _ = torch.linalg.svd(x.transpose(1, 2), full_matrices=False)
@@ -131,7 +132,7 @@ def timing(fs, n_tasks: int, rounds: int) -> dict:
             best[route] = min(best[route], time.perf_counter() - tic)
     out = dict(tasks=n_tasks, threads=torch.get_num_threads(), rounds=rounds)
     out.update({f"seconds_{r}": s for r, s in best.items()})
-    # the whitening alone, against the reference code's operations (spec §3.1)
+    # the whitening alone, against the reference code's operations (design §3.1)
     x = episodes.points() - est.base_mean_.to(episodes.support)
     x = x / x.norm(dim=-1, keepdim=True)
     precision, scatter = est.precision_.to(x), est.scatter_.to(x)

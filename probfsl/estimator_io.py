@@ -9,12 +9,16 @@ and containers. Values are encoded into that vocabulary:
   string keys as themselves (tuple subclasses such as ``torch.linalg.eigh``'s result
   become plain tuples);
 * NumPy arrays, ``torch.dtype`` and dataclass instances of a ``probfsl`` module as
-  tagged dicts; a dataclass is rebuilt only if its class is a dataclass of ``probfsl``.
+  tagged dicts; a dataclass is rebuilt only if its class is a dataclass of ``probfsl``;
+* a saveable estimator held by another (the estimator that
+  :class:`probfsl.tuning.AutoPreset` chose) as a tagged dict of its class,
+  hyperparameters and fitted state, checked and rebuilt as a file's content is.
 
 Anything else is a ``TypeError`` naming the attribute. Loading refuses a file whose
-class is not an estimator defined in :mod:`probfsl.models` (a class with the estimator
-surface of :class:`probfsl.models.base.FewShotClassifier`), so a file cannot make the
-loader import or build anything else. The check reads the class, not the registry, so
+class is not an estimator defined in :mod:`probfsl.models` or
+:class:`probfsl.tuning.AutoPreset` (a class with the estimator surface of
+:class:`probfsl.models.base.FewShotClassifier`), so a file cannot make the loader import
+or build anything else. The check reads the class, not the registry, so
 this module imports nothing above it.
 
 A file is checked, not trusted. It carries its format version and a SHA-256 checksum of
@@ -71,6 +75,8 @@ def encode(value: Any, name: str) -> Any:
         return value.item()
     if isinstance(value, torch.dtype):
         return {_TAG: "dtype", "value": str(value).removeprefix("torch.")}
+    if _is_estimator(value):
+        return _encode_estimator(value, name)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         cls = type(value)
         if not cls.__module__.startswith("probfsl."):
@@ -108,6 +114,8 @@ def decode(value: Any) -> Any:
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"unknown dtype {value['value']!r} in the file")
         return dtype
+    if tag == "estimator":
+        return _build(_registered(value["class"]), value["params"], value["state"], "")
     if tag == "dataclass":
         module, _, qualname = value["class"].partition(":")
         if not module.startswith("probfsl."):
@@ -122,12 +130,64 @@ def decode(value: Any) -> Any:
 
 #: what makes a class an estimator (the surface of probfsl.models.base.FewShotClassifier)
 _ESTIMATOR_SURFACE = ("get_params", "fitted_state", "fit_base", "predict_proba")
+#: the saveable estimators outside probfsl.models ("module:Class")
+_OTHER_ESTIMATORS = frozenset({"probfsl.tuning:AutoPreset"})
+
+
+def _is_estimator(value: Any) -> bool:
+    """Whether ``value`` is an estimator instance (it has the estimator surface)."""
+    return not isinstance(value, type) and all(
+        callable(getattr(value, a, None)) for a in _ESTIMATOR_SURFACE
+    )
+
+
+def _target(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _encode_estimator(estimator: Any, name: str) -> dict:
+    """A saveable estimator held in a state as a tagged dict; ``TypeError`` otherwise."""
+    cls = type(estimator)
+    try:
+        _registered(_target(cls))
+    except ValueError:
+        raise TypeError(
+            f"cannot save {name}: a {cls.__name__} is not a saveable estimator"
+        ) from None
+    if _schema(cls) is None:
+        raise TypeError(f"cannot save {name}: {cls.__name__} declares no schema")
+    return {
+        _TAG: "estimator",
+        "class": _target(cls),
+        "params": encode(estimator.get_params(), f"{name}.params"),
+        "state": {k: encode(v, f"{name}.{k}") for k, v in estimator.fitted_state().items()},
+    }
+
+
+def check_nested(value: Any, where: str) -> None:
+    """``ValueError`` naming ``where`` unless ``value`` is an encoded estimator (see
+    :func:`encode`) of a saveable class whose hyperparameters and fitted state have the
+    form its declaration gives (used by :class:`probfsl.schema.Nested`)."""
+    keys = {_TAG, "class", "params", "state"}
+    if not isinstance(value, dict) or set(value) != keys:
+        raise ValueError(f"{where}: not a saved estimator (keys {sorted(keys - {_TAG})})")
+    if not isinstance(value["class"], str):
+        raise ValueError(f"{where}: the estimator's class should be a string")
+    try:
+        cls = _registered(value["class"])
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    _check_content(cls, value["params"], value["state"], where)
 
 
 def _registered(target: str) -> type:
-    """The estimator class named ``"module:Class"``, if it is one of :mod:`probfsl.models`."""
+    """The estimator class named ``"module:Class"``, if it is one of :mod:`probfsl.models`
+    (or :data:`_OTHER_ESTIMATORS`)."""
     module, _, name = target.partition(":")
-    if not module.startswith("probfsl.models.") or not name.isidentifier():
+    if (
+        not (module.startswith("probfsl.models.") or target in _OTHER_ESTIMATORS)
+        or not name.isidentifier()
+    ):
         raise ValueError(f"{target!r} is not an estimator of probfsl.models")
     cls = getattr(import_module(module), name, None)
     if (
@@ -260,28 +320,45 @@ def load_estimator(path: str | Path, expected: type | None = None) -> Any:
         raise ValueError(f"{where}: {err}") from None
     if expected is not None and not issubclass(cls, expected):
         raise ValueError(f"{where} holds a {cls.__name__}, not a {expected.__name__}")
+    return _build(cls, payload["params"], payload["state"], where)
+
+
+def _check_content(cls: type, params: Any, state: Any, where: str) -> dict:
+    """The (encoded) hyperparameters and fitted state of an estimator of class ``cls``,
+    checked against its declaration before anything is decoded or computed; returns the
+    hyperparameters with their dtypes decoded. ``ValueError`` naming ``where``."""
     schema = _schema(cls)
     if schema is None:
         raise ValueError(f"{where}: {cls.__name__} declares no schema and cannot be loaded")
+    if not isinstance(params, dict) or not isinstance(state, dict):
+        raise ValueError(f"{where}: 'params' and 'state' must be dicts")
     accepted = set(schema.params)
-    for key in payload["params"]:
+    for key in params:
         if not isinstance(key, str) or not key.isidentifier() or key.startswith("_"):
             raise ValueError(f"{where}: {key!r} is not a hyperparameter name")
         if callable(getattr(cls, key, None)) or key not in accepted:
             raise ValueError(f"{where}: {key!r} is not a hyperparameter of {cls.__name__}")
-    for key in payload["state"]:
+    for key in state:
         if not (isinstance(key, str) and key.isidentifier() and key.endswith("_")):
             raise ValueError(f"{where}: {key!r} is not a fitted attribute name")
         if key.startswith("_") or callable(getattr(cls, key, None)):
             raise ValueError(f"{where}: fitted attribute {key!r} would hide a method")
     # the declared form, on the encoded content: nothing is built or computed before
-    params = schema.check_saved_params(payload["params"], where, cls.__name__)
-    schema.check_state(payload["state"], where, cls.__name__)
-    state = decode(payload["state"])
+    decoded = schema.check_saved_params(params, where, cls.__name__)
+    schema.check_state(state, where, cls.__name__)
+    return decoded
+
+
+def _build(cls: type, params: Any, state: Any, where: str) -> Any:
+    """An estimator of class ``cls`` from its encoded hyperparameters and fitted state,
+    checked first (:func:`_check_content`; again, cheaply, for an estimator nested in a
+    state that was checked as a whole)."""
+    params = _check_content(cls, params, state, where or cls.__name__)
+    state = decode(state)
     try:
         estimator = cls(**params)
         estimator.check_params()  # rules that tie hyperparameters together
     except (TypeError, ValueError) as err:
-        raise ValueError(f"{where}: invalid hyperparameters: {err}") from None
+        raise ValueError(f"{where or cls.__name__}: invalid hyperparameters: {err}") from None
     estimator.restore_fitted_state(state)
     return estimator

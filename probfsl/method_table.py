@@ -8,7 +8,6 @@ without importing the estimators (and torch).
 
 from __future__ import annotations
 
-
 #: method name -> hyperparameters, presets, tunable by ``--preset auto``
 METHOD_TABLE: dict[str, dict] = {
     "nearest-centroid": {

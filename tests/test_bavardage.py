@@ -1,4 +1,5 @@
-"""BAVARDAGE's PLDA whitening and the estimator: spec §7 (PLDA, invariances, behaviour)."""
+"""BAVARDAGE's PLDA whitening and the estimator: docs/design/bavardage.md §7 (PLDA, invariances,
+behaviour)."""
 
 import math
 
@@ -113,7 +114,7 @@ def test_global_whitening_spheres_the_scatter_and_lazy_metric_is_exact():
 
 
 def test_task_span_whitening_reproduces_the_span_metric():
-    """Spec §7: W = U_t V_e diag(s) satisfies W^T (U_t M_t U_t^T) W = I when unclamped."""
+    """Design §7: W = U_t V_e diag(s) satisfies W^T (U_t M_t U_t^T) W = I when unclamped."""
     base, labels, episodes = _world(dim=24)
     precision = torch.linalg.inv(within_class_scatter(base, labels))
     ep = episodes(2)
@@ -136,7 +137,7 @@ def test_task_span_whitening_reproduces_the_span_metric():
 
 
 def test_projection_basis_keeps_the_between_class_spectrum_and_is_basis_free():
-    """Spec §7: q^T Ψ q has Ψ's nonzero spectrum; QR basis and ours give the same geometry."""
+    """Design §7: q^T Ψ q has Ψ's nonzero spectrum; QR basis and ours give the same geometry."""
     g = torch.Generator().manual_seed(1)
     y = torch.randn(2, 20, 9, generator=g, dtype=F64)
     resp = torch.softmax(3 * torch.randn(2, 20, 4, generator=g, dtype=F64), -1)
@@ -179,7 +180,7 @@ def test_task_span_and_global_whitening_agree_when_s_max_does_not_clamp():
 
 
 def test_invariances_of_the_responsibilities():
-    """Spec §7: orthogonal transform, translation and scaling of base+task; permutations."""
+    """Design §7: orthogonal transform, translation and scaling of base+task; permutations."""
     base, labels, episodes = _world()
     ep = episodes(3)
     kw = dict(temperature_vb=20.0, s_max=2.0)
@@ -214,7 +215,7 @@ def test_batched_equals_single_and_float32_agrees():
 
 
 def test_well_separated_clusters_are_recovered_with_exact_query_counts():
-    """Spec §7: 100% accuracy and α_k - α_o equal to the true query counts."""
+    """Design §7: 100% accuracy and α_k - α_o equal to the true query counts."""
     base, labels, episodes = _world(spread=6.0, noise=0.05)
     counts = (9, 0, 5)
     ep = episodes(5, counts=counts, spread_novel=6.0)
@@ -234,7 +235,7 @@ def test_well_separated_clusters_are_recovered_with_exact_query_counts():
 
 
 def test_plda_beats_soft_kmeans_on_anisotropic_tasks():
-    """Spec §7 behaviour: with a strongly anisotropic shared covariance, VB+PLDA wins."""
+    """Design §7 behaviour: with a strongly anisotropic shared covariance, VB+PLDA wins."""
     base, labels, episodes = _world(dim=16, n_base=20, per_base=20, spread=0.25, noise=1.0)
     ep = episodes(30, way=3, shot=1, counts=(12, 4, 8), spread_novel=0.25)
     bav = _fit(base, labels, temperature_vb=10.0, s_max=None)
@@ -266,7 +267,7 @@ def test_soft_kmeans_mode_is_the_shared_initialiser_and_vb_mode_runs_in_full_spa
 def test_presets_and_balanced_model():
     published = {"mini-balanced", "mini-unbalanced", "tiered-balanced", "tiered-unbalanced", "cub"}
     assert set(PRESETS) == published | {f"{name}-relative" for name in published}
-    # relative presets: T_vb / images per class, s_max * sqrt(n w / D) (spec §3.2)
+    # relative presets: T_vb / images per class, s_max * sqrt(n w / D) (design §3.2)
     assert PRESETS["mini-unbalanced-relative"]["temperature_vb"] == round(50 / 600, 4)
     assert PRESETS["cub-relative"]["s_max"] == round(5 * (60 * 0.45 / 512) ** 0.5, 3)
     est = Bavardage.from_preset("tiered-unbalanced")
@@ -328,6 +329,7 @@ def test_posterior_draws_come_from_the_guide_and_leave_the_global_streams_alone(
     assert set(balanced.posterior_draws(n_draws=3)) == {"mu", "z"}
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_posterior_draws_on_cuda_fork_the_cuda_stream():
     base, labels, episodes = _world()
@@ -438,7 +440,7 @@ def test_cheap_finiteness_check_catches_inf_but_not_large_finite_values():
 
 
 def test_relative_scale_is_invariant_to_images_per_base_class_and_code_scale_is_not():
-    """Duplicating every base image doubles the code's S_w (spec §3.2): in relative units
+    """Duplicating every base image doubles the code's S_w (design §3.2): in relative units
     the clamp and the precision follow it and the responsibilities do not change (up to
     the fixed 1e-6 ridge of S_w, which does not double)."""
     base, labels, episodes = _world()

@@ -1,5 +1,6 @@
-"""BAVARDAGE's mean-field engine: conformance with Pyro, exactness, brute force (spec §7),
-and the guarantees of the production configuration (adaptive projection)."""
+"""BAVARDAGE's mean-field engine: conformance with Pyro, exactness, brute force
+(docs/design/bavardage.md §7), and the guarantees of the production configuration (adaptive
+projection)."""
 
 import itertools
 import math
@@ -85,7 +86,7 @@ def test_monotone_check_catches_a_broken_m_step():
 
 @pytest.mark.parametrize("balanced", [False, True])
 def test_elbo_never_decreases_after_each_update_with_frozen_projection(balanced):
-    """Spec §7: with the PLDA projection frozen, every M and every E update raises the ELBO."""
+    """Design §7: with the PLDA projection frozen, every M and every E update raises the ELBO."""
     u_s, y_s, u_q, _ = _mixture_data(t=6, shot=1, n_query=20, d=12, sep=0.4, seed=1)
     engine = BavardageVB(K, tau=4.0, projection="frozen", balanced=balanced)
     state = engine.init(u_s, y_s, u_q)
@@ -101,7 +102,7 @@ def test_elbo_never_decreases_after_each_update_with_frozen_projection(balanced)
 
 
 def test_conjugate_updates_with_hard_assignments():
-    """Spec §7: one-hot o gives the exact posteriors of μ_k and Dir(α_o + query counts)."""
+    """Design §7: one-hot o gives the exact posteriors of μ_k and Dir(α_o + query counts)."""
     u_s, y_s, u_q, y_q = _mixture_data(t=2, n_query=7, d=2)
     engine = BavardageVB(K, projection="identity", **HYPER)
     resp = torch.nn.functional.one_hot(torch.cat([y_s, y_q], 1), K).double()
@@ -148,7 +149,7 @@ def _log_evidence_brute_force(u_s, y_s, u_q, tau, alpha0, beta0):
 
 
 def test_elbo_below_brute_force_evidence_and_gap_shrinks_with_separation():
-    """Spec §7: K=2-style tiny problem (here K=3, 3 queries, d=1) enumerated exactly."""
+    """Design §7: K=2-style tiny problem (here K=3, 3 queries, d=1) enumerated exactly."""
     gaps = []
     for sep in (0.5, 2.0, 8.0):
         g = torch.Generator().manual_seed(0)
@@ -168,7 +169,7 @@ def test_elbo_below_brute_force_evidence_and_gap_shrinks_with_separation():
 
 
 def test_e_step_log_rho_matches_monte_carlo_expectation():
-    """Spec §7: E_q[ln π_k + ln N(u_n | μ_k, Λ^{-1})] by sampling equals ln ρ_nk."""
+    """Design §7: E_q[ln π_k + ln N(u_n | μ_k, Λ^{-1})] by sampling equals ln ρ_nk."""
     u_s, y_s, u_q, _ = _mixture_data(t=1, n_query=4, d=3, seed=2)
     engine = BavardageVB(K, projection="identity", **HYPER)
     state, _ = fit_bavardage_vb(engine, u_s, y_s, u_q, n_iter=3)
@@ -185,7 +186,7 @@ def test_e_step_log_rho_matches_monte_carlo_expectation():
 
 
 def test_perturbing_any_factor_never_increases_the_elbo():
-    """Spec §7: every closed-form factor is a coordinate-wise maximiser."""
+    """Design §7: every closed-form factor is a coordinate-wise maximiser."""
     u_s, y_s, u_q, _ = _mixture_data(t=2, n_query=6, d=2, seed=4)
     engine = BavardageVB(K, projection="identity", **HYPER)
     state, _ = run(engine, engine.init(u_s, y_s, u_q), 4)
@@ -211,7 +212,7 @@ def test_perturbing_any_factor_never_increases_the_elbo():
 
 @pytest.mark.parametrize("count_support", [False, True])
 def test_invariants(count_support):
-    """Spec §7: one-hot support, Σ_k N_k = N, β_k ≥ β_o, Σ_k α_k, rows sum to one."""
+    """Design §7: one-hot support, Σ_k N_k = N, β_k ≥ β_o, Σ_k α_k, rows sum to one."""
     u_s, y_s, u_q, _ = _mixture_data(t=4, shot=2, n_query=9, d=5, seed=5)
     engine = BavardageVB(K, projection="adaptive", count_support=count_support, **HYPER)
     state, _ = fit_bavardage_vb(engine, u_s, y_s, u_q, n_iter=4)
@@ -243,7 +244,7 @@ def test_engine_rejects_bad_input():
 
 def test_step_reports_the_elbo_after_its_e_step_and_its_m_step():
     """With u fixed (identity), previous objective <= Info.objective_e <= new objective;
-    both equal the explicit ELBO of spec §3.9 (the step uses the E step's log-normaliser
+    both equal the explicit ELBO of design §3.9 (the step uses the E step's log-normaliser
     and the collapsed bound after the M step)."""
     u_s, y_s, u_q, _ = _mixture_data(t=4, n_query=9, d=3, seed=6)
     for variant in (dict(), dict(balanced=True), dict(count_support=True)):

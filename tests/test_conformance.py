@@ -18,6 +18,9 @@ from probfsl.testing import (
     assert_monotone,
     assert_no_host_syncs,
     check_engine,
+    checks_of,
+    engine_checks,
+    parametrize_with_checks,
 )
 
 
@@ -56,9 +59,23 @@ def normal_gamma_case():
     )
 
 
-@pytest.mark.parametrize("make_case", [normal_mean_case, normal_gamma_case])
-def test_textbook_engines_pass_conformance(make_case):
-    check_engine(make_case())
+@parametrize_with_checks([normal_mean_case(), normal_gamma_case()])
+def test_textbook_engines_pass_conformance(case, check):
+    """One test id per (engine, check) pair, e.g. NormalGammaVB-assert_monotone."""
+    check(case)
+
+
+def test_parametrize_with_checks_lists_the_engine_checks():
+    cases = [normal_mean_case(), replace(normal_gamma_case(), name="gamma")]
+    ids = [test_id for test_id, _, _ in checks_of(cases)]
+    assert ids[0] == "NormalMeanPosterior-assert_monotone"
+    assert "NormalMeanPosterior-assert_exact_evidence" in ids  # it has the exact evidence
+    assert "gamma-assert_elbo_matches_pyro" in ids and "gamma-assert_exact_evidence" not in ids
+    assert [check for _, _, check in checks_of(cases[1:])] == engine_checks(cases[1])
+    with pytest.raises(TypeError, match="estimators and engine cases"):
+        from probfsl.models.slem import SLEM
+
+        parametrize_with_checks([cases[0], SLEM()])
 
 
 def test_normal_gamma_matches_exact_posterior_limit():

@@ -1,6 +1,6 @@
 """EM-Dirichlet's engine derived by VMP from its declaration (``engine="derived"``)
-against the hand-written one (Martin et al., CVPR 2024; spec ``em_dirichlet.md``):
-the same labels, objective trace (J, spec §3.5) and concentrations, few-shot and
+against the hand-written one (Martin et al., CVPR 2024; docs/design/em-dirichlet.md):
+the same labels, objective trace (J, design §3.5) and concentrations, few-shot and
 zero-shot; the shared conformance checks (Pyro's ELBO with the tempered class prior,
 monotone bound, batch and dtype agreement, devices, no host synchronisation); and a
 broken update caught."""
@@ -37,7 +37,7 @@ def one_thread():
 
 
 def mixture(t=5, n_query=24, k=10, present=3, shot=1, seed=0, dtype=F64):
-    """Synthetic tasks (spec §6.8): K classes, ``present`` of them in each task's queries,
+    """Synthetic tasks (design §6.8): K classes, ``present`` of them in each task's queries,
     alpha_kk = 8 and 0.5 elsewhere; ``shot`` support rows per class."""
     g = torch.Generator().manual_seed(seed)
     alpha = torch.full((k, k), 0.5, dtype=F64) + 7.5 * torch.eye(k, dtype=F64)

@@ -1,6 +1,6 @@
 """The evidence LS-SVM's inference derived from its Pyro declaration by VMP
 (:mod:`probfsl.derived.evidence`) against the hand-written engine (Kim et al., CVPR 2016;
-spec ``evidence.md`` §3-4): the same lambda, log evidence and labels on built-in
+docs/design/evidence.md §3-4): the same lambda, log evidence and labels on built-in
 Omniglot episodes, shared and per-class lambda, float32 and float64, and a broken
 derived update is caught by the same comparison."""
 
@@ -137,8 +137,8 @@ def test_lambda_is_the_stationary_point_of_the_profile_evidence(omniglot, lambda
 
 def test_lambda_heading_to_zero_lands_on_the_clamp():
     """Targets along the large-eigenvalue directions (``U^T y ~ s^1.5``, N < D): the
-    profile evidence rises to a finite limit as lambda -> 0 (exact interpolation, spec
-    section 3); lambda ends on the clamp ``1e-10 x mean(s)``, flagged at the boundary,
+    profile evidence rises to a finite limit as lambda -> 0 (exact interpolation, design
+    §3); lambda ends on the clamp ``1e-10 x mean(s)``, flagged at the boundary,
     in both engines (the same Newton finish), with the same evidence."""
     gen = torch.Generator().manual_seed(0)
     t, n, d = 4, 8, 20

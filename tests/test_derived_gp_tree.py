@@ -1,7 +1,7 @@
 """GP-Tree's VI nodes with ``engine="derived"``: q(f̄) and the Pólya-Gamma factors derived
 by VMP from the node's declaration (:mod:`probfsl.derived.gp_tree`) equal the hand-written
-:class:`~probfsl.inference.gp_nodes.VINodes` (Achituve et al., ICML 2021, §3.3; spec
-``gptree.md`` §3.3), and the estimator's labels are unchanged."""
+:class:`~probfsl.inference.gp_nodes.VINodes` (Achituve et al., ICML 2021, §3.3; design:
+docs/design/gp-tree.md §3.3), and the estimator's labels are unchanged."""
 
 from __future__ import annotations
 
@@ -192,7 +192,7 @@ def _jaakkola_jordan(k: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, sweep
 
 def test_few_shot_nodes_are_the_jaakkola_jordan_posterior():
     """engine="derived" of the few-shot estimator: each node's q(f) is the mean-field
-    Pólya-Gamma posterior of the exact-kernel node (spec §3.2), here against the
+    Pólya-Gamma posterior of the exact-kernel node (design §3.2), here against the
     fixed point written out node by node."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 6, 5, generator=g, dtype=D64)

@@ -23,7 +23,7 @@ def _problem(dtype=torch.float64, t=3, k=4, d=12, n=150, seed=0):
 
 @pytest.mark.parametrize("lam", [0.02, 0.5])
 def test_map_equals_the_woodbury_closed_form(lam):
-    """(ω*, ν*) of every exemplar equal SLEM's closed form (spec §3) to 1e-10."""
+    """(ω*, ν*) of every exemplar equal SLEM's closed form (docs/design/slem.md §3) to 1e-10."""
     negatives, means, _ = _problem()
     lam_t = torch.tensor(lam, dtype=torch.float64)
     omega, nu = derived.exemplar_weights(means, negatives, lam_t, theta=2.0)

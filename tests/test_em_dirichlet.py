@@ -1,4 +1,4 @@
-"""EM-Dirichlet: the spec's verification checklist (em_dirichlet.md §6) and conformance."""
+"""EM-Dirichlet: the checklist of docs/design/em-dirichlet.md §6 and conformance."""
 
 import itertools
 import math
@@ -35,7 +35,7 @@ F64 = torch.float64
 
 
 def dirichlet_mixture(n_tasks, k, n_query, present, n_shot=0, diag=8.0, off=0.5, seed=0):
-    """Synthetic tasks (spec §6.8): class c ~ Dir(alpha_c), alpha_cc = diag, others off."""
+    """Synthetic tasks (design §6.8): class c ~ Dir(alpha_c), alpha_cc = diag, others off."""
     g = torch.Generator().manual_seed(seed)
     alpha = torch.full((k, k), off, dtype=F64)
     alpha.fill_diagonal_(diag)
@@ -88,7 +88,7 @@ def test_curvature_limit_and_series_branch():
 
 
 def test_mm_root_solves_quadratic():
-    """alpha_new is the positive root of c a^2 + b a = 1 (spec §6.3), with b of either sign."""
+    """alpha_new is the positive root of c a^2 + b a = 1 (design §6.3), with b of either sign."""
     g = torch.Generator().manual_seed(0)
     beta = torch.rand(50, 6, generator=g, dtype=F64) * 20 + 1e-3
     stat = torch.log(torch.distributions.Dirichlet(torch.ones(6, dtype=F64)).sample((50,)))
@@ -102,7 +102,7 @@ def test_mm_root_solves_quadratic():
 
 
 def reference_mm_step(beta, stat):
-    """Algorithm 1 written directly from spec §3.1 (curvature via the series-safe helper)."""
+    """Algorithm 1 written directly from design §3.1 (curvature via the series-safe helper)."""
     c = curvature(beta)
     b = torch.special.digamma(beta + 1) - torch.special.digamma(beta.sum(-1, keepdim=True))
     b = b - c * beta - stat
@@ -112,7 +112,7 @@ def reference_mm_step(beta, stat):
 @pytest.mark.parametrize("dtype,rtol", [(F64, 1e-12), (torch.float32, 2e-5)])
 def test_mm_step_in_place_path_matches_the_spec_formula(dtype, rtol):
     """The in-place formula (coordinates above 0.05: c beta from digamma and ln Gamma
-    directly) and the series (below 0.05) give the spec's update, for b of both signs."""
+    directly) and the series (below 0.05) give the design's update, for b of both signs."""
     g = torch.Generator().manual_seed(1)
     torch.manual_seed(1)
     beta = torch.rand(40, 7, generator=g, dtype=F64) * 30 + 0.05
@@ -154,7 +154,7 @@ def test_step_equals_the_two_block_updates():
 
 @pytest.mark.parametrize("k,conc", [(5, 10.0), (10, 2.0), (30, 0.5)])
 def test_mm_step_never_increases_the_weighted_nll(k, conc):
-    """Spec §6.1: F_k never increases over the MM-quadratic iterations (float64)."""
+    """Design §6.1: F_k never increases over the MM-quadratic iterations (float64)."""
     g = torch.Generator().manual_seed(k)
     true = torch.rand(k, generator=g, dtype=F64) * conc + 0.2
     torch.manual_seed(k)
@@ -173,7 +173,7 @@ def test_mm_step_never_increases_the_weighted_nll(k, conc):
 
 @pytest.mark.parametrize("k,scale,iters", [(5, 10.0, 4000), (10, 3.0, 1500), (50, 0.55, 400)])
 def test_mm_fit_is_the_dirichlet_mle(k, scale, iters):
-    """Spec §6.2: MM from alpha = 1 matches an independent Minka fit to 1e-10 (n = 2000)."""
+    """Design §6.2: MM from alpha = 1 matches an independent Minka fit to 1e-10 (n = 2000)."""
     g = torch.Generator().manual_seed(k)
     true = torch.rand(k, generator=g, dtype=F64) * scale + 0.1
     torch.manual_seed(k)
@@ -348,7 +348,7 @@ def _assert_blocks_never_increase(engine, state, n_rounds: int) -> list:
 @pytest.mark.parametrize("hard", [False, True])
 @pytest.mark.parametrize("coef", [0.0, 1.0, None])
 def test_objective_never_increases_after_any_block(hard, coef):
-    """Spec §6.4: J non-increasing after each alpha step and each R step (float64)."""
+    """Design §6.4: J non-increasing after each alpha step and each R step (float64)."""
     query, _ = dirichlet_mixture(3, 10, 40, present=3, seed=1)
     engine = EMDirichletEngine(lambda_coef=coef, hard=hard, mm_max_iter=300)
     _assert_blocks_never_increase(engine, engine.init(query), 6)
@@ -441,7 +441,7 @@ def test_newton_solver_agrees_with_the_reference_loop_where_it_converges(hard):
 
 
 def test_lambda_equal_to_query_size_is_the_em_e_step():
-    """Spec §6.5: with lambda = |Q| and no support, R = pi_k Dir(x|a_k) / sum_j pi_j Dir(x|a_j)."""
+    """Design §6.5: lambda = |Q|, no support: R = pi_k Dir(x|a_k) / sum_j pi_j Dir(x|a_j)."""
     query, _ = dirichlet_mixture(2, 6, 30, present=3, seed=2)
     engine = EMDirichletEngine(lambda_coef=1.0)
     state = engine.update_alpha(engine.init(query))
@@ -456,7 +456,7 @@ def test_lambda_equal_to_query_size_is_the_em_e_step():
 
 
 def test_permutation_invariance():
-    """Spec §6.6: permuting queries permutes R; relabelling classes permutes every output."""
+    """Design §6.6: permuting queries permutes R; relabelling classes permutes every output."""
     query, _, support, labels = dirichlet_mixture(2, 6, 30, present=3, n_shot=1, seed=3)
     engine = EMDirichletEngine(mm_max_iter=200)
     base, _ = run(engine, engine.init(query, support, labels), 4)
@@ -476,7 +476,7 @@ def test_permutation_invariance():
 
 
 def test_recovers_synthetic_dirichlet_mixtures():
-    """Spec §6.8: K=20, 4 present classes, alpha_kk = 8 / 0.5, |Q|=75, informative start.
+    """Design §6.8: K=20, 4 present classes, alpha_kk = 8 / 0.5, |Q|=75, informative start.
 
     The code's lambda; the loops are shortened (8 outer, 100 inner iterations) to keep the
     test fast (the full 20 x 1000 reach the same purity on these tasks).
@@ -503,7 +503,7 @@ def test_few_shot_support_rows_stay_at_their_labels():
 
 
 def test_class_without_query_mass_fits_its_support():
-    """Spec §6.10: zero query responsibility for k -> alpha_k is the MLE of k's support."""
+    """Design §6.10: zero query responsibility for k -> alpha_k is the MLE of k's support."""
     query, _, support, labels = dirichlet_mixture(1, 4, 30, present=3, n_shot=60, seed=6)
     engine = EMDirichletEngine(mm_max_iter=5000, mm_tol=1e-28)
     state = engine.init(query, support, labels)
@@ -516,7 +516,7 @@ def test_class_without_query_mass_fits_its_support():
 
 
 def test_empty_class_keeps_alpha_and_never_gives_nan():
-    """Spec §6.11: a class with zero weight keeps its alpha; no NaN anywhere."""
+    """Design §6.11: a class with zero weight keeps its alpha; no NaN anywhere."""
     query, _ = dirichlet_mixture(2, 8, 30, present=2, seed=7)
     engine = EMDirichletEngine(hard=True, mm_max_iter=200)
     state = engine.init(query)
@@ -555,7 +555,7 @@ def _case(hard=False, coef=1.0, n_shot=1, solver="mm"):
     "hard,coef,n_shot", [(False, 1.0, 1), (False, 2.0, 0), (True, 1.0, 1), (False, 0.0, 0)]
 )
 def test_engine_passes_conformance(hard, coef, n_shot):
-    """Monotone J, batched = single, float32 ~ float64, Trace_ELBO = -J (spec §2)."""
+    """Monotone J, batched = single, float32 ~ float64, Trace_ELBO = -J (design §2)."""
     check_engine(_case(hard, coef, n_shot))
 
 
@@ -593,7 +593,7 @@ def test_production_engine_passes_conformance(hard, zero_shot):
 
 @pytest.mark.parametrize("n_shot", [0, 2])
 def test_objective_equals_enumerated_negative_elbo(n_shot):
-    """Spec §6.7: J equals Pyro's TraceEnum_ELBO loss (exact enumeration over c_n)."""
+    """Design §6.7: J equals Pyro's TraceEnum_ELBO loss (exact enumeration over c_n)."""
     case = _case(coef=3.0, n_shot=n_shot)
     engine = case.make_engine()
     state, _ = run(engine, engine.init(*case.data), 3)
@@ -606,7 +606,7 @@ def test_objective_equals_enumerated_negative_elbo(n_shot):
 
 
 def test_hungarian_matching_is_the_best_injective_assignment():
-    """Spec §6.9: injective map; accuracy equals the brute-force best assignment."""
+    """Design §6.9: injective map; accuracy equals the brute-force best assignment."""
     g = torch.Generator().manual_seed(8)
     k = 5
     for _ in range(5):
@@ -690,6 +690,7 @@ def test_compiled_inner_loop_matches_the_eager_loop_on_the_cpu():
     assert torch.equal(fused[frozen], alpha[frozen]) and bool((fused_iters[frozen] == 0).all())
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("solver", ["mm", "newton"])
 @pytest.mark.parametrize("max_iter, check_every", [(120, 50), (20, 1)])
@@ -716,6 +717,7 @@ def test_graphed_inner_loop_on_cuda_matches_the_eager_loop(solver, max_iter, che
     assert any(key[3] is masked for key in dirichlet_mm_graph._loops)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_em_dirichlet_on_cuda_gives_the_eager_labels():
     """Estimator level, few-shot and zero-shot: graphed (default on CUDA) against eager."""

@@ -1,4 +1,5 @@
-"""GP-Tree model: tree, path probabilities, stages, estimators (spec gptree.md §6 items 7–11)."""
+"""GP-Tree model: tree, path probabilities, stages, estimators (docs/design/gp-tree.md §6,
+items 7–11)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""GP-Tree inference: Pólya-Gamma facts, Gibbs nodes, VI nodes (spec gptree.md §6 items 1–6, 12)."""
+"""GP-Tree inference: Pólya-Gamma facts, Gibbs nodes, VI nodes (docs/design/gp-tree.md §6,
+items 1–6 and 12)."""
 
 from __future__ import annotations
 

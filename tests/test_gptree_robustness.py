@@ -25,24 +25,11 @@ from probfsl.inference import gp_nodes as gpn
 from probfsl.inference.polya_gamma import CounterRNG, pg_mean, pg_var, sample_pg_torch
 from probfsl.models.gptree import GPTree, GPTreeFewShot, build_tree, two_means_split
 from probfsl.testing import audit_devices
+from tests.synthetic import episodes_from_tensors
 
 warnings.filterwarnings("ignore", message=".*torch.jit.*")
 
 D64 = torch.float64
-
-
-def _episodes(support: torch.Tensor, labels: torch.Tensor, query: torch.Tensor) -> Episodes:
-    T, n = labels.shape
-    K = int(labels.max()) + 1
-    return Episodes(
-        support=support,
-        support_labels=labels,
-        query=query,
-        query_labels=torch.zeros(T, query.shape[1], dtype=torch.long),
-        classes=torch.arange(K).expand(T, K).clone(),
-        support_index=torch.zeros(T, n, dtype=torch.long),
-        query_index=torch.zeros(T, query.shape[1], dtype=torch.long),
-    )
 
 
 def _blobs(n_classes=4, n_per=5, D=6, seed=0, scale=1.0):
@@ -101,7 +88,7 @@ def test_eleven_way_task_with_identical_support_points():
     labels = torch.arange(11).repeat(2).expand(2, 22).clone()
     query = torch.randn(2, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(0))
     clf = GPTreeFewShot(n_chains=2, n_sweeps=2, center=False)
-    proba = clf.predict_proba(_episodes(support, labels, query))
+    proba = clf.predict_proba(episodes_from_tensors(support, labels, query))
     assert proba.shape == (2, 5, 11) and torch.isfinite(proba).all()
     torch.testing.assert_close(proba.sum(-1), torch.ones(2, 5, dtype=D64))
 
@@ -257,7 +244,7 @@ CASES = ["identical", "D=1", "huge", "tiny", "1-shot"]
 def test_few_shot_degenerate_tasks_give_probabilities(case, dtype):
     support, labels, query = _degenerate_support(case, dtype)
     clf = GPTreeFewShot(n_chains=3, n_sweeps=3, center=False)
-    proba = clf.predict_proba(_episodes(support, labels, query))
+    proba = clf.predict_proba(episodes_from_tensors(support, labels, query))
     assert proba.dtype == dtype and torch.isfinite(proba).all()
     assert ((proba >= 0) & (proba <= 1)).all()
     torch.testing.assert_close(proba.sum(-1), torch.ones(proba.shape[:2], dtype=dtype))
@@ -406,7 +393,9 @@ def test_few_shot_rejects_bad_data(omniglot):
     with pytest.raises(TypeError, match="episodes"):
         clf.predict_proba(eps.support)
     with pytest.raises(ValueError, match="width"):
-        clf.predict_proba(_episodes(eps.support[..., :5], eps.support_labels, eps.query[..., :5]))
+        clf.predict_proba(
+            episodes_from_tensors(eps.support[..., :5], eps.support_labels, eps.query[..., :5])
+        )
     with pytest.raises(ValueError, match="support_labels"):
         clf.predict_proba(
             Episodes(**{**vars(eps), "support_labels": eps.support_labels.clone().fill_(9)})

@@ -1,4 +1,4 @@
-"""SLEM: the spec's verification checklist (slem.md §6), its Pyro model (the closed form
+"""SLEM: the checklist of docs/design/slem.md §6, its Pyro model (the closed form
 is its MAP and posterior mean) and the few-shot classifier.
 
 SLEM is a closed form, outside the engine contract: no iterations, so the engine checks
@@ -24,7 +24,7 @@ F64 = torch.float64
 
 
 def slem_closed_form(x0, negatives, lam, theta=1.0):
-    """Reference: the direct solve with ``U = A + theta/(theta+1) delta delta^T`` (spec §3),
+    """Reference: the direct solve with ``U = A + theta/(theta+1) delta delta^T`` (design §3),
     one dense solve per exemplar, batched over leading dimensions."""
     mu, sigma = background_statistics(negatives)
     lam = torch.as_tensor(lam, dtype=x0.dtype)

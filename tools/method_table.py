@@ -50,7 +50,10 @@ def current_table() -> dict[str, dict]:
 
 
 def render(table: dict[str, dict]) -> str:
-    lines = [HEADER, "#: method name -> hyperparameters, presets, tunable by ``--preset auto``"]
+    lines = [
+        HEADER.rstrip("\n") + "\n",
+        "#: method name -> hyperparameters, presets, tunable by ``--preset auto``",
+    ]
     lines.append("METHOD_TABLE: dict[str, dict] = {")
     for name, row in table.items():
         lines.append(f"    {name!r}: {{")

@@ -1,4 +1,4 @@
-"""Inputs on the probability simplex (EM-Dirichlet, spec ``em_dirichlet.md`` §9).
+"""Inputs on the probability simplex (EM-Dirichlet, docs/design/em-dirichlet.md §9).
 
 EM-Dirichlet (Martin et al., CVPR 2024) classifies class-probability vectors
 ``x_n`` in the simplex of R^K. A user can bring them in one of three forms:
@@ -90,7 +90,7 @@ def check_probabilities(
 
 
 def probabilities_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """x = softmax(temperature * logits) over the last dimension (spec §9, input 2)."""
+    """x = softmax(temperature * logits) over the last dimension (design §9, input 2)."""
     _check_tensor(logits, "logits", None)
     _check_classes(logits.shape[-1], "logits")
     check_temperature(temperature)
@@ -118,7 +118,7 @@ def probabilities_from_embeddings(
     class_embeddings: torch.Tensor,
     temperature: float = 30.0,
 ) -> torch.Tensor:
-    """x_n = softmax_k(T cos(e_n, t_k)) (paper eq. 2; spec §9, input 3).
+    """x_n = softmax_k(T cos(e_n, t_k)) (paper eq. 2; design §9, input 3).
 
     Args:
         embeddings: ``[..., N, D]`` sample embeddings (image or sentence embeddings).

@@ -1,7 +1,7 @@
 """BAVARDAGE's VB mixture derived from its declaration, with the PLDA map between blocks.
 
 Hu, Pateux & Gripon, "Adaptive Dimension Reduction and Variational Inference for
-Transductive Few-Shot Classification" (AISTATS 2023), Algorithm 1; spec ``bavardage.md``
+Transductive Few-Shot Classification" (AISTATS 2023), Algorithm 1; docs/design/bavardage.md
 §3.5-3.9.
 
 The declaration is :func:`bavardage_model`: the Gaussian mixture on u = x P (Dirichlet
@@ -51,7 +51,7 @@ def bavardage_model(
     balanced: bool = False,
     count_support: bool = False,
 ) -> None:
-    """The Gaussian mixture of spec §2 for a batch of tasks, in the reduced space.
+    """The Gaussian mixture of design §2 for a batch of tasks, in the reduced space.
 
     In production (:class:`~probfsl.models.bavardage.Bavardage`, ``mode="bavardage"``) the
     data are the projected rows u = x P_b of the current VB block, P_b the adaptive PLDA

@@ -1,30 +1,30 @@
 """EM-Dirichlet's inference derived from its declaration by VMP.
 
 Martin, Huang, Shakeri, Pesquet & Ben Ayed, "Transductive Zero-Shot and Few-Shot CLIP",
-CVPR 2024 (spec ``em_dirichlet.md``). :func:`em_dirichlet_model` declares the method in
-plain Pyro (spec §2): per task, a mixture of Dirichlet laws on the probability simplex
+CVPR 2024 (docs/design/em-dirichlet.md). :func:`em_dirichlet_model` declares the method in
+plain Pyro (design §2): per task, a mixture of Dirichlet laws on the probability simplex
 whose concentrations ``alpha`` [K, K] and query proportions ``pi`` [K] are point
 estimates (``pyro.param``), a latent class per query whose Categorical prior is tempered
-by lambda / |Q| (``poutine.scale``: the paper's MDL partition-complexity term, spec §2),
+by lambda / |Q| (``poutine.scale``: the paper's MDL partition-complexity term, design §2),
 and support rows whose classes are given. :func:`fit_probabilities` hands it to
 :class:`~probfsl.inference.VMP`, which derives the coordinate updates that the
 hand-written engine (:class:`~probfsl.inference.dirichlet_mm.EMDirichletEngine`) codes by
 hand:
 
 * ``alpha``: the maximiser of its terms, a weighted Dirichlet fit per class (paper
-  Algorithm 1, spec §3.1);
-* ``c``: r_n = softmax_k(ln Dir(x_n | alpha_k) + (lambda/|Q|) ln pi_k) (spec §3.3);
-* ``pi``: the proportions mean_Q r (spec §3.2).
+  Algorithm 1, design §3.1);
+* ``c``: r_n = softmax_k(ln Dir(x_n | alpha_k) + (lambda/|Q|) ln pi_k) (design §3.3);
+* ``pi``: the proportions mean_Q r (design §3.2).
 
-Its ELBO is minus the paper's objective (6) (J of spec §3.5), as the declaration shows.
+Its ELBO is minus the paper's objective (6) (J of design §3.5), as the declaration shows.
 What is not inference on the model is mirrored from the estimator, so that both engines
 take the same steps: the initialisation (R_Q = the input probabilities, alpha = 1, pi =
 their mean), the order of the block updates (alpha, then the assignments with the
 proportions of the previous assignments, then the proportions: Algorithm 2), the solver of
 the alpha step (the MM-quadratic iterations of Algorithm 1 with the estimator's
-``mm_*`` stopping rule, and its handling of classes without weight, spec §3.1 and §3.7,
+``mm_*`` stopping rule, and its handling of classes without weight, design §3.1 and §3.7,
 through :func:`probfsl.inference.vmp.dirichlet_points.solved_by`), the ``+1e-15`` added to
-the probabilities before their logarithm (spec §2), the outer iteration count and the
+the probabilities before their logarithm (design §2), the outer iteration count and the
 tolerance. Only the soft variant is a variational update; Hard EM-Dirichlet (one-hot
 assignments) has no derived engine.
 """
@@ -61,7 +61,7 @@ def em_dirichlet_model(
     support_labels: torch.Tensor | None = None,
     lambda_coef: float = 1.0,
 ) -> None:
-    """Mixture of Dirichlet laws on the simplex with a tempered class prior (spec §2).
+    """Mixture of Dirichlet laws on the simplex with a tempered class prior (design §2).
 
     ``query`` [B, Q, K] and ``support`` [B, S, K] are probability vectors (``+1e-15`` is
     added here, as in the reference code), ``support_labels`` [B, S] their classes;
@@ -89,7 +89,7 @@ def em_dirichlet_model(
 
 
 class AlphaStep:
-    """The alpha step of the hand-written engine as the M step of ``alpha`` (spec §3.1).
+    """The alpha step of the hand-written engine as the M step of ``alpha`` (design §3.1).
 
     Called by VMP with the concentrations [B, K, K] and the statistics S_kj = sum_n r_nk
     ln x_nj and R_k = sum_n r_nk (expanded to [B, K, K]); returns the concentrations after

@@ -1,13 +1,13 @@
 """The evidence LS-SVM's inference derived from its declaration by VMP.
 
 Kim, Jang, Han, Choi, "Learning to Select Pre-Trained Deep Representations with
-Bayesian Evidence Framework", CVPR 2016 (spec ``evidence.md``): Bayesian linear
+Bayesian Evidence Framework", CVPR 2016 (docs/design/evidence.md): Bayesian linear
 regression of each one-vs-rest 0/1 target on the features, ``w_k ~ Normal(0, (lambda
 beta_k)^-1 I_D)``, ``y_k ~ Normal(X w_k, beta_k^-1 I_N)``, with ``lambda`` and ``beta_k``
 type-II maximum-likelihood point estimates (``pyro.param``); ``lambda`` is shared by the
 classes of a task (``"shared"``) or one per class (``"per_class"``, the paper).
 
-**Why the declaration is in the rotated basis (spec §3, §7).** Features are D = 1280
+**Why the declaration is in the rotated basis (design §3, §7).** Features are D = 1280
 (or 64) wide while a support has N = 5-25 rows: a weight-space factor q(w) with a D x D
 precision per task and class cannot be afforded for 1,000 tasks. With the
 eigendecomposition of the support's Gram matrix ``X X^T = U diag(s) U^T`` (the paper's
@@ -43,7 +43,7 @@ paper's schedule:
 * one lambda "map" is one full derived sweep followed by that profile, a map of lambda
   whose fixed points are the stationary points of the profile evidence (eq. 17-19);
 * lambda starts at the argmax of the declared model's profile evidence on a 64-point log
-  grid over ``span x mean(s)`` (spec §4; :func:`profile_log_evidence`, the model's
+  grid over ``span x mean(s)`` (design §4; :func:`profile_log_evidence`, the model's
   Gaussian marginal in closed form);
 * each engine step takes two maps and Aitken's step on ``log lambda`` (Algorithm 1;
   at most ``reach`` times the two maps' move, clamped to ``clamp x mean(s)``), and
@@ -67,12 +67,12 @@ the evidence does not decrease, lengthened by doublings while each raises it (a 
 heading for a finite limit at 0 or infinity lands on the clamp) and otherwise halved; the
 hand-written engine finishes with the same routine. Not polished: problems whose grid
 argmax is the span's upper end, where the evidence still rises as lambda -> infinity (one
-positive per target, spec §3) and has no stationary point; their lambda, as arbitrary as
+positive per target, design §3) and has no stationary point; their lambda, as arbitrary as
 the hand-written engine's there, stays the schedule's. Then one derived profile of beta
 and q(z) at the final lambda (the (beta, z) sweeps above): beta, q(z) and the bound still
 come from VMP, and the bound is the log evidence there.
 
-**Where the evidence has no finite maximiser** (1-shot tasks: spec §3, Theorem 1
+**Where the evidence has no finite maximiser** (1-shot tasks: design §3, Theorem 1
 caveats), lambda ends beyond the span ``span x mean(s)`` the hand-written engine
 searches (``at_boundary``); a task whose lambda is beyond its upper end for every class
 is scored by the lambda -> infinity limit, the nearest class mean ``x^T X^T y_k /
@@ -141,7 +141,7 @@ class Rotation:
 
 
 def rotate(x: torch.Tensor, y: torch.Tensor, rel_tol: float = 1e-12) -> Rotation:
-    """Eigendecompose the Gram matrices of ``x [T, N, D]`` and rotate ``y [T, N, K]`` (spec §7)."""
+    """Eigendecompose the Gram matrices of ``x [T, N, D]``, rotate ``y [T, N, K]`` (design §7)."""
     s, u = stable_eigh(x @ x.mT)
     s = torch.where(s > rel_tol * s.amax(-1, keepdim=True), s, torch.zeros_like(s))
     pos = s > 0

@@ -1,7 +1,7 @@
 """GP-Tree's variational nodes derived from their declaration.
 
 Achituve, Navon, Yemini, Chechik, Fetaya, "GP-Tree: A Gaussian Process Classifier for
-Few-Shot Incremental Learning", ICML 2021, §3.3 and App. A; spec ``gptree.md`` §3.3.
+Few-Shot Incremental Learning", ICML 2021, §3.3 and App. A; docs/design/gp-tree.md §3.3.
 
 The declaration is :func:`gp_tree_node`: each internal node of the class tree is a
 Pólya-Gamma augmented GP classifier of its two class groups with inducing values u at the
@@ -18,7 +18,7 @@ Variational message passing (:class:`probfsl.inference.VMP`) derives from it the
 coordinate updates of §3.3: q(ω_i) = PG(1, c_i) from the current q(u), then
 q(u) = N(μ̃, Σ̃) with Σ̃⁻¹ = K_mm⁻¹ + AᵀΘA and Σ̃⁻¹μ̃ = Aᵀκ. :class:`DerivedVINodes` is
 :class:`~probfsl.inference.gp_nodes.VINodes` with its ``step`` replaced by one VMP sweep
-on that declaration: it starts from the spec's q(u) = N(0, I), damps the derived natural
+on that declaration: it starts from q(u) = N(0, I) of design §3.3, damps the derived natural
 parameters by ``natural_lr`` (ρ = 1: the exact coordinate optimum) and returns the
 hand-written :class:`~probfsl.inference.gp_nodes.VIState`, so the kernel
 hyper-parameters' gradient steps and the predictive of
@@ -46,7 +46,7 @@ def gp_tree_node(
     ktilde: torch.Tensor,
     kmm_tril: torch.Tensor,
 ) -> None:
-    """A batch of GP-Tree's inducing-point nodes (spec §3.3), one row (task) per node.
+    """A batch of GP-Tree's inducing-point nodes (design §3.3), one row (task) per node.
 
     ``y [V, n]`` node labels (1 = right subtree), ``mask [V, n]`` real points,
     ``A [V, n, M]`` = K_nm K_mm⁻¹, ``ktilde [V, n]`` the conditional variances K̃_ii > 0,
@@ -80,7 +80,7 @@ class DerivedVINodes(gpn.VINodes):
     """:class:`~probfsl.inference.gp_nodes.VINodes` whose q(u) and Pólya-Gamma factors come
     from VMP on :func:`gp_tree_node` (module docstring).
 
-    ``init``/``init_from_terms`` start from q(u) = N(0, I) (spec §3.3: η = 0, H = −½I);
+    ``init``/``init_from_terms`` start from q(u) = N(0, I) (design §3.3: η = 0, H = −½I);
     a ``step`` compiles the declaration for the state's kernel terms (once per terms:
     the last plan is kept), sets q(u) to the state's, and runs one VMP sweep. The
     predictive and the guide are ``VINodes``'. Host synchronisations: the compilation's
@@ -111,7 +111,7 @@ class DerivedVINodes(gpn.VINodes):
         return gpn.VIState(data, eta, prec, c, vstate.objective, t, moments)
 
     def init_from_terms(self, data: tuple, t: gpn.VITerms) -> gpn.VIState:
-        """q(u) = N(0, I) and c = 1 (spec §3.3), with VMP's bound at that q(u)."""
+        """q(u) = N(0, I) and c = 1 (design §3.3), with VMP's bound at that q(u)."""
         eta, prec, c = self.initial_factors(t.A.shape[0], t.A.shape[-1], t.A)
         vstate = self._vmp_state(data, t, eta, prec)
         vstate = VMPState(vstate.plan, vstate.q, self.vmp.elbo(vstate))
@@ -143,7 +143,7 @@ class DerivedVINodes(gpn.VINodes):
 
 
 def gp_tree_exact_node(y: torch.Tensor, mask: torch.Tensor, k: torch.Tensor) -> None:
-    """A batch of GP-Tree's few-shot nodes on the exact kernel (spec §3.2), one row
+    """A batch of GP-Tree's few-shot nodes on the exact kernel (design §3.2), one row
     (task) per node: ``y [V, n]`` node labels, ``mask [V, n]`` the node's points, ``k [V,
     n, n]`` their kernel matrix (identity rows on the other points). f ~ N(0, K);
     y_i ~ Bernoulli(σ(f_i)) on the node's points, Pólya-Gamma augmented in VMP."""

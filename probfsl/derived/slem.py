@@ -1,7 +1,7 @@
 """SLEM's exemplar machines derived from their declaration.
 
 Rezende, Zepeda, Ponce, Bach, Pérez, "Kernel Square-Loss Exemplar Machines for Image
-Retrieval" (CVPR 2017); spec ``slem.md`` §2(a), §3.
+Retrieval" (CVPR 2017); docs/design/slem.md §2(a), §3.
 
 :func:`slem_tasks_model` is the Gaussian linear model of
 :func:`probfsl.models.slem.slem_model` with one exemplar per class of every task (the
@@ -16,7 +16,7 @@ by Aitken's extrapolation, exact for this iteration.
 
 The few-shot scores are the LDA discriminants of :class:`~probfsl.models.slem.SLEM`:
 ω* = s A⁻¹ δ with δ = x_0 − μ (μ the negatives' mean, A = Σ + λI) and the class-dependent
-scale s = 2θ / (θ δᵀA⁻¹δ + θ + 1) (spec §3), so δᵀω* = s q with q = δᵀA⁻¹δ and
+scale s = 2θ / (θ δᵀA⁻¹δ + θ + 1) (design §3), so δᵀω* = s q with q = δᵀA⁻¹δ and
 s = θ (2 − δᵀω*) / (θ + 1). The direction A⁻¹ δ = ω* / s then scores a query x as
 (A⁻¹ δ)ᵀ (x − (x_0 + μ) / 2).
 """
@@ -36,7 +36,7 @@ from probfsl.inference.vmp import VMP
 def slem_tasks_model(
     means: torch.Tensor, negatives: torch.Tensor, lam: torch.Tensor, theta: float = 1.0
 ) -> None:
-    """SLEM's Gaussian linear model (spec §2a) for exemplars ``means`` [T, K, d] against
+    """SLEM's Gaussian linear model (design §2a) for exemplars ``means`` [T, K, d] against
     the shared ``negatives`` [n, d] with ridge ``lam`` (a scalar tensor)."""
     t, k, d = means.shape
     n = negatives.shape[0]

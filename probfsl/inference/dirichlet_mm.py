@@ -1,9 +1,9 @@
 """Block majorize-minimize for Dirichlet mixtures on the probability simplex (EM-Dirichlet).
 
 Martin, Huang, Shakeri, Pesquet & Ben Ayed, "Transductive Zero-Shot and Few-Shot
-CLIP", CVPR 2024 (spec ``em_dirichlet.md``). Each sample is a probability vector
+CLIP", CVPR 2024 (docs/design/em-dirichlet.md). Each sample is a probability vector
 ``x_n`` in the simplex of R^K; class ``k`` has a Dirichlet law ``Dir(alpha_k)``. The
-engine minimises, per task, objective (6) of the paper (spec §3.5)::
+engine minimises, per task, objective (6) of the paper (design §3.5)::
 
     J(R, A) = - sum_{n in S u Q} sum_k R_nk ln Dir(x_n | alpha_k)        (-L, eq. 7)
               + sum_{n in Q} sum_k R_nk ln R_nk                          (Phi, eq. 8; soft only)
@@ -17,8 +17,8 @@ by three closed-form block steps (paper Algorithm 2):
   :func:`newton_dirichlet_step`, Newton-Raphson with Minka's (2000) diagonal-plus-
   rank-one Hessian safeguarded by the MM step: the same fixed point in about 10
   instead of up to 1000 iterations;
-* proportions ``pi = mean_Q R`` from the previous assignments (spec §3.2);
-* :func:`assignment_logits` — the closed-form assignment step (spec §3.3): the
+* proportions ``pi = mean_Q R`` from the previous assignments (design §3.2);
+* :func:`assignment_logits` — the closed-form assignment step (design §3.3): the
   concave ``Psi`` is replaced by its tangent, so
   ``r_n = softmax_k(ln Dir(x_n|alpha_k) + (lambda/|Q|) ln pi_k)`` (hard variant:
   one-hot argmax).
@@ -58,9 +58,9 @@ from probfsl.validation import check_task_tensors
 
 #: added to the probabilities before taking logs (official code; no renormalisation)
 EPS = 1e-15
-#: empty-class threshold on sum_n R_nk (spec §3.1)
+#: empty-class threshold on sum_n R_nk (design §3.1)
 EMPTY = 1e-15
-#: the reference code's inner Algorithm-1 loop (spec §3.1, §4); the engine's default
+#: the reference code's inner Algorithm-1 loop (design §3.1, §4); the engine's default
 #: (keyword arguments of both the engine and the estimator)
 REFERENCE_MM = {"solver": "mm", "mm_max_iter": 1000, "mm_tol": 1e-11, "mm_check_every": 50}
 #: bounded block MM (at most 20 inner iterations per outer iteration, per-row check every
@@ -265,7 +265,7 @@ def mm_dirichlet_fit(
     compiled: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Iterate :func:`mm_dirichlet_step` (or ``solver``'s step) from the warm start ``alpha``
-    (spec §3.1).
+    (design §3.1).
 
     Args:
         alpha: ``[..., K]`` starting Dirichlet parameters (one row per task and class).
@@ -349,7 +349,7 @@ def checked_iteration(
     i,
     tol: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One inner iteration followed by the reference code's per-row test (spec §3.1): a row
+    """One inner iteration followed by the reference code's per-row test (design §3.1): a row
     stops once ||alpha_new - alpha||^2 < tol ||alpha||^2, and ``stopped`` records the
     iteration ``i`` at which it did. Returns (alpha, active, stopped)."""
     new = step(alpha, stat, coefficients)
@@ -423,7 +423,7 @@ def assignment_logits(
 
 
 def default_lambda_coef(n_classes: int, k_eff: int = 5) -> float:
-    """The reference code's lambda/|Q| = floor(K / k_eff) (spec §3.7; k_eff = 5)."""
+    """The reference code's lambda/|Q| = floor(K / k_eff) (design §3.7; k_eff = 5)."""
     return float(n_classes // k_eff)
 
 
@@ -449,7 +449,7 @@ class DirichletMixtureState:
         r: ``[B, S+Q, K]`` assignments; support rows are the one-hot labels.
         alpha: ``[B, K, K]`` Dirichlet parameters, row k for class k.
         pi: ``[B, K]`` query proportions mean_Q r (profiled point estimate).
-        objective: ``[B]`` J(r, alpha) of spec §3.5 (to be minimised).
+        objective: ``[B]`` J(r, alpha) of design §3.5 (to be minimised).
         mm_iters: ``[B, K]`` inner MM iterations of the last alpha step.
     """
 
@@ -475,15 +475,15 @@ class EMDirichletEngine(Engine):
     0..K-1 (few-shot; empty or None for zero-shot). Initialisation: R_Q = the input
     probabilities, R_S = one-hot labels, alpha = 1. One :meth:`step` is one outer
     iteration: alpha step (Algorithm 1, warm-started), proportions from the old R, then
-    the assignment step. ``objective`` is J (spec §3.5), non-increasing after every block.
+    the assignment step. ``objective`` is J (design §3.5), non-increasing after every block.
 
     Args:
         lambda_coef: lambda / |Q|, the weight of the partition-complexity (MDL) term per
-            query. ``None`` gives the reference code's floor(K / k_eff) (spec §3.7); 1 is
+            query. ``None`` gives the reference code's floor(K / k_eff) (design §3.7); 1 is
             plain EM (paper Prop. 1); 0 drops the MDL term. This is the method's one
             sensitive knob: on a synthetic K=10 task with a shared bias toward one class
             the reference default (2) scored 0.24 against 0.64 for plain EM and 0.53 for
-            the argmax baseline (spec §4), and it is 0 (no MDL) when K < k_eff.
+            the argmax baseline (design §4), and it is 0 (no MDL) when K < k_eff.
         k_eff: the assumed number of classes present in a task, for the default lambda.
         hard: one-hot assignments and no entropy barrier (Hard EM-Dirichlet).
         mm_max_iter: inner Algorithm-1 iterations per outer iteration, at most
@@ -507,7 +507,7 @@ class EMDirichletEngine(Engine):
 
     Reference mode (the default, ``REFERENCE_MM``) versus bounded mode (``BOUNDED_MM``):
     each MM iteration decreases the class's weighted NLL, so stopping the inner loop
-    early is an inexact block minimisation and J still never increases (spec §6.4;
+    early is an inexact block minimisation and J still never increases (design §6.4;
     tested); a row that has not converged continues from its warm start at the next
     outer iteration. The cap matters for rows whose maximum-likelihood alpha does not
     exist or is huge: a cluster holding one sample (or near-duplicates) has a
@@ -632,7 +632,7 @@ class EMDirichletEngine(Engine):
         return self._alpha_step(state)[0]
 
     def update_assignments(self, state: DirichletMixtureState) -> DirichletMixtureState:
-        """Spec §3.2-3.3: pi from the current R, then the closed-form query assignments."""
+        """Design §3.2-3.3: pi from the current R, then the closed-form query assignments."""
         return self._assignment_step(state, dirichlet_log_density(state.log_x, state.alpha))
 
     def fit_alpha(
@@ -680,7 +680,7 @@ class EMDirichletEngine(Engine):
     def objective(
         self, state: DirichletMixtureState, log_density: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """J(R, alpha) of spec §3.5 per task: -L + Phi (soft only) + lambda Psi.
+        """J(R, alpha) of design §3.5 per task: -L + Phi (soft only) + lambda Psi.
 
         ``log_density`` = :func:`dirichlet_log_density` of ``state`` when already known.
         """

@@ -1,7 +1,7 @@
 """Evidence maximisation for Bayesian linear regression (the Bayesian LS-SVM).
 
 Kim, Jang, Han, Choi, "Learning to Select Pre-Trained Deep Representations with
-Bayesian Evidence Framework", CVPR 2016 (spec ``evidence.md``).
+Bayesian Evidence Framework", CVPR 2016 (docs/design/evidence.md).
 
 Model, for each target column y (one per class, one-vs-rest 0/1 targets):
 w ~ Normal(0, alpha^-1 I_D), y ~ Normal(X w, beta^-1 I_N), lambda = alpha / beta.
@@ -124,7 +124,7 @@ def spectrum(
     rel_tol: float = 1e-12,
     mode: str | None = None,
 ) -> Spectrum:
-    """Decompose ``x [..., N, D]`` once and project the targets ``y [..., N, K]`` (spec §3, §7).
+    """Decompose ``x [..., N, D]`` once and project the targets ``y [..., N, K]`` (design §3, §7).
 
     Uses ``eigh`` of the N x N Gram when N <= D (dual) and of the D x D covariance
     otherwise (primal); ``mode`` forces one. With ``fit_intercept`` X and y are centred
@@ -423,7 +423,7 @@ def _aitken(l0: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor) -> torch.Tenso
 def grid_search(
     sp: Spectrum, n_grid: int = 64, span: tuple[float, float] = (1e-6, 1e6)
 ) -> torch.Tensor:
-    """Argmax of ``F`` over a log grid ``span x mean(s)`` (spec §4 safeguard), ``[..., K]``."""
+    """Argmax of ``F`` over a log grid ``span x mean(s)`` (design §4 safeguard), ``[..., K]``."""
     unit = torch.logspace(
         math.log10(span[0]), math.log10(span[1]), n_grid, dtype=sp.s.dtype, device=sp.s.device
     )
@@ -450,7 +450,7 @@ def maximize_evidence(
 ) -> EvidenceResult:
     """Maximise the profile evidence over lambda for every (batch, class) at once.
 
-    By default the spec's safeguarded version (§4) of the paper's Algorithm 1:
+    By default the safeguarded version (design §4) of the paper's Algorithm 1:
     :class:`EvidenceEngine` (``"per_class"``) driven by
     :func:`~probfsl.inference.base.run`: start from the argmax of ``F`` on a
     ``n_grid``-point log grid spanning ``grid_span x mean(s)``; each step takes the best

@@ -1,7 +1,7 @@
 """Closed-form inference for GP-Tree's binary Pólya-Gamma GP nodes, batched over nodes.
 
 Achituve, Navon, Yemini, Chechik, Fetaya, "GP-Tree: A Gaussian Process Classifier for
-Few-Shot Incremental Learning", ICML 2021 (§3, App. A); spec ``gptree.md`` §3.2–3.3.
+Few-Shot Incremental Learning", ICML 2021 (§3, App. A); docs/design/gp-tree.md §3.2–3.3.
 
 Every tensor has a leading node dimension ``V``: a batch of independent binary GP
 classifiers with their own data, padded to a common size and masked. Padded training
@@ -570,7 +570,7 @@ def vi_elbo(
         − KL(N(μ̃, Σ̃) ‖ N(0, K_mm)),   θ_i = tanh(c_i/2)/(2c_i).
 
     ``code_elbo=True`` flips the signs of θ(AΣ̃Aᵀ)_ii and θ(Aμ̃)_i², as the official code
-    does (spec §3.8; only for reproducing its hyper-parameter gradients).
+    does (design §3.8; only for reproducing its hyper-parameter gradients).
     ``chol_prec`` (the Cholesky factor of Σ̃⁻¹, when known) gives log|Σ̃| = −log|Σ̃⁻¹|
     without factorising Σ̃.
     """
@@ -602,7 +602,7 @@ def vi_elbo(
 
 
 class VINodes(Engine):
-    """Inducing-point PG-GP nodes with closed-form updates (spec §3.3), batched over nodes.
+    """Inducing-point PG-GP nodes with closed-form updates (design §3.3), batched over nodes.
 
     ``init(x, y, mask, z, zmask, outputscale, lengthscale)``; a step is (1) the exact
     maximiser c_i = √(K̃_ii + (AΣ̃Aᵀ)_ii + (Aμ̃)_i²) then (2) the natural-parameter update
@@ -629,7 +629,7 @@ class VINodes(Engine):
         return vi_terms(*data, jitter=self.jitter)
 
     def init(self, x, y, mask, z, zmask, outputscale, lengthscale) -> VIState:
-        """η = 0, Λ = I (H = −½I), c = 1 (spec §3.3)."""
+        """η = 0, Λ = I (H = −½I), c = 1 (design §3.3)."""
         check_node_data(x, y, mask)
         if z.ndim != 3 or z.shape[0] != x.shape[0] or z.shape[-1] != x.shape[-1]:
             raise ValueError(f"z must be [V, M, D] matching x, got {tuple(z.shape)}")

@@ -1,7 +1,7 @@
-"""Centred Gram matrices of a batch of tasks, BAVARDAGE's fast path (spec ``bavardage.md`` §8).
+"""Centred Gram matrices of a batch of tasks, BAVARDAGE's fast path (docs/design/bavardage.md §8).
 
 BAVARDAGE (Hu, Pateux & Gripon, AISTATS 2023) centres every row on the base mean
-("M" of MESV, spec §3.1) and only ever needs inner products between a task's rows:
+("M" of MESV, design §3.1) and only ever needs inner products between a task's rows:
 soft k-means, the global whitening (metric G = W W^T,
 :class:`~probfsl.inference.plda.GlobalWhitening`) and the centroid projection
 (:func:`~probfsl.inference.plda.centroid_projection_gram`) all work on the task's

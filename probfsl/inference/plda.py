@@ -2,22 +2,22 @@
 
 Hu, Pateux & Gripon, "Adaptive Dimension Reduction and Variational Inference for
 Transductive Few-Shot Classification" (AISTATS 2023), §3.2 and Appendix 6.1 (eq. 6-9);
-implementation spec ``bavardage.md`` §3.1-3.5, which follows the authors' code where
+docs/design/bavardage.md §3.1-3.5, which follows the authors' code where
 it differs from the paper.
 
-* :func:`within_class_scatter`: the base within-class scatter S_w (spec §3.2, the code's
+* :func:`within_class_scatter`: the base within-class scatter S_w (design §3.2, the code's
   norm-averaged per-class scatter; the paper's eq. 6 as an option).
 * :func:`task_span_whitening`: the code's per-task whitening inside the span of the
-  task's points, ``M_t = (U_t^T S_w^{-1} U_t)^{-1}`` (spec §3.1 "S" and "V"), computed from
+  task's points, ``M_t = (U_t^T S_w^{-1} U_t)^{-1}`` (design §3.1 "S" and "V"), computed from
   the task's N x N Gram matrices with batched Cholesky factorisations and triangular
   solves, and either one LAPACK eigendecomposition per task (the CPU route) or a Newton
   matrix-sign iteration (batched LU; the route off the CPU, since CUDA's batched eigh
   runs one matrix at a time above 32 x 32). No QR or SVD of the D x N task matrix.
 * :func:`global_whitening`: the paper's whitening, one D x D eigendecomposition of S_w
-  (spec §3.3, eq. 7), returned as a :class:`GlobalWhitening` that can whiten rows or
+  (design §3.3, eq. 7), returned as a :class:`GlobalWhitening` that can whiten rows or
   apply the whitened metric ``G = W W^T`` lazily (the fast path).
 * :func:`centroid_projection`: the adaptive projection onto the (K-1)-dim subspace of
-  the shrunk soft centroids (spec §3.5, eq. 8-9); :func:`centroid_projection_gram` is
+  the shrunk soft centroids (design §3.5, eq. 8-9); :func:`centroid_projection_gram` is
   the same projection from the task's whitened [N, N] Gram matrix
   (:meth:`GlobalWhitening.gram`), the fast path that never forms D-wide products.
 
@@ -68,7 +68,7 @@ def within_class_scatter(
 ) -> torch.Tensor:
     """Within-class scatter ``S_w`` [D, D] of labelled base features.
 
-    ``normalization="code"`` (default, spec §3.2, what the published hyperparameters were
+    ``normalization="code"`` (default, design §3.2, what the published hyperparameters were
     tuned with): with the per-class scatter sums C_c = sum_{i in c} (x_i - m_c)(x_i - m_c)^T
     (not divided by the class size),
 
@@ -198,7 +198,7 @@ def global_whitening(
     s_max: float | None = None,
     eigen: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> GlobalWhitening:
-    """The paper-mode whitening of spec §3.3: one eigendecomposition of S_w in D dimensions.
+    """The paper-mode whitening of design §3.3: one eigendecomposition of S_w in D dimensions.
 
     ``eigen``: ``torch.linalg.eigh(scatter)`` when already known (reused across s_max).
     """
@@ -212,7 +212,7 @@ def global_whitening(
 
 @dataclass
 class TaskSpanBasis:
-    """The pieces of the code's per-task whitening (spec §3.1), for inspection and tests.
+    """The pieces of the code's per-task whitening (design §3.1), for inspection and tests.
 
     ``span`` is U_t [T, D, r], a basis of the task's points (orthonormal up to rounding);
     ``rotation`` is V_e [T, r, r] (eigenvectors of M_t = (U_t^T S_w^{-1} U_t)^{-1});
@@ -266,7 +266,7 @@ def task_span_whitening(
     *,
     method: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, TaskSpanBasis]:
-    """The code's whitening inside each task's span (spec §3.1, steps S and V).
+    """The code's whitening inside each task's span (design §3.1, steps S and V).
 
     With U_t an orthonormal basis of the span of the task's N points (x: [T, N, D]) and
     ``precision`` = S_w^{-1}, the N x N matrix M_t = (U_t^T S_w^{-1} U_t)^{-1} = V_e diag(e)
@@ -444,7 +444,7 @@ def centroid_projection(
     gamma: float = 10.0,
     metric: GlobalWhitening | None = None,
 ) -> torch.Tensor:
-    """The adaptive PLDA projection u_n = q^T y_n of spec §3.5 (paper eq. 8-9), [T, N, K-1].
+    """The adaptive PLDA projection u_n = q^T y_n of design §3.5 (paper eq. 8-9), [T, N, K-1].
 
     q is an orthonormal basis of the differences c'_k - c'_1 (k = 2..K) of the shrunk
     soft centroids in the whitened space. The code takes it from a QR factorisation and
@@ -454,7 +454,7 @@ def centroid_projection(
 
     ``x`` holds whitened rows (``metric=None``) or rows whose whitened metric is ``metric``
     (``GlobalWhitening``): then inner products are taken with G = W W^T and the D x D
-    whitening of every row is never formed (spec §8, the fast path).
+    whitening of every row is never formed (design §8, the fast path).
     """
     centroids = shrunk_centroids(x, resp, gamma)
     diff = centroids[:, 1:] - centroids[:, :1]  # [T, K-1, D]
@@ -473,7 +473,7 @@ def centroid_projection_gram(
     The shrunk centroids are c' = A y with A_kn = o_nk / (gamma + N_k), so the differences
     are Delta = B y (B = A_{2..K} - A_1), their Gram matrix is H = B K B^T and the
     projection is u = K B^T V h^{-1/2} (K = y y^T): the same u as
-    :func:`centroid_projection` without any D-wide product (spec §3.5, eq. 8-9).
+    :func:`centroid_projection` without any D-wide product (design §3.5, eq. 8-9).
     """
     a = resp.transpose(1, 2) / (gamma + resp.sum(1)).unsqueeze(-1)  # [T, K, N]
     b = a[:, 1:] - a[:, :1]  # [T, K-1, N]

@@ -1,7 +1,7 @@
 """Pólya-Gamma PG(b, c) variables: moments, KL, log-density and two samplers.
 
 Facts used throughout GP-Tree (Achituve et al., ICML 2021, §3 and App. A; Polson, Scott
-& Windle, JASA 2013; spec ``gptree.md`` §3.1):
+& Windle, JASA 2013; docs/design/gp-tree.md §3.1):
 
 * ω ~ PG(b, c) has E[ω] = b/(2c)·tanh(c/2) (limit b/4 at c = 0) and
   Var[ω] = b (sinh c − c)/(4c³ cosh²(c/2)) (limit b/24). Both depend on |c| only.
@@ -94,7 +94,7 @@ def log_cosh(x: torch.Tensor) -> torch.Tensor:
 
 
 def pg_kl(c: torch.Tensor) -> torch.Tensor:
-    """KL(PG(1, c) ‖ PG(1, 0)) = log cosh(c/2) − (c/4)·tanh(c/2) (spec §3.1)."""
+    """KL(PG(1, c) ‖ PG(1, 0)) = log cosh(c/2) − (c/4)·tanh(c/2) (design §3.1)."""
     return log_cosh(c / 2) - c.abs() / 4 * torch.tanh(c.abs() / 2)
 
 

@@ -1,7 +1,7 @@
 """Soft k-means with labelled support rows (BAVARDAGE's initialiser), in Gram form.
 
 Hu, Pateux & Gripon, "Adaptive Dimension Reduction and Variational Inference for
-Transductive Few-Shot Classification" (AISTATS 2023), §3 and spec bavardage.md §3.4.
+Transductive Few-Shot Classification" (AISTATS 2023), §3 and docs/design/bavardage.md §3.4.
 
 **Outside the engine contract** (:mod:`probfsl.inference.base`): soft k-means runs a
 fixed number of passes (``n_iter``, 5 in the reference code) as an initialiser, every

@@ -2,7 +2,7 @@
 
 Hu, Pateux & Gripon, "Adaptive Dimension Reduction and Variational Inference for
 Transductive Few-Shot Classification" (AISTATS 2023), §3.3-3.4, Algorithm 1 and
-Appendix 6.2 (eq. 3-5, 24); implementation spec ``bavardage.md`` §3.5-3.9.
+Appendix 6.2 (eq. 3-5, 24); design: docs/design/bavardage.md §3.5-3.9.
 
 The model (:func:`probfsl.derived.bavardage.bavardage_model`) in the reduced space
 u ∈ R^d, Λ = τ I: π ~ Dir(α_o 1_K) (or fixed uniform, "balanced"),
@@ -17,14 +17,14 @@ depending on ``projection``:
 
 * ``"identity"``: u = x (VB in the full feature space, the "no PLDA" ablation; also the
   mode for data that already are the reduced u).
-* ``"frozen"``: P is the adaptive PLDA projection (spec §3.5, eq. 8-9) computed once from
+* ``"frozen"``: P is the adaptive PLDA projection (design §3.5, eq. 8-9) computed once from
   the initial responsibilities, then held fixed.
-* ``"adaptive"`` (BAVARDAGE, spec §3.8): P is recomputed from the current
+* ``"adaptive"`` (BAVARDAGE, design §3.8): P is recomputed from the current
   responsibilities at every step (:func:`~probfsl.inference.plda.centroid_projection`).
 * ``"adaptive_gram"``: ``"adaptive"`` where the rows are those of each task's whitened
   Gram matrix (support = K[:, :S], query = K[:, S:], K [T, N, N]); every projection then
   works on [N, N] matrices only (:func:`~probfsl.inference.plda.centroid_projection_gram`,
-  the fast path of spec §8).
+  the fast path of design §8).
 
 The engine:
 
@@ -33,14 +33,14 @@ The engine:
   :meth:`~BavardageVB.m_step`; ``state.objective`` is the ELBO after the M step, and
   :class:`VBMixtureInfo` also reports the ELBO after the E step (before the projection
   update), which costs nothing extra (the log-normaliser of the E step's softmax);
-* :func:`fit_bavardage_vb`: the reference loop of spec §3.8, n_iter x (projection, M, E),
+* :func:`fit_bavardage_vb`: the reference loop of design §3.8, n_iter x (projection, M, E),
   is ``init``, ``n_iter - 1`` steps driven by :func:`~probfsl.inference.base.run` and a
   final closed-form E step.
 
 What holds (tested in ``tests/test_bavardage_engine.py``, in the estimator's production
 configuration too):
 
-* For a fixed u every update is coordinate ascent on the ELBO of spec §3.9: the E step
+* For a fixed u every update is coordinate ascent on the ELBO of design §3.9: the E step
   (o_n = softmax ln ρ_n) maximises it over q(z), the M step over q(π), q(μ). So with
   ``"identity"`` and ``"frozen"`` the ELBO never decreases, after any update.
 * With the adaptive projection, u changes at every step, and ELBOs under different P
@@ -93,7 +93,7 @@ class VBMixtureState:
         alpha: q(π) = Dir(alpha), [T, K]; None in the balanced model (π fixed uniform).
         beta: q(μ_k) precision factors β_k, [T, K] (precision β_k τ).
         mean: q(μ_k) means m_k, [T, K, d].
-        objective: the ELBO of spec §3.9 for the current factors and u, [T].
+        objective: the ELBO of design §3.9 for the current factors and u, [T].
     """
 
     x: torch.Tensor
@@ -147,7 +147,7 @@ def _softmax_and_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 class BavardageVB(Engine):
-    """Closed-form mean-field VB (spec §3.6-3.7) with BAVARDAGE's adaptive projection (§3.5).
+    """Closed-form mean-field VB (design §3.6-3.7) with BAVARDAGE's adaptive projection (§3.5).
 
     Args:
         way: K, the number of classes.
@@ -227,7 +227,7 @@ class BavardageVB(Engine):
 
     def rows(self, x: torch.Tensor, resp: torch.Tensor) -> torch.Tensor:
         """u = x P with P the adaptive PLDA projection of the responsibilities ``resp``
-        (spec §3.5, eq. 8-9): the model's data, for every mode but ``"identity"``."""
+        (design §3.5, eq. 8-9): the model's data, for every mode but ``"identity"``."""
         if self.projection == "adaptive_gram":
             return centroid_projection_gram(x, resp, self.gamma)
         return centroid_projection(x, resp, self.gamma, self.metric)
@@ -240,7 +240,7 @@ class BavardageVB(Engine):
         return new, VBMixtureInfo(new.objective, after_e.objective)
 
     def project(self, state: VBMixtureState) -> VBMixtureState:
-        """Spec §3.5: u = x P with P from the current responsibilities (adaptive modes).
+        """Design §3.5: u = x P with P from the current responsibilities (adaptive modes).
 
         The factors and the objective are left as they were (they belong to the old u);
         in the other modes the state is returned unchanged.
@@ -250,7 +250,7 @@ class BavardageVB(Engine):
         return replace(state, u=self.rows(state.x, state.resp))
 
     def m_step(self, state: VBMixtureState) -> VBMixtureState:
-        """Spec §3.6 (paper eq. 3-4): q(π) and q(μ) given q(z), and the ELBO after it.
+        """Design §3.6 (paper eq. 3-4): q(π) and q(μ) given q(z), and the ELBO after it.
 
         β_k = β_o + N_k, m_k = (β_o m_o + Σ_n o_nk u_n) / β_k with m_o = 0, and
         α_k = α_o + N_k - L (code; queries only) or α_o + N_k (``count_support``).
@@ -303,7 +303,7 @@ class BavardageVB(Engine):
         return out + 0.5 * d * (math.log(self.tau) - LOG_2PI)
 
     def log_rho(self, state: VBMixtureState) -> torch.Tensor:
-        """Spec §3.7 (paper eq. 24): ln ρ_nk for every row, [T, N, K].
+        """Design §3.7 (paper eq. 24): ln ρ_nk for every row, [T, N, K].
 
         ln ρ_nk = ψ(α_k) - ψ(Σ_j α_j) + E ln N(u_n | μ_k, τ^{-1} I)
         (:meth:`expected_log_lik`); the digamma term is absent in the balanced model.
@@ -314,7 +314,7 @@ class BavardageVB(Engine):
         return out
 
     def e_step(self, state: VBMixtureState) -> VBMixtureState:
-        """Spec §3.7: o_n = softmax(ln ρ_n) for the queries; the support rows stay one-hot.
+        """Design §3.7: o_n = softmax(ln ρ_n) for the queries; the support rows stay one-hot.
 
         The softmax is the exact, max-shifted one (so this is a coordinate-ascent step);
         the reference code adds float32 eps to numerator and denominator, which changes
@@ -340,7 +340,7 @@ class BavardageVB(Engine):
         return expfam.Dirichlet(alpha).expected_stats()[0]
 
     def elbo(self, state: VBMixtureState) -> torch.Tensor:
-        """The ELBO of spec §3.9 for a fixed u, [T] (its balanced and paper variants too)."""
+        """The ELBO of design §3.9 for a fixed u, [T] (its balanced and paper variants too)."""
         log_lik = self.expected_log_lik(state)
         q_resp = state.query_resp
         if state.alpha is None:  # balanced: E ln p(z_n = k) = -ln K
@@ -413,7 +413,7 @@ def fit_bavardage_vb(
     resp: torch.Tensor | None = None,
     n_iter: int = 5,
 ) -> tuple[VBMixtureState, RunInfo]:
-    """The reference loop of spec §3.8: ``n_iter`` x (PLDA projection, M step, E step).
+    """The reference loop of design §3.8: ``n_iter`` x (PLDA projection, M step, E step).
 
     ``engine.init`` (projection, M), ``n_iter - 1`` steps (E, projection, M) driven by
     :func:`~probfsl.inference.base.run`, and a final E step. The returned state's

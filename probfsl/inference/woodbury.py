@@ -1,7 +1,7 @@
 """Closed forms of the square-loss exemplar machine (SLEM) against a shared negative set.
 
 Rezende, Zepeda, Ponce, Bach, Pérez, "Kernel Square-Loss Exemplar Machines for Image
-Retrieval", CVPR 2017, section "The square loss exemplar machine" (spec ``slem.md`` §3).
+Retrieval", CVPR 2017, section "The square loss exemplar machine" (docs/design/slem.md §3).
 
 Objective for one positive ``x0`` against negatives ``x_1..x_n`` (square loss l = (y - ŷ)²/2):
 
@@ -147,7 +147,7 @@ def _cholesky(a: torch.Tensor) -> torch.Tensor:
 def slem_woodbury(
     x0: torch.Tensor, factor: NegativeFactor, theta: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(omega, nu)`` for many exemplars ``x0 [..., P, d]`` via Sherman-Morrison (spec §3)."""
+    """``(omega, nu)`` for many exemplars ``x0 [..., P, d]`` via Sherman-Morrison (design §3)."""
     _check("x0", x0)
     _check_theta(theta)
     if x0.shape[-1] != factor.mu.shape[-1]:
@@ -188,7 +188,7 @@ def lda_scores(query: torch.Tensor, means: torch.Tensor, factor: NegativeFactor)
 
     ``query [..., Q, d]``, class means ``[..., K, d]`` -> ``[..., Q, K]``. Up to a
     class-independent term this is ``xbar_c^T A^-1 x - xbar_c^T A^-1 xbar_c / 2``, the LDA
-    discriminant with covariance A (spec §3 "several positives", §6.9).
+    discriminant with covariance A (design §3 "several positives", §6.9).
     """
     omega = factor.solve(means - factor.mu.unsqueeze(-2))  # [..., K, d]
     offset = -0.5 * (omega * (means + factor.mu.unsqueeze(-2))).sum(-1)  # [..., K]

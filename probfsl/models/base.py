@@ -10,13 +10,16 @@ tensors or NumPy arrays and every ``predict_proba`` checks its episodes before
 computing.
 
 **One estimator surface** (after scikit-learn's estimator checks): every
-estimator has ``fit(features, labels)`` (= ``fit_base``; ``EvidenceLSSVM.fit`` is its
-single-problem LS-SVM instead), ``get_params``/``set_params``,
-``fit_predict(support, support_labels, query)`` on plain arrays or tensors for one task
-or a batch, ``predict_proba`` that never changes the fitted state (it may leave
-per-call diagnostics, listed in ``call_diagnostics``), and ``save(path)`` /
-``load(path)`` (:mod:`probfsl.estimator_io`, no pickle). ``tests/test_estimator_checks.py``
-runs every registered method through it.
+estimator has ``fit(features, labels)`` (= ``fit_base``, on every estimator: the base
+classes), ``get_params``/``set_params``, ``predict_proba(episodes)`` for a batch of
+tasks that never changes the fitted state (it may leave per-call diagnostics, listed in
+``call_diagnostics``), and, for one task (or a batch) given as plain arrays or tensors,
+``fit_predict(support, support_labels, query)`` (labels) and
+``fit_predict_proba(support, support_labels, query)`` (a :class:`TaskProbabilities`:
+the classes and the ``[Q, K]`` probabilities of the queries, columns in the order of
+``classes``), with support labels of any sortable type (integers, strings, pandas
+categories); and ``save(path)`` / ``load(path)`` (:mod:`probfsl.estimator_io`, no
+pickle). ``tests/test_estimator_checks.py`` runs every registered method through it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import inspect
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, NamedTuple, Self
 
 import numpy as np
 import torch
@@ -49,7 +52,9 @@ __all__ = [
     "BaseMeanCentering",
     "FewShotClassifier",
     "Hyperparameters",
+    "TaskProbabilities",
     "check_engine",
+    "encode_task_labels",
     "episodes_from_arrays",
 ]
 
@@ -138,6 +143,35 @@ class Hyperparameters:
             self.schema.check_params(self)
 
 
+class TaskProbabilities(NamedTuple):
+    """What :meth:`FewShotClassifier.fit_predict_proba` returns: the classes of a task and
+    its query probabilities, column ``k`` of ``proba`` for ``classes[k]``.
+
+    It unpacks as a pair, ``classes, proba = model.fit_predict_proba(support, labels,
+    query)``, or reads by name (``result.proba``).
+    """
+
+    #: the task's classes, its sorted distinct support labels in the caller's values:
+    #: ``[K]`` for one task, ``[T, K]`` for a batch
+    classes: np.ndarray | torch.Tensor
+    #: query probabilities ``[Q, K]`` (batch: ``[T, Q, K]``), each row summing to 1
+    proba: np.ndarray | torch.Tensor
+
+    def labels(self) -> np.ndarray | torch.Tensor:
+        """The most probable class of each query, in the caller's label values
+        (``[Q]``, batch ``[T, Q]``): what :meth:`FewShotClassifier.fit_predict` returns."""
+        index = self.proba.argmax(-1)
+        if isinstance(self.classes, torch.Tensor):
+            index = torch.as_tensor(index, device=self.classes.device)
+            if self.classes.ndim == 1:
+                return self.classes[index]
+            return self.classes.gather(-1, index)
+        index = index.cpu().numpy() if isinstance(index, torch.Tensor) else index
+        if self.classes.ndim == 1:
+            return self.classes[index]
+        return np.take_along_axis(self.classes, index, axis=-1)
+
+
 class FewShotClassifier(Hyperparameters, ABC):
     """Batched few-shot classifier: ``[T]`` tasks in, ``[T, Q, K]`` query probabilities out."""
 
@@ -197,22 +231,65 @@ class FewShotClassifier(Hyperparameters, ABC):
         """Fit on each task's support (and queries, when transductive) and predict its queries.
 
         Plain arrays or tensors, ``support`` [n, D], ``support_labels`` [n], ``query``
-        [Q, D] (one task) or ``[T, n, D]``, ``[T, n]``, ``[T, Q, D]`` (a batch): the labels
-        may be any integers; each task's classes are its distinct support labels in
-        increasing order (every task of a batch needs as many), and the predictions are
-        returned in those label values, ``[Q]`` for one task or ``[T, Q]``, as a NumPy
-        array unless ``query`` is a tensor (then a tensor on the query's device). An
-        :class:`~probfsl.data.tasks.Episodes` batch goes to :meth:`predict` instead.
+        [Q, D] (one task) or ``[T, n, D]``, ``[T, n]``, ``[T, Q, D]`` (a batch). Each task's
+        classes are its distinct support labels in increasing order (every task of a batch
+        needs as many), and the predictions are returned in those label values, ``[Q]`` for
+        one task or ``[T, Q]``:
+
+        * integer labels (or whole-number floats): an integer NumPy array, or a tensor on
+          the query's device when ``query`` is a tensor;
+        * labels of any other sortable type (strings, booleans, a pandas ``Categorical``
+          or Series, Python objects that compare with each other): a NumPy array of the
+          labels as given (the dtype of ``numpy.unique`` of them: ``<U5`` for strings,
+          ``object`` for mixed objects), whatever the type of ``query``.
+
+        :meth:`fit_predict_proba` gives the probabilities behind these predictions (its
+        argmax is this). An :class:`~probfsl.data.tasks.Episodes` batch goes to
+        :meth:`predict` instead.
 
         NumPy input is converted as scikit-learn's input checks do (float16, bool and
         integer features to float32; :func:`~probfsl.validation.as_user_array`), and a
         pandas DataFrame (a column per dimension, or one column of arrays) or Series is
         taken as its values, so ``load_dataset(...).features`` rows go in as they are.
         """
-        episodes, classes, single = episodes_from_arrays(support, support_labels, query)
-        labels = classes.gather(1, self.predict(episodes))
+        episodes, classes, values, single = _task_arrays(support, support_labels, query)
+        local = self.predict(episodes)
+        if values is not None:
+            labels = np.take_along_axis(values, local.cpu().numpy(), axis=1)
+            return labels[0] if single else labels
+        labels = classes.gather(1, local)
         labels = labels[0] if single else labels
         return labels if isinstance(query, torch.Tensor) else labels.cpu().numpy()
+
+    def fit_predict_proba(self, support: Any, support_labels: Any, query: Any) -> TaskProbabilities:
+        """Class probabilities of the queries of one task (or a batch) given as arrays.
+
+        The arrays are those of :meth:`fit_predict` (``support`` [n, D], ``support_labels``
+        [n] of any sortable type, ``query`` [Q, D]; or a batch ``[T, n, D]``, ``[T, n]``,
+        ``[T, Q, D]``). Returns a :class:`TaskProbabilities` ``(classes, proba)``:
+        ``classes`` [K] holds the task's classes, its sorted distinct support labels in the
+        caller's values, and ``proba`` [Q, K] the probabilities, rows summing to 1, column
+        ``k`` for ``classes[k]`` (batches: ``[T, K]`` and ``[T, Q, K]``). ``proba`` is a
+        NumPy array, or a tensor on the query's device when ``query`` is a tensor;
+        ``classes`` is a NumPy array, or a tensor likewise for integer labels.
+
+        ``classes[proba.argmax(-1)]`` is :meth:`fit_predict`'s answer. The fitted state is
+        not changed (as :meth:`predict_proba`, which takes an
+        :class:`~probfsl.data.tasks.Episodes` batch and returns ``[T, Q, K]`` in task-local
+        class order).
+        """
+        episodes, classes, values, single = _task_arrays(support, support_labels, query)
+        proba = self.predict_proba(episodes)
+        proba = proba[0] if single else proba
+        if values is not None:
+            task_classes: np.ndarray | torch.Tensor = values[0] if single else values
+        else:
+            task_classes = classes[0] if single else classes
+            if not isinstance(query, torch.Tensor):
+                task_classes = task_classes.cpu().numpy()
+        if not isinstance(query, torch.Tensor):
+            proba = proba.detach().cpu().numpy()
+        return TaskProbabilities(task_classes, proba)
 
     def fitted_state(self) -> dict[str, Any]:
         """The fitted attributes (names ending in ``_``), without ``call_diagnostics``."""
@@ -335,3 +412,72 @@ def episodes_from_arrays(
     index = torch.arange(labels.shape[1], device=labels.device).expand_as(labels)
     episodes = Episodes(support, local, query, zeros, classes, index, zeros)
     return episodes, classes, single
+
+
+def encode_task_labels(support_labels: Any) -> tuple[Any, np.ndarray | None]:
+    """Support labels ready for :func:`episodes_from_arrays`, and their values.
+
+    Integer labels (tensors, and arrays or sequences of integers or whole-number floats)
+    are returned as they are, with ``None``: :func:`episodes_from_arrays` handles them
+    (on their device, without a copy to the host). Labels of any other type (strings,
+    booleans, objects; a pandas ``Categorical`` or Series is taken as its values) become
+    ``int64`` positions among each task's sorted distinct values, returned with those
+    values ``[T, K]`` (``T = 1`` for one task's ``[n]`` labels), the dtype of
+    ``numpy.unique`` of them.
+
+    ``TypeError`` for labels that cannot be sorted against each other (say strings mixed
+    with numbers) or that hold ``None``; ``ValueError`` for labels that are not ``[n]`` or
+    ``[T, n]``, or tasks of a batch with different numbers of classes.
+    """
+    if isinstance(support_labels, torch.Tensor):
+        return support_labels, None
+    labels = as_user_array(support_labels, "support_labels", features=False)
+    if isinstance(labels, (list, tuple)):
+        given = labels
+        labels = np.asarray(given)
+        if labels.dtype.kind in "USO":
+            items = np.asarray(given, dtype=object)
+            if not all(isinstance(v, str) for v in items.ravel()):
+                labels = items  # mixed types: keep each value as it is, not as text
+    elif not isinstance(labels, np.ndarray):
+        labels = np.asarray(labels)
+    if labels.dtype.kind in "iuf":
+        return labels, None
+    if labels.ndim not in (1, 2) or labels.shape[-1] == 0:
+        raise ValueError(
+            f"support_labels must be [n] (one task) or [T, n] (a batch), got shape {labels.shape}"
+        )
+    rows = labels.reshape(-1, labels.shape[-1])
+    if labels.dtype.kind == "O" and any(v is None for v in rows.ravel()):
+        raise TypeError("support_labels contains None: every support row needs a label")
+    values, codes = [], []
+    for row in rows:
+        try:
+            distinct, inverse = np.unique(row, return_inverse=True)
+        except TypeError as err:
+            raise TypeError(
+                "support_labels must be values that sort against each other (all strings, "
+                f"or all numbers, ...): {err}"
+            ) from None
+        values.append(distinct)
+        codes.append(inverse.reshape(-1))
+    counts = sorted({len(v) for v in values})
+    if len(counts) > 1:
+        raise ValueError(
+            "every task of a batch must have the same number of distinct support labels, "
+            f"got {counts}"
+        )
+    return np.stack(codes).reshape(labels.shape).astype(np.int64), np.stack(values)
+
+
+def _task_arrays(
+    support: Any, support_labels: Any, query: Any
+) -> tuple[Episodes, torch.Tensor, np.ndarray | None, bool]:
+    """:func:`episodes_from_arrays` after :func:`encode_task_labels`: the episodes, their
+    class values as integers ``[T, K]``, the caller's label values ``[T, K]`` (``None``
+    for integer labels, which ``classes`` then holds) and whether it was one task."""
+    if isinstance(support, Episodes):
+        raise TypeError("fit_predict takes arrays; predict an Episodes batch with predict()")
+    labels, values = encode_task_labels(support_labels)
+    episodes, classes, single = episodes_from_arrays(support, labels, query)
+    return episodes, classes, values, single

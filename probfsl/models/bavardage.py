@@ -1,11 +1,11 @@
 """BAVARDAGE: a variational Bayesian Gaussian mixture in an adaptive PLDA subspace.
 
 Hu, Pateux & Gripon, "Adaptive Dimension Reduction and Variational Inference for
-Transductive Few-Shot Classification" (AISTATS 2023); implementation spec
-``bavardage.md``, which follows the authors' code (``yhu01/BAVARDAGE``) where it and
+Transductive Few-Shot Classification" (AISTATS 2023); design:
+docs/design/bavardage.md, which follows the authors' code (``yhu01/BAVARDAGE``) where it and
 the paper differ.
 
-The generative story (spec §2; paper eq. 2), in the reduced space u ∈ R^d, d = K - 1:
+The generative story (design §2; paper eq. 2), in the reduced space u ∈ R^d, d = K - 1:
 
     π ~ Dirichlet(α_o 1_K)                    (balanced variant: π = 1/K fixed)
     μ_k ~ Normal(0, (β_o τ)^{-1} I_d),        k = 1..K
@@ -14,7 +14,7 @@ The generative story (spec §2; paper eq. 2), in the reduced space u ∈ R^d, d 
 
 with τ = T_vb fixed (:func:`bavardage_model`). What production runs: u = x P_b, x the
 whitened rows of the task and P_b the adaptive PLDA projection onto the span of the
-shrunk soft centroids (spec §3.5), recomputed from the responsibilities at the start of
+shrunk soft centroids (design §3.5), recomputed from the responsibilities at the start of
 every VB iteration b. P_b is a fixed, non-random input of block b (a deterministic
 function of the data and of the previous responsibilities), so the model of block b is
 the mixture above with data u = x P_b, and each VB state is a mean-field posterior of
@@ -24,7 +24,7 @@ docstring states the guarantees: coordinate ascent within a block, Pyro's
 updates); the whitening and the projection live in :mod:`probfsl.inference.plda`, the
 Gram-matrix fast path in :mod:`probfsl.inference.gram`.
 
-:class:`Bavardage` is the estimator: MESV preprocessing (spec §3.1), soft k-means
+:class:`Bavardage` is the estimator: MESV preprocessing (design §3.1), soft k-means
 initialisation (§3.4), then n_vb x (PLDA projection, M step, E step) (§3.8).
 """
 
@@ -75,7 +75,7 @@ from probfsl.validation import (
     check_hyperparameter,
 )
 
-#: Published hyperparameters (spec §4; paper §4 and Appendix 6.3). α_o = 2, β_o = 10,
+#: Published hyperparameters (design §4; paper §4 and Appendix 6.3). α_o = 2, β_o = 10,
 #: γ = 10, 5 soft k-means and 5 VB iterations everywhere; FC100 and CIFAR-FS use mini's.
 PRESETS: dict[str, dict] = {
     "mini-balanced": dict(temperature_km=10.0, temperature_vb=50.0, s_max=2.0, balanced=True),
@@ -89,7 +89,7 @@ PRESETS: dict[str, dict] = {
 
 #: Where the published values were tuned: (images per base class, feature dimension):
 #: mini-ImageNet 600 (WRN-28-10, 640-d), tiered-ImageNet 448,695 / 351 (WRN, 640-d), CUB
-#: about 60 (ResNet-18, 512-d); these are the factors of spec §3.2.
+#: about 60 (ResNet-18, 512-d); these are the factors of design §3.2.
 PUBLISHED_SCALE: dict[str, tuple[float, int]] = {
     "mini": (600.0, 640),
     "tiered": (1278.0, 640),
@@ -104,7 +104,7 @@ ASSUMED_WITHIN = 0.45
 def relative_values(name: str) -> dict:
     """A published preset re-expressed in the units of ``scale="relative"``.
 
-    With the code's S_w (spec §3.2), S_w ~ n Sigma_w for n images per base class and
+    With the code's S_w (design §3.2), S_w ~ n Sigma_w for n images per base class and
     Sigma_w the per-image within-class covariance of the unit-norm features, whose trace
     is w. So the code's whitened within-class variance is ~1/n per direction and the
     relative precision is T_vb / n; the whitening scale of an average direction is
@@ -159,7 +159,7 @@ BASE_STATISTICS = Group(
 class Bavardage(FewShotClassifier):
     """BAVARDAGE transductive few-shot classifier (Hu, Pateux & Gripon, AISTATS 2023).
 
-    Defaults are the reference code's command-line defaults (= the CUB setting, spec §4
+    Defaults are the reference code's command-line defaults (= the CUB setting, design §4
     and §9) with the unbalanced (Dirichlet) model; :data:`PRESETS` and
     :meth:`from_preset` give the published settings.
 
@@ -182,7 +182,7 @@ class Bavardage(FewShotClassifier):
         scatter: S_w normalisation, ``"code"`` (default) or ``"paper"`` (eq. 6).
         scale: the units of ``s_max`` and ``temperature_vb``. ``"code"`` (default): those
             of the reference code, in which the published values were tuned; they depend
-            on the images per base class and the feature dimension (spec §3.2, §3.10
+            on the images per base class and the feature dimension (design §3.2, §3.10
             item 3). ``"relative"``: units that mean the same on any data. The clamp is
             s_max times the whitening scale of an average direction, sqrt(D / tr S_w),
             and the precision is T_vb times the whitened within-class precision
@@ -276,7 +276,7 @@ class Bavardage(FewShotClassifier):
 
     # ------------------------------------------------------------------ base statistics
     def fit_base(self, features: torch.Tensor, labels: torch.Tensor) -> Self:
-        """Base mean (M), then S_w of the centred, L2-normalised base features (spec §3.2).
+        """Base mean (M), then S_w of the centred, L2-normalised base features (design §3.2).
 
         The statistics are computed and stored in float64 (a deliberate upcast: S_w is
         inverted and eigendecomposed once) and cast to each batch's dtype and device.
@@ -363,7 +363,7 @@ class Bavardage(FewShotClassifier):
 
     @property
     def episode_objective_(self) -> torch.Tensor:
-        """Per-task ELBO [T] of the last :meth:`predict_proba` (spec §3.9), for model selection.
+        """Per-task ELBO [T] of the last :meth:`predict_proba` (design §3.9), for model selection.
 
         ELBOs under different T_vb or s_max are of different data (u changes with the
         whitening); :mod:`probfsl.tuning` reports how well this ranks candidates.
@@ -411,7 +411,7 @@ class Bavardage(FewShotClassifier):
         labels = episodes.support_labels
         # MESV "M": centre on the base mean; "E" (unit rows) is applied to the Gram matrices:
         # soft k-means, the global whitening (metric G = W W^T) and the centroid projection
-        # only need inner products between a task's points (spec §8).
+        # only need inner products between a task's points (design §8).
         mean = self.base_mean_.to(episodes.support)
         global_mode = self.mode == "bavardage" and self.whitening == "global"
         metric = self.whitening_.to(mean) if global_mode else None
@@ -477,7 +477,7 @@ class Bavardage(FewShotClassifier):
         self, n_draws: int = 200, seed: int = 0, tasks: slice | None = None
     ) -> dict[str, torch.Tensor]:
         """Draws ``[1, n_draws, T, ...]`` of ``pi``, ``mu`` and ``z`` from the last batch's
-        variational posterior (spec §2), through the engine's Pyro guide.
+        variational posterior (design §2), through the engine's Pyro guide.
 
         The guide (:meth:`~probfsl.inference.vb_mixture.BavardageVB.guide`) runs once,
         vectorised over a ``draws`` plate. The random streams of the CPU and of the
@@ -504,7 +504,7 @@ class Bavardage(FewShotClassifier):
 
         The ELBO trace of the fit is in ``elbo_trace_`` (``trace_elbo=True``); R-hat is
         meaningless for these
-        independent draws from closed-form factors (spec §2).
+        independent draws from closed-form factors (design §2).
         """
         from probfsl.diagnostics.arviz import to_datatree
 

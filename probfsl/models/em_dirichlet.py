@@ -1,12 +1,12 @@
 """EM-Dirichlet: transductive zero-/few-shot classification on the probability simplex.
 
 Martin, Huang, Shakeri, Pesquet & Ben Ayed, "Transductive Zero-Shot and Few-Shot
-CLIP", CVPR 2024 (spec ``em_dirichlet.md``). Each sample is a class-probability
+CLIP", CVPR 2024 (docs/design/em-dirichlet.md). Each sample is a class-probability
 vector (for CLIP: softmax of 30 x the cosines between image and class-text
 embeddings, paper eq. 2); each class has a Dirichlet law on the simplex and the
 queries of a task are clustered jointly under an MDL partition-complexity penalty.
 
-* :func:`em_dirichlet_model` — the generative model in Pyro (spec §2);
+* :func:`em_dirichlet_model` — the generative model in Pyro (design §2);
 * :class:`EMDirichlet` — the estimator (few-shot :meth:`~EMDirichlet.predict_proba`,
   zero-shot :meth:`~EMDirichlet.predict_zero_shot`);
 * :func:`match_clusters` — cluster-to-class matching (Hungarian, paper §4.3).
@@ -92,7 +92,7 @@ def em_dirichlet_model(
     support_labels: torch.Tensor | None = None,
     lambda_coef: float = 1.0,
 ) -> None:
-    """Dirichlet mixture on the simplex with a tempered class prior (spec §2).
+    """Dirichlet mixture on the simplex with a tempered class prior (design §2).
 
     Per task (plate ``tasks``)::
 
@@ -105,7 +105,7 @@ def em_dirichlet_model(
     With the guide q(c_n) = Categorical(r_n), Delta(alpha), Delta(pi) the negative ELBO
     is -sum_n sum_k r_nk ln Dir(x_n|alpha_k) + sum_Q r ln r - (lambda/|Q|) sum_Q sum_k
     r_nk ln pi_k; at the profile pi = mean_Q r the last term is lambda * (-sum pi ln pi),
-    so the negative ELBO is the paper's objective (6) = J of spec §3.5: the MDL penalty
+    so the negative ELBO is the paper's objective (6) = J of design §3.5: the MDL penalty
     is a categorical prior on the classes tempered by lambda/|Q| (lambda = |Q| is plain
     EM). Support labels only select alpha (they carry no pi term, as in the paper).
 
@@ -141,7 +141,7 @@ def em_dirichlet_model(
 def match_clusters(
     assignments: torch.Tensor, probs: torch.Tensor, matching: str = "hungarian"
 ) -> torch.Tensor:
-    """Map each query's cluster to a class (paper §4.3 and App. D; spec §3.6).
+    """Map each query's cluster to a class (paper §4.3 and App. D; design §3.6).
 
     For each task: the non-empty clusters of ``assignments`` [T, Q] (cluster ids 0..K-1)
     get the mean m_c of their members' input probabilities ``probs`` [T, Q, K]; with
@@ -198,10 +198,10 @@ class EMDirichlet(FewShotClassifier):
     Args:
         hard: Hard EM-Dirichlet (one-hot assignments, no entropy barrier).
         lambda_coef: lambda / |Q|, the partition-complexity weight. ``None`` = the
-            reference code's floor(K / k_eff) with k_eff = 5 (spec §3.7; the paper's
+            reference code's floor(K / k_eff) with k_eff = 5 (design §3.7; the paper's
             printed formula is inverted). Fragile: it is the one sensitive knob — with a
             shared bias toward one class the default can cost accuracy against plain EM
-            (``lambda_coef=1``) or even the argmax baseline (spec §4: 0.24 vs 0.64 vs
+            (``lambda_coef=1``) or even the argmax baseline (design §4: 0.24 vs 0.64 vs
             0.53 on a synthetic K=10 task), and it is 0 (no MDL at all) for K < 5.
         k_eff: assumed number of classes present in a task (default lambda only).
         temperature: T of softmax(T * cosine) for embeddings (paper: 30).

@@ -1,7 +1,7 @@
 """Bayesian evidence LS-SVM: linear probes regularised and backbones ranked by the evidence.
 
 Kim, Jang, Han, Choi, "Learning to Select Pre-Trained Deep Representations with
-Bayesian Evidence Framework", CVPR 2016 (spec ``evidence.md``). The mathematics
+Bayesian Evidence Framework", CVPR 2016 (docs/design/evidence.md). The mathematics
 (one eigendecomposition, Algorithm 1-2 with Aitken's step, safeguards) lives in
 :mod:`probfsl.inference.evidence`.
 
@@ -16,7 +16,7 @@ Generative model, one problem per target column (one-vs-rest 0/1 targets, no bia
   default): the Pyro models; with the guide of
   :class:`~probfsl.inference.evidence.EvidenceEngine` (point masses on the
   hyperparameters, the exact posterior on w) Pyro's ``Trace_ELBO`` is the log evidence.
-* :class:`EvidenceLSSVM`: ``fit(X, y)`` / ``predict`` / ``predict_proba`` /
+* :class:`EvidenceLSSVM`: ``fit_probe(X, y)`` / ``predict`` / ``predict_proba`` /
   ``log_evidence_`` with a shared (default; the engine, driven by
   :func:`~probfsl.inference.base.run`) or per-class lambda; also a batched few-shot classifier
   (``predict_proba(episodes)``) for ``probfsl run --method evidence-lssvm``.
@@ -79,7 +79,7 @@ from probfsl.validation import (
 
 SCORES = ("sum", "mean_per_sample")
 
-#: the per-class results of :meth:`EvidenceLSSVM.fit`, ``[K]`` each (lambda and alpha
+#: the per-class results of :meth:`EvidenceLSSVM.fit_probe`, ``[K]`` each (lambda and alpha
 #: may be very large where the evidence has no finite maximiser)
 _PER_CLASS = {
     "lam": Tensor("K", nonnegative=True),
@@ -92,10 +92,10 @@ _PER_CLASS = {
     "degenerate": Tensor("K", kind="bool"),
 }
 
-#: what :meth:`EvidenceLSSVM.fit` sets: N samples of width D, K targets; the spectrum
+#: what :meth:`EvidenceLSSVM.fit_probe` sets: N samples of width D, K targets; the spectrum
 #: has R eigenvalues (R = D in the primal mode, the N x N Gram's in the dual mode)
 SINGLE_PROBLEM = Group(
-    "fit",
+    "fit_probe",
     {
         "classes_": Array("K", kind="int"),
         "spectrum_": Record(
@@ -260,10 +260,11 @@ class EvidenceLSSVM(FewShotClassifier):
     Args:
         normalize: L2-normalise every feature vector (the paper's Theorem 1 assumption).
         center: for few-shot episodes, centre features on the base-class mean
-            (needs :meth:`fit_base`); ``fit`` also centres when a base mean was fitted.
+            (needs :meth:`fit_base`); ``fit_probe`` also centres when a base mean was
+            fitted.
         fit_intercept: centre X and y (N -> N - 1); the paper has no bias (default).
         paper_exact: Algorithm 1 exactly as published (lambda_init, absolute eps), no
-            safeguards; otherwise the spec's safeguards (grid start, clamps, ...).
+            safeguards; otherwise probfsl's safeguards (design §4: grid start, clamps, ...).
         accelerate: Aitken's delta-squared step (Algorithm 1) or the plain map.
         lam_init: initial lambda of the paper-exact mode (positive).
         temperature: probabilities are ``softmax(temperature * scores)`` (a calibration
@@ -293,7 +294,7 @@ class EvidenceLSSVM(FewShotClassifier):
             ``"derived"``: the episodes' evidence maximised by variational message passing
             derived from the Pyro declaration of the regression
             (:func:`probfsl.derived.evidence.derived_proba`; ``fit_intercept=False`` and
-            ``paper_exact=False`` only; ``fit`` on features stays hand-written).
+            ``paper_exact=False`` only; ``fit_probe`` on features stays hand-written).
 
     **1-shot tasks: the nearest class mean.** With one support sample per class (more
     generally when N <= D and each one-vs-rest target can be interpolated), the profile
@@ -316,14 +317,16 @@ class EvidenceLSSVM(FewShotClassifier):
     ``temperature`` instead of a uniform vector, and float32 and float64 inputs give the
     same labels up to true ties (200 tasks: 15,000 of 15,000 agree). With
     ``fit_intercept`` the limit is the class frequency and is not substituted.
-    ``fit``/``decision_function`` keep the exact posterior mean (``coef_``).
+    ``fit_probe``/``decision_function`` keep the exact posterior mean (``coef_``).
 
-    **fit is not fit_base here.** Unlike the other estimators, whose ``fit`` is an alias
-    of ``fit_base``, ``fit(features, labels)`` fits the single-problem LS-SVM
-    (scikit-learn style, below); the base-class statistics for episodes come from
-    ``fit_base`` (or ``fit_featureset``).
+    **Two kinds of fitting.** As on every estimator, ``fit(features, labels)`` is
+    ``fit_base``: the base-class mean that few-shot tasks are centred on (also
+    ``fit_featureset``). ``fit_probe(features, labels)`` fits one LS-SVM on the rows it is
+    given (a linear probe, scikit-learn style, below), which ``predict``,
+    ``predict_proba`` and ``decision_function`` on feature rows then use; it centres on
+    the base mean when one was fitted.
 
-    Fitted attributes (``fit``): ``classes_`` (NumPy), ``coef_ [K, D]``, ``lambda_``,
+    Fitted attributes (``fit_probe``): ``classes_`` (NumPy), ``coef_ [K, D]``, ``lambda_``,
     ``alpha_``, ``beta_``, ``log_evidence_ [K]``, ``total_log_evidence_``,
     ``at_boundary_``, ``n_iter_``, ``spectrum_``. ``predict_proba(episodes)`` never
     changes them; it leaves per-task diagnostics of its last batch in
@@ -416,11 +419,13 @@ class EvidenceLSSVM(FewShotClassifier):
 
     # -- single problem (scikit-learn style) ------------------------------------------
 
-    def fit(self, features: Any, labels: Any) -> Self:
-        """Fit K one-vs-rest evidence-maximised ridge regressions on ``features [N, D]``.
+    def fit_probe(self, features: Any, labels: Any) -> Self:
+        """Fit K one-vs-rest evidence-maximised ridge regressions on ``features [N, D]``
+        (the single-problem LS-SVM; ``fit`` is ``fit_base``, as on every estimator).
 
         ``features``: a float32/float64 tensor or NumPy array. ``labels``: integer class
-        labels ``[N]`` or a 0/1 indicator matrix ``[N, K]`` (multi-label).
+        labels ``[N]`` or a 0/1 indicator matrix ``[N, K]`` (multi-label). Sets the
+        attributes of the class docstring's "Fitted attributes"; returns ``self``.
         """
         self._check_params()
         x = _features(features)
@@ -448,7 +453,7 @@ class EvidenceLSSVM(FewShotClassifier):
         """Regression scores ``x^T w_k (+ b_k)``, ``[M, K]`` (in ``dtype``, on the fitted
         model's device)."""
         if not hasattr(self, "coef_"):
-            raise ValueError("EvidenceLSSVM is not fitted: call fit first")
+            raise ValueError("EvidenceLSSVM has no probe: call fit_probe(features, labels) first")
         x = as_float_tensor(features, "features", ndim=2)
         if x.shape[1] != self.coef_.shape[1]:
             raise ValueError(f"features must be [M, {self.coef_.shape[1]}], got {tuple(x.shape)}")
@@ -852,7 +857,8 @@ def greedy_ensemble(
     model = None
     if fit_model:
         concat = torch.cat([prepared[names.index(n)] for n in selected], 1)
-        model = EvidenceLSSVM(normalize=False, center=False, dtype=dtype).fit(concat, labels)
+        model = EvidenceLSSVM(normalize=False, center=False, dtype=dtype)
+        model.fit_probe(concat, labels)
     return EnsembleResult(selected, order, accepted, trace, best, model)
 
 
@@ -880,7 +886,7 @@ def evidence_datatree(
     from probfsl.diagnostics.arviz import to_datatree
 
     if not hasattr(model, "spectrum_") or model.lambda_.ndim != 1:
-        raise ValueError("evidence_datatree needs an EvidenceLSSVM fitted with fit(X, y)")
+        raise ValueError("evidence_datatree needs an EvidenceLSSVM fitted with fit_probe(X, y)")
     sp = model.spectrum_
     d = min(sp.dim, max_dim)
     cov = posterior_covariance(sp, model.alpha_, model.beta_)  # [K, D, D]

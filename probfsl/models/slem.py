@@ -1,10 +1,10 @@
 """Square-loss exemplar machines (SLEM) as a retrieval encoder and a few-shot classifier.
 
 Rezende, Zepeda, Ponce, Bach, Pérez, "Kernel Square-Loss Exemplar Machines for Image
-Retrieval", CVPR 2017 (spec ``slem.md``). The closed forms are in
+Retrieval", CVPR 2017 (docs/design/slem.md). The closed forms are in
 :mod:`probfsl.inference.woodbury`.
 
-Probabilistic readings (spec §2):
+Probabilistic readings (design §2):
 
 * (a) :func:`slem_model`, the Pyro model whose MAP is SLEM's closed form: SLEM's
   objective J(omega, nu) is the negative log posterior of a Gaussian linear model of the
@@ -78,7 +78,7 @@ def slem_model(
 ) -> None:
     """Gaussian linear model whose MAP (and posterior mean) is SLEM's ``(omega, nu)``.
 
-    Spec §2(a), for exemplars ``x0 [..., P, d]`` (one problem each, plate ``exemplars``)
+    Design §2(a), for exemplars ``x0 [..., P, d]`` (one problem each, plate ``exemplars``)
     against shared negatives ``x_1..x_n`` (``negatives [..., n, d]``), targets +1 / -1::
 
         nu    ~ flat on R                            (intercept, unpenalised)
@@ -92,7 +92,7 @@ def slem_model(
     2017; :mod:`probfsl.inference.woodbury`). The posterior is Gaussian, so its mean is
     the MAP, :func:`~probfsl.inference.woodbury.slem_woodbury`. The +-1 "observations"
     and the precisions theta and 1/n are design weights, not a generative story of
-    labels (spec §2: formally exact, artificial).
+    labels (design §2: formally exact, artificial).
     """
     lam = torch.as_tensor(lam, dtype=x0.dtype, device=x0.device)
     n, d = negatives.shape[-2], x0.shape[-1]
@@ -148,10 +148,10 @@ NEGATIVE_FACTOR = Record(
 
 
 class SLEMEncoder:
-    """Exemplar descriptors against a fixed negative pool (spec §3 "Descriptor and similarity").
+    """Exemplar descriptors against a fixed negative pool (design §3 "Descriptor and similarity").
 
     Args:
-        lam: ridge penalty; ``None`` gives ``rel_lam * trace(Sigma) / d`` (spec default 1e-3).
+        lam: ridge penalty; ``None`` gives ``rel_lam * trace(Sigma) / d`` (retrieval default 1e-3).
         theta: weight of the positive (does not change normalised descriptors).
         normalize: L2-normalise the descriptors.
         rel_lam: relative penalty used when ``lam`` is None.
@@ -206,7 +206,7 @@ DERIVED_MEMORY = 1 << 29
 
 
 class SLEM(FewShotClassifier):
-    """Few-shot SLEM / shrinkage LDA against the base set (spec §1, §3 "Several positives").
+    """Few-shot SLEM / shrinkage LDA against the base set (design §1, §3 "Several positives").
 
     For each class c of a task, ``omega_c = A^-1 (xbar_c - mu)`` with the base mean ``mu``
     and ``A = Sigma_base + lambda I``; a query x scores ``omega_c^T (x - (xbar_c + mu)/2)``
@@ -214,15 +214,15 @@ class SLEM(FewShotClassifier):
     posterior with covariance ``A / temperature``-free scaling at temperature 1.
 
     ``omega_c`` is the direction of the MAP of :func:`slem_model` with the class mean as
-    the exemplar (``omega* = 2 theta / (theta q_c + theta + 1) A^-1 delta_c``, spec §3);
+    the exemplar (``omega* = 2 theta / (theta q_c + theta + 1) A^-1 delta_c``, design §3);
     the class-dependent scale and the intercept nu* are replaced by the LDA reading's
-    offsets (spec §2b, §3 "several positives"), so that the scores of different classes
+    offsets (design §2b, §3 "several positives"), so that the scores of different classes
     are comparable.
 
     Args:
         lam: ridge penalty; ``None`` gives ``rel_lam * trace(Sigma_base) / d``.
-        rel_lam: relative penalty used when ``lam`` is None. The spec's retrieval default
-            1e-3 under-regularises few-shot classification; 10 was chosen on base-class
+        rel_lam: relative penalty used when ``lam`` is None. The retrieval default of
+            design §4, 1e-3, under-regularises few-shot classification; 10 was chosen on base-class
             validation episodes (half the base classes as negatives, 5-way tasks from the
             other half) of Omniglot Lite0-1280 and PCA-64 features (see
             ``benchmarks/bench_evidence.py``).

@@ -1,4 +1,4 @@
-"""Transductive soft k-means baseline (the initialiser of BAVARDAGE, spec §3.4)."""
+"""Transductive soft k-means baseline (BAVARDAGE's initialiser, docs/design/bavardage.md §3.4)."""
 
 from __future__ import annotations
 

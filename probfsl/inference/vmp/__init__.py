@@ -1,4 +1,4 @@
-"""Variational message passing derived from a Pyro model (spec ``vmp.md``).
+"""Variational message passing derived from a Pyro model (docs/design/vmp.md).
 
 Winn & Bishop, "Variational Message Passing", JMLR 6 (2005) §3-4; Bishop, *PRML* (2006)
 §10.1-10.4. Given a Pyro model of conjugate-exponential sites with a leading ``tasks``
@@ -9,7 +9,7 @@ plate, :class:`VMP` reads the model's structure from ``pyro.poutine.trace`` and 
   sums, a Gaussian Markov chain, the hidden chain of a ``DiscreteHMM``; ``pyro.param``
   sites are point estimates);
 * the coordinate update of each factor, η*_i = E[η_i(pa_i)] + Σ_children m_{c→i}
-  (spec §1), one batched tensor contraction per message;
+  (design §1), one batched tensor contraction per message;
 * the analytic ELBO Σ_sites E_q[ln p(x | pa)] + Σ_latent H[q] (Winn & Bishop §3.3);
 * a Pyro guide with the model's signature, and the posterior factors as
   ``torch.distributions`` objects.
@@ -26,8 +26,10 @@ families, one module each: :mod:`~probfsl.inference.vmp.normal`,
 :mod:`~probfsl.inference.vmp.gaussian_chain` and :mod:`~probfsl.inference.vmp.at_prior`
 (sites kept at their prior, q = p); contractions over named axes are
 :mod:`~probfsl.inference.vmp.einsum`'s, refusals :mod:`~probfsl.inference.vmp.checks`'s,
-and :mod:`~probfsl.inference.vmp.engine` is the engine. Linear maps are found by automatic
-differentiation, and a precision or rate c · Π τ by the form it is computed in
+and :mod:`~probfsl.inference.vmp.engine` is the engine;
+:mod:`~probfsl.inference.vmp.branches` holds every parameter to the plan on runs at each
+end of the latent sites' supports (a Python branch on a latent value). Linear maps are
+found by automatic differentiation, and a precision or rate c · Π τ by the form it is computed in
 (:mod:`~probfsl.inference.vmp.monomials`: the model's own c, no rounding), as is the
 component a fixed index picks (carried from the parent's entries through the model's
 indexing or one-hot products); copies of a parent, and a latent selector, are verified by
@@ -46,7 +48,7 @@ A parent plate missing from the child is a mixture component axis: the child mus
 it by a latent Categorical site (``Vindex(mu)[..., z, :]``) or by a constant index (labels
 given as data); a fixed per-class table selected by a latent site is accepted too.
 Anything else is refused with a ``ValueError`` naming the site, its distribution and the
-parent (spec §5), before any update. Deriving the plan costs a few runs of the model
+parent (design §5), before any update. Deriving the plan costs a few runs of the model
 (``init``, with the data's device as the default device, so that Pyro's plates and torch's
 samplers put their tensors with the data); the sweeps never run it.
 
@@ -56,7 +58,7 @@ samplers put their tensors with the data); the sweeps never run it.
 obs_mask=observed)`` (Pyro's own mechanism: sites ``z_observed`` and ``z_unobserved``) is one
 Categorical factor whose observed entries are fixed one-hot and never updated.
 
-**Initialisation** (spec §4). Latent Categorical sites start from the given responsibilities
+**Initialisation** (design §4). Latent Categorical sites start from the given responsibilities
 (``init(..., init_resp={site: probs})``), or from one-hot observed entries and
 uniform-plus-noise elsewhere (noise from a fixed seed over the non-task axes, the same for
 every task, so a batch equals its tasks run alone). Every other factor starts at its prior

@@ -1,4 +1,4 @@
-"""What VMP accepts: the families it knows and the refusals of spec §5.
+"""What VMP accepts: the families it knows and the refusals of docs/design/vmp.md §5.
 
 Every refusal is a ``ValueError`` raised before any sweep that names the site, its
 distribution and the offending parent, and ends with :data:`SUPPORTED`.
@@ -176,8 +176,80 @@ def check_data(args: tuple, kwargs: dict) -> None:
             raise ValueError(f"VMP needs data: argument {i} has shape {tuple(a.shape)}")
 
 
+def simplex_tolerance(dtype: torch.dtype, n: int) -> float:
+    """How far a row of ``n`` probabilities in ``dtype`` may sum from 1: 1e-4, what
+    probfsl's estimators accept of probability vectors, or 16 n ε of the dtype where that
+    is larger (the rounding of normalising a long float32 row)."""
+    return max(1e-4, 16 * n * torch.finfo(dtype).eps)
+
+
+def support_holds(family: str, value: torch.Tensor) -> torch.Tensor | None:
+    """A 0-d bool tensor (no host sync): the observed ``value`` (canonical layout) of a
+    ``family`` site lies in its support: a Gamma's > 0, a Beta's in (0, 1), a Dirichlet's
+    rows positive and summing to 1 (:func:`simplex_tolerance`). ``None`` for a family
+    checked elsewhere (counts and labels) or with no bound (Normal)."""
+    if not value.numel():
+        return None
+    if family == "Gamma":
+        return value.amin() > 0
+    if family == "Beta":
+        low, high = torch.aminmax(value)
+        return (low > 0) & (high < 1)
+    if family == "Dirichlet":
+        tol = simplex_tolerance(value.dtype, value.shape[-1])
+        low, high = torch.aminmax(value.sum(-1))
+        return (value.amin() > 0) & (low >= 1 - tol) & (high <= 1 + tol)
+    return None
+
+
+def support_refusal(site: str, fn: str, family: str, value: torch.Tensor, dims: tuple):
+    """The refusal of data outside their support (:func:`support_holds` false), naming
+    the first offending entry (or row, of a Dirichlet) by its axes ``dims``; ``None``
+    where the data are in their support."""
+    if family == "Dirichlet":
+        tol = simplex_tolerance(value.dtype, value.shape[-1])
+        sums = value.sum(-1)
+        bad = (value <= 0).any(-1) | ((sums - 1).abs() > tol)
+        if not bool(bad.any()):
+            return None
+        at = tuple(int(i) for i in bad.nonzero()[0])
+        row = value[at]
+        return refuse(
+            site,
+            fn,
+            "-",
+            f"its data must be probability vectors (entries > 0, each row summing to 1 "
+            f"within {tol:.3g}); the row at {_at(dims, at)} sums to {float(sums[at]):.6g} "
+            f"with smallest entry {float(row.min()):.6g}",
+        )
+    if family == "Gamma":
+        bad, need = value <= 0, "> 0"
+    elif family == "Beta":
+        bad, need = (value <= 0) | (value >= 1), "strictly between 0 and 1"
+    else:
+        return None
+    if not bool(bad.any()):
+        return None
+    at = tuple(int(i) for i in bad.nonzero()[0])
+    return refuse(
+        site,
+        fn,
+        "-",
+        f"its data must be {need}; the entry at {_at(dims, at)} is {float(value[at]):.6g}",
+    )
+
+
+def _at(dims: tuple, index: tuple) -> str:
+    """An entry's position by the names of its axes (``task 1, points 3``)."""
+    parts = []
+    for d, i in zip(dims, index, strict=False):
+        name = "task" if d == "tasks" else ("entry" if "#e" in d else d)
+        parts.append(f"{name} {i}")
+    return ", ".join(parts)
+
+
 def refuse(site: str, fn: str, parent: str, why: str) -> ValueError:
-    """The refusal of spec §5: names the site, its distribution and the offending parent."""
+    """The refusal of design §5: names the site, its distribution and the offending parent."""
     where = f"site {site!r} ({fn})" + ("" if parent == "-" else f" with parent {parent}")
     return ValueError(f"VMP cannot use {where}: {why}. Supported: {SUPPORTED}")
 

@@ -31,7 +31,8 @@ from pyro import poutine
 from pyro.distributions import constraints
 from pyro.poutine.messenger import Messenger
 
-from probfsl.inference.vmp import at_prior
+from probfsl.inference.vmp import at_prior, branches
+from probfsl.inference.vmp.branches import extreme
 from probfsl.inference.vmp.checks import (
     OBSERVED_ONLY,
     all_finite,
@@ -42,6 +43,8 @@ from probfsl.inference.vmp.checks import (
     data_dtype,
     family_of,
     refuse,
+    support_holds,
+    support_refusal,
     unwrap,
 )
 from probfsl.inference.vmp.einsum import ein
@@ -210,12 +213,20 @@ class _DrawLatent(Messenger):
     samplers are spared (from the prior probabilities of a Categorical, a tenth of the
     plan derivation on 1,000 mixture tasks). With ``symbolic``, a Gamma or Wishart site's
     value (drawn, or a point estimate's) is a :class:`~probfsl.inference.vmp.monomials.Monomial`,
-    so that the precisions and rates it enters carry their form c · τ."""
+    so that the precisions and rates it enters carry their form c · τ. With ``pattern``
+    (``"high"`` or ``"low"``), every site takes a value at one end of its support instead
+    (:func:`~probfsl.inference.vmp.branches.extreme`)."""
 
-    def __init__(self, seed: int, dtype: torch.dtype | None = None, symbolic: bool = False):
+    def __init__(
+        self,
+        seed: int,
+        dtype: torch.dtype | None = None,
+        symbolic: bool = False,
+        pattern: str | None = None,
+    ):
         super().__init__()
         self.generator = torch.Generator().manual_seed(seed)
-        self.dtype, self.symbolic = dtype, symbolic
+        self.dtype, self.symbolic, self.pattern = dtype, symbolic, pattern
 
     def _pyro_sample(self, msg) -> None:
         if msg["is_observed"]:
@@ -238,7 +249,10 @@ class _DrawLatent(Messenger):
         if like is None or not like.is_floating_point():
             return  # the model's sampler decides (and fails on integer parameters)
         n_cat = like.shape[-1] if family == "Categorical" else 0
-        value = draw(family, list(msg["fn"].shape()), n_cat, self.generator)
+        shape = list(msg["fn"].shape())
+        value = None if self.pattern is None else extreme(family, shape, n_cat, self.pattern)
+        if value is None:
+            value = draw(family, shape, n_cat, self.generator)
         if value.is_floating_point():
             msg["value"] = value.to(device=like.device, dtype=self.dtype or like.dtype)
         else:
@@ -409,7 +423,7 @@ class Compiler:
         constraint names (``poutine.lift`` with a placeholder law that only gives it shape
         and support): positive -> Gamma (a precision or rate), real -> Normal (a location),
         simplex -> Dirichlet, unit_interval -> Beta. The sweeps never use the placeholder:
-        a point site's update is the maximiser of its children's terms (spec §7.2)."""
+        a point site's update is the maximiser of its children's terms (VMP design §7.2)."""
         prior = {}
         for name, node in params.items():
             value = node["value"].detach()
@@ -431,12 +445,12 @@ class Compiler:
             self.points[name] = value
         self.model = _StartAt(self.points)(poutine.lift(self.model, prior=prior))
 
-    def _trace(self, args, kwargs, values=None, grad=False, seed=0, symbolic=False):
+    def _trace(self, args, kwargs, values=None, grad=False, seed=0, symbolic=False, pattern=None):
         """One run of the model: its latent sites at ``values`` (conditioned), or drawn
-        from the stream ``seed`` (:class:`_DrawLatent`, ``symbolic`` or not; the verifying
-        probes use 2)."""
+        from the stream ``seed`` (:class:`_DrawLatent`, ``symbolic`` or not, at the
+        ``pattern`` of extremes if given; the verifying probes use 2)."""
         if values is None:
-            model = _DrawLatent(seed, self._dtype, symbolic)(self.model)
+            model = _DrawLatent(seed, self._dtype, symbolic, pattern)(self.model)
         else:
             model = poutine.condition(self.model, data=values)
         with torch.set_grad_enabled(grad), data_device(args, kwargs):
@@ -504,10 +518,15 @@ class Compiler:
             latent = list(self.order)
         plan = Plan(sites, latent, sizes, {n: [] for n in latent}, ref)
         self._find_parents(plan, trace, args, kwargs)
+        self._check_counts(plan)
         for p in (p for s in sites.values() for p in s.params.values() if p.coef is not None):
             p.unit_coef = bool((p.coef == 1).all())
         self._find_chains(plan)
         at_prior.check(plan)
+        runs, one_task = getattr(self, "_probe_runs", ([], False))
+        self._probe_runs = ([], False)  # the traces are not kept with the compiler
+        with torch.no_grad():
+            branches.check(plan, runs, one_task, self._params, self._dtype)
         for name in self.points:
             roles = {role for _, role in plan.children[name]}
             if not roles:
@@ -686,9 +705,14 @@ class Compiler:
             square = v.square() if family == "MultivariateNormal" else None  # x xᵀ's terms
             # (x and x² of a Normal are views of its stack: one pass over the stack)
             stats = (site.powers,) if site.powers is not None else (v, *site.stats, square)
-            if family != "Categorical" and not bool(all_finite(*stats)):
+            inside = support_holds(family, v)  # a Gamma's data > 0, a Dirichlet's rows, ...
+            finite = all_finite(*stats)
+            if family != "Categorical" and not bool(finite if inside is None else finite & inside):
                 if not bool(torch.isfinite(v).all()):
                     raise refuse(logical, fname, "-", "its data hold NaN or infinite values")
+                outside = support_refusal(logical, fname, family, v, site.dims)
+                if outside is not None:
+                    raise outside
                 raise refuse(
                     logical,
                     fname,
@@ -703,8 +727,11 @@ class Compiler:
         """``ValueError`` when the model's structure (its sites, their distributions and
         shapes) changes with the values of its latent sites: Python control flow on a
         latent value, which message passing cannot follow. Checked by tracing the model
-        again with other draws of its latent sites, on the first task alone (the arguments
-        sliced to it) where the model runs on it."""
+        again with other draws of its latent sites and with every site at each end of its
+        support (:func:`~probfsl.inference.vmp.branches.extreme`), on the first task alone
+        (the arguments sliced to it) where the model runs on it. The runs are kept
+        (``_probe_runs``) for :func:`~probfsl.inference.vmp.branches.check`, which holds
+        the parameters of the finished plan to them."""
 
         def shape(t):
             return [
@@ -718,23 +745,36 @@ class Compiler:
         # the user's random streams are left as they were (the CPU's and the data's GPU's)
         with torch.random.fork_rng(devices=cuda), pyro.validation_enabled(False):
             one = _first_task(args, kwargs)
+            one_task = False
             if one is not None:
                 try:
                     trace = self._trace(*one)
                     args, kwargs = one
+                    one_task = True
                 except Exception:  # the model needs every task: check on all of them
                     pass
             first = shape(trace)
-            for seed in (1, 3, 4, 5):  # streams other than the first run's (0)
+            runs = [trace]
+            # streams other than the first run's (0), then each end of every support
+            for seed, pattern in ((1, None), (3, None), (4, "high"), (5, "low")):
                 torch.random.default_generator.manual_seed(seed)
                 for d in cuda:
                     with torch.cuda.device(d):
                         torch.cuda.manual_seed(seed)
-                if shape(self._trace(args, kwargs, seed=seed)) != first:
+                try:
+                    run = self._trace(args, kwargs, seed=seed, pattern=pattern)
+                except Exception:
+                    if pattern is None:
+                        raise
+                    continue  # the model fails at these extremes: they prove nothing
+                if shape(run) != first:
                     raise ValueError(
                         "VMP cannot follow this model: its sites change with the values of "
                         "its latent sites (Python control flow on a latent value)"
                     )
+                if pattern is not None:  # random draws seldom cross a branch the ends miss
+                    runs.append(run)
+            self._probe_runs = (runs, one_task)
 
     def _params(self, site: Site, tr_site: dict) -> dict[str, torch.Tensor]:
         """The site's parameters in its canonical layout (precision for a Normal), floating
@@ -1043,7 +1083,7 @@ class Compiler:
 
     def _product_map(self, plan, s: Site, key, value, mains, base_values) -> Param:
         """A precision c · Π_k τ_k of several Gamma sites (a scale mixture: a Student-t is a
-        Normal whose precision is λ·u with u ~ Gamma(ν/2, ν/2) per point; spec §7.4). Each
+        Normal whose precision is λ·u with u ~ Gamma(ν/2, ν/2) per point; VMP design §7.4). Each
         factor's axes are the child's (event axes right-aligned); c is read off the first
         run and checked on the random values of every latent site."""
         sites, dims = plan.sites, param_dims(s, key)
@@ -1210,6 +1250,60 @@ class Compiler:
             if not torch.equal(self._runs[kind][s.name][key], value):
                 movers.append(p)
         return movers
+
+    @staticmethod
+    def _check_counts(plan: Plan) -> None:
+        """``ValueError`` naming the site for an observed Poisson, Bernoulli or Binomial
+        whose rate or probabilities depend on no latent site (a fixed law, or a rate
+        c · λ with every c = 0, which makes it fixed at 0), and for a Poisson rate c · λ
+        with c = 0 where a count above 0 is observed (:meth:`_check_exposures`); one host
+        synchronisation per such site."""
+        for s in plan.sites.values():
+            if not s.observed or s.family not in COUNTS or "logits" in s.params:
+                continue
+            key = "rate" if s.family == "Poisson" else "probs"
+            p = s.params[key]
+            if p.parent is None:
+                zero = s.family == "Poisson" and p.const is not None and not bool(p.const.any())
+                why = (
+                    "its rate is 0 (an exposure of 0?), so it does not depend on its Gamma "
+                    "parent; a rate c * lambda needs every exposure c > 0"
+                    if zero
+                    else f"its {key} is fixed (it depends on no latent site); an observed "
+                    f"{s.fn_name}'s {key} must be {NEARBY[(s.family, key)]}"
+                )
+                raise refuse(s.name, s.fn_name, "-", why)
+            if s.family == "Poisson" and p.coef is not None:
+                Compiler._check_exposures(plan, s, p)
+
+    @staticmethod
+    def _check_exposures(plan: Plan, s: Site, p) -> None:
+        """``ValueError`` naming the site and the first entry where a Poisson rate c · λ
+        has c = 0 (an exposure of 0) but a count above 0 is observed: a rate of 0 gives
+        such a count probability 0 (ln 0 in the bound). At a count of 0 the entry has
+        probability one and adds nothing (0 ln 0 = 0), and is accepted."""
+        zero = p.coef <= 0
+        if not bool(zero.any()):
+            return
+        dims, sizes = s.dims, plan.sizes
+        zero = ein(dims, [(zero.to(s.value.dtype), p.coef_dims)], dims, sizes, s.value)
+        bad = (zero > 0) & (s.value > 0)
+        if s.mask is not None:
+            bad = bad & (ein(dims, [(s.mask, s.mask_dims)], dims, sizes, s.value) > 0)
+        if not bool(bad.any()):
+            return
+        at = tuple(int(i) for i in bad.nonzero()[0])
+        where = ", ".join(
+            f"{'task' if d == TASKS else d} {i}" for d, i in zip(dims, at, strict=True)
+        )
+        raise refuse(
+            s.name,
+            s.fn_name,
+            f"{p.parent!r} (Gamma)",
+            f"its rate c * {p.parent} is 0 at {where} (an exposure of 0?) where the count "
+            f"{float(s.value[at]):g} is observed, which a rate of 0 gives probability 0; "
+            "a rate c * lambda needs an exposure c > 0 wherever a count is above 0",
+        )
 
     @staticmethod
     def _check_hmm(name: str, fname: str, hmm) -> None:

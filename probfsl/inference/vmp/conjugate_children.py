@@ -1,5 +1,5 @@
-"""Children whose log-density is linear in one parent's sufficient statistics (spec
-``vmp.md`` §7.4): Poisson under a Gamma rate, Bernoulli and Binomial under a Beta, a Gamma
+"""Children whose log-density is linear in one parent's sufficient statistics (design:
+docs/design/vmp.md §7.4): Poisson under a Gamma rate, Bernoulli and Binomial under a Beta, a Gamma
 under a Gamma rate, Categorical observations under a selected Dirichlet table.
 
 E ln p(x | θ) = Σ_i coef_i(x)·⟨u_i(θ)⟩ + const(x), so the message to θ is the coefficients
@@ -16,7 +16,7 @@ from probfsl.inference.vmp.layout import Plan, Site, derived, stat_dims
 from probfsl.inference.vmp.moments import expected_stats, parent_ops, weights
 
 #: (child family, parameter) pairs whose E ln p(child | parent) is linear in the parent's
-#: expected sufficient statistics (spec §7.4): Σ_i coef_i(x) ⟨u_i(parent)⟩ + const(x)
+#: expected sufficient statistics (design §7.4): Σ_i coef_i(x) ⟨u_i(parent)⟩ + const(x)
 LINEAR_CHILDREN = {
     ("Poisson", "rate"),
     ("Bernoulli", "probs"),
@@ -48,7 +48,7 @@ def _cached(plan: Plan, key: tuple, make):
 def linear_terms(plan: Plan, q: dict, s: Site) -> tuple[list, list]:
     """E ln p(x | parent) of a linear child as ``(coefs, const)``: ``coefs[i]`` multiplies
     the parent's i-th expected statistic, each a list of (sign, operands); ``const`` is a
-    list of (sign, operands) without the parent (spec §7.4):
+    list of (sign, operands) without the parent (design §7.4):
 
     * Poisson(k | c λ), u(λ) = (λ, ln λ): coefficients (−c, k), const k ln c − ln k!;
     * Bernoulli(y | p), u(p) = (ln p, ln(1 − p)): (y, 1 − y);
@@ -148,7 +148,7 @@ def message(plan: Plan, q: dict, s: Site, role: str, to: Site) -> list:
 
 def gamma_rate_natural(plan: Plan, q: dict, s: Site) -> list:
     """η of a Gamma factor whose rate is c · b with b a Gamma site: (−c⟨b⟩, a − 1) (the
-    expected natural parameter of its prior, spec §1), b selected where it is indexed."""
+    expected natural parameter of its prior, design §1), b selected where it is indexed."""
     p, a = s.params["rate"], s.params["concentration"]
     W, comp = weights(plan, q, s)
     over = s.dims + ((comp,) if comp else ())

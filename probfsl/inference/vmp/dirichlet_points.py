@@ -1,5 +1,5 @@
 """Observed probability vectors under a Dirichlet law whose concentrations are point
-estimates (spec ``vmp.md`` §7.2; EM-Dirichlet's likelihood, seed 004).
+estimates (docs/design/vmp.md §7.2; EM-Dirichlet's likelihood, Martin et al. 2024).
 
 For an observed p_n ~ Dirichlet(α_{z_n}) with α a ``pyro.param`` (optionally selected by a
 latent Categorical z), E ln p = Σ_k r_nk [ln Γ(Σ_j α_kj) − Σ_j ln Γ(α_kj) + Σ_j (α_kj − 1)

@@ -1,4 +1,4 @@
-"""A Gaussian Markov chain as one joint factor (spec ``vmp.md`` §7.5; BayesPy's
+"""A Gaussian Markov chain as one joint factor (docs/design/vmp.md §7.5; BayesPy's
 ``GaussianMarkovChain``).
 
 Latent Normal sites s_1, ..., s_N of which each is the mean of the next, or a fixed

@@ -1,6 +1,6 @@
 """A Categorical Markov chain as one structured factor: Pyro's ``DiscreteHMM`` observed,
 with Dirichlet initial and transition probabilities and a Normal observation law per
-state (spec ``vmp.md`` §7.5; Beal, *Variational algorithms for approximate Bayesian
+state (docs/design/vmp.md §7.5; Beal, *Variational algorithms for approximate Bayesian
 inference*, 2003, ch. 3; BayesPy's ``CategoricalMarkovChain``).
 
 The hidden chain z_1..z_N is not a site: its factor q(z) is the exact chain given the

@@ -23,7 +23,7 @@ TASKS = "tasks"
 
 @dataclass
 class LinearTerm:
-    """One term J·w of an affine parameter Σ_k J_k w_k + b (spec §7.1): the parent ``w``,
+    """One term J·w of an affine parameter Σ_k J_k w_k + b (VMP design §7.1): the parent ``w``,
     the Jacobian ``jac`` with axes ``jac_dims`` (the parameter's axes it varies along, plus
     ``axis``, the parent's last event axis that the map contracts; ``None`` for an
     elementwise map such as c · μ)."""
@@ -51,7 +51,7 @@ class BilinearTerm:
 
 @dataclass
 class Param:
-    """How one parameter of a site is formed (spec §2)."""
+    """How one parameter of a site is formed (VMP design §2)."""
 
     dims: tuple  # axes of the parameter (the site's, plus the category axis for probs)
     const: torch.Tensor | None = None  # fixed value (reduced axes ``const_dims``)

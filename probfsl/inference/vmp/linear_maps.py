@@ -1,5 +1,5 @@
 """Affine and bilinear maps of Gaussian sites: y ~ Normal(Σ_k J_k w_k + b, (c β)^-1/2), or
-y ~ Normal(B(u, v) + b, ...) with B bilinear in two latent sites (spec ``vmp.md`` §7.1).
+y ~ Normal(B(u, v) + b, ...) with B bilinear in two latent sites (docs/design/vmp.md §7.1).
 
 BayesPy's ``Dot``, ``SumMultiply`` and ``Add``, read off a plain Pyro model: ``X @ w``,
 ``(X * w).sum(-1)``, ``a + b`` and ``c * mu`` with observed coefficients. The compiler

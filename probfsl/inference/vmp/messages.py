@@ -1,6 +1,6 @@
 """The updates and the bound of VMP: messages, natural parameters and ELBO terms.
 
-Winn & Bishop (2005) §3-4, spec ``vmp.md`` §1-2. For a latent site, η* = E[η(pa)] plus
+Winn & Bishop (2005) §3-4, docs/design/vmp.md §1-2. For a latent site, η* = E[η(pa)] plus
 the messages of its children (:func:`natural`); a child's message to a parent is the
 coefficient of the parent's sufficient statistics in E ln p(child | pa) (:func:`message`);
 the bound is Σ_sites E ln p(x | pa) + Σ_latent H[q] (:func:`elbo`). Every function takes
@@ -204,7 +204,7 @@ def entropy(plan: Plan, q: dict, name: str) -> torch.Tensor:
 
 def natural(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
     """η* of a latent site: its prior's expected natural parameter plus (``children``)
-    its children's messages (spec §1)."""
+    its children's messages (design §1)."""
     s, sizes = plan.sites[name], plan.sizes
     if s.point:  # no prior term: the children's messages alone
         eta = [plan.ref.new_zeros([sizes[d] for d in dims]) for dims in stat_dims(s)]
@@ -246,7 +246,7 @@ def natural(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
 
 
 def message(plan, q, child: str, role: str, to: Site) -> list:
-    """m_{child → to}: the coefficients of u(to) in E ln p(child | pa) (spec §2 table)."""
+    """m_{child → to}: the coefficients of u(to) in E ln p(child | pa) (design §2 table)."""
     c, sizes, ref = plan.sites[child], plan.sizes, plan.ref
     if c.family == "DiscreteHMM":
         return hmm.message(plan, q, c, role, to)

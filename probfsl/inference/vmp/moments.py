@@ -168,7 +168,7 @@ def point_stats(s: Site, value: torch.Tensor) -> tuple:
 
 
 def point_mode(s: Site, eta: tuple) -> torch.Tensor:
-    """argmax_θ η·u(θ): the point that maximises its children's terms (spec §7.2), e.g.
+    """argmax_θ η·u(θ): the point that maximises its children's terms (VMP design §7.2), e.g.
     a precision θ = −η₂/η₁ = Σ ½ / Σ ½⟨(x − m)²⟩ (an EM step of type-II maximum likelihood)."""
     if s.family == "Gamma":
         return -eta[1] / eta[0]

@@ -3,7 +3,7 @@ coefficient c of a precision or rate c · Π_k τ_k structurally.
 
 A Gamma parent is conjugate to a Normal precision, or to a Gamma or Poisson rate, when that
 parameter is c times the parent, or times a product of Gamma parents (Winn & Bishop 2005,
-Table 1; spec §7.4 for the scale mixtures). The compiler's first run of the model gives
+Table 1; VMP design §7.4 for the scale mixtures). The compiler's first run of the model gives
 each latent Gamma site a :class:`Monomial` value: a tensor that carries its own symbolic
 form K · Π_s τ_s^(e_s), with fractional exponents e_s and K a product of constants (numbers
 and tensors), each with its own fractional exponent. Arithmetic that keeps a monomial a

@@ -1,5 +1,5 @@
 """Bernoulli and Binomial observations with logits affine in Gaussian sites, by Pólya-Gamma
-augmentation (spec ``vmp.md`` §7.3; Polson, Scott & Windle 2013).
+augmentation (docs/design/vmp.md §7.3; Polson, Scott & Windle 2013).
 
 With κ = y − b/2, p(y | ψ) = C(b, y) 2^-b e^{κψ} ∫ e^{−ωψ²/2} PG(ω | b, 0) dω, so given ω
 the logit ψ = Σ_k J_k w_k + c has a Gaussian likelihood: the message to each parent is that

@@ -2,7 +2,7 @@
 
 Achituve, Navon, Yemini, Chechik, Fetaya, "GP-Tree: A Gaussian Process Classifier for
 Few-Shot Incremental Learning", ICML 2021 (PMLR 139, pp. 54–65), arXiv 2102.07868;
-probfsl spec ``gptree.md``. Classes are the leaves of a binary tree built by recursive
+design: docs/design/gp-tree.md. Classes are the leaves of a binary tree built by recursive
 2-means on the L2-normalised class means (§3.6); each internal node holds a binary GP
 classifier with a Pólya-Gamma augmented logistic likelihood (§2); a class's probability
 is the product of the node probabilities along its root-to-leaf path (§3.5).

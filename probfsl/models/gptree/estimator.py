@@ -1,8 +1,8 @@
-"""GP-Tree as a class-incremental multi-class GP classifier on features (spec §3.7).
+"""GP-Tree as a class-incremental multi-class GP classifier on features (design §3.7).
 
 Achituve, Navon, Yemini, Chechik, Fetaya, "GP-Tree: A Gaussian Process Classifier for
 Few-Shot Incremental Learning", ICML 2021 (PMLR 139, pp. 54–65), arXiv 2102.07868;
-probfsl spec ``gptree.md``.
+design: docs/design/gp-tree.md.
 
 :class:`GPTree`: ``fit`` (base stage: the class tree of :mod:`~probfsl.models.gptree.tree`
 and VI or Gibbs nodes), ``partial_fit`` (a novel stage, §3.7: a new Gibbs subtree over all
@@ -124,7 +124,7 @@ def _check_features_labels(X, y) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class GPTree(Hyperparameters):
-    """GP-Tree multi-class GP classifier with class-incremental stages (spec §3.7).
+    """GP-Tree multi-class GP classifier with class-incremental stages (design §3.7).
 
     Args:
         inference: ``"vi"`` (inducing-point VI nodes with learnt kernel hyper-parameters and

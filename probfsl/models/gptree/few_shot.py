@@ -105,7 +105,7 @@ class GPTreeFewShot(BaseMeanCentering, FewShotClassifier):
         return self
 
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
-        """Query class probabilities ``[T, Q, K]`` (rows sum to one), spec §3.2 and §3.5."""
+        """Query class probabilities ``[T, Q, K]`` (rows sum to one), design §3.2 and §3.5."""
         self._check_params()
         mean = self.centring_mean()
         check_episodes(episodes, None if mean is None else mean.shape[-1])

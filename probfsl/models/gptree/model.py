@@ -1,4 +1,4 @@
-"""GP-Tree's generative model given the tree: one GP per internal node (spec ``gptree.md`` §2).
+"""GP-Tree's generative model given the tree: one GP per internal node (docs/design/gp-tree.md §2).
 
 Achituve et al., "GP-Tree", ICML 2021, §3.1–3.3. Each internal node v of the class tree
 (:mod:`probfsl.models.gptree.tree`) holds an independent GP f_v ~ GP(0, s_v·RBF(l_v)) on

@@ -1,4 +1,4 @@
-"""GP-Tree's class tree: recursive 2-means on the class means (spec ``gptree.md`` §3.6).
+"""GP-Tree's class tree: recursive 2-means on the class means (docs/design/gp-tree.md §3.6).
 
 Achituve et al., "GP-Tree", ICML 2021, §3.5–3.6. Classes are the leaves of a binary tree
 built by recursive 2-means on the L2-normalised class means; every internal node holds a
@@ -150,7 +150,7 @@ def build_tree(
     n_init: int = 50,
     exact_max: int = 10,
 ) -> Tree:
-    """Recursive 2-means on the L2-normalised class means, breadth first (spec §3.6).
+    """Recursive 2-means on the L2-normalised class means, breadth first (design §3.6).
 
     ``class_means [C, D]`` are the raw (not normalised) per-class mean features, row i
     for ``classes[i]``. Deterministic for a fixed ``seed``. Terminates on any finite
