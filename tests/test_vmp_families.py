@@ -1,4 +1,4 @@
-"""VMP's count and discrete families (spec ``vmp.md`` §7.4): Beta–Bernoulli, Beta–Binomial,
+"""VMP's count and discrete families (docs/design/vmp.md §7.4): Beta–Bernoulli, Beta–Binomial,
 Gamma–Poisson, a Gamma rate with a Gamma parent, and Categorical or Bernoulli observations
 inside mixtures (latent class models), each declared in plain Pyro.
 

@@ -1,4 +1,4 @@
-"""Affine maps of Gaussian sites in VMP (spec ``vmp.md`` §7.1): Bayesian linear regression
+"""Affine maps of Gaussian sites in VMP (docs/design/vmp.md §7.1): Bayesian linear regression
 written as a user writes it in Pyro (``(X * w).sum(-1)``, ``X @ w``, ``a + b``, ``c * mu``).
 
 With fixed precisions the posterior of w is Gaussian and VMP reaches it in one sweep: its

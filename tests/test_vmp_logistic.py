@@ -1,5 +1,5 @@
 """Bernoulli and Binomial observations with logits affine in Gaussian sites, by Pólya-Gamma
-augmentation (spec ``vmp.md`` §7.3): logistic regression, a Gaussian-process classifier and
+augmentation (docs/design/vmp.md §7.3): logistic regression, a Gaussian-process classifier and
 Binomial regression with an intercept, written in plain Pyro.
 
 At the optimum the bound is the Jaakkola–Jordan bound; the oracle is a NumPy

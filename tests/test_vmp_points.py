@@ -1,4 +1,4 @@
-"""Point-estimated parameters in VMP (spec ``vmp.md`` §7.2): ``pyro.param`` sites updated
+"""Point-estimated parameters in VMP (docs/design/vmp.md §7.2): ``pyro.param`` sites updated
 in the sweep by the exact maximiser of their terms (variational EM; type-II maximum
 likelihood). The evidence framework's α and β of Bayesian linear regression are checked
 against a NumPy implementation of MacKay's fixed point (Bishop, PRML §3.5.2) and against the
