@@ -17,16 +17,14 @@ import torch
 import probfsl
 from probfsl.data import (
     FeatureSet,
-    episodes_from_indices,
     load_dataset,
     load_features,
-    load_task_file,
     sample_episodes,
     sample_task_indices,
     sample_zero_shot_tasks,
 )
 from probfsl.data.simplex import zero_shot_probabilities
-from probfsl.data.tasks import task_file_shape
+from probfsl.data.task_files import TaskFile
 from probfsl.evaluation import text_table, write_results
 from probfsl.evaluation.protocol import evaluate_stream
 from probfsl.evaluation.tables import COLUMNS
@@ -37,6 +35,7 @@ from probfsl.selection import rank_feature_files
 from probfsl.temperature import TemperatureScaled
 from probfsl.tuning import (
     BASELINE,
+    SEARCH_SEED,
     SEARCH_SPACES,
     auto_preset,
     auto_preset_zero_shot,
@@ -139,7 +138,7 @@ def run_setting(
     device: torch.device,
     dtype: torch.dtype,
     progress: bool,
-    task_file: str | None = None,
+    task_file: str | TaskFile | None = None,
     batch_size: int = 1000,
     preset: str | None = None,
     params: dict | None = None,
@@ -156,18 +155,20 @@ def run_setting(
     """
     estimator = make_estimator(method, preset, **(params or {}))
     if calibrate == "temperature":
-        estimator = TemperatureScaled(estimator, balance=balance, alpha=alpha, seed=seed)
+        # base episodes of the search's seed, not the run's: one temperature per setting
+        estimator = TemperatureScaled(estimator, balance=balance, alpha=alpha, seed=SEARCH_SEED)
     estimator.fit_featureset(fs, dtype, device)
     baseline = make_estimator(BASELINE, center=bool(fs.classes_in("base").size))
     baseline.fit_featureset(fs, dtype, device)
-    if task_file:
-        indices = load_task_file(task_file)
-        tasks = len(indices["query"])
-        way, shot, query = task_file_shape(indices)
+    if task_file is not None:
+        if not isinstance(task_file, TaskFile):  # read a batch at a time, checked once
+            task_file = TaskFile(task_file, name=f"--task-file {task_file}")
+        task_file.check(len(fs.labels), progress=progress)
+        tasks = len(task_file)
+        way, shot, query = task_file.shape
 
         def batch(start: int, stop: int):
-            rows = {key: value[start:stop] for key, value in indices.items()}
-            return episodes_from_indices(fs, rows, dtype)
+            return task_file.episodes(fs, start, stop, dtype)
     else:
 
         def batch(start: int, stop: int):
@@ -195,12 +196,13 @@ def run_setting(
         _note(note)
     return {
         "method": method,
+        "method_run": method,
         "dataset": fs.name,
         **_versions(),
         "way": way,
         "shot": shot,
         "query": query,
-        "balance": "file" if task_file else balance,
+        "balance": "file" if task_file is not None else balance,
         "alpha": alpha,
         "tasks": result.n_tasks,
         "seed": seed,
@@ -244,6 +246,7 @@ def run_zero_shot(
     in_task = evaluate_argmax(probs, zs.query_labels, zs.classes, batch_size)
     return {
         "method": method,
+        "method_run": method,
         "dataset": fs.name,
         **_versions(),
         "way": f"{min_classes}-{max_classes}",
@@ -367,6 +370,16 @@ def _check_tasks_possible(args: argparse.Namespace, fs: FeatureSet) -> None:
             raise ValueError(f"{err}{hint}") from None
 
 
+def _open_task_file(args: argparse.Namespace) -> TaskFile | None:
+    """``--task-file`` opened (its array headers read; values are checked once the
+    features are loaded), or ``None`` without one; errors start with ``--task-file PATH``."""
+    if not args.task_file:
+        return None
+    if args.zero_shot:
+        raise ValueError("--task-file applies to few-shot runs, not --zero-shot")
+    return TaskFile(args.task_file, name=f"--task-file {args.task_file}")
+
+
 def _free_memory() -> int | None:
     """Bytes of free physical memory (``None`` where the system does not say)."""
     import os
@@ -431,14 +444,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     row = run_row(args)
     if args.zero_shot:  # hard labels: no calibration columns, and it says so
         _note("zero-shot predictions are hard labels (clusters matched to classes): no ECE/NLL")
-        columns = [c for c in COLUMNS if c not in ("ece", "nll", "brier")]
+        columns = [c for c in _shown_columns(row) if c not in ("ece", "nll", "brier")]
         print(text_table([row], [*columns, "argmax_in_task_accuracy"]))
     else:
-        print(text_table([row]))
+        print(text_table([row], _shown_columns(row)))
     if args.out:
         write_results([row], args.out)
         print(f"wrote {args.out}")
     return 0
+
+
+def _shown_columns(row: dict) -> list[str]:
+    """The printed columns: with ``method_run`` beside ``method`` where another method
+    (the baseline) ran."""
+    columns = list(COLUMNS)
+    if row.get("method_run", row["method"]) != row["method"]:
+        columns.insert(columns.index("method") + 1, "method_run")
+    return columns
 
 
 def run_row(args: argparse.Namespace, fs: FeatureSet | None = None, progress: bool = True) -> dict:
@@ -453,8 +475,7 @@ def run_row(args: argparse.Namespace, fs: FeatureSet | None = None, progress: bo
     params = parse_params(args.param)
     if args.engine is not None:
         params["engine"] = _engine_param(args.method, args.engine, params)
-    if args.task_file and not Path(args.task_file).is_file():
-        raise ValueError(f"--task-file: file not found: {args.task_file}")
+    task_file = _open_task_file(args)  # its headers: a malformed file fails before any work
     preset = None if args.preset == DEFAULTS else args.preset
     if args.zero_shot and preset not in (None, "auto"):
         raise ValueError("--zero-shot takes no named --preset (only auto)")
@@ -465,6 +486,9 @@ def run_row(args: argparse.Namespace, fs: FeatureSet | None = None, progress: bo
     if preset == "auto":
         make_estimator(args.method, "auto", **params)  # a method without a search space
     fs = _load(args) if fs is None else fs
+    if task_file is not None:  # one pass over its values (shown), then the tasks' shape
+        task_file.check(len(fs.labels), progress=progress)
+        args.way, args.shot, args.query = task_file.shape
     _check_tasks_possible(args, fs)  # before any search on the base classes
     _check_batch_memory(args, fs, dtype)
     if args.preset is None and not args.param and _auto_by_default(args.method, fs):
@@ -478,14 +502,13 @@ def run_row(args: argparse.Namespace, fs: FeatureSet | None = None, progress: bo
         if args.calibrate == "temperature":
             raise ValueError(f"--calibrate temperature needs base classes; {fs.name} has none")
         calibrate = "none"  # the default with --preset auto: nothing to fit it on
-    if args.task_file and preset == "auto" and not args.zero_shot:
-        # tune for the task file's shape, not the --way/--shot/--query defaults
-        args.way, args.shot, args.query = task_file_shape(load_task_file(args.task_file))
     auto_note, method = None, args.method
     if not args.zero_shot:
         params = _without_base(args.method, fs, None if preset == "auto" else preset, params)
     if preset == "auto":
-        choice = _auto(args, fs, params, device, dtype, progress)
+        # the search's own seed: --seed draws the tasks, not the base episodes
+        searched = argparse.Namespace(**{**vars(args), "seed": SEARCH_SEED})
+        choice = _auto(searched, fs, params, device, dtype, progress)
         if choice.result is not None and args.preset == "auto":
             _print_tuning(choice.result, choice)
         if choice.note:
@@ -528,7 +551,7 @@ def run_row(args: argparse.Namespace, fs: FeatureSet | None = None, progress: bo
             device,
             dtype,
             progress=progress,
-            task_file=args.task_file,
+            task_file=task_file,
             batch_size=args.batch_size,
             preset=run_preset,
             params=params,

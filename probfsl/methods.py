@@ -3,6 +3,11 @@
 Names to estimator classes, their hyperparameters and named presets; it imports only
 the estimator interface. Tuning (:mod:`probfsl.tuning`, ``preset="auto"``) is built on
 the registry, and the command line on both: registry -> tuning -> cli, one direction.
+
+:func:`build_estimator` builds a registered method with its constructor defaults or a
+named preset; the public builder, :func:`probfsl.make_estimator` (also importable as
+``probfsl.methods.make_estimator`` and ``probfsl.tuning.make_estimator``: one function),
+adds ``preset="auto"``.
 """
 
 from __future__ import annotations
@@ -109,27 +114,41 @@ def method_info(name: str) -> MethodInfo:
     return METHODS[name]
 
 
-def make_estimator(name: str, preset: str | None = None, **params) -> FewShotClassifier:
+def build_estimator(name: str, preset: str | None = None, **params) -> FewShotClassifier:
     """A new estimator of method ``name`` with hyperparameters ``params``, checked at
-    once (:meth:`~probfsl.models.base.Hyperparameters.check_params`).
+    once (:meth:`~probfsl.models.base.Hyperparameters.check_params`): the registry's
+    builder, which knows nothing of tuning.
 
+    ``preset=None`` (or :data:`DEFAULTS`) gives the constructor defaults; another
     ``preset`` names a published setting of methods that define ``from_preset``.
-    ``preset="auto"`` (hyperparameters tuned on base-class episodes) is built one layer
-    up, by :func:`probfsl.tuning.make_estimator`: the registry knows nothing of tuning.
+    ``preset="auto"`` (hyperparameters tuned on base-class episodes) is a ``ValueError``
+    here: it is built one layer up, by :func:`probfsl.make_estimator` (the public
+    builder, which calls this one for every other preset).
     """
     cls = method_info(name).load()
     accepted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
     check_param_keys(name, params, accepted)
-    if preset is None:
+    if preset is None or preset == DEFAULTS:
         return _checked(cls(**params))
     if preset == "auto":
         raise ValueError(
             "preset 'auto' tunes the method on base-class episodes: build it with "
-            "probfsl.tuning.make_estimator(name, preset='auto')"
+            "probfsl.make_estimator(name, preset='auto')"
         )
     if not hasattr(cls, "from_preset"):
         raise ValueError(f"method {name!r} has no presets")
     return _checked(cls.from_preset(preset, **params))
+
+
+def __getattr__(name: str):
+    """``probfsl.methods.make_estimator``: the public builder,
+    :func:`probfsl.make_estimator` (the same function; imported when first used, so
+    that the registry imports nothing of tuning)."""
+    if name == "make_estimator":
+        from probfsl.tuning import make_estimator
+
+        return make_estimator
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_param_keys(name: str, params: dict, accepted: Sequence[str] | None = None) -> None:

@@ -23,7 +23,11 @@ Every estimator class that can be saved declares both once, as its class attribu
   - :class:`Array`: the same for a NumPy array;
   - :class:`Record`: a dataclass of probfsl, field by field, with variants chosen by
     one field (e.g. a factorisation whose ``mode`` says which matrices it holds);
-  - :class:`Items`: a tuple of forms; :class:`Maybe`: ``None`` or a form;
+  - :class:`Items`: a tuple of forms; :class:`ListOf`: a list of any length of one
+    form; :class:`Maybe`: ``None`` or a form; :class:`Nested`: a saved estimator inside
+    another's state (checked against its own class's declaration); :class:`ParamDict`:
+    a dict of hyperparameter values (also a hyperparameter form, e.g. the ``fixed``
+    hyperparameters of a tuned estimator);
     :class:`Dim`: an integer equal to a named dimension; a hyperparameter form
     (:class:`Real`, :class:`Int`, ...) for a plain number, flag or string.
 
@@ -65,11 +69,15 @@ __all__ = [
     "Group",
     "Int",
     "Items",
+    "ListOf",
     "Maybe",
+    "Nested",
     "Param",
+    "ParamDict",
     "Real",
     "Record",
     "Tensor",
+    "Text",
 ]
 
 #: the key that marks an encoded NumPy array, dtype or dataclass in a saved file
@@ -220,6 +228,22 @@ class FloatDType(Param):
 
     def describe(self) -> str:
         return "torch.float32 or torch.float64" + (" or None" if self.optional else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Text(Param):
+    """Any string (or ``None`` with ``optional``)."""
+
+    optional: bool = False
+
+    def check(self, name: str, value: Any) -> None:
+        if value is None and self.optional:
+            return
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be a string, got {type(value).__name__}")
+
+    def describe(self) -> str:
+        return "a string" + (" or None" if self.optional else "")
 
 
 # ------------------------------------------------------------------------- fitted values
@@ -421,6 +445,81 @@ class Items(Value):
             _validate(spec, item, f"{path}[{i}]", ctx)
 
 
+class ListOf(Value):
+    """A list (or tuple) of any length whose every item has the form ``item``."""
+
+    def __init__(self, item: Value | Param) -> None:
+        self.item = item
+
+    def form(self, ctx: _Context) -> str:
+        return f"a list of {_form(self.item, ctx)}"
+
+    def validate(self, value: Any, path: str, ctx: _Context) -> None:
+        if not isinstance(value, (list, tuple)):
+            ctx.fail(path, self.form(ctx), _got(value))
+        for i, item in enumerate(value):
+            _validate(self.item, item, f"{path}[{i}]", ctx)
+
+
+#: the plain values a :class:`ParamDict` holds (and ``torch.dtype``)
+_PLAIN = (type(None), bool, int, float, str)
+
+
+class ParamDict(Value, Param):
+    """A dict of hyperparameter values: string keys; ``None``, bools, numbers, strings or
+    ``torch.dtype`` values (stored as the tagged dtype of a saved file). A form both of a
+    hyperparameter (checked on the estimator, and on loading) and of a fitted value."""
+
+    def check(self, name: str, value: Any) -> None:
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{name} must be a dict of hyperparameters, got {type(value).__name__}")
+        for key, item in value.items():
+            if not isinstance(key, str) or key == TAG:
+                raise TypeError(f"{name} must have string keys, got {key!r}")
+            if not isinstance(item, (*_PLAIN, torch.dtype)):
+                raise TypeError(
+                    f"{name}[{key!r}] must be None, a bool, a number, a string or a "
+                    f"torch.dtype, got {type(item).__name__}"
+                )
+
+    def describe(self) -> str:
+        return "a dict of hyperparameter values (string keys; None, bool, number, string, dtype)"
+
+    def form(self, ctx: _Context) -> str:
+        return self.describe()
+
+    def decoded(self, value: Any) -> Any:
+        """A stored dict with its tagged dtypes decoded (anything else left for
+        :meth:`check` to refuse)."""
+        if not isinstance(value, dict):
+            return value
+        return {k: _decode_param(v) for k, v in value.items()}
+
+    def validate(self, value: Any, path: str, ctx: _Context) -> None:
+        if not isinstance(value, dict) or TAG in value:
+            ctx.fail(path, self.form(ctx), _got(value))
+        try:
+            self.check(path, self.decoded(value))
+        except TypeError:
+            ctx.fail(path, self.form(ctx), "a dict holding other values")
+
+
+class Nested(Value):
+    """A whole estimator saved inside another's state (a tagged dict with its class,
+    hyperparameters and fitted state), checked against the declaration of its own class,
+    which must be a saveable probfsl estimator (:mod:`probfsl.estimator_io`)."""
+
+    def form(self, ctx: _Context) -> str:
+        return "a saved probfsl estimator"
+
+    def validate(self, value: Any, path: str, ctx: _Context) -> None:
+        from probfsl.estimator_io import check_nested  # the loader knows the classes
+
+        if not (isinstance(value, dict) and value.get(TAG) == "estimator"):
+            ctx.fail(path, self.form(ctx), _got(value))
+        check_nested(value, f"{ctx.where}: {path}")
+
+
 class Record(Value):
     """An instance of the dataclass ``cls`` (encoded as a tagged dict), its fields of the
     forms ``fields``; with ``by``, the field ``by`` (a :class:`Choice`, checked first)
@@ -564,8 +663,13 @@ class EstimatorSchema:
             )
         decoded = {k: _decode_param(v) for k, v in params.items()}
         for name, spec in self.params.items():
-            value = decoded[name]
-            if isinstance(value, (dict, list, tuple, torch.Tensor)):
+            if isinstance(spec, ParamDict):
+                decoded[name] = value = spec.decoded(decoded[name])
+            else:
+                value = decoded[name]
+            if isinstance(value, (list, tuple, torch.Tensor)) or (
+                isinstance(value, dict) and not isinstance(spec, ParamDict)
+            ):
                 raise ValueError(
                     f"{where}: hyperparameter {name} should be {spec.describe()}, got {_got(value)}"
                 )

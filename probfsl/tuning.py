@@ -19,8 +19,9 @@ statistics once for all candidates.
 Zero-shot (:func:`tune_zero_shot`): candidates are judged on zero-shot tasks drawn from
 the base classes only. :class:`AutoPreset` is ``preset="auto"`` as an estimator: it tunes
 for each task shape it meets, on the base features given to ``fit_base``;
-:func:`make_estimator` builds it by name, as :func:`probfsl.methods.make_estimator` builds
-the registered methods and their named presets (the registry knows nothing of tuning).
+:func:`make_estimator` (``probfsl.make_estimator``, the public builder) builds it by name,
+and every other preset with :func:`probfsl.methods.build_estimator`, the registry's builder
+(the registry knows nothing of tuning).
 
 The search runs on the device and in the dtype given (``device``, ``dtype``; for
 :class:`AutoPreset`, those of the tasks it meets): candidates are fitted and scored there,
@@ -32,9 +33,10 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Self
+from typing import Any, Self
 
 import numpy as np
 import torch
@@ -54,6 +56,22 @@ from probfsl.data.simplex import zero_shot_probabilities
 from probfsl.data.tasks import Episodes, sample_episodes, sample_zero_shot_tasks
 from probfsl.evaluation.protocol import accuracy_ci
 from probfsl.models.base import FewShotClassifier
+from probfsl.schema import (
+    FEATURE_BOUND,
+    Choice,
+    EstimatorSchema,
+    Flag,
+    Group,
+    Int,
+    ListOf,
+    Nested,
+    Param,
+    ParamDict,
+    Real,
+    Record,
+    Tensor,
+    Text,
+)
 from probfsl.validation import as_device, check_base, check_count, check_float_dtype
 
 log = logging.getLogger(__name__)
@@ -980,23 +998,147 @@ def auto_preset_zero_shot(
     return _cached("zero-shot", fs, settings, compute)
 
 
+class _MethodName(Param):
+    """The name of a registered method (:data:`probfsl.methods.METHODS`, read when
+    checked, so that methods registered later count)."""
+
+    def check(self, name: str, value: Any) -> None:
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be a method name (a string), got {type(value).__name__}")
+        methods.method_info(value)  # ValueError listing the methods
+
+    def describe(self) -> str:
+        return "the name of a registered method"
+
+
+@dataclass
+class FittedEstimator:
+    """An estimator :class:`AutoPreset` fitted with one of its choices, in one dtype."""
+
+    #: ``"float32"`` or ``"float64"``: the dtype of the tasks it was fitted for
+    dtype: str
+    estimator: FewShotClassifier
+
+
+@dataclass
+class ResolvedChoice:
+    """What :class:`AutoPreset` chose for one task shape, as it saves it: the shape, the
+    :class:`AutoChoice` (without its search table) and the estimators fitted with it.
+
+    ``method`` is :attr:`AutoChoice.method` (``None``: the tuned method ran), ``searched``
+    whether a search ran (``False``: the documented fallback of :func:`auto_preset`)."""
+
+    way: int
+    shot: int
+    n_query: int
+    params: dict
+    preset: str | None
+    note: str
+    reason: str
+    method: str | None
+    baseline_accuracy: float | None
+    searched: bool
+    fitted: list[FittedEstimator] = field(default_factory=list)
+
+    def shape(self) -> tuple[int, int, int]:
+        """The task shape ``(way, shot, n_query)`` the choice was made for."""
+        return (self.way, self.shot, self.n_query)
+
+    def choice(self) -> AutoChoice:
+        """The :class:`AutoChoice` (its ``result``, the search table, is not saved)."""
+        return AutoChoice(
+            params=dict(self.params),
+            preset=self.preset,
+            note=self.note,
+            reason=self.reason,
+            method=self.method,
+            baseline_accuracy=self.baseline_accuracy,
+        )
+
+
+def _plain(value: Any) -> Any:
+    """NumPy scalars as Python numbers (what a saved file holds)."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+_FLOAT_NAMES = {torch.float32: "float32", torch.float64: "float64"}
+
+
 class AutoPreset(FewShotClassifier):
     """``preset="auto"``: ``method`` with hyperparameters tuned on base-class episodes.
 
     At the first task batch of each shape (way, shot, queries) it runs :func:`auto_preset`
-    on the base features given to :meth:`fit_base` with that shape and ``balance``
-    (a search on base episodes, or its documented fallback when the base classes are too
-    few; nearest centroid where the method scores below it there), keeps the choice in
-    ``choices_`` and the search in ``tuning_`` (``None`` for a fallback), logs what it
-    chose (``logging``, logger ``probfsl.tuning``), and predicts with the chosen
-    estimator; ``methods_run_`` (task shape to method) and ``method_run_`` say which
-    method ran. The search and the chosen estimator run in the dtype and on the device of
-    the tasks (the estimator is refitted for a new dtype or device; the choice is kept).
-    Novel classes and query labels are never read. Built by name with
+    on the base features given to :meth:`fit_base` (or ``fit``) with that shape and
+    ``balance`` (a search on base episodes, or its documented fallback when the base
+    classes are too few; nearest centroid where the method scores below it there), keeps
+    the choice in ``choices_`` and the search in ``tuning_`` (``None`` for a fallback),
+    logs what it chose (``logging``, logger ``probfsl.tuning``), and predicts with the
+    chosen estimator; ``methods_run_`` (task shape to method) and ``method_run_`` say
+    which method ran. The search and the chosen estimator run in the dtype and on the
+    device of the tasks (the estimator is refitted for a new dtype or device; the choice
+    is kept). Novel classes and query labels are never read. Built by name with
     :func:`make_estimator` (``preset="auto"``).
+
+    **Saving.** ``save(path)`` writes the hyperparameters, the base features and labels,
+    and for every task shape met so far the choice (method, preset, hyperparameters,
+    note, the base-episode accuracy of nearest centroid) with the estimators fitted with
+    it (one per dtype); the search tables (``tuning_``) are not saved. ``AutoPreset.load``
+    (or ``FewShotClassifier.load``) gives an AutoPreset that predicts tasks of those
+    shapes with the saved estimators, identically and without a search (on another device
+    or dtype the estimator is refitted from the saved base features with the same
+    choice). A task of a shape it has no choice for is tuned for as before, on the saved
+    base features, with a ``UserWarning`` naming the shape and the saved ones, so that a
+    loaded estimator never re-tunes silently.
     """
 
     needs_base = True
+    schema = EstimatorSchema(
+        params={
+            "method": _MethodName(),
+            "balance": Choice(("balanced", "dirichlet")),
+            "alpha": Real(positive=True),
+            "n_episodes": Int(low=1, optional=True),
+            "seed": Int(),
+            "criterion": Choice(CRITERIA),
+            "fixed": ParamDict(),
+        },
+        fitted=(
+            Group(
+                "fit_base",
+                {
+                    "base_features_": Tensor("N", "D", bound=FEATURE_BOUND),
+                    "base_labels_": Tensor("N", kind="int"),
+                    "resolved_": ListOf(
+                        Record(
+                            ResolvedChoice,
+                            {
+                                "way": Int(low=1),
+                                "shot": Int(low=1),
+                                "n_query": Int(low=1),
+                                "params": ParamDict(),
+                                "preset": Text(optional=True),
+                                "note": Text(),
+                                "reason": Text(),
+                                "method": Text(optional=True),
+                                "baseline_accuracy": Real(optional=True),
+                                "searched": Flag(),
+                                "fitted": ListOf(
+                                    Record(
+                                        FittedEstimator,
+                                        {
+                                            "dtype": Choice(tuple(_FLOAT_NAMES.values())),
+                                            "estimator": Nested(),
+                                        },
+                                    )
+                                ),
+                            },
+                        )
+                    ),
+                },
+                dtype=torch.float64,
+            ),
+        ),
+    )
 
     def __init__(
         self,
@@ -1025,6 +1167,8 @@ class AutoPreset(FewShotClassifier):
         self.base_ = FeatureSet.of_base_classes(features.double(), labels)
         self.tuning_, self.choices_, self.estimators_ = {}, {}, {}
         self.methods_run_ = {}
+        self._loaded_shapes: tuple[tuple[int, int, int], ...] | None = None
+        self._searched: dict[tuple[int, int, int], bool] = {}
         return self
 
     @property
@@ -1041,6 +1185,16 @@ class AutoPreset(FewShotClassifier):
         shape = (episodes.way, episodes.shot, episodes.n_query)
         dtype, device = episodes.support.dtype, episodes.support.device
         if shape not in self.choices_:
+            saved = getattr(self, "_loaded_shapes", None)
+            if saved is not None:
+                warnings.warn(
+                    f"AutoPreset({self.method!r}) was loaded with choices for task shapes "
+                    f"{list(saved)} (way, shot, queries); a {shape[0]}-way {shape[1]}-shot "
+                    f"task of {shape[2]} queries is new, so the search runs on the saved "
+                    "base features",
+                    UserWarning,
+                    stacklevel=2,
+                )
             self.choices_[shape] = choice = auto_preset(
                 self.method,
                 self.base_,
@@ -1069,23 +1223,87 @@ class AutoPreset(FewShotClassifier):
         if key not in self.estimators_:
             choice = self.choices_[shape]
             name = choice.method or self.method
-            estimator = methods.make_estimator(name, choice.preset, **choice.params)
+            estimator = methods.build_estimator(name, choice.preset, **choice.params)
             self.estimators_[key] = estimator.fit_featureset(self.base_, dtype, device)
         return self.estimators_[key].predict_proba(episodes)
 
+    def fitted_state(self) -> dict[str, Any]:
+        """What :meth:`save` writes (see the class docstring): ``base_features_``
+        [N, D] (float64), ``base_labels_`` [N] and ``resolved_``, a
+        :class:`ResolvedChoice` per task shape met; empty before :meth:`fit_base`."""
+        base = getattr(self, "base_", None)
+        if base is None:
+            return {}
+        resolved = []
+        for shape, choice in self.choices_.items():
+            fitted, dtypes = [], set()
+            for (key_shape, dtype, _), estimator in self.estimators_.items():
+                if key_shape == shape and dtype in _FLOAT_NAMES and dtype not in dtypes:
+                    dtypes.add(dtype)
+                    fitted.append(FittedEstimator(_FLOAT_NAMES[dtype], estimator))
+            resolved.append(
+                ResolvedChoice(
+                    *shape,
+                    params={k: _plain(v) for k, v in choice.params.items()},
+                    preset=choice.preset,
+                    note=choice.note,
+                    reason=choice.reason,
+                    method=choice.method,
+                    baseline_accuracy=_plain(choice.baseline_accuracy),
+                    searched=self._searched.get(shape, choice.result is not None),
+                    fitted=fitted,
+                )
+            )
+        return {
+            "base_features_": torch.as_tensor(base.features, dtype=torch.float64),
+            "base_labels_": torch.as_tensor(base.labels, dtype=torch.int64),
+            "resolved_": resolved,
+        }
+
+    def restore_fitted_state(self, state: dict[str, Any]) -> None:
+        """The inverse of :meth:`fitted_state` (used by :meth:`load`): the base features,
+        the choices and their fitted estimators (on the CPU); later task shapes are
+        tuned for with a warning (class docstring)."""
+        if not state:
+            return
+        self.fit_base(state["base_features_"], state["base_labels_"])
+        for entry in state["resolved_"]:
+            shape = entry.shape()
+            choice = entry.choice()
+            self.choices_[shape] = choice
+            self.tuning_[shape] = None
+            self._searched[shape] = entry.searched
+            self.methods_run_[shape] = choice.method_run(self.method)
+            for fitted in entry.fitted:
+                dtype = getattr(torch, fitted.dtype)
+                self.estimators_[(shape, dtype, torch.device("cpu"))] = fitted.estimator
+        self._loaded_shapes = tuple(self.choices_)
+
 
 def make_estimator(name: str, preset: str | None = None, **params) -> FewShotClassifier:
-    """A new estimator of method ``name``: :func:`probfsl.methods.make_estimator`, and
-    ``preset="auto"``.
+    """A new estimator of the registered method ``name`` (:data:`probfsl.methods.METHODS`,
+    ``probfsl run --method``) with hyperparameters ``params``, checked at once.
 
-    ``preset="auto"`` gives an :class:`AutoPreset` that tunes the method on base-class
-    episodes of each task shape it meets (``params`` stay fixed during the search);
-    ``ValueError`` for an unknown method or hyperparameter, or a method without a
-    search space (:data:`SEARCH_SPACES`). Any other ``preset`` (a published setting, or
-    ``None``) is the registry's.
+    ``preset`` sets the hyperparameters that ``params`` do not give:
+
+    * ``None`` (the default) or ``"defaults"``: the estimator's constructor defaults;
+    * the name of a published setting, for methods that have them (``probfsl run
+      --help`` lists them, e.g. BAVARDAGE's ``"mini-balanced"``);
+    * ``"auto"``: an :class:`AutoPreset`, which tunes the method on episodes of the base
+      classes given to ``fit``/``fit_base``/``fit_featureset``, for each task shape it
+      meets (``params`` stay fixed during the search). ``probfsl run`` does this by
+      default wherever the data have base classes; in Python it is asked for.
+
+    ``ValueError`` for an unknown method, preset or hyperparameter, or ``"auto"`` for a
+    method without a search space (:data:`SEARCH_SPACES`). Every estimator it returns can
+    be saved and loaded (``save(path)``, ``load(path)``), ``"auto"`` included.
+
+    This is ``probfsl.make_estimator`` (also importable from :mod:`probfsl.methods` and
+    from here: one function); :func:`probfsl.methods.build_estimator` is the registry's
+    builder, without ``"auto"``.
     """
     if preset != "auto":
-        return methods.make_estimator(name, preset, **params)
-    methods.make_estimator(name, **params)  # unknown method or hyperparameters
+        return methods.build_estimator(name, preset, **params)
+    methods.build_estimator(name, **params)  # unknown method or hyperparameters
     search_space(name)
-    return AutoPreset(name, fixed=params)
+    return AutoPreset(name, fixed=params).check_params()

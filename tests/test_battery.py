@@ -35,6 +35,7 @@ from probfsl.data import (
     save_task_file,
 )
 from probfsl.methods import METHODS, make_estimator
+from tests.synthetic import episodes_from_tensors, gaussian_base
 
 ALL = list(METHODS)
 #: settings that keep the slow samplers to a fraction of a second per call; validation
@@ -53,12 +54,9 @@ def cases(methods, names):
 
 
 # ---------------------------------------------------------------------- data
-def base_data(dim: int, n_classes: int = 8, per_class: int = 25, seed: int = 0):
-    """Base features [n_classes * per_class, dim] (float32) around random class centres."""
-    g = torch.Generator().manual_seed(seed)
-    labels = torch.arange(n_classes).repeat_interleave(per_class)
-    centres = 3 * torch.randn(n_classes, dim, generator=g)
-    return centres[labels] + torch.randn(labels.numel(), dim, generator=g), labels
+def base_data(dim: int):
+    """Base features [200, dim] (float32): 8 classes of 25 points."""
+    return gaussian_base(dim, n_classes=8, per_class=25)
 
 
 KINDS = ("normal", "identical", "huge", "tiny", "zeros", "duplicate")
@@ -105,14 +103,8 @@ def make_tasks(
             support[t, 1] = support[t, 0]
             m = min(n, n_query)
             query[t, :m] = support[t, :m]
-    return Episodes(
-        support=support.to(dtype),
-        support_labels=s_lab,
-        query=query.to(dtype),
-        query_labels=q_lab,
-        classes=torch.arange(way).expand(n_tasks, way),
-        support_index=torch.zeros(n_tasks, n, dtype=torch.long),
-        query_index=torch.zeros(n_tasks, n_query, dtype=torch.long),
+    return episodes_from_tensors(
+        support.to(dtype), s_lab, query.to(dtype), way=way, query_labels=q_lab
     )
 
 
@@ -513,7 +505,7 @@ def test_evidence_lssvm_on_integer_features():
     x, y = base_data(8)
     est = EvidenceLSSVM(center=False)
     try:
-        est.fit(x.round().long(), y)
+        est.fit_probe(x.round().long(), y)
         proba = est.predict_proba(x.round().long())
     except (TypeError, ValueError) as err:
         assert "features" in str(err)

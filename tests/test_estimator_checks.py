@@ -1,13 +1,12 @@
 """One estimator check suite for every registered method, after
-scikit-learn's ``check_estimator``: fit == fit_base, get/set_params, fit_predict on plain
-arrays for one task or a batch, predict_proba leaves the fitted state alone, and save ->
-load in a fresh process predicts the same labels."""
+scikit-learn's ``check_estimator``: probfsl.testing's checks (fit == fit_base,
+get/set_params, fit_predict on plain arrays for one task or a batch, predict_proba leaves
+the fitted state alone, save -> load), one test id per (estimator, check) pair through
+``parametrize_with_checks``; and here, save -> load in a fresh process predicts the same
+labels, and saved files are checked, not trusted."""
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import inspect
 import json
 import subprocess
 import sys
@@ -17,11 +16,10 @@ import pytest
 import torch
 
 from probfsl import tuning
-from probfsl.data import load_dataset
-from probfsl.data.tasks import sample_episodes
 from probfsl.estimator_io import checksum
-from probfsl.methods import METHODS, make_estimator, method_info
+from probfsl.methods import METHODS, make_estimator
 from probfsl.models.base import FewShotClassifier
+from probfsl.testing import estimator_check_data, parametrize_with_checks
 
 #: small settings for the slow methods (the checks test the interface, not accuracy)
 SMALL = {
@@ -45,159 +43,50 @@ NAMES = sorted(METHODS)
 
 @pytest.fixture(scope="module")
 def data():
-    fs = load_dataset("omniglot")
-    base = fs.base(torch.float64)
-    episodes = sample_episodes(fs, 3, way=3, shot=2, n_query=9, seed=1, dtype=torch.float64)
-    return base, episodes
+    """Omniglot's base classes and 3 small tasks, those of probfsl.testing's checks."""
+    return estimator_check_data()
 
 
 def fitted(name: str, base) -> FewShotClassifier:
     return make_estimator(name, **SMALL.get(name, {})).fit_base(*base)
 
 
-def same(a, b) -> bool:
-    """Deep equality of fitted values (tensors exactly, dataclasses field by field)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a, b)
-        )
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return np.array_equal(a, b)
-    if dataclasses.is_dataclass(a) and not isinstance(a, type):
-        return type(a) is type(b) and all(
-            same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)
-        )
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    return a == b
+ESTIMATORS = [make_estimator(name, **SMALL.get(name, {})) for name in NAMES]
 
 
 def test_every_registered_method_is_checked():
     assert set(CHANGE) == set(METHODS)
+    assert {type(est) for est in ESTIMATORS} == {METHODS[name].load() for name in NAMES}
+
+
+@parametrize_with_checks(ESTIMATORS)
+def test_estimator(estimator, check):
+    """probfsl.testing's estimator checks, one test id per (estimator, check) pair."""
+    check(estimator)
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_fit_is_fit_base(name, data):
-    base, episodes = data
-    if name == "evidence-lssvm":
-        pytest.skip("EvidenceLSSVM.fit is its single-problem LS-SVM; fit_base is the base entry")
-    a = make_estimator(name, **SMALL.get(name, {})).fit(*base)
-    b = fitted(name, base)
-    assert isinstance(a, FewShotClassifier)
-    assert same(a.fitted_state(), b.fitted_state())
-    assert torch.equal(a.predict(episodes), b.predict(episodes))
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_get_set_params_round_trip(name):
+def test_set_params_changes_one_value(name):
     est = make_estimator(name, **SMALL.get(name, {}))
     params = est.get_params()
-    assert type(est)(**params).get_params() == params
-    assert est.set_params(**params) is est and est.get_params() == params
     key, value = CHANGE[name]
+    assert value != params[key]
     assert est.set_params(**{key: value}).get_params() == {**params, key: value}
     with pytest.raises(ValueError, match="unknown hyperparameter.*accepted"):
         est.set_params(not_a_parameter=1)
     assert est.get_params() == {**params, key: value}
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_init_only_stores(name):
-    """No logic in __init__: any value is stored as given, and refused by check_params
-    (and by set_params, which then leaves the estimator as it was)."""
-    cls = method_info(name).load()
-    junk = {k: object() for k in inspect.signature(cls).parameters}
-    est = cls(**junk)
-    assert all(est.get_params()[k] is v for k, v in junk.items())
-    with pytest.raises((TypeError, ValueError)):
-        est.check_params()
-    good = make_estimator(name, **SMALL.get(name, {}))
-    before = good.get_params()
-    for key in before:
-        with pytest.raises((TypeError, ValueError), match=key):
-            good.set_params(**{key: object()})
-        assert good.get_params() == before
+def test_parametrize_with_checks_names_every_pair():
+    from probfsl.models.slem import SLEM
+    from probfsl.testing import checks_of, estimator_checks
 
-
-@pytest.mark.parametrize("name", NAMES)
-def test_scikit_learn_clone(name, data):
-    from sklearn.base import clone
-
-    est = fitted(name, data[0])
-    assert set(est.get_params(deep=False)) == set(inspect.signature(type(est)).parameters)
-    copy_ = clone(est)  # checks that __init__ stores each hyperparameter as given
-    assert type(copy_) is type(est) and copy_.get_params() == est.get_params()
-    assert not copy_.fitted_state()  # a clone is unfitted
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_fit_predict_on_numpy_arrays(name, data):
-    base, episodes = data
-    est = fitted(name, base)
-    expected = est.predict(episodes)  # [T, Q] task-local
-    # a user's labels: any integers; fit_predict numbers each task's classes by sorted
-    # value, so an increasing map keeps the task-local numbering (GP-Tree's trees and
-    # random streams depend on it) and the results must agree exactly
-    values = 7 * torch.arange(episodes.way) + 100
-    t = 1
-    labels = values[episodes.support_labels[t]].numpy()
-    got = est.fit_predict(episodes.support[t].numpy(), labels, episodes.query[t].numpy())
-    assert isinstance(got, np.ndarray) and got.shape == (episodes.n_query,)
-    assert np.array_equal(got, values[expected[t]].numpy())
-    # the batch in one call equals one task at a time, as tensors
-    batch = est.fit_predict(episodes.support, values[episodes.support_labels], episodes.query)
-    assert isinstance(batch, torch.Tensor) and torch.equal(batch, values[expected])
-    assert np.array_equal(batch[t].numpy(), got)
-    single = [
-        est.fit_predict(episodes.support[i], episodes.support_labels[i], episodes.query[i])
-        for i in range(episodes.n_tasks)
-    ]
-    assert torch.equal(torch.stack(single), expected)
-    # an Episodes batch is predict's (task-local labels), not fit_predict's
-    with pytest.raises(TypeError, match="predict"):
-        est.fit_predict(episodes, None, None)
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_fit_predict_bad_input(name, data):
-    base, episodes = data
-    est = fitted(name, base)
-    s, q = episodes.support[0].numpy(), episodes.query[0].numpy()
-    y = episodes.support_labels[0].numpy()
-    with pytest.raises(ValueError, match="support_labels"):
-        est.fit_predict(s, y[:-1], q)
-    with pytest.raises(ValueError, match="query"):
-        est.fit_predict(s, y, q[:, :-1])
-    with pytest.raises(TypeError, match="support"):
-        est.fit_predict(s.astype(np.int64), y, q)
-    two = episodes.support_labels.clone()
-    two[0] = 0
-    two[0, 0] = 1  # task 0 has 2 classes, the others 3
-    with pytest.raises(ValueError, match="same number of distinct"):
-        est.fit_predict(episodes.support, two, episodes.query)
-    if est.needs_base:
-        with pytest.raises(ValueError, match="fit_base"):
-            make_estimator(name, **SMALL.get(name, {})).fit_predict(s, y, q)
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_predict_proba_keeps_fitted_state(name, data):
-    base, episodes = data
-    est = fitted(name, base)
-    before = copy.deepcopy({k: v for k, v in vars(est).items() if not k.startswith("_")})
-    first = est.predict_proba(episodes)
-    second = est.predict_proba(episodes[1:])
-    after = {k: v for k, v in vars(est).items() if not k.startswith("_")}
-    assert same({k: after[k] for k in before}, before)
-    assert set(after) - set(before) <= set(est.call_diagnostics)
-    assert torch.allclose(est.predict_proba(episodes)[1:], second, atol=1e-12)
-    assert torch.equal(est.predict_proba(episodes), first)
+    ids = [test_id for test_id, _, _ in checks_of([SLEM(), SLEM(temperature=5.0)])]
+    assert "SLEM()-check_save_load_roundtrip" in ids
+    assert "SLEM(temperature=5.0)-check_fit_is_fit_base" in ids
+    assert len(ids) == len(set(ids)) == 2 * len(estimator_checks(SLEM()))
+    with pytest.raises(TypeError, match="FewShotClassifier"):
+        parametrize_with_checks([object()])
 
 
 @pytest.fixture(scope="module")
@@ -302,7 +191,7 @@ def test_evidence_single_problem_fit_saves(tmp_path):
 
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(40, 5)), rng.integers(0, 3, 40) * 2 + 1
-    est = EvidenceLSSVM().fit(x, y)
+    est = EvidenceLSSVM().fit_probe(x, y)
     est.save(tmp_path / "ev.pt")
     back = EvidenceLSSVM.load(tmp_path / "ev.pt")
     assert np.array_equal(back.predict(x), est.predict(x))
@@ -310,9 +199,12 @@ def test_evidence_single_problem_fit_saves(tmp_path):
     assert torch.equal(back.coef_, est.coef_)
 
 
-def test_auto_preset_is_not_saved(tmp_path):
-    with pytest.raises(TypeError, match="cannot save a AutoPreset"):
-        tuning.make_estimator("bavardage", preset="auto").save(tmp_path / "auto.pt")
+def test_auto_preset_is_saved_before_fitting(tmp_path):
+    """``preset="auto"`` saves like every estimator (fitted: tests/test_one_task_api.py)."""
+    auto = tuning.make_estimator("bavardage", preset="auto", n_vb=3)
+    auto.save(tmp_path / "auto.pt")
+    back = tuning.AutoPreset.load(tmp_path / "auto.pt")
+    assert back.get_params() == auto.get_params() and back.fitted_state() == {}
 
 
 def _forged(payload: dict, **changes) -> dict:

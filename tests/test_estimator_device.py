@@ -1,7 +1,7 @@
 """Every registered method on every available device, at estimator level.
 
 For each method of :data:`probfsl.methods.METHODS`, through ``fit_base`` (base
-statistics; ``fit`` is the same for all but EvidenceLSSVM) and ``predict_proba``:
+statistics; ``fit`` is the same on every estimator) and ``predict_proba``:
 
 * **device follows the data**: on the CPU, with ``meta`` as torch's default device
   (:func:`probfsl.testing.audit_devices`), so that any tensor created without
@@ -81,6 +81,7 @@ def test_fit_and_predict_create_every_tensor_on_the_data_device(name, omniglot):
     assert torch.isfinite(proba).all()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 @pytest.mark.parametrize("name", NAMES)
 def test_cuda_run_gives_the_cpu_labels(name, omniglot):

@@ -22,6 +22,7 @@ from probfsl.models.bavardage import Bavardage
 from probfsl.models.em_dirichlet import EMDirichlet
 from probfsl.models.evidence import EvidenceLSSVM, rank_backbones
 from probfsl.models.slem import SLEM, SLEMEncoder
+from tests.synthetic import episodes_from_tensors, gaussian_base
 
 F64 = torch.float64
 
@@ -37,24 +38,9 @@ ESTIMATORS = {
 }
 
 
-def _base(dim: int, n_classes: int = 6, per_class: int = 12, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    labels = torch.arange(n_classes).repeat_interleave(per_class)
-    centres = 3 * torch.randn(n_classes, dim, generator=g, dtype=F64)
-    return centres[labels] + torch.randn(labels.numel(), dim, generator=g, dtype=F64), labels
-
-
-def _episodes(support, support_labels, query, way) -> Episodes:
-    t = support.shape[0]
-    return Episodes(
-        support,
-        support_labels,
-        query,
-        torch.zeros(query.shape[:2], dtype=torch.long),
-        torch.arange(way).expand(t, way),
-        torch.zeros_like(support_labels),
-        torch.zeros(query.shape[:2], dtype=torch.long),
-    )
+def _base(dim: int):
+    """Base features [72, dim] (float64): 6 classes of 12 points."""
+    return gaussian_base(dim, n_classes=6, per_class=12, dtype=F64)
 
 
 def _tasks(n_tasks, dim, way=5, shot=1, n_query=10, kind="normal", seed=1, dtype=F64):
@@ -74,7 +60,7 @@ def _tasks(n_tasks, dim, way=5, shot=1, n_query=10, kind="normal", seed=1, dtype
         support, query = support * 1e15, query * 1e15
     elif kind == "tiny":
         support, query = support * 1e-15, query * 1e-15
-    return _episodes(support.to(dtype), labels, query.to(dtype), way)
+    return episodes_from_tensors(support.to(dtype), labels, query.to(dtype), way)
 
 
 def _cat(a: Episodes, b: Episodes) -> Episodes:
@@ -183,7 +169,7 @@ def test_bavardage_is_scale_invariant_beyond_the_float_range_of_squares(dtype, e
     for kw in ({}, {"whitening": "global"}):
         ref = Bavardage(**kw).fit_base(base, labels).predict_proba(ep.to(dtype=dtype))
         est = Bavardage(**kw).fit_base(base * scale, labels)
-        scaled = _episodes(
+        scaled = episodes_from_tensors(
             (ep.support * scale).to(dtype), ep.support_labels, (ep.query * scale).to(dtype), 5
         )
         p = est.predict_proba(scaled)
@@ -214,7 +200,7 @@ def test_em_dirichlet_vanishing_prototype_is_a_zero_logit():
     support = torch.stack([mean + 1, mean - 1, mean + 1, mean + 2]).reshape(1, 4, 1)
     support_labels = torch.tensor([[0, 0, 1, 1]])  # class 0: +1 and -1 cancel
     query = mean + torch.tensor([-2.0, -1.0, 0.5, 3.0], dtype=F64).reshape(1, 4, 1)
-    ep = _episodes(support, support_labels, query, 2)
+    ep = episodes_from_tensors(support, support_labels, query, 2)
     est = EMDirichlet(n_iter=3).fit_base(base, labels)
     _, query_p = est.episode_probabilities(ep)
     # class 0: zero prototype, logit 0; class 1: prototype +1, logit 30 * sign(x - mean)
@@ -266,8 +252,8 @@ def test_numpy_base_features_give_the_same_model(method):
 def test_single_problem_entry_points_refuse_integer_and_float16_features():
     x, y = _base(8)
     with pytest.raises(TypeError, match="features must be float32 or float64"):
-        EvidenceLSSVM(center=False).fit(x.long(), y)
-    model = EvidenceLSSVM(center=False).fit(x, y)
+        EvidenceLSSVM(center=False).fit_probe(x.long(), y)
+    model = EvidenceLSSVM(center=False).fit_probe(x, y)
     with pytest.raises(TypeError, match="features must be float32 or float64"):
         model.predict_proba(x.half())
     with pytest.raises(TypeError, match="episodes must be an Episodes batch"):
@@ -286,7 +272,7 @@ def test_single_problem_entry_points_refuse_integer_and_float16_features():
 
 def test_evidence_predict_returns_the_type_and_device_it_was_given():
     x, y = _base(8)
-    model = EvidenceLSSVM(center=False).fit(x.float(), y.numpy())
+    model = EvidenceLSSVM(center=False).fit_probe(x.float(), y.numpy())
     assert model.intercept_.device == x.device and model.intercept_.dtype == F64
     assert isinstance(model.predict(x.numpy()), np.ndarray)
     out = model.predict(x.float())
@@ -348,7 +334,7 @@ def test_bad_hyperparameters_are_refused_before_any_computation(cls, key, value)
 # ---------------------------------------------------------------------- fitted state
 def test_predict_proba_leaves_fitted_state_alone():
     x, y = _base(8)
-    model = EvidenceLSSVM().fit_base(x, y).fit(x, y)
+    model = EvidenceLSSVM().fit_base(x, y).fit_probe(x, y)
     fitted = {k: v.clone() for k, v in vars(model).items() if isinstance(v, torch.Tensor)}
     model.predict_proba(_tasks(4, 8))
     for key, value in fitted.items():

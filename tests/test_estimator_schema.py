@@ -53,7 +53,7 @@ def fit(name: str, base: tuple[torch.Tensor, torch.Tensor], **params: Any) -> Fe
     if name == "evidence-lssvm":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            est.fit(*base)  # the single-problem LS-SVM, beside the base mean
+            est.fit_probe(*base)  # the single-problem LS-SVM, beside the base mean
     if name == "em-dirichlet":
         x, y = base
         est.set_class_features(torch.stack([x[y == c].mean(0) for c in range(4)]))

@@ -1,4 +1,4 @@
-"""Evidence LS-SVM: the spec's verification checklist (evidence.md §6) and the estimator."""
+"""Evidence LS-SVM: the checklist of docs/design/evidence.md §6 and the estimator."""
 
 import math
 import warnings
@@ -257,7 +257,7 @@ def test_degenerate_cases_are_finite_and_flagged():
 
 
 def test_paper_counterexample_safeguards_keep_the_better_point():
-    """Safeguards: the result is never below the grid maximum (spec §3 caveat, N <= D)."""
+    """Safeguards: the result is never below the grid maximum (design §3 caveat, N <= D)."""
     x, y, _ = _problem(25, 60, k=5, seed=4)
     with pytest.warns(RuntimeWarning, match="bound"):
         safe = maximize_evidence(spectrum(x, y))
@@ -361,7 +361,7 @@ def test_shared_fixed_point_map_and_em_step():
 
 def test_estimator_fit_predict_and_multilabel():
     x, _, labels = _problem(90, 15, k=3, seed=5)
-    model = EvidenceLSSVM(lambda_mode="per_class").fit(x.numpy(), labels.numpy())
+    model = EvidenceLSSVM(lambda_mode="per_class").fit_probe(x.numpy(), labels.numpy())
     assert model.coef_.shape == (3, 15) and model.log_evidence_.shape == (3,)
     assert (model.predict(x.numpy()) == labels.numpy()).mean() > 0.9
     # predict returns the type it was given: NumPy in, NumPy out; tensor in, tensor out
@@ -370,12 +370,14 @@ def test_estimator_fit_predict_and_multilabel():
     proba = model.predict_proba(x)
     torch.testing.assert_close(proba.sum(-1), torch.ones(90, dtype=F64))
     assert model.total_log_evidence_ == pytest.approx(model.log_evidence_.sum().item())
-    per = EvidenceLSSVM(score="mean_per_sample", lambda_mode="per_class").fit(x, labels)
+    per = EvidenceLSSVM(score="mean_per_sample", lambda_mode="per_class").fit_probe(x, labels)
     assert per.total_log_evidence_ == pytest.approx(model.total_log_evidence_ / 90)
     ind = torch.nn.functional.one_hot(labels, 3)
-    multi = EvidenceLSSVM(lambda_mode="per_class").fit(x, ind)
+    multi = EvidenceLSSVM(lambda_mode="per_class").fit_probe(x, ind)
     torch.testing.assert_close(multi.lambda_, model.lambda_)
-    model32 = EvidenceLSSVM(dtype=torch.float32, lambda_mode="per_class").fit(x.float(), labels)
+    model32 = EvidenceLSSVM(dtype=torch.float32, lambda_mode="per_class").fit_probe(
+        x.float(), labels
+    )
     torch.testing.assert_close(model32.lambda_.double(), model.lambda_, rtol=1e-3, atol=0)
 
 
@@ -394,7 +396,7 @@ def test_rank_backbones_orders_by_evidence_and_greedy_rejects_noise():
     ranking = rank_backbones({"noise": noise, "signal": signal, "weak": weak}, labels)
     assert [b.name for b in ranking] == ["signal", "weak", "noise"]
     for b in ranking:
-        model = EvidenceLSSVM(center=False, lambda_mode="per_class").fit(
+        model = EvidenceLSSVM(center=False, lambda_mode="per_class").fit_probe(
             {"noise": noise, "signal": signal, "weak": weak}[b.name], labels
         )
         assert b.log_evidence == pytest.approx(model.total_log_evidence_, rel=1e-9)
@@ -417,7 +419,7 @@ def test_episodic_path_matches_single_task_fit():
     assert torch.isfinite(proba).all()
     lam_batch = model.last_lambda_.clone()
     single = EvidenceLSSVM().fit_base(*fs.base(F64))
-    single.fit(eps.support[2], eps.support_labels[2])
+    single.fit_probe(eps.support[2], eps.support_labels[2])
     torch.testing.assert_close(single.lambda_, lam_batch[2], rtol=1e-6, atol=0)
     scores = single.decision_function(eps.query[2])
     assert (scores.argmax(-1) == proba[2].argmax(-1)).all()
@@ -437,7 +439,7 @@ def test_episodic_path_matches_single_task_fit():
 )
 def test_bad_input_raises(features, labels, match):
     with pytest.raises(ValueError, match=match):
-        EvidenceLSSVM().fit(features, labels)
+        EvidenceLSSVM().fit_probe(features, labels)
 
 
 def test_rank_backbones_rejects_different_row_counts():
@@ -448,7 +450,7 @@ def test_rank_backbones_rejects_different_row_counts():
 def test_diagnostics_datatree_and_plot(tmp_path):
     pytest.importorskip("arviz_base")
     x, _, labels = _problem(40, 6, seed=8)
-    model = EvidenceLSSVM(lambda_mode="per_class").fit(x, labels)
+    model = EvidenceLSSVM(lambda_mode="per_class").fit_probe(x, labels)
     from probfsl.models.evidence import evidence_datatree, plot_evidence
 
     tree = evidence_datatree(model, n_draws=400)
@@ -482,10 +484,10 @@ def test_shared_lambda_maximises_the_summed_evidence():
     assert shared.log_evidence.sum() >= total.max() - 1e-8
     # per-class optimum is an upper bound for the shared one
     assert maximize_evidence(sp).log_evidence.sum() >= shared.log_evidence.sum() - 1e-9
-    model = EvidenceLSSVM(center=False).fit(x, labels)
+    model = EvidenceLSSVM(center=False).fit_probe(x, labels)
     torch.testing.assert_close(model.lambda_, shared.lam)
     with pytest.raises(ValueError, match="lambda_mode"):
-        EvidenceLSSVM(lambda_mode="global").fit(x, labels)
+        EvidenceLSSVM(lambda_mode="global").fit_probe(x, labels)
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -534,7 +536,7 @@ def test_estimator_types_state_devices_and_compute_dtype():
     from probfsl.data.tasks import sample_episodes
 
     x, _, labels = _problem(60, 8, k=3, seed=11)
-    model = audit_devices(lambda: EvidenceLSSVM(center=False).fit(x, labels))
+    model = audit_devices(lambda: EvidenceLSSVM(center=False).fit_probe(x, labels))
     assert model.compute_dtype_ == F64
     assert EvidenceLSSVM(dtype=torch.float32).compute_dtype_ == torch.float32
     state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in vars(model).items()}

@@ -126,10 +126,10 @@ def test_auto_preset_tunes_per_task_shape_on_base_features_only():
 def test_the_registry_builds_no_auto_preset_and_tuning_builds_the_rest():
     """registry -> tuning, one direction: ``preset="auto"`` is tuning's; every other
     preset is the registry's, unchanged."""
-    with pytest.raises(ValueError, match="probfsl.tuning.make_estimator"):
-        methods.make_estimator("soft-kmeans", preset="auto")
+    with pytest.raises(ValueError, match="probfsl.make_estimator"):
+        methods.build_estimator("soft-kmeans", preset="auto")
     a = make_estimator("bavardage", "mini-balanced", n_vb=3)
-    b = methods.make_estimator("bavardage", "mini-balanced", n_vb=3)
+    b = methods.build_estimator("bavardage", "mini-balanced", n_vb=3)
     assert type(a) is type(b) and a.get_params() == b.get_params()
 
 
@@ -500,7 +500,9 @@ def test_the_result_file_and_table_name_the_method_that_ran(monkeypatch, tmp_pat
 
     monkeypatch.setitem(METHODS, "noisy", MethodInfo("noisy", "tests.test_tuning:Noisy", "toy"))
     monkeypatch.setitem(SEARCH_SPACES, "noisy", {"flip": [0.8, 0.4]})
-    monkeypatch.setitem(METHOD_TABLE, "noisy", {"params": ("flip",), "presets": (), "tunable": True})
+    monkeypatch.setitem(
+        METHOD_TABLE, "noisy", {"params": ("flip",), "presets": (), "tunable": True}
+    )
     fs = make_featureset(n_base=12, n_novel=6, per_class=25)
     path, out = tmp_path / "features.npz", tmp_path / "result.json"
     np.savez(path, features=fs.features, labels=fs.labels, split=fs.split)

@@ -74,7 +74,7 @@ print(f"{len(classes)} classes, {len(fit_rows)} fitting and {len(test_rows)} tes
 # each class's maximiser. All classes share one eigendecomposition of XXᵀ.
 
 # %%
-per_class = EvidenceLSSVM(lambda_mode="per_class").fit(X[fit_rows], fs.labels[fit_rows])
+per_class = EvidenceLSSVM(lambda_mode="per_class").fit_probe(X[fit_rows], fs.labels[fit_rows])
 tree = evidence_datatree(per_class, n_draws=50, lambdas=torch.logspace(-3, 1.5, 91))
 print(tree["evidence_curve"].to_dataset()[["lambda_hat", "log_evidence_hat"]].to_dataframe()[:5])
 
@@ -102,7 +102,7 @@ plt.show()
 # evidence on the fitting images is drawn on the same λ axis.
 
 # %%
-shared = EvidenceLSSVM().fit(X[fit_rows], fs.labels[fit_rows])
+shared = EvidenceLSSVM().fit_probe(X[fit_rows], fs.labels[fit_rows])
 sp = shared.spectrum_
 lam_hat = float(shared.lambda_[0])
 lams = torch.logspace(-4, 3, 57, dtype=torch.float64)
@@ -170,7 +170,7 @@ backbones = {
 ranking = rank_backbones({k: v[fit40] for k, v in backbones.items()}, fs.labels[fit40])
 probe = {}
 for name, feats in backbones.items():
-    model = EvidenceLSSVM().fit(feats[fit40], fs.labels[fit40])
+    model = EvidenceLSSVM().fit_probe(feats[fit40], fs.labels[fit40])
     probe[name] = 100 * float((model.predict(feats[test40]) == fs.labels[test40]).mean())
 for i, b in enumerate(ranking, 1):
     print(
