@@ -377,6 +377,8 @@ def _open_task_file(args: argparse.Namespace) -> TaskFile | None:
         return None
     if args.zero_shot:
         raise ValueError("--task-file applies to few-shot runs, not --zero-shot")
+    if not Path(args.task_file).is_file():
+        raise ValueError(f"--task-file: file not found: {args.task_file}")
     return TaskFile(args.task_file, name=f"--task-file {args.task_file}")
 
 

@@ -246,6 +246,12 @@ def test_classes_come_from_the_first_support_row_of_each_class(synthetic):
         (lambda i: dict(i, classes=i["classes"][:, :2]), ValueError, "'classes' must be"),
         (lambda i: dict(i, query=i["query"][:2]), ValueError, "different numbers of tasks"),
         (lambda i: list(i.values()), TypeError, "task indices must be a dict"),
+        (lambda i: {k: v[:0] for k, v in i.items()}, ValueError, "hold no tasks"),
+        (
+            lambda i: dict(i, support_labels=np.minimum(i["support_labels"], [[3], [1], [3]])),
+            ValueError,
+            "task 1 has no support sample of class 2",
+        ),
     ],
 )
 def test_bad_task_indices(synthetic, change, error, message):
@@ -288,8 +294,9 @@ def test_bad_task_files(tmp_path):
         load_task_file(tmp_path / "partial.npz")
     z = np.zeros((1, 2))
     np.savez(tmp_path / "float.npz", support=z, support_labels=z, query=z, query_labels=z)
-    with pytest.raises(TypeError, match="'support' must hold integers"):
-        load_task_file(tmp_path / "float.npz")
+    for error in (TypeError, ValueError):  # both: every task-file problem is a ValueError
+        with pytest.raises(error, match="float.npz: task file field 'support' must hold integ"):
+            load_task_file(tmp_path / "float.npz")
 
 
 # ---------------------------------------------------------------------- Episodes and FeatureSet

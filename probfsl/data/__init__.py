@@ -19,6 +19,8 @@ _HOMES = {
     "Episodes": "tasks",
     "ZeroShotTasks": "tasks",
     "episodes_from_indices": "tasks",
+    "iter_episodes": "tasks",
+    "TaskFile": "task_files",
     "load_task_file": "tasks",
     "sample_episodes": "tasks",
     "sample_task_indices": "tasks",
@@ -32,6 +34,8 @@ __all__ = [
     "FeatureSet",
     "ZeroShotTasks",
     "episodes_from_indices",
+    "iter_episodes",
+    "TaskFile",
     "load_dataset",
     "load_features",
     "load_npz",
@@ -61,10 +65,12 @@ if TYPE_CHECKING:
     from probfsl.data.builtin import DATASETS, load_dataset
     from probfsl.data.featureset import FeatureSet
     from probfsl.data.loaders import load_features, load_npz, load_pickle, load_torch
+    from probfsl.data.task_files import TaskFile
     from probfsl.data.tasks import (
         Episodes,
         ZeroShotTasks,
         episodes_from_indices,
+        iter_episodes,
         load_task_file,
         sample_episodes,
         sample_task_indices,

@@ -11,7 +11,7 @@ the argument for an impossible value.
 from __future__ import annotations
 
 import os
-import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -306,20 +306,100 @@ def _check_featureset(fs: Any) -> None:
         raise TypeError(f"fs must be a FeatureSet, got {type(fs).__name__}")
 
 
+def _first(mask: np.ndarray) -> int:
+    """Index of the first task (row of ``mask``) with a true entry."""
+    return int(np.flatnonzero(mask.reshape(mask.shape[0], -1).any(1))[0])
+
+
+def check_task_values(
+    name: str,
+    support: np.ndarray,
+    support_labels: np.ndarray,
+    query: np.ndarray,
+    query_labels: np.ndarray,
+    n_rows: int | None,
+    way: int | None = None,
+    first: int = 0,
+) -> int:
+    """Check the values of a block of tasks (int64 arrays ``[B, S]``, ``[B, S]``,
+    ``[B, Q]``, ``[B, Q]``) whose first task is number ``first``; returns the way.
+
+    Rows must lie in ``0..n_rows-1`` (only ``>= 0`` when ``n_rows`` is ``None``); every
+    task's support labels must be exactly the classes ``0..way-1`` (each with at least one
+    support sample), with ``way >= 2`` and the same for every task (``way`` of earlier
+    blocks, or taken from this block's first task when ``None``); query labels must lie
+    in ``0..way-1``. ``ValueError`` prefixed by ``name`` that names the first bad task.
+    One vectorised pass: a block of many tasks is checked without a loop over tasks.
+    """
+    for key, rows in (("support", support), ("query", query)):
+        too_high = n_rows is not None and rows.max() >= n_rows
+        if rows.min() < 0 or too_high:
+            bad = (rows < 0) | (rows >= n_rows) if n_rows is not None else rows < 0
+            t = _first(bad)
+            value = int(rows[t][bad[t]][0])
+            span = f"0..{n_rows - 1} (the features have {n_rows} rows)" if n_rows else "0 and up"
+            raise ValueError(
+                f"{name}: {key!r} must hold row indices in {span}; task {first + t} holds {value}"
+            )
+    ordered = np.sort(support_labels, 1)
+    low, high = ordered[:, 0], ordered[:, -1]
+    if low.min() < 0:
+        t = _first(low < 0)
+        raise ValueError(
+            f"{name}: 'support_labels' must hold task-local labels 0..way-1; "
+            f"task {first + t} holds {int(low[t])}"
+        )
+    if way is None:
+        way = int(high[0]) + 1
+        if way < 2:
+            raise ValueError(
+                f"{name}: tasks need at least 2 classes, got way={way} "
+                f"(the support labels of task {first} are all 0)"
+            )
+    n_classes = 1 + (np.diff(ordered, axis=1) != 0).sum(1)
+    bad = (high != way - 1) | (n_classes != way)
+    if bad.any():
+        t = _first(bad)
+        present = np.unique(support_labels[t]).tolist()
+        missing = sorted(set(range(way)) - set(present))
+        if missing:
+            listed = ", ".join(map(str, missing))
+            problem = f"no support sample of class{'es' if len(missing) > 1 else ''} {listed}"
+        else:
+            problem = f"support labels {present}"
+        raise ValueError(
+            f"{name}: task {first + t} has {problem} but the tasks are {way}-way (support "
+            f"labels of the first task); every task needs a support sample of each class "
+            f"0..{way - 1} and no other label"
+        )
+    if query_labels.min() < 0 or query_labels.max() >= way:
+        t = _first((query_labels < 0) | (query_labels >= way))
+        values = query_labels[t][(query_labels[t] < 0) | (query_labels[t] >= way)]
+        raise ValueError(
+            f"{name}: 'query_labels' must lie in 0..{way - 1} (the tasks are {way}-way); "
+            f"task {first + t} holds {int(values[0])}"
+        )
+    return way
+
+
 def check_task_indices(indices: Any, n_rows: int) -> dict[str, np.ndarray]:
     """Task indices (sampled, or read from a task file) as int64 arrays, checked.
 
     ``support`` [T, S] and ``query`` [T, Q] are rows in ``0..n_rows-1`` (integers of any
     width: int16/int32 task files are cast to int64); ``support_labels`` [T, S] and
-    ``query_labels`` [T, Q] are task-local labels in ``0..way-1`` with ``way`` >= 2;
-    the optional ``classes`` is [T, way]. ``TypeError`` for float or string arrays,
-    ``ValueError`` for a missing field, a shape that does not fit or a value out of range.
+    ``query_labels`` [T, Q] are task-local labels: every task's support holds each class
+    ``0..way-1`` (``way`` >= 2, the same for every task) and its queries lie in
+    ``0..way-1``; the optional ``classes`` is [T, way]. ``TypeError`` for float or
+    string arrays, ``ValueError`` for a missing field, no tasks, a shape that does not
+    fit or a value out of range (:func:`check_task_values`, naming the first bad task).
     """
     if not isinstance(indices, (dict, np.lib.npyio.NpzFile)) and not hasattr(indices, "keys"):
         raise TypeError(f"task indices must be a dict of arrays, got {type(indices).__name__}")
     for key in ("support", "support_labels", "query", "query_labels"):
         if key not in indices:
             raise ValueError(f"task indices: missing field {key!r}")
+    if np.shape(indices["support"])[:1] == (0,) or np.shape(indices["query"])[:1] == (0,):
+        raise ValueError("task indices: hold no tasks (the arrays have 0 rows)")
     out = dict(indices)
     for key in ("support", "query"):
         out[key] = as_index_array(indices[key], f"task indices: {key!r}", n_rows, ndim=2)
@@ -337,12 +417,9 @@ def check_task_indices(indices: Any, n_rows: int) -> dict[str, np.ndarray]:
                 f"{key.removesuffix('_labels')!r} {ref.shape}, got {labels.shape}"
             )
         out[key] = labels
-    way = int(out["support_labels"].max()) + 1
-    if way < 2:
-        raise ValueError(f"task indices: tasks need at least 2 classes, got way={way}")
-    for key in ("support_labels", "query_labels"):
-        if out[key].min() < 0 or out[key].max() >= way:
-            raise ValueError(f"task indices: {key!r} must lie in 0..{way - 1}")
+    way = check_task_values(
+        "task indices", support, out["support_labels"], query, out["query_labels"], n_rows
+    )
     if "classes" in indices:
         classes = as_label_array(indices["classes"], "task indices: 'classes'")
         if classes.shape != (support.shape[0], way):
@@ -354,25 +431,109 @@ def check_task_indices(indices: Any, n_rows: int) -> dict[str, np.ndarray]:
     return out
 
 
+def dense_memory_limit() -> int | None:
+    """The default bound on the dense task tensors that :func:`episodes_from_indices` and
+    :func:`sample_episodes` make at once: half the physical memory, in bytes (``None``
+    where the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_dense_size(
+    n_tasks: int,
+    rows: int,
+    dim: int,
+    dtype: torch.dtype,
+    source_dtype: torch.dtype | None = None,
+    max_bytes: int | None = None,
+    what: str = "episodes_from_indices",
+) -> int:
+    """Bytes of ``n_tasks`` dense tasks of ``rows`` rows (support and query) and ``dim``
+    features in ``dtype`` (plus the gathered copy in ``source_dtype`` when the features
+    are cast); ``ValueError`` before anything is allocated when they exceed ``max_bytes``
+    (default :func:`dense_memory_limit`), saying how to make the tasks a batch at a time.
+    """
+    if max_bytes is not None:
+        max_bytes = check_count("max_bytes", max_bytes)
+    bound = dense_memory_limit() if max_bytes is None else max_bytes
+    per_row = dim * torch.finfo(dtype).bits // 8
+    if source_dtype is not None and source_dtype != dtype:
+        per_row += dim * torch.finfo(source_dtype).bits // 8
+    need = n_tasks * rows * per_row
+    if bound is not None and need > bound:
+        limit = "max_bytes" if max_bytes is not None else "half the physical memory"
+        if what == "sample_episodes":
+            stream = (
+                "sample them a batch at a time, sample_episodes(fs, 1000, ..., start=s) "
+                "for s in range(0, n_tasks, 1000) (task t depends only on the seed and t; "
+                "`probfsl run` does so)"
+            )
+        else:
+            stream = (
+                "make them a batch at a time with probfsl.data.tasks.iter_episodes(fs, "
+                "tasks, batch_size=1000) (a task file's path or a dict of indices; "
+                "`probfsl run --task-file` streams the same way)"
+            )
+        raise ValueError(
+            f"{what}: {n_tasks:,} tasks of {rows} rows x {dim} features need "
+            f"{_size(need)} as {str(dtype).removeprefix('torch.')} tensors, more than "
+            f"{_size(bound)} ({limit}); {stream}, or pass a larger max_bytes"
+        )
+    return need
+
+
+def _size(n_bytes: int) -> str:
+    """``n_bytes`` for people: GiB above one GiB, else MiB."""
+    if n_bytes >= 2**30:
+        return f"{n_bytes / 2**30:,.1f} GiB"
+    return f"{n_bytes / 2**20:,.1f} MiB"
+
+
 def episodes_from_indices(
     fs: FeatureSet,
     indices: dict[str, np.ndarray],
     dtype: torch.dtype = torch.float32,
     device: str | torch.device | None = None,
+    max_bytes: int | None = None,
 ) -> Episodes:
     """Gather the features of task indices (sampled, or read from a task file) into
     tensors of ``dtype`` on ``device`` (default the CPU).
 
     ``indices`` is checked by :func:`check_task_indices`. Without ``classes``, the
     data-set class of task-local class k is the label of its first support row.
+
+    Every task is made at once, so a large task set is refused before anything is
+    allocated (:func:`check_dense_size`): when its tensors would exceed ``max_bytes``
+    (default half the physical memory, :func:`dense_memory_limit`), ``ValueError`` says
+    how much they need; :func:`iter_episodes` makes the same tasks a batch at a time.
     """
     _check_featureset(fs)
     check_float_dtype("dtype", dtype)
     device = as_device(device)
+    if isinstance(indices, dict) and all(k in indices for k in ("support", "query")):
+        shapes = np.shape(indices["support"]), np.shape(indices["query"])
+        if all(len(shape) == 2 for shape in shapes):
+            source = torch.as_tensor(fs.features[:0]).dtype
+            rows = shapes[0][1] + shapes[1][1]
+            check_dense_size(shapes[0][0], rows, fs.dim, dtype, source, max_bytes)
     indices = check_task_indices(indices, len(fs.labels))
+    return gather_episodes(fs, indices, dtype, device)
+
+
+def gather_episodes(
+    fs: FeatureSet,
+    indices: dict[str, np.ndarray],
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = None,
+) -> Episodes:
+    """The tensors of task indices already checked by :func:`check_task_indices` (int64
+    arrays, rows in range): no check and no bound on the size (the callers make sure)."""
+    device = as_device(device)
     support, query = indices["support"], indices["query"]
     support_labels = indices["support_labels"]
-    way = int(support_labels.max()) + 1
+    way = int(support_labels[0].max()) + 1
     if "classes" in indices:
         classes = indices["classes"]
     else:
@@ -395,6 +556,56 @@ def episodes_from_indices(
     return episodes if device.type == "cpu" else episodes.to(device)
 
 
+def iter_episodes(
+    fs: FeatureSet,
+    tasks: dict[str, np.ndarray] | str | os.PathLike | Any,
+    batch_size: int = 1000,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = None,
+    progress: bool = False,
+) -> Iterator[Episodes]:
+    """The tasks of ``tasks`` as :class:`Episodes`, ``batch_size`` tasks at a time.
+
+    ``tasks`` is a dict of task indices (:func:`check_task_indices`), the path of a task
+    file, or an opened :class:`probfsl.data.task_files.TaskFile`. Everything is checked
+    before the first batch is made (a task file in one pass over its values, shown by
+    ``progress``); then only one batch of features is in memory at a time, so memory
+    does not grow with the number of tasks. The batches, concatenated, are the tasks of
+    :func:`episodes_from_indices`. To score them, hand
+    ``lambda start, stop: ...`` batches to :func:`probfsl.evaluation.protocol.evaluate_stream`,
+    or use :meth:`TaskFile.episodes <probfsl.data.task_files.TaskFile.episodes>`.
+    """
+    from probfsl.data.task_files import TaskFile
+
+    _check_featureset(fs)
+    batch_size = check_count("batch_size", batch_size)
+    check_float_dtype("dtype", dtype)
+    device = as_device(device)
+    if isinstance(tasks, (str, os.PathLike)):
+        tasks = TaskFile(tasks)
+    if isinstance(tasks, TaskFile):
+        tasks.check(len(fs.labels), progress=progress)
+        return _task_file_batches(fs, tasks, batch_size, dtype, device)
+    checked = check_task_indices(tasks, len(fs.labels))
+    return _index_batches(fs, checked, batch_size, dtype, device)
+
+
+def _index_batches(
+    fs: FeatureSet, checked: dict, batch_size: int, dtype: torch.dtype, device: torch.device
+) -> Iterator[Episodes]:
+    n_tasks = checked["support"].shape[0]
+    for start in range(0, n_tasks, batch_size):
+        rows = {k: v[start : start + batch_size] for k, v in checked.items() if k in TASK_FIELDS}
+        yield gather_episodes(fs, rows, dtype, device)
+
+
+def _task_file_batches(
+    fs: FeatureSet, task_file: Any, batch_size: int, dtype: torch.dtype, device: torch.device
+) -> Iterator[Episodes]:
+    for start in range(0, len(task_file), batch_size):
+        yield task_file.episodes(fs, start, start + batch_size, dtype, device)
+
+
 def sample_episodes(
     fs: FeatureSet,
     n_tasks: int,
@@ -407,18 +618,29 @@ def sample_episodes(
     start: int = 0,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device | None = None,
+    max_bytes: int | None = None,
 ) -> Episodes:
     """Sample N-way, L-shot, Q-query tasks from the novel classes as batched tensors of
     ``dtype`` on ``device`` (default the CPU).
 
     ``balance="balanced"`` gives Q/N queries per class; ``"dirichlet"`` draws the
     per-class counts from a symmetric Dirichlet(alpha) with Q fixed
-    (:func:`dirichlet_query_counts`).
+    (:func:`dirichlet_query_counts`). Tasks whose tensors would exceed ``max_bytes``
+    (default half the physical memory) are refused before any sampling
+    (:func:`check_dense_size`); ``start`` lets a loop make them a batch at a time.
     """
     check_float_dtype("dtype", dtype)
-    as_device(device)
+    device = as_device(device)
+    _check_featureset(fs)
+    n_tasks, way, shot, n_query, *_ = _check_sampling_args(
+        n_tasks, way, shot, n_query, balance, alpha, seed, start
+    )
+    source = torch.as_tensor(fs.features[:0]).dtype
+    check_dense_size(
+        n_tasks, way * shot + n_query, fs.dim, dtype, source, max_bytes, "sample_episodes"
+    )
     indices = sample_task_indices(fs, n_tasks, way, shot, n_query, balance, alpha, seed, start)
-    return episodes_from_indices(fs, indices, dtype, device)
+    return gather_episodes(fs, indices, dtype, device)
 
 
 @dataclass
@@ -515,7 +737,12 @@ def save_task_file(path: str | os.PathLike, indices: dict[str, np.ndarray]) -> P
 
 
 def task_file_shape(indices: dict[str, np.ndarray]) -> tuple[int, int, int]:
-    """(way, shot, queries) of the tasks of a task file (:func:`load_task_file`)."""
+    """(way, shot, queries) of the tasks of a task file (:func:`load_task_file`), or of
+    an opened :class:`probfsl.data.task_files.TaskFile` (its :attr:`shape`)."""
+    if hasattr(indices, "shape") and not isinstance(indices, dict):
+        return indices.shape
+    if len(indices["support"]) == 0:
+        raise ValueError("task indices: hold no tasks (the arrays have 0 rows)")
     way = int(indices["support_labels"].max()) + 1
     return way, indices["support"].shape[1] // way, indices["query"].shape[1]
 
@@ -524,24 +751,18 @@ def load_task_file(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Read an explicit task file written by :func:`save_task_file` or another harness.
 
     Index and label fields come back as int64 whatever width the file stores (int16 and
-    int32 files are common); ``ValueError`` naming the file for a missing or unreadable
-    file, ``TypeError`` for non-integer index fields. Row ranges are checked against the
-    features by :func:`episodes_from_indices`.
+    int32 files are common), with any other arrays of the file as they are. The file is
+    checked as :class:`probfsl.data.task_files.TaskFile` checks it: ``ValueError``
+    naming the file for a missing or unreadable file, a missing field, no tasks,
+    mismatched shapes, negative rows or labels, or a task without a support sample of
+    each class (non-integer fields raise an error that is both a ``ValueError`` and a
+    ``TypeError``). Row ranges are checked against the features by
+    :func:`episodes_from_indices`. The whole file is read into memory: a large one is
+    better opened as a :class:`~probfsl.data.task_files.TaskFile` and made into tasks a
+    batch at a time (:func:`iter_episodes`).
     """
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            fields_ = {k: npz[k] for k in npz.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
-        raise ValueError(f"{path}: not a readable task file ({err})") from err
-    for key in ("support", "support_labels", "query", "query_labels"):
-        if key not in fields_:
-            raise ValueError(f"{path}: task file has no field {key!r} (found {sorted(fields_)})")
-    for key in TASK_FIELDS:
-        if key in fields_:
-            values = fields_[key]
-            if values.dtype.kind not in "iu":
-                raise TypeError(
-                    f"{path}: task file field {key!r} must hold integers, got {values.dtype}"
-                )
-            fields_[key] = values.astype(np.int64)
-    return fields_
+    from probfsl.data.task_files import TaskFile
+
+    task_file = TaskFile(path)
+    task_file.check()
+    return {**task_file.extra_fields(), **task_file.indices()}
