@@ -192,6 +192,19 @@ class TemperatureScaled(FewShotClassifier):
             "thresholds": [MIN_ERRORS, MIN_ERROR_RATE],
         }
 
+    def prepare(self, episodes: Episodes) -> None:
+        """The wrapped estimator's preparation and ``τ`` for the tasks' shape."""
+        if getattr(self, "estimator_", None) is None:
+            raise ValueError("base features missing: call fit_base(features, labels) first")
+        self.estimator_.prepare(episodes)
+        self.fit_shape(
+            episodes.way,
+            episodes.shot,
+            episodes.n_query,
+            episodes.support.dtype,
+            episodes.support.device,
+        )
+
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
         if getattr(self, "estimator_", None) is None:
             raise ValueError("base features missing: call fit_base(features, labels) first")

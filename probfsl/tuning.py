@@ -1179,7 +1179,15 @@ class AutoPreset(FewShotClassifier):
         ran = list(dict.fromkeys(getattr(self, "methods_run_", {}).values()))
         return ", ".join(ran) if ran else None
 
+    def prepare(self, episodes: Episodes) -> None:
+        """The choice for the tasks' shape (the search, or the cache) and the chosen
+        estimator fitted in their dtype and on their device."""
+        self._estimator_for(episodes)
+
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
+        return self._estimator_for(episodes).predict_proba(episodes)
+
+    def _estimator_for(self, episodes: Episodes) -> FewShotClassifier:
         if getattr(self, "base_", None) is None:
             raise ValueError("base features missing: call fit_base(features, labels) first")
         shape = (episodes.way, episodes.shot, episodes.n_query)
@@ -1225,7 +1233,7 @@ class AutoPreset(FewShotClassifier):
             name = choice.method or self.method
             estimator = methods.build_estimator(name, choice.preset, **choice.params)
             self.estimators_[key] = estimator.fit_featureset(self.base_, dtype, device)
-        return self.estimators_[key].predict_proba(episodes)
+        return self.estimators_[key]
 
     def fitted_state(self) -> dict[str, Any]:
         """What :meth:`save` writes (see the class docstring): ``base_features_``

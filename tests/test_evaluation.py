@@ -42,6 +42,36 @@ def test_evaluate_scores_queries_per_task_in_batches(synthetic):
         evaluate(Oracle(), ep, batch_size=0)
 
 
+def test_preparation_is_timed_apart_from_the_predictions(synthetic, monkeypatch):
+    """A search before the first prediction of a shape (``prepare``) counts as tuning
+    time, not in the throughput: a fake clock advanced 10 s by each preparation and 1 s
+    by each prediction."""
+    import probfsl.evaluation.protocol as protocol
+
+    clock = [0.0]
+    monkeypatch.setattr(protocol.time, "perf_counter", lambda: clock[0])
+    calls = []
+
+    class Tuned(Oracle):
+        def prepare(self, episodes):
+            calls.append(("prepare", len(episodes), episodes.way))
+            clock[0] += 10.0
+
+        def predict_proba(self, episodes):
+            calls.append(("predict", len(episodes), episodes.way))
+            clock[0] += 1.0
+            return super().predict_proba(episodes)
+
+    ep = sample_episodes(synthetic, 12, seed=0)
+    res = evaluate(Tuned(), ep, batch_size=5)
+    assert [c[0] for c in calls] == ["prepare", "predict"] * 3
+    assert all(c[2] == ep.way for c in calls)
+    assert res.tuning_seconds == 30.0 and res.seconds == 3.0
+    assert res.tasks_per_second == 4.0
+    assert res.summary()["tuning_seconds"] == 30.0
+    assert "tuning 30.0 s before" in str(res)
+
+
 def test_tables_and_files(tmp_path):
     rows = [{"method": "a", "accuracy": 71.234, "ci95": 0.5}, {"method": "b", "accuracy": 9.0}]
     md = markdown_table(rows, ["method", "accuracy", "ci95"])

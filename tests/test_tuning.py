@@ -192,6 +192,23 @@ def test_auto_preset_follows_the_tasks_dtype_and_keeps_its_choice(monkeypatch):
     torch.testing.assert_close(p64.float(), p32)
 
 
+def test_auto_preset_searches_in_prepare_so_evaluation_times_it_apart(monkeypatch):
+    monkeypatch.setitem(METHODS, "rec", _ThisRecorder("rec", "", "toy"))
+    monkeypatch.setitem(SEARCH_SPACES, "rec", {"flip": [0.8, 0.0]})
+    monkeypatch.setattr(Recorder, "seen", [])
+    fs = make_featureset(n_base=12, n_novel=6, per_class=25)
+    auto = make_estimator("rec", preset="auto")
+    auto.n_episodes = 5
+    auto.fit_base(*fs.base())
+    episodes = sample_episodes(fs, 3, way=5, shot=1, n_query=20, seed=3)
+    auto.prepare(episodes[:1])
+    assert list(auto.choices_) == [(5, 1, 20)] and len(auto.estimators_) == 1
+    searched = list(Recorder.seen)
+    auto.predict_proba(episodes)  # no second search, no second fit
+    assert len(auto.choices_) == 1 and len(auto.estimators_) == 1
+    assert [s for s in Recorder.seen if s[0] == "fit"] == [s for s in searched if s[0] == "fit"]
+
+
 class NoisyZeroShot:
     """Zero-shot toy: argmax of the probabilities, wrong on a fraction ``flip`` of queries."""
 

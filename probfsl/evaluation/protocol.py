@@ -36,6 +36,10 @@ class EvalResult:
     #: the method that ran, where the estimator says so (``preset="auto"``: the method
     #: tuned, or nearest centroid where it fell back, :attr:`probfsl.tuning.AutoPreset.method_run_`)
     method_run: str | None = None
+    #: seconds spent preparing for the tasks' shapes before predicting (the search of
+    #: ``preset="auto"``, a temperature fit; :meth:`FewShotClassifier.prepare`), not in
+    #: ``seconds`` or ``tasks_per_second``
+    tuning_seconds: float = 0.0
 
     def summary(self) -> dict:
         """The JSON-friendly fields (without per-task values); calibration metrics flat,
@@ -57,7 +61,10 @@ class EvalResult:
             text += "  " + "  ".join(
                 f"{name} {mean:.3f} ± {ci:.3f}" for name, (mean, ci) in self.calibration.items()
             )
-        return text + f"  ({self.tasks_per_second:.0f} tasks/s)"
+        speed = f"{self.tasks_per_second:.0f} tasks/s"
+        if self.tuning_seconds:
+            speed += f"; tuning {self.tuning_seconds:.1f} s before"
+        return text + f"  ({speed})"
 
 
 def accuracy_ci(per_task: np.ndarray) -> tuple[float, float]:
@@ -82,7 +89,7 @@ class _Tally:
     def __init__(self, n_tasks: int) -> None:
         self.per_task = np.full(n_tasks, np.nan)
         self.calibration: dict[str, np.ndarray] = {}
-        self.done, self.seconds = 0, 0.0
+        self.done, self.seconds, self.tuning_seconds = 0, 0.0, 0.0
 
     def timed(self, predict: Callable[..., torch.Tensor], *args) -> torch.Tensor:
         """``predict(*args)``, its time (to the end of the device's work) added."""
@@ -92,6 +99,12 @@ class _Tally:
             torch.cuda.synchronize(predicted.device)
         self.seconds += time.perf_counter() - tic
         return predicted
+
+    def prepared(self, estimator: FewShotClassifier, episodes: Episodes) -> None:
+        """``estimator.prepare(episodes)``, its time kept apart as tuning time."""
+        tic = time.perf_counter()
+        estimator.prepare(episodes)
+        self.tuning_seconds += time.perf_counter() - tic
 
     def add(self, predicted: torch.Tensor, labels: torch.Tensor) -> None:
         labels = labels.to(predicted.device)
@@ -118,6 +131,7 @@ class _Tally:
             per_task_accuracy=per_task,
             calibration={k: mean_ci(v) for k, v in per_task_calibration.items()},
             per_task_calibration=per_task_calibration,
+            tuning_seconds=self.tuning_seconds,
         )
 
 
@@ -165,7 +179,9 @@ def evaluate_stream(
     index, so the tasks do not depend on the batch size). Only one batch of features is
     in memory at a time, so memory stays flat in ``n_tasks``; the per-task scores are
     kept. Timing covers each estimator's work on the batches (moving the batch to
-    ``device`` and ``dtype`` included), not the making of the tasks.
+    ``device`` and ``dtype`` included), not the making of the tasks; an estimator's
+    preparation for a task shape (:meth:`FewShotClassifier.prepare`: the search of
+    ``preset="auto"``) is timed apart, as ``tuning_seconds``.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
@@ -175,6 +191,7 @@ def evaluate_stream(
             episodes = batch(start, min(start + batch_size, n_tasks))
             for name, estimator in estimators.items():
                 tally = tallies[name]
+                tally.prepared(estimator, episodes[:1].to(device, dtype))  # the shape
                 proba = tally.timed(_predict_on, estimator, episodes, device, dtype)
                 tally.add(proba, episodes.query_labels)
             bar.update(len(episodes))

@@ -208,6 +208,12 @@ class FewShotClassifier(Hyperparameters, ABC):
             self.fit_base(*fs.base(dtype, device))
         return self
 
+    def prepare(self, episodes: Episodes) -> None:
+        """Work done once per task shape before any prediction of it, such as the search
+        of ``preset="auto"`` or fitting a temperature on base-class episodes; evaluation
+        times it apart from the predictions. ``predict_proba`` runs it where it has not
+        run, so calling it is optional. Most estimators have none."""
+
     @abstractmethod
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
         """Class probabilities ``[T, Q, K]`` for the queries of every task."""
