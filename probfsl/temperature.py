@@ -147,10 +147,11 @@ class TemperatureScaled(FewShotClassifier):
             self.temperature_[shape] = 1.0 if tau is None else float(tau)
             if tau is not None:
                 log.info(
-                    "temperature scaling: tau = %.3f for %d-way %d-shot %d-query tasks (fitted "
-                    "on base-class episodes)",
+                    "temperature scaling: tau = %.3f for %d-way %d-shot %d-query tasks, "
+                    "fitted on %d-way %d-shot %d-query base-class episodes",
                     self.temperature_[shape],
                     *shape,
+                    *fitted_on,
                 )
         return self.temperature_[shape]
 
