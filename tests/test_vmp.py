@@ -724,7 +724,7 @@ def test_selection_gather_equals_pyros_vindex():
     mixture's selected parameters) equals Pyro's ``Vindex`` on the same values."""
     from pyro.ops.indexing import Vindex
 
-    from probfsl.inference.vmp.compiler import _select
+    from probfsl.inference.vmp.selection import select as _select
 
     g = torch.Generator().manual_seed(0)
     table = torch.randn(4, 3, 5, generator=g, dtype=F64)  # tasks, classes, event

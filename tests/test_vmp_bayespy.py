@@ -211,6 +211,7 @@ def test_gaussian_markov_chain():
         _close(state.objective[t].item(), _bayespy_bound([y, chain, tau], (), (chain, tau)))
 
 
+@pytest.mark.slow
 def test_product_of_two_gaussians():
     """``c * mu`` with both latent: BayesPy's SumMultiply of two GaussianARD nodes."""
     from tests.test_vmp_linear import scaled_mean

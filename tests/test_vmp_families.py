@@ -557,6 +557,7 @@ def test_forward_backward_matches_enumeration(spread):
     torch.testing.assert_close(pairs, want_pairs, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_hidden_markov_chain_conformance():
     """The chain's bound: monotone, batch-invariant, float32 against float64, on the data's
     device, no host synchronisation, and below Pyro's exact E_q ln p(x | θ) (Pyro sums out
@@ -680,6 +681,7 @@ def test_the_guide_samples_the_chain_jointly():
     assert abs(mean - analytic) <= 1e-5 * abs(analytic) and se <= 1e-5 * abs(analytic)
 
 
+@pytest.mark.slow
 def test_gaussian_markov_chain_conformance():
     from probfsl.testing import (
         assert_batch_invariant,
@@ -712,3 +714,84 @@ def test_a_bad_beta_prior_is_refused_naming_the_site():
 
     with pytest.raises(ValueError, match="site 'q' \\(Beta\\).*concentration1 is outside"):
         VMP(model).fit(torch.ones(2, 3, dtype=F64))
+
+
+# ------------------------------------------------------------ Gamma–Exponential
+def gamma_exponential(x, exposure, a=2.0, b=1.5):
+    """Waiting times x_n ~ Exponential(c_n λ) with a Gamma rate λ per task."""
+    with pyro.plate("tasks", x.shape[0], dim=-2):
+        lam = pyro.sample("lam", dist.Gamma(x.new_tensor(a), x.new_tensor(b)))
+        with pyro.plate("n", x.shape[1], dim=-1):
+            pyro.sample("x", dist.Exponential(lam * exposure), obs=x)
+
+
+def _waiting_times(dtype, tasks=16, n=12):
+    g = _g(7)
+    rate = 0.5 + 2 * torch.rand(tasks, 1, generator=g, dtype=F64)
+    exposure = 0.5 + torch.rand(tasks, n, generator=g, dtype=F64)
+    x = torch.distributions.Exponential(rate * exposure).sample()
+    return x.to(dtype), exposure.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_gamma_exponential_is_exact(dtype):
+    """The Gamma posterior (a + N, b + Σ c x) and the log evidence
+    a ln b − ln Γ(a) + Σ ln c + ln Γ(a + N) − (a + N) ln(b + Σ c x), per task."""
+    torch.manual_seed(0)
+    x, exposure = _waiting_times(dtype)
+    state, _ = VMP(gamma_exponential).fit(x, exposure)
+    a, b = torch.tensor(2.0, dtype=F64), torch.tensor(1.5, dtype=F64)
+    x64, c64 = x.double(), exposure.double()
+    shape, rate = a + x.shape[1], b + (c64 * x64).sum(1)
+    evidence = a * b.log() - gammaln(a) + c64.log().sum(1) + gammaln(shape) - shape * rate.log()
+    tol = 1e-12 if dtype == F64 else 2e-5
+    assert state.q["lam"][0].dtype == dtype and state.objective.dtype == dtype
+    q_shape, q_rate = (t.squeeze(-1).double() for t in state.q["lam"])
+    torch.testing.assert_close(q_shape, shape.expand_as(q_shape), rtol=tol, atol=0)
+    torch.testing.assert_close(q_rate, rate, rtol=tol, atol=0)
+    torch.testing.assert_close(state.objective.double(), evidence, rtol=tol, atol=tol)
+
+
+def test_gamma_exponential_batch_equals_its_tasks_alone():
+    x, exposure = _waiting_times(F64, tasks=4)
+    batch, _ = VMP(gamma_exponential).fit(x, exposure)
+    for t in range(x.shape[0]):
+        alone, _ = VMP(gamma_exponential).fit(x[t : t + 1], exposure[t : t + 1])
+        torch.testing.assert_close(alone.objective, batch.objective[t : t + 1], rtol=1e-13, atol=0)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0])
+def test_exponential_data_outside_the_support_are_refused(bad):
+    x, exposure = _waiting_times(F64, tasks=2, n=3)
+    x[1, 2] = bad
+    with pytest.raises(ValueError, match="must be > 0"):
+        VMP(gamma_exponential).fit(x, exposure)
+
+
+def test_exponential_with_a_fixed_rate_is_refused():
+    def fixed(x):
+        with pyro.plate("tasks", x.shape[0], dim=-2):
+            pyro.sample("mu", dist.Normal(x.new_zeros(()), 1.0))
+            with pyro.plate("n", x.shape[1], dim=-1):
+                pyro.sample("x", dist.Exponential(x.new_tensor(2.0)), obs=x)
+
+    with pytest.raises(ValueError, match="depends on no latent site"):
+        VMP(fixed).fit(torch.rand(2, 3, dtype=F64) + 0.1)
+
+
+def test_gamma_exponential_passes_conformance():
+    """Monotone bound, batch invariance, float32 against float64, device, no host sync,
+    Pyro's ``Trace_ELBO`` on the derived guide, and the exact log evidence."""
+    x, exposure = _waiting_times(F64, tasks=6, n=5)
+    a, b = torch.tensor(2.0, dtype=F64), torch.tensor(1.5, dtype=F64)
+    shape, rate = a + x.shape[1], b + (exposure * x).sum(1)
+    evidence = a * b.log() - gammaln(a) + exposure.log().sum(1) + gammaln(shape)
+    check_engine(
+        ConformanceCase(
+            make_engine=lambda: VMP(gamma_exponential),
+            model=gamma_exponential,
+            data=(x, exposure),
+            n_steps=2,
+            exact_log_evidence=evidence - shape * rate.log(),
+        )
+    )

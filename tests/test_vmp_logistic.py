@@ -95,6 +95,7 @@ def test_logistic_regression_reaches_the_jaakkola_jordan_optimum():
         assert abs(state.objective[t].item() - bound) < 1e-8 * max(1.0, abs(bound))
 
 
+@pytest.mark.slow
 def test_gaussian_process_classifier_reaches_the_same_optimum():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(8, 25, 2, generator=g, dtype=F64)

@@ -17,8 +17,11 @@ plate, :class:`VMP` reads the model's structure from ``pyro.poutine.trace`` and 
 **The modules.** :mod:`~probfsl.inference.vmp.compiler` reads the model into a plan
 (:mod:`~probfsl.inference.vmp.layout`: one named axis per plate and per event dimension);
 :mod:`~probfsl.inference.vmp.moments` gives every factor's expected statistics;
-:mod:`~probfsl.inference.vmp.messages` dispatches the updates and the bound to the
-families, one module each: :mod:`~probfsl.inference.vmp.normal`,
+:mod:`~probfsl.inference.vmp.family` is the family record and its registry, and
+:mod:`~probfsl.inference.vmp.families` holds one record per family (its roles, reading,
+factor block, point rules and, for a conjugate child, its message coefficients);
+:mod:`~probfsl.inference.vmp.messages` dispatches the updates and the bound, by the
+records, to the message modules: :mod:`~probfsl.inference.vmp.normal`,
 :mod:`~probfsl.inference.vmp.mvn`, :mod:`~probfsl.inference.vmp.conjugate_children`
 (Poisson, Bernoulli, Binomial, Gamma rates, selected Categoricals),
 :mod:`~probfsl.inference.vmp.linear_maps`, :mod:`~probfsl.inference.vmp.polya_gamma`,
@@ -87,7 +90,12 @@ full-size pass and normalises it in place. When a Categorical factor was updated
 ELBO terms and its children's are its normaliser Σ_n ln Σ_k e^η_nk.
 """
 
-from probfsl.inference.vmp.checks import FAMILIES, SUPPORTED
+from probfsl.inference.vmp import families  # noqa: F401  (registers the families)
+from probfsl.inference.vmp.checks import SUPPORTED
 from probfsl.inference.vmp.engine import VMP, VMPState
+from probfsl.inference.vmp.family import REGISTRY
+
+#: family name -> its Pyro distribution class (the families VMP knows)
+FAMILIES = {name: record.pyro_class for name, record in REGISTRY.items()}
 
 __all__ = ["FAMILIES", "SUPPORTED", "VMP", "VMPState"]

@@ -27,6 +27,7 @@ out of such a site's update.
 from __future__ import annotations
 
 from probfsl.inference.vmp.checks import refuse
+from probfsl.inference.vmp.family import lookup
 from probfsl.inference.vmp.layout import Plan
 
 #: the key and value of a site's ``infer`` dict that keep its factor at its prior
@@ -53,7 +54,7 @@ def check(plan: Plan) -> None:
         why = None
         if s.observed or s.point:
             why = "only a latent site can keep its prior as its factor"
-        elif s.family not in ("Normal", "MultivariateNormal"):
+        elif not lookup(s.family).gaussian:
             why = "only a Normal or MultivariateNormal site can keep its prior as its factor"
         elif any(p.parent or p.terms or p.bilinear or p.selector for p in s.params.values()):
             why = "a site kept at its prior (q = p) needs fixed parameters, not latent parents"

@@ -27,8 +27,10 @@ from dataclasses import replace
 import torch
 
 from probfsl.inference.vmp.einsum import ein
+from probfsl.inference.vmp.family import lookup
 from probfsl.inference.vmp.layout import TASKS, Param, Plan, Site, _take_param, canon
 from probfsl.inference.vmp.monomials import plain
+from probfsl.inference.vmp.selection import select
 
 #: the two probe patterns of :func:`extreme`
 PATTERNS = ("high", "low")
@@ -39,32 +41,14 @@ def extreme(family: str, shape: list, n_cat: int, pattern: str) -> torch.Tensor 
     (float64 or int64, on the CPU): every entry +3 (``"high"``) or -3 (``"low"``) for a
     Gaussian, 20 or 0.05 for a Gamma (20 I or 0.05 I for a Wishart), 0.95 or 0.05 for a
     Beta, nearly all mass on the last or the first category for a Dirichlet, the last or
-    the first label for a Categorical; ``None`` for another family."""
-    high = pattern == "high"
-    cpu = dict(dtype=torch.float64, device="cpu")
-    if family in ("Normal", "MultivariateNormal"):
-        return torch.full(shape, 3.0 if high else -3.0, **cpu)
-    if family == "Gamma":
-        return torch.full(shape, 20.0 if high else 0.05, **cpu)
-    if family == "Beta":
-        return torch.full(shape, 0.95 if high else 0.05, **cpu)
-    if family == "Dirichlet":
-        v = torch.full(shape, 0.01, **cpu)
-        v[..., -1 if high else 0] = 1.0
-        return v / v.sum(-1, keepdim=True)
-    if family == "Wishart":
-        eye = torch.eye(shape[-1], **cpu)
-        return (20.0 if high else 0.05) * eye.expand(shape).clone()
-    if family == "Categorical":
-        return torch.full(shape, n_cat - 1 if high else 0, dtype=torch.long)
-    return None
+    the first label for a Categorical (:meth:`~probfsl.inference.vmp.family.Family.extreme`);
+    ``None`` for another family."""
+    return lookup(family).extreme(shape, n_cat, pattern)
 
 
 def _gathered(plan: Plan, sizes: dict, p: Param, values: dict, ref: torch.Tensor):
     """The parent's value of a parameter c · parent (· Π factors), selected and broadcast
     into the parameter's layout, times c."""
-    from probfsl.inference.vmp.compiler import _select
-
     sites, dims = plan.sites, p.dims
     parent = sites[p.parent]
     pdims = tuple(p.rename[d] for d in parent.dims)
@@ -72,7 +56,7 @@ def _gathered(plan: Plan, sizes: dict, p: Param, values: dict, ref: torch.Tensor
     if p.comp is not None and p.selector is not None:
         z = sites[p.selector]
         eff = _effective(z, values[z.name], sizes)
-        out = _select(pv, pdims, p.comp, eff, z.dims, dims, sizes)
+        out = select(pv, pdims, p.comp, eff, z.dims, dims, sizes)
     elif p.comp is not None:
         ops = [(pv, pdims), (p.index, p.index_dims)]
         out = ein(dims, ops, dims + (p.comp,), sizes, ref)
@@ -98,7 +82,7 @@ def predict(plan: Plan, sizes: dict, s: Site, key: str, p: Param, values: dict, 
     """Parameter ``key`` of ``s`` as the plan has it at the latent ``values`` (canonical
     layout), with a bound on its rounding; ``None`` where the plan's form is not one
     predicted here."""
-    if s.family == "DiscreteHMM":
+    if not lookup(s.family).predictable:
         return None
     dims = p.dims
     size = 0
@@ -142,10 +126,6 @@ def predict(plan: Plan, sizes: dict, s: Site, key: str, p: Param, values: dict, 
     return out.expand([sizes[d] for d in dims]), n * size
 
 
-#: the name a refusal gives the parameter (the canonical layout reads a precision)
-LABELS = {("Normal", "precision"): "scale", ("MultivariateNormal", "precision"): "covariance"}
-
-
 def check(plan: Plan, runs: list, one_task: bool, read_params, dtype: torch.dtype) -> None:
     """``ValueError`` naming the site and the parameter where a parameter of ``runs[i]``
     (traces of the model, ``runs[0]`` the base) changes from the base run by other than
@@ -179,7 +159,7 @@ def check(plan: Plan, runs: list, one_task: bool, read_params, dtype: torch.dtyp
             values[name] = v.to(ref.dtype) if v.is_floating_point() else v.to(ref.device)
         params = {}
         for name, s in sites.items():
-            if s.family == "DiscreteHMM":
+            if not lookup(s.family).predictable:
                 continue
             try:
                 got = read_params(s, tr.nodes[s.pyro_name])
@@ -234,7 +214,8 @@ def check(plan: Plan, runs: list, one_task: bool, read_params, dtype: torch.dtyp
         return
     name, key, _, _, _ = checks[int(torch.stack(agree).logical_not().nonzero()[0]) % len(checks)]
     s = sites[name]
-    label = LABELS.get((s.family, key), key)
+    # the name a refusal gives the parameter (the canonical layout reads a precision)
+    label = lookup(s.family).model_names.get(key, key)
     raise ValueError(
         f"VMP cannot follow site {name!r} ({s.fn_name}): its {label} changes with the "
         "latent values in a way the model's operations do not show (a Python branch on a "

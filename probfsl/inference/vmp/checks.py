@@ -1,4 +1,5 @@
-"""What VMP accepts: the families it knows and the refusals of docs/design/vmp.md §5.
+"""What VMP accepts: the refusals of docs/design/vmp.md §5 (the families it knows are
+:mod:`~probfsl.inference.vmp.families`).
 
 Every refusal is a ``ValueError`` raised before any sweep that names the site, its
 distribution and the offending parent, and ends with :data:`SUPPORTED`.
@@ -12,21 +13,7 @@ import pyro.distributions as dist
 import torch
 from pyro.distributions import constraints
 
-FAMILIES = {
-    "Normal": dist.Normal,
-    "Gamma": dist.Gamma,
-    "Dirichlet": dist.Dirichlet,
-    "Categorical": dist.Categorical,
-    "MultivariateNormal": dist.MultivariateNormal,
-    "Wishart": dist.Wishart,
-    "Beta": dist.Beta,
-    "Bernoulli": dist.Bernoulli,
-    "Binomial": dist.Binomial,
-    "Poisson": dist.Poisson,
-    "DiscreteHMM": dist.DiscreteHMM,
-}
-#: families that VMP takes as observed sites only (a latent discrete site is a Categorical)
-OBSERVED_ONLY = ("Bernoulli", "Binomial", "Poisson", "DiscreteHMM")
+from probfsl.inference.vmp.family import lookup, of_distribution
 
 SUPPORTED = (
     "Normal(loc <- Normal site, an affine map of Normal/MultivariateNormal sites with "
@@ -185,49 +172,26 @@ def simplex_tolerance(dtype: torch.dtype, n: int) -> float:
 
 def support_holds(family: str, value: torch.Tensor) -> torch.Tensor | None:
     """A 0-d bool tensor (no host sync): the observed ``value`` (canonical layout) of a
-    ``family`` site lies in its support: a Gamma's > 0, a Beta's in (0, 1), a Dirichlet's
-    rows positive and summing to 1 (:func:`simplex_tolerance`). ``None`` for a family
-    checked elsewhere (counts and labels) or with no bound (Normal)."""
+    ``family`` site lies in its support (:meth:`~probfsl.inference.vmp.family.Family.support`:
+    a Gamma's > 0, a Beta's in (0, 1), a Dirichlet's rows positive and summing to 1).
+    ``None`` for a family checked elsewhere (counts and labels) or with no bound."""
     if not value.numel():
         return None
-    if family == "Gamma":
-        return value.amin() > 0
-    if family == "Beta":
-        low, high = torch.aminmax(value)
-        return (low > 0) & (high < 1)
-    if family == "Dirichlet":
-        tol = simplex_tolerance(value.dtype, value.shape[-1])
-        low, high = torch.aminmax(value.sum(-1))
-        return (value.amin() > 0) & (low >= 1 - tol) & (high <= 1 + tol)
-    return None
+    return lookup(family).support(value)
 
 
 def support_refusal(site: str, fn: str, family: str, value: torch.Tensor, dims: tuple):
     """The refusal of data outside their support (:func:`support_holds` false), naming
     the first offending entry (or row, of a Dirichlet) by its axes ``dims``; ``None``
     where the data are in their support."""
-    if family == "Dirichlet":
-        tol = simplex_tolerance(value.dtype, value.shape[-1])
-        sums = value.sum(-1)
-        bad = (value <= 0).any(-1) | ((sums - 1).abs() > tol)
-        if not bool(bad.any()):
-            return None
-        at = tuple(int(i) for i in bad.nonzero()[0])
-        row = value[at]
-        return refuse(
-            site,
-            fn,
-            "-",
-            f"its data must be probability vectors (entries > 0, each row summing to 1 "
-            f"within {tol:.3g}); the row at {_at(dims, at)} sums to {float(sums[at]):.6g} "
-            f"with smallest entry {float(row.min()):.6g}",
-        )
-    if family == "Gamma":
-        bad, need = value <= 0, "> 0"
-    elif family == "Beta":
-        bad, need = (value <= 0) | (value >= 1), "strictly between 0 and 1"
-    else:
+    record = lookup(family)
+    own = record.refusal(site, fn, value, dims)
+    if own is not None:
+        return own
+    found = record.outside(value)
+    if found is None:
         return None
+    bad, need = found
     if not bool(bad.any()):
         return None
     at = tuple(int(i) for i in bad.nonzero()[0])
@@ -235,11 +199,11 @@ def support_refusal(site: str, fn: str, family: str, value: torch.Tensor, dims: 
         site,
         fn,
         "-",
-        f"its data must be {need}; the entry at {_at(dims, at)} is {float(value[at]):.6g}",
+        f"its data must be {need}; the entry at {position(dims, at)} is {float(value[at]):.6g}",
     )
 
 
-def _at(dims: tuple, index: tuple) -> str:
+def position(dims: tuple, index: tuple) -> str:
     """An entry's position by the names of its axes (``task 1, points 3``)."""
     parts = []
     for d, i in zip(dims, index, strict=False):
@@ -271,7 +235,6 @@ def unwrap(fn):
 
 
 def family_of(fn) -> str | None:
-    for name, cls in FAMILIES.items():
-        if type(fn) is cls:
-            return name
-    return None
+    """The name of the family of a Pyro distribution (``None``: not one VMP knows)."""
+    record = of_distribution(fn)
+    return None if record is None else record.name

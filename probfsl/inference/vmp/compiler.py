@@ -20,7 +20,6 @@ is refused (:func:`~probfsl.inference.vmp.checks.refuse`).
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -32,22 +31,20 @@ from pyro.distributions import constraints
 from pyro.poutine.messenger import Messenger
 
 from probfsl.inference.vmp import at_prior, branches
-from probfsl.inference.vmp.branches import extreme
 from probfsl.inference.vmp.checks import (
-    OBSERVED_ONLY,
     all_finite,
     check_data,
     check_parameters,
     close,
     data_device,
     data_dtype,
-    family_of,
     refuse,
     support_holds,
     support_refusal,
     unwrap,
 )
 from probfsl.inference.vmp.einsum import ein
+from probfsl.inference.vmp.family import REGISTRY, Family, lookup, of_distribution
 from probfsl.inference.vmp.layout import (
     TASKS,
     BilinearTerm,
@@ -57,87 +54,27 @@ from probfsl.inference.vmp.layout import (
     Site,
     canon,
     dtype_of,
-    normal_data,
     param_dims,
     reduce_constant,
     to_pyro,
     unit,
 )
-from probfsl.inference.vmp.monomials import Monomial, coefficient, origin, plain, same_form
+from probfsl.inference.vmp.monomials import Monomial, coefficient, origin, plain
+from probfsl.inference.vmp.selection import select
 
-ROLES = {
-    ("Normal", "loc"): ("Normal", "MultivariateNormal", "Categorical"),
-    ("Normal", "precision"): ("Gamma", "Categorical"),
-    ("Categorical", "probs"): ("Dirichlet", "Categorical"),
-    ("MultivariateNormal", "loc"): ("MultivariateNormal", "Categorical"),
-    ("MultivariateNormal", "precision"): ("Wishart", "Categorical"),
-    ("Gamma", "rate"): ("Gamma", "Categorical"),
-    ("Poisson", "rate"): ("Gamma", "Categorical"),
-    ("Bernoulli", "probs"): ("Beta", "Categorical"),
-    ("Binomial", "probs"): ("Beta", "Categorical"),
-    ("Dirichlet", "concentration"): ("Gamma", "Categorical"),  # a point estimate only
-    ("DiscreteHMM", "initial_logits"): ("Dirichlet",),
-    ("DiscreteHMM", "transition_logits"): ("Dirichlet",),
-    ("DiscreteHMM", "loc"): ("Normal",),
-    ("DiscreteHMM", "precision"): ("Gamma",),
-}
-#: the conjugate parent family of each parameter that may have one
-WANT = {
-    ("Normal", "loc"): "Normal",
-    ("Normal", "precision"): "Gamma",
-    ("Categorical", "probs"): "Dirichlet",
-    ("MultivariateNormal", "loc"): "MultivariateNormal",
-    ("MultivariateNormal", "precision"): "Wishart",
-    ("Gamma", "rate"): "Gamma",
-    ("Poisson", "rate"): "Gamma",
-    ("Bernoulli", "probs"): "Beta",
-    ("Binomial", "probs"): "Beta",
-    ("Dirichlet", "concentration"): "Gamma",
-    ("DiscreteHMM", "initial_logits"): "Dirichlet",
-    ("DiscreteHMM", "transition_logits"): "Dirichlet",
-    ("DiscreteHMM", "loc"): "Normal",
-    ("DiscreteHMM", "precision"): "Gamma",
-}
-#: parameters that are the logarithm of their parent (a DiscreteHMM's logits)
-LOG_KEYS = ("initial_logits", "transition_logits")
-#: families that may enter an affine map (linear maps, Pólya-Gamma logits)
-GAUSSIAN = ("Normal", "MultivariateNormal")
-#: observed families whose data are counts
-COUNTS = ("Bernoulli", "Binomial", "Poisson")
-#: the family a point-estimated parameter (``pyro.param``) takes from its constraint
-POINT_FAMILIES = (
-    (constraints.positive, "Gamma"),
-    (constraints.real, "Normal"),
-    (constraints.simplex, "Dirichlet"),
-    (constraints.unit_interval, "Beta"),
-)
+#: parameters that are c · parent (c fixed) rather than a copy of the parent
+SCALED = ("precision", "rate")
 
 
-def _aligned(t: torch.Tensor, dims: tuple, target: tuple, sizes: dict) -> torch.Tensor:
-    """A view of ``t`` (axes ``dims``, a subset of ``target``) in the axes ``target``,
-    broadcast to their sizes."""
-    perm = sorted(range(len(dims)), key=lambda i: target.index(dims[i]))
-    own = {dims[i]: t.shape[i] for i in range(len(dims))}
-    view = [own.get(d, 1) for d in target]
-    return t.permute(perm).reshape(view).expand([sizes[d] for d in target])
+def _roles(family: str, key: str) -> tuple[str, ...]:
+    """The families of the parents parameter ``key`` of a ``family`` site may take."""
+    return lookup(family).roles.get(key, ())
 
 
-def _select(value, dims: tuple, comp: str, index, index_dims: tuple, out: tuple, sizes: dict):
-    """``value`` (axes ``dims``, one of them the component axis ``comp``) at the component
-    ``index`` (integers, axes ``index_dims``), laid out in the axes ``out``: the gather a
-    mixture's ``Vindex(value)[..., z]`` performs, as one row lookup (the rows of ``value``
-    are its components per value of the axes it shares with ``index``)."""
-    shared = tuple(d for d in dims if d in index_dims)
-    own = tuple(d for d in dims if d != comp and d not in shared)
-    extra = tuple(d for d in index_dims if d not in shared)
-    table = _aligned(value, dims, shared + (comp,) + own, sizes)
-    n_shared = math.prod(sizes[d] for d in shared)
-    table = table.reshape(n_shared * sizes[comp], math.prod(sizes[d] for d in own))
-    idx = _aligned(index, index_dims, shared + extra, sizes).reshape(n_shared, -1)
-    base = torch.arange(n_shared, device=idx.device).unsqueeze(-1) * sizes[comp]
-    rows = table.index_select(0, (base + idx).reshape(-1))
-    got = rows.reshape([sizes[d] for d in shared + extra + own])
-    return _aligned(got, shared + extra + own, out, sizes)
+def _point_family(constraint) -> Family | None:
+    """The family a ``pyro.param`` of ``constraint`` is traced as (positive -> Gamma, real
+    -> Normal, simplex -> Dirichlet, unit_interval -> Beta)."""
+    return next((f for f in REGISTRY.values() if f.point_constraint is constraint), None)
 
 
 def _shared_point(name: str, want: tuple | None = None) -> ValueError:
@@ -187,22 +124,8 @@ def draw(family: str, shape: list, n_cat: int = 0, generator=None) -> torch.Tens
     support (float64 or int64, on the CPU): what the compiler reads the model at. A draw
     from the site's prior will not do: a vague Gamma(0.01, 0.01) puts most of its mass
     below 1e-30 and underflows to 0, and the parameter maps read off such values are
-    wrong."""
-    cpu = dict(generator=generator, dtype=torch.float64, device="cpu")
-    if family in ("Normal", "MultivariateNormal"):
-        return torch.randn(shape, **cpu)
-    if family == "Gamma":
-        return 0.5 + torch.rand(shape, **cpu)
-    if family == "Beta":
-        return 0.05 + 0.9 * torch.rand(shape, **cpu)
-    if family == "Dirichlet":
-        v = torch.rand(shape, **cpu) + 0.05
-        return v / v.sum(-1, keepdim=True)
-    if family == "Wishart":
-        a = torch.randn(shape, **cpu)
-        eye = torch.eye(shape[-1], dtype=a.dtype, device="cpu")
-        return a @ a.transpose(-1, -2) / shape[-1] + eye
-    return torch.randint(0, n_cat, shape, generator=generator, device="cpu")
+    wrong (:meth:`~probfsl.inference.vmp.family.Family.draw`)."""
+    return lookup(family).draw(shape, n_cat, generator)
 
 
 class _DrawLatent(Messenger):
@@ -232,56 +155,32 @@ class _DrawLatent(Messenger):
         if msg["is_observed"]:
             return
         base, _ = unwrap(msg["fn"])
-        family = family_of(base)
+        record = of_distribution(base)
         if msg["value"] is None:
-            self._draw(msg, base, family)
+            self._draw(msg, base, record)
         value = msg["value"]
-        if self.symbolic and family in ("Gamma", "Wishart") and torch.is_tensor(value):
+        if self.symbolic and record is not None and record.symbolic and torch.is_tensor(value):
             msg["value"] = Monomial.of(value, msg["name"])
 
-    def _draw(self, msg, base, family) -> None:
-        if family is None or family in OBSERVED_ONLY:
+    def _draw(self, msg, base, record: Family | None) -> None:
+        if record is None or record.observed_only:
             return  # left to the model's sampler; the compiler refuses the site later
-        if family == "Beta":  # its parameters are held by a Dirichlet
-            like = base.concentration1
-        else:
-            like = next((v for v in base.__dict__.values() if torch.is_tensor(v)), None)
+        like = record.reference(base)
         if like is None or not like.is_floating_point():
             return  # the model's sampler decides (and fails on integer parameters)
-        n_cat = like.shape[-1] if family == "Categorical" else 0
+        n_cat = record.categories(base)
         shape = list(msg["fn"].shape())
-        value = None if self.pattern is None else extreme(family, shape, n_cat, self.pattern)
+        value = None if self.pattern is None else record.extreme(shape, n_cat, self.pattern)
         if value is None:
-            value = draw(family, shape, n_cat, self.generator)
+            value = record.draw(shape, n_cat, self.generator)
         if value.is_floating_point():
             msg["value"] = value.to(device=like.device, dtype=self.dtype or like.dtype)
         else:
             msg["value"] = value.to(like.device)
 
 
-#: what a parameter may be, said in a refusal beside what it is
-NEARBY = {
-    ("Normal", "loc"): "a Normal or MultivariateNormal site (a copy, an affine map with "
-    "observed coefficients, or a product of two), optionally selected by a Categorical site",
-    ("Normal", "precision"): "c times a Gamma site or a product of Gamma sites, written as "
-    "scale = (c * tau) ** -0.5",
-    ("MultivariateNormal", "loc"): "a MultivariateNormal site, optionally selected",
-    ("MultivariateNormal", "precision"): "c times a Wishart site",
-    ("Gamma", "rate"): "c times a Gamma site",
-    ("Gamma", "concentration"): "fixed",
-    ("Categorical", "probs"): "a Dirichlet site (selected by a Categorical site when the "
-    "Categorical is observed), or, observed, a fixed table selected by a Categorical site",
-    ("Poisson", "rate"): "c times a Gamma site",
-    ("Bernoulli", "probs"): "a Beta site, or logits affine in Normal sites (Pólya-Gamma)",
-    ("Binomial", "probs"): "a Beta site, or logits affine in Normal sites (Pólya-Gamma)",
-    ("Dirichlet", "concentration"): "fixed, or a positive pyro.param of an observed Dirichlet",
-    ("Beta", "concentration1"): "fixed",
-    ("Beta", "concentration0"): "fixed",
-}
-
-
 def _nearby(family: str, key: str) -> str:
-    hint = NEARBY.get((family, key))
+    hint = lookup(family).hints.get(key)
     return f"; its {key} may be {hint}" if hint else ""
 
 
@@ -375,23 +274,6 @@ def _batched(a) -> bool:
     return isinstance(a, torch.Tensor) and a.dim() > 0
 
 
-def _placeholder(family: str, value: torch.Tensor) -> dist.Distribution:
-    """A law of ``family`` with the shape and support of ``value`` (the point sites'
-    stand-in while the compiler traces the model)."""
-    ones = torch.ones_like(value)
-    if family == "Gamma":
-        return dist.Gamma(ones, ones)
-    if family == "Normal":
-        return dist.Normal(torch.zeros_like(value), ones)
-    if family == "Beta":
-        return dist.Beta(ones, ones)
-    return dist.Dirichlet(ones)
-
-
-#: parameters that are c · parent (c fixed) rather than a copy of the parent
-SCALED = ("precision", "rate")
-
-
 def _tempering(scale: Any, family: str, observed: bool) -> float | None:
     """The factor of a site's ``poutine.scale``: 1.0 without one; a positive finite number
     on a latent Categorical site (a tempered prior: its E ln p enters the bound, its
@@ -403,7 +285,7 @@ def _tempering(scale: Any, family: str, observed: bool) -> float | None:
         scale = float(scale)  # a trace-time read, once per compilation
     if scale == 1.0:
         return 1.0
-    if family != "Categorical" or observed or not (0 < scale < float("inf")):
+    if not lookup(family).labels or observed or not (0 < scale < float("inf")):
         return None
     return float(scale)
 
@@ -430,17 +312,16 @@ class Compiler:
             if self._dtype is not None and value.is_floating_point():
                 value = value.to(self._dtype)  # the data's dtype, as every parameter
             constraint = node["kwargs"].get("constraint", constraints.real)
-            family = next((f for c, f in POINT_FAMILIES if constraint is c), None)
+            family = _point_family(constraint)
             if family is None:
                 raise ValueError(
                     f"VMP cannot point-estimate the pyro.param site {name!r}: its constraint "
                     f"{constraint} is none of positive (a precision or rate), real (a "
                     "location), simplex (probabilities) or unit_interval (a probability)"
                 )
-            law = _placeholder(family, value)
-            event_dim = node["kwargs"].get("event_dim") or 0
-            if family == "Dirichlet":
-                event_dim -= 1  # its last axis is the Dirichlet's own event
+            law = family.placeholder(value)
+            # a Dirichlet's last axis is its own event
+            event_dim = (node["kwargs"].get("event_dim") or 0) - family.event_rank
             prior[name] = law.to_event(event_dim) if event_dim > 0 else law
             self.points[name] = value
         self.model = _StartAt(self.points)(poutine.lift(self.model, prior=prior))
@@ -544,7 +425,8 @@ class Compiler:
     def _read_site(self, s: dict, trace, sizes: dict) -> Site:
         name, fn = s["name"], s["fn"]
         base, mask = unwrap(fn)
-        family = family_of(base)
+        record = of_distribution(base)
+        family = None if record is None else record.name
         merged = name.endswith("_unobserved") and name[:-11] + "_observed" in trace.nodes
         logical = name[:-11] if merged else name
         fname = type(base).__name__
@@ -611,15 +493,10 @@ class Compiler:
             site.point, site.fn_name = True, "pyro.param"
             init = self.points[logical].to(dtype_of(trace))
             site.init = canon(site, init.expand(batch_shape + event_shape))
-        if family == "Categorical":
-            site.n_cat = base.probs.shape[-1]
-            sizes[f"{logical}#cat"] = site.n_cat
-        if family == "DiscreteHMM":
-            self._check_hmm(logical, fname, base)
-            sizes[f"{logical}#s"] = sizes[f"{logical}#s2"] = base.initial_logits.shape[-1]
-        if family == "MultivariateNormal":
-            sizes[dims[-1] + "b"] = event_shape[-1]  # the second axis of x xᵀ
-        if family in OBSERVED_ONLY and not site.observed:
+        why = record.declare(site, base, sizes)  # categories, states, x xᵀ's second axis
+        if why is not None:
+            raise refuse(logical, fname, "-", why)
+        if record.observed_only and not site.observed:
             raise refuse(
                 logical,
                 fname,
@@ -627,13 +504,13 @@ class Compiler:
                 f"a latent {fname} site is not supported; declare a latent discrete value "
                 "as a Categorical site",
             )
-        if family == "Wishart" and site.observed:
-            raise refuse(logical, fname, "-", "an observed Wishart site is not supported")
+        if record.latent_only and site.observed:
+            raise refuse(logical, fname, "-", f"an observed {fname} site is not supported")
         full_mask = s["mask"]
         if mask is not None:
             full_mask = mask if full_mask is None else full_mask & mask
         if merged:
-            if family != "Categorical":
+            if not record.labels:
                 raise refuse(
                     logical,
                     fname,
@@ -654,74 +531,53 @@ class Compiler:
         if full_mask is not None and not (full_mask is True and scale == 1.0):
             m = torch.as_tensor(full_mask, device=s["value"].device)
             m = canon(site, m.expand(batch_shape)).to(dtype_of(trace)) * scale
-            if not site.observed and family != "Categorical":
+            if not site.observed and not record.labels:
                 raise refuse(logical, fname, "-", "a mask on a latent continuous site")
             site.mask, site.mask_dims = reduce_constant(m, site.dims[: m.dim()])
         if site.observed:
-            value = s["value"]
-            if family in COUNTS or family == "Categorical":  # whole numbers (labels)
-                if value.dtype == torch.bool:
-                    value = value.to(dtype_of(trace))
-                if not bool(torch.isfinite(value).all()):
-                    raise refuse(logical, fname, "-", "its data hold NaN or infinite values")
-                whole = value.round() if value.is_floating_point() else value
-                if not bool(((value >= 0) & (value == whole)).all()):
-                    raise refuse(logical, fname, "-", "its data must be whole numbers >= 0")
-                if family == "Bernoulli" and not bool((value <= 1).all()):
-                    raise refuse(logical, fname, "-", "its data must be 0 or 1")
-                if family == "Binomial" and not bool((value <= base.total_count).all()):
-                    raise refuse(logical, fname, "-", "its data exceed their total_count")
-                if family == "Categorical" and not bool((value < site.n_cat).all()):
-                    raise refuse(
-                        logical, fname, "-", f"its data must be labels 0 to {site.n_cat - 1}"
-                    )
-            if family in COUNTS:  # taken in the data's dtype
-                value = value.to(dtype_of(trace))
-            if family != "Categorical" and not value.is_floating_point():
-                raise refuse(
-                    logical, fname, "-", f"its data are {value.dtype}; give float32 or float64"
-                )
-            v = canon(site, value.expand(batch_shape + event_shape))
-            site.value = v
-            if family == "Normal":  # (x, x²) as one stacked buffer, ``value`` a view of it
-                data = normal_data(v)
-                site.value, site.stats, site.powers = data["value"], data["stats"], data["powers"]
-            elif family == "Categorical":
-                site.stats = (
-                    torch.nn.functional.one_hot(v.long(), site.n_cat).to(dtype_of(trace)),
-                )
-            elif family == "MultivariateNormal":
-                site.stats = (v, None)  # x xᵀ enters as x ⊗ x (see _mvn_ops)
-            elif family == "Gamma":
-                site.stats = (v, v.log())
-            elif family == "DiscreteHMM":
-                site.stats = (v, v.square())
-            elif family in OBSERVED_ONLY:
-                site.stats = (v,)
-            elif family == "Beta":
-                site.stats = (v.log(), (-v).log1p())
-            else:
-                site.stats = (v.log(),)
-            square = v.square() if family == "MultivariateNormal" else None  # x xᵀ's terms
-            # (x and x² of a Normal are views of its stack: one pass over the stack)
-            stats = (site.powers,) if site.powers is not None else (v, *site.stats, square)
-            inside = support_holds(family, v)  # a Gamma's data > 0, a Dirichlet's rows, ...
-            finite = all_finite(*stats)
-            if family != "Categorical" and not bool(finite if inside is None else finite & inside):
-                if not bool(torch.isfinite(v).all()):
-                    raise refuse(logical, fname, "-", "its data hold NaN or infinite values")
-                outside = support_refusal(logical, fname, family, v, site.dims)
-                if outside is not None:
-                    raise outside
-                raise refuse(
-                    logical,
-                    fname,
-                    "-",
-                    f"the sufficient statistics of its data (squares or logarithms) are not "
-                    f"finite in {v.dtype}: rescale the data, or check for zeros or negative "
-                    "values under a Gamma or Dirichlet",
-                )
+            self._read_data(site, record, base, s["value"], dtype_of(trace))
         return site
+
+    @staticmethod
+    def _read_data(site: Site, record: Family, base, value: torch.Tensor, dtype) -> None:
+        """An observed site's data, checked (whole numbers where the family counts, in
+        their support, with finite statistics) and stored with their statistics."""
+        name, fname = site.name, site.fn_name
+        if record.whole_numbers:  # counts, labels
+            if value.dtype == torch.bool:
+                value = value.to(dtype)
+            if not bool(torch.isfinite(value).all()):
+                raise refuse(name, fname, "-", "its data hold NaN or infinite values")
+            whole = value.round() if value.is_floating_point() else value
+            if not bool(((value >= 0) & (value == whole)).all()):
+                raise refuse(name, fname, "-", "its data must be whole numbers >= 0")
+            limit = record.data_limit(base, site)
+            if limit is not None and not bool((value <= limit[0]).all()):
+                raise refuse(name, fname, "-", limit[1])
+            if not record.labels:  # counts are taken in the data's dtype
+                value = value.to(dtype)
+        if not record.labels and not value.is_floating_point():
+            raise refuse(name, fname, "-", f"its data are {value.dtype}; give float32 or float64")
+        v = canon(site, value.expand(site.batch_shape + site.event_shape))
+        record.observe(site, v, dtype)
+        if record.labels:
+            return
+        inside = support_holds(site.family, v)  # a Gamma's data > 0, a Dirichlet's rows, ...
+        finite = all_finite(*record.checked_stats(site))
+        if not bool(finite if inside is None else finite & inside):
+            if not bool(torch.isfinite(v).all()):
+                raise refuse(name, fname, "-", "its data hold NaN or infinite values")
+            outside = support_refusal(name, fname, site.family, v, site.dims)
+            if outside is not None:
+                raise outside
+            raise refuse(
+                name,
+                fname,
+                "-",
+                f"the sufficient statistics of its data (squares or logarithms) are not "
+                f"finite in {v.dtype}: rescale the data, or check for zeros or negative "
+                "values under a Gamma or Dirichlet",
+            )
 
     def _check_structure(self, trace, args, kwargs) -> None:
         """``ValueError`` when the model's structure (its sites, their distributions and
@@ -787,51 +643,11 @@ class Compiler:
 
     def _read_params(self, site: Site, tr_site: dict) -> dict[str, torch.Tensor]:
         base, _ = unwrap(tr_site["fn"])
+        params, laid_out = lookup(site.family).read_params(base, site)
+        if laid_out:
+            return params
         full = site.batch_shape + site.event_shape
-        if site.family == "MultivariateNormal":
-            d = site.event_shape[-1]
-            loc = canon(site, base.loc.expand(full))
-            prec = canon(site, base.precision_matrix.expand(full + (d,)))
-            # symmetrised: an inverse computed by the user (torch.linalg.inv of a kernel)
-            # is asymmetric in its last digits, and the sweeps assume symmetry
-            sym = same_form(0.5 * (prec + prec.transpose(-1, -2)), prec)
-            return {"loc": loc, "precision": sym}
-        if site.family == "Wishart":
-            df = canon(site, base.df.expand(site.batch_shape))
-            return {"df": df, "scale": canon(site, base.covariance_matrix.expand(full))}
-        if site.family == "Normal":
-            out = {"loc": base.loc, "precision": base.scale.pow(-2)}
-        elif site.family == "Gamma":
-            out = {"concentration": base.concentration, "rate": base.rate}
-        elif site.family == "Dirichlet":
-            out = {"concentration": base.concentration}
-        elif site.family == "Beta":
-            out = {"concentration1": base.concentration1, "concentration0": base.concentration0}
-        elif site.family == "Poisson":
-            out = {"rate": base.rate}
-        elif site.family == "DiscreteHMM":  # the time axis (size 1: homogeneous) dropped
-            obs, _ = unwrap(base.observation_dist)
-            states = base.initial_logits.shape[-1]
-            batch = site.batch_shape
-            return {
-                "initial_logits": canon(site, base.initial_logits.expand(batch + (states,))),
-                "transition_logits": canon(
-                    site, base.transition_logits.expand(batch + (1, states, states))[..., 0, :, :]
-                ),
-                "loc": canon(site, obs.loc.expand(batch + (1, states))[..., 0, :]),
-                "precision": canon(site, obs.scale.pow(-2).expand(batch + (1, states))[..., 0, :]),
-            }
-        elif site.family == "Binomial":
-            out = {"total_count": base.total_count, "probs": base.probs, "logits": base.logits}
-        elif site.family == "Bernoulli":
-            out = {"probs": base.probs, "logits": base.logits}
-        else:  # Categorical
-            out = {"probs": base.probs}
-        res = {}
-        for k, v in out.items():
-            extra = (site.n_cat,) if site.family == "Categorical" else ()
-            res[k] = canon(site, v.expand(full + extra))
-        return res
+        return {k: canon(site, v.expand(full)) for k, v in params.items()}
 
     def _probes(self, plan: Plan) -> dict:
         """A random value of every latent site, canonical layout (for the verifying run)."""
@@ -895,8 +711,8 @@ class Compiler:
                     continue
                 pa = []
                 moved = not torch.equal(self._runs["verify"][n][k], v)
-                gaussian = [p for p in site_pa if sites[p].family in GAUSSIAN]
-                if moved and k == "probs" and s.family in ("Bernoulli", "Binomial") and gaussian:
+                gaussian = [p for p in site_pa if lookup(sites[p].family).gaussian]
+                if moved and k == "probs" and lookup(s.family).logistic and gaussian:
                     # logits affine in Gaussian sites: Pólya-Gamma augmentation (§7.3)
                     if len(gaussian) < len(site_pa):
                         others = ", ".join(repr(p) for p in site_pa if p not in gaussian)
@@ -913,13 +729,15 @@ class Compiler:
                         plan.children[term.parent].append((n, "logits"))
                     continue
                 if moved:
-                    fits = ROLES.get((s.family, k), ())
+                    fits = _roles(s.family, k)
                     pa = [p for p in site_pa if sites[p].family in fits]
                     if not pa:
                         desc = ", ".join(f"{p!r} ({sites[p].fn_name})" for p in site_pa) or "-"
                         why = f"its {k} depends on them non-conjugately{_nearby(s.family, k)}"
                         if k in SCALED and any(
-                            sites[p].point and sites[p].family == "Normal" for p in site_pa
+                            sites[p].point
+                            and lookup(sites[p].family).point_constraint is constraints.real
+                            for p in site_pa
                         ):
                             why += (
                                 "; a pyro.param used as a scale, rate or precision needs "
@@ -930,8 +748,8 @@ class Compiler:
                 try:
                     s.params[k] = self._param_map(plan, s, k, v, pa, base_values, args, kwargs)
                 except ValueError:
-                    if not (s.family, k) == ("Normal", "loc") or any(
-                        sites[p].family == "Categorical" for p in pa
+                    if k != lookup(s.family).affine_parameter or any(
+                        lookup(sites[p].family).labels for p in pa
                     ):
                         raise
                     try:
@@ -941,7 +759,7 @@ class Compiler:
                             raise
                         s.params[k] = self._bilinear_map(plan, s, k, pa, base_values, args, kwargs)
                 p = s.params[k]
-                if (s.family, k) == ("Dirichlet", "concentration") and p.parent is not None:
+                if k == "concentration" and p.parent is not None:  # a Dirichlet's
                     self._check_dirichlet_concentration(s, sites[p.parent])
                 if p.parent is not None:
                     plan.children[p.parent].append((n, k))
@@ -1048,7 +866,7 @@ class Compiler:
             )
             jac, jac_dims = reduce_constant(jac, jac_dims)
             terms.append(LinearTerm(w.name, jac, jac_dims, axis))
-            if axis is not None and w.family == "Normal":
+            if axis is not None and lookup(w.family).elementwise:
                 w.joint = True
                 plan.sizes[axis + "b"] = plan.sizes[axis]
         const, const_dims = reduce_constant(offset, dims)
@@ -1168,7 +986,8 @@ class Compiler:
         sites = plan.sites
 
         def link(s: Site) -> str | None:
-            if s.family != "Normal" or s.observed or s.point or s.joint or s.mask is not None:
+            scalar = lookup(s.family).gaussian and lookup(s.family).elementwise
+            if not scalar or s.observed or s.point or s.joint or s.mask is not None:
                 return None
             p = s.params.get("loc")
             if p is None or p.comp is not None or p.bilinear is not None:
@@ -1182,7 +1001,8 @@ class Compiler:
                 return None
             same = pred.dims == s.dims and renamed
             special = pred.point or pred.joint or pred.mask is not None
-            plain = pred.family == "Normal" and not special
+            gaussian = lookup(pred.family)
+            plain = gaussian.gaussian and gaussian.elementwise and not special
             if not (same and plain and s.params["precision"].comp is None):
                 return None
             return pred.name
@@ -1230,12 +1050,12 @@ class Compiler:
         provenance names every parent of the site; where two candidates share a family,
         one run with each at its random value alone tells them apart)."""
         sites = plan.sites
-        families = [sites[p].family for p in pa if sites[p].family != "Categorical"]
+        families = [sites[p].family for p in pa if not lookup(sites[p].family).labels]
         if len(families) == len(set(families)):
             return pa
         movers = []
         for p in pa:
-            if sites[p].family == "Categorical":
+            if lookup(sites[p].family).labels:
                 movers.append(p)
                 continue
             kind = ("alone", p)
@@ -1259,21 +1079,22 @@ class Compiler:
         with c = 0 where a count above 0 is observed (:meth:`_check_exposures`); one host
         synchronisation per such site."""
         for s in plan.sites.values():
-            if not s.observed or s.family not in COUNTS or "logits" in s.params:
+            record = lookup(s.family)
+            if not s.observed or not record.needs_latent_parent or "logits" in s.params:
                 continue
-            key = "rate" if s.family == "Poisson" else "probs"
+            key = record.linear_parameter
             p = s.params[key]
             if p.parent is None:
-                zero = s.family == "Poisson" and p.const is not None and not bool(p.const.any())
+                zero = record.positive_exposure and p.const is not None and not bool(p.const.any())
                 why = (
                     "its rate is 0 (an exposure of 0?), so it does not depend on its Gamma "
                     "parent; a rate c * lambda needs every exposure c > 0"
                     if zero
                     else f"its {key} is fixed (it depends on no latent site); an observed "
-                    f"{s.fn_name}'s {key} must be {NEARBY[(s.family, key)]}"
+                    f"{s.fn_name}'s {key} must be {record.hints[key]}"
                 )
                 raise refuse(s.name, s.fn_name, "-", why)
-            if s.family == "Poisson" and p.coef is not None:
+            if record.positive_exposure and p.coef is not None:
                 Compiler._check_exposures(plan, s, p)
 
     @staticmethod
@@ -1304,15 +1125,6 @@ class Compiler:
             f"{float(s.value[at]):g} is observed, which a rate of 0 gives probability 0; "
             "a rate c * lambda needs an exposure c > 0 wherever a count is above 0",
         )
-
-    @staticmethod
-    def _check_hmm(name: str, fname: str, hmm) -> None:
-        """A DiscreteHMM VMP can follow: homogeneous, with a Normal observation law."""
-        obs, _ = unwrap(hmm.observation_dist)
-        if type(obs) is not dist.Normal or obs.event_shape:
-            raise refuse(name, fname, "-", "its observation law must be a scalar Normal")
-        if hmm.transition_logits.dim() >= 3 and hmm.transition_logits.shape[-3] != 1:
-            raise refuse(name, fname, "-", "its transitions must not change with time")
 
     @staticmethod
     def _check_dirichlet_concentration(s: Site, parent: Site) -> None:
@@ -1380,7 +1192,7 @@ class Compiler:
                 "(affine maps and bilinear products of Normal sites are supported)",
             )
         for w, axis in ((u, axis_u), (v, axis_v)):
-            if axis is not None and w.family == "Normal":
+            if axis is not None and lookup(w.family).elementwise:
                 w.joint = True
                 plan.sizes[axis + "b"] = plan.sizes[axis]
         return Param(dims, const=const, const_dims=const_dims, bilinear=term)
@@ -1494,9 +1306,9 @@ class Compiler:
             return self._param_map_as(plan, s, key, value, pa, base_values, args, kwargs)
         except ValueError:
             sites = plan.sites
-            selectors = [p for p in pa if sites[p].family == "Categorical"]
-            mains = [sites[p] for p in pa if sites[p].family != "Categorical"]
-            if len(selectors) != 1 or len(mains) != 1 or mains[0].family == "MultivariateNormal":
+            selectors = [p for p in pa if lookup(sites[p].family).labels]
+            mains = [sites[p] for p in pa if not lookup(sites[p].family).labels]
+            if len(selectors) != 1 or len(mains) != 1 or lookup(mains[0].family).outer_axis:
                 raise
             parent, dims, n_cat = mains[0], param_dims(s, key), sites[selectors[0]].n_cat
             events = parent.dims[len(parent.dims) - parent.event_dim :]
@@ -1522,27 +1334,28 @@ class Compiler:
         sites = plan.sites
         dims = param_dims(s, key)
         if not pa:
-            if s.family in ("MultivariateNormal", "Wishart"):  # matrices keep every axis
+            if lookup(s.family).matrix:  # matrices keep every axis
                 return Param(dims, const=value, const_dims=dims)
             c, cd = reduce_constant(value, dims)
             return Param(dims, const=c, const_dims=cd)
-        want = WANT.get((s.family, key))
-        mains = [p for p in pa if sites[p].family != "Categorical"]
-        selectors = [p for p in pa if sites[p].family == "Categorical"]
+        record = lookup(s.family)
+        want = record.conjugate.get(key)
+        mains = [p for p in pa if not lookup(sites[p].family).labels]
+        selectors = [p for p in pa if lookup(sites[p].family).labels]
         pa_desc = ", ".join(f"{p!r} ({sites[p].fn_name})" for p in pa)
-        if not mains and len(selectors) == 1 and s.family in ("Normal", "Categorical"):
+        if not mains and len(selectors) == 1 and record.selectable_constant:
             return self._selected_constant(
                 plan, s, key, dims, selectors[0], base_values, args, kwargs
             )
-        if (s.family, key) == ("Normal", "precision") and len(mains) > 1 and not selectors:
-            if all(sites[m].family == "Gamma" for m in mains):
+        if key == record.product_parameter and len(mains) > 1 and not selectors:
+            if all(sites[m].family == want for m in mains):
                 return self._product_map(plan, s, key, value, mains, base_values)
         if (
             want is None
             or len(mains) != 1
             or len(selectors) > 1
             or sites[mains[0]].family != want
-            or (selectors and s.family == "Categorical" and not s.observed)
+            or (selectors and record.labels and not s.observed)
         ):
             why = f"its {key} is not a conjugate function{_nearby(s.family, key)}"
             raise refuse(s.name, s.fn_name, pa_desc, why)
@@ -1556,11 +1369,11 @@ class Compiler:
         rename = {d: d for d in parent.dims}
         for j in range(n_ev):
             rename[parent.dims[len(parent.dims) - n_ev + j]] = dims[len(dims) - n_ev + j]
-        if parent.family == "MultivariateNormal":  # the second axis of its x xᵀ
+        if lookup(parent.family).outer_axis:  # the second axis of its x xᵀ
             rename[parent.dims[-1] + "b"] = rename[parent.dims[-1]] + "b"
         for d in parent.dims:
             if d == component or (rename[d] in dims and plan.sizes[d] != plan.sizes[rename[d]]):
-                if selectors and parent.family != "MultivariateNormal" and rename[d] != d:
+                if selectors and not lookup(parent.family).outer_axis and rename[d] != d:
                     # an event axis of component values (Vindex(mu)[..., z] with mu a vector
                     # of K means): the selector's category axis, not one of the child's
                     rename[d] = f"{selectors[0]}#cat"
@@ -1593,7 +1406,7 @@ class Compiler:
         if selector and sites[selector].n_cat != plan.sizes[comp]:
             raise refuse(s.name, s.fn_name, p_desc, f"{selector!r} has the wrong number of values")
         pshape = [plan.sizes[d] for d in parent.dims]
-        wishart = parent.family == "Wishart"
+        wishart = lookup(parent.family).matrix and lookup(parent.family).symbolic
 
         def gathered(parent_value, sel_value):
             """The parent's value selected (and broadcast) into the parameter's layout."""
@@ -1602,7 +1415,7 @@ class Compiler:
                 eff = sel_value
                 if z.fixed_mask is not None:
                     eff = torch.where(z.fixed_mask, z.fixed.argmax(-1), sel_value)
-                return _select(parent_value, pdims, comp, eff, z.dims, dims, plan.sizes)
+                return select(parent_value, pdims, comp, eff, z.dims, dims, plan.sizes)
             ops = [(parent_value, pdims)]
             if comp is not None:
                 ops.append((param.index, param.index_dims))
@@ -1637,7 +1450,7 @@ class Compiler:
                             lambda: {
                                 n: to_pyro(sites[n], unit(plan, sites[n], value))
                                 for n in plan.latent
-                                if sites[n].family in ("Gamma", "Wishart")
+                                if lookup(sites[n].family).symbolic
                             },
                         )
                     )
@@ -1677,7 +1490,7 @@ class Compiler:
         expect = gathered(probes()[parent.name], probes().get(selector))
         if key in SCALED:
             expect = expect * c
-        if key in LOG_KEYS:
+        if key in record.log_parameters:
             expect = expect.log()
         if not close(got, expect):
             raise refuse(

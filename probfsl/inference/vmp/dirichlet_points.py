@@ -50,9 +50,10 @@ def solved_by(solver: MStep) -> Iterator[None]:
 
 
 def is_child(s: Site) -> bool:
-    """Whether ``s`` is an observed Dirichlet with a point-estimated concentration."""
+    """Whether ``s`` is an observed Dirichlet with a point-estimated concentration (the one
+    family whose concentration may have a parent)."""
     p = s.params.get("concentration")
-    return s.family == "Dirichlet" and s.observed and p is not None and p.parent is not None
+    return s.observed and p is not None and p.parent is not None
 
 
 def loglik(plan: Plan, q: dict, s: Site, out: tuple, with_weights: bool) -> torch.Tensor:

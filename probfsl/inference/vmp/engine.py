@@ -21,6 +21,7 @@ from probfsl.inference.base import Engine, Info, RunInfo, run
 from probfsl.inference.vmp import gaussian_chain, layout, messages
 from probfsl.inference.vmp.compiler import Compiler
 from probfsl.inference.vmp.einsum import sweeping
+from probfsl.inference.vmp.family import lookup
 from probfsl.inference.vmp.layout import Plan
 from probfsl.validation import check_hyperparameter
 
@@ -168,7 +169,7 @@ class VMP(Engine):
         q: dict = {}
         for name in plan.latent:
             s = plan.sites[name]
-            if s.family != "Categorical":
+            if not lookup(s.family).labels:
                 continue
             shape = [sizes[d] for d in s.dims] + [s.n_cat]
             if name in init_resp:
@@ -202,7 +203,7 @@ class VMP(Engine):
         others = [
             n
             for n in plan.latent
-            if plan.sites[n].family != "Categorical" and not plan.sites[n].point
+            if not lookup(plan.sites[n].family).labels and not plan.sites[n].point
         ]
         with sweeping():
             for children in (False, True):  # priors first, then one update from the labels
@@ -305,23 +306,12 @@ class VMP(Engine):
             if s.point:
                 continue
             p = [_pyro_shaped(s, t) for t in state.q[name]]
-            if s.family == "MultivariateNormal" or s.joint:
+            record = lookup(s.family)
+            if s.joint:  # a joint Normal factor: a MultivariateNormal over its last axis
                 d = dist.MultivariateNormal(p[0], precision_matrix=p[1])
-            elif s.family == "Wishart":
-                d = dist.Wishart(p[0], covariance_matrix=p[1])
-            elif s.family == "Normal":
-                d = dist.Normal(p[0], p[1].rsqrt())
-            elif s.family == "Gamma":
-                d = dist.Gamma(p[0], p[1])
-            elif s.family == "Dirichlet":
-                d = dist.Dirichlet(p[0])
-            elif s.family == "Beta":
-                d = dist.Beta(p[0], p[1])
             else:
-                d = dist.Categorical(probs=p[0])
-            ev = s.event_dim - {"Dirichlet": 1, "MultivariateNormal": 1, "Wishart": 2}.get(
-                s.family, 1 if s.joint else 0
-            )
+                d = record.posterior(p)
+            ev = s.event_dim - (1 if s.joint else record.event_rank)
             out[name] = d.to_event(ev) if ev else d
         return out
 

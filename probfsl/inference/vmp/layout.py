@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from probfsl.inference.vmp.checks import unwrap
+from probfsl.inference.vmp.family import lookup
 
 LOG_2PI = math.log(2 * math.pi)
 TASKS = "tasks"
@@ -157,7 +158,7 @@ class Plan:
         sites = dict(self.sites)
         for name, value in values.items():
             s = sites.get(name)
-            if s is None or not s.observed or s.family != "Normal":
+            if s is None or not s.observed or s.powers is None:  # (x, x²): a Normal's data
                 raise ValueError(f"{name!r} is not an observed Normal site of the model")
             v = canon(s, value.to(self.ref.dtype).expand(*s.batch_shape, *s.event_shape))
             if v.shape != s.value.shape:
@@ -262,42 +263,20 @@ def uncanon(site: Site, t: torch.Tensor) -> torch.Tensor:
 
 def param_dims(s: Site, key: str) -> tuple:
     """Axes of a parameter: the site's, plus the category axis of probabilities, plus
-    the second axis of a precision matrix; a Wishart's df has the plate axes only."""
-    if key == "probs" and s.family == "Categorical":
-        return s.dims + (f"{s.name}#cat",)
-    if s.family == "DiscreteHMM":  # per state (and state pair), the time axis dropped
-        states = (f"{s.name}#s", f"{s.name}#s2") if key == "transition_logits" else (f"{s.name}#s",)
-        return s.dims[:-1] + states
-    if s.family == "MultivariateNormal" and key == "precision":
-        return s.dims + (s.dims[-1] + "b",)
-    if s.family == "Wishart" and key == "df":
-        return s.dims[:-2]
-    return s.dims
+    the second axis of a precision matrix; a Wishart's df has the plate axes only
+    (:meth:`~probfsl.inference.vmp.family.Family.param_dims`)."""
+    return lookup(s.family).param_dims(s, key)
 
 
 def stat_dims(s: Site) -> tuple:
     """Axes of each expected sufficient statistic of the site."""
-    d = s.dims
-    return {
-        "Categorical": (d + (f"{s.name}#cat",),),
-        "Dirichlet": (d,),
-        "MultivariateNormal": (d, d + (d[-1] + "b",)),
-        "Wishart": (d, d[:-2]),
-        "Bernoulli": (d,),
-        "Binomial": (d,),
-        "Poisson": (d,),
-        "DiscreteHMM": (d, d),
-    }.get(s.family, (d, d))
+    return lookup(s.family).stat_dims(s)
 
 
 def unit(plan: Plan, s: Site, ref: torch.Tensor) -> torch.Tensor:
     """Ones for a Gamma site, identity matrices for a Wishart site (the unit of a scaled
     parameter c · parent)."""
-    shape = [plan.sizes[d] for d in s.dims]
-    if s.family == "Wishart":
-        eye = torch.eye(shape[-1], dtype=ref.dtype, device=ref.device)
-        return eye.expand(shape)
-    return ref.new_ones(shape)
+    return lookup(s.family).unit([plan.sizes[d] for d in s.dims], ref)
 
 
 def _rows(t: torch.Tensor | None, dims: tuple, index: torch.Tensor):

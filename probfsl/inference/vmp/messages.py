@@ -25,10 +25,9 @@ from probfsl.inference.vmp import (
     polya_gamma,
 )
 from probfsl.inference.vmp.einsum import ein
+from probfsl.inference.vmp.family import lookup
 from probfsl.inference.vmp.layout import TASKS, Plan, Site, derived, stat_dims
 from probfsl.inference.vmp.moments import (
-    BLOCKS,
-    FIELDS,
     block_of,
     broadcast_add,
     broadcast_shape,
@@ -44,7 +43,7 @@ from probfsl.inference.vmp.moments import (
 def site_elbo(plan: Plan, q: dict, name: str) -> torch.Tensor:
     """E_q[ln p(x_site | pa)], one value per task."""
     s, out = plan.sites[name], (TASKS,)
-    if s.family == "DiscreteHMM":
+    if lookup(s.family).structured:
         return hmm.loglik(plan, q, s, out)
     if "logits" in s.params:
         return polya_gamma.loglik(plan, q, s, out)
@@ -52,7 +51,7 @@ def site_elbo(plan: Plan, q: dict, name: str) -> torch.Tensor:
         return dirichlet_points.loglik(plan, q, s, out, with_weights=True)
     if conjugate_children.linear_key(s) is not None:
         return conjugate_children.loglik(plan, q, s, out, with_weights=True)
-    if s.family == "Normal" and not fixed_normal(s):
+    if _scalar_gaussian(s) and not fixed_normal(s):
         hit = plan.cache.get(("loglik", name))
         if hit is not None and all(a is q[n] for n, a in zip(hit[0], hit[1], strict=True)):
             # Σ_k r_nk E ln N(x_n | θ_k), from the message just sent to the selector
@@ -62,10 +61,10 @@ def site_elbo(plan: Plan, q: dict, name: str) -> torch.Tensor:
         o = normal.ops(plan, q, s)
         o["over"] = s.dims + ((o["comp"],) if o["comp"] else ())
         return normal.loglik(plan, o, out, o["W"])
-    if s.family == "MultivariateNormal":
+    if lookup(s.family).outer_axis:
         o = mvn.ops(plan, q, s)
         return mvn.loglik(plan, o, out, o["W"])
-    if s.family == "Categorical":  # a table chosen by a selector is weighted by its q
+    if lookup(s.family).labels:  # a table chosen by a selector is weighted by its q
         R = expected_stats(plan, q, name)[0]
         cd = s.dims + (f"{s.name}#cat",)
         M = [] if s.mask is None else [(s.mask, s.mask_dims)]
@@ -98,10 +97,11 @@ def prior(plan: Plan, s: Site) -> tuple:
     hit = plan.cache.get(("prior", s.name))
     if hit is None:
         block = prior_block(plan, s)
-        if s.family in ("Gamma", "Normal"):
+        record = lookup(s.family)
+        if record.elementwise:
             # elementwise families: on the distinct values, broadcast back (stride 0)
-            small = compact_block(s, tuple(getattr(block, f) for f in FIELDS[s.family]))
-            shape = broadcast_shape(tuple(getattr(block, f) for f in FIELDS[s.family]))
+            small = compact_block(s, tuple(getattr(block, f) for f in record.fields))
+            shape = broadcast_shape(tuple(getattr(block, f) for f in record.fields))
             natural = tuple(t.expand(shape) for t in small.natural())
             per_variable = small._log_normalizer().expand(shape)
             a_total = sum_tasks(sum_last(per_variable, block.event_dim))
@@ -115,8 +115,9 @@ def prior(plan: Plan, s: Site) -> tuple:
 
 def prior_block(plan: Plan, s: Site):
     """The fixed prior of a Gamma, Dirichlet or Normal site, in its full layout."""
-    params = [s.params[k] for k in ("loc", "precision")] if s.family == "Normal" else s.params
-    params = params if isinstance(params, list) else list(params.values())
+    fields = lookup(s.family).fields
+    keys = fields if set(fields) <= set(s.params) else list(s.params)  # in the block's order
+    params = [s.params[k] for k in keys]
     full = [ein(p.dims, [(p.const, p.const_dims)], (), plan.sizes, p.const) for p in params]
     return block_of(s, tuple(full))
 
@@ -126,7 +127,7 @@ def fixed_normal(s: Site) -> bool:
     selection or mask): its prior is a block like a Gamma's, whose natural parameters and
     log-normaliser :func:`prior` computes once per plan instead of at every sweep."""
     return (
-        s.family == "Normal"
+        _scalar_gaussian(s)
         and not s.observed
         and not s.joint
         and not s.point
@@ -142,6 +143,12 @@ def fixed_normal(s: Site) -> bool:
             for p in s.params.values()
         )
     )
+
+
+def _scalar_gaussian(s: Site) -> bool:
+    """A site of the elementwise Gaussian family (messages of :mod:`.normal`)."""
+    record = lookup(s.family)
+    return record.gaussian and record.elementwise
 
 
 def sum_tasks(t: torch.Tensor) -> torch.Tensor:
@@ -180,7 +187,7 @@ def lse_applies(plan: Plan, s: Site) -> bool:
         s.mask is None
         and s.fixed_mask is None
         and bool(kids)
-        and all(role == "select" and plan.sites[c].family == "Normal" for c, role in kids)
+        and all(role == "select" and _scalar_gaussian(plan.sites[c]) for c, role in kids)
     )
 
 
@@ -190,14 +197,15 @@ def entropy(plan: Plan, q: dict, name: str) -> torch.Tensor:
     s = plan.sites[name]
     if s.chain:
         return gaussian_chain.entropy(plan, q, s)
-    if s.family == "Gamma":
+    record = lookup(s.family)
+    if record.compact_factor:
         # a − ln b + ln Γ(a) + (1 − a) ψ(a) = ln Γ(a) + a − a ψ(a) + ⟨ln τ⟩ (⟨ln τ⟩ cached),
         # the terms in a once per distinct shape (:func:`compact`)
         a = compact(q[name][0])
         h = torch.lgamma(a) + a - a * torch.special.digamma(a)
         return (h + expected_stats(plan, q, name)[1]).expand(broadcast_shape(q[name]))
     block = block_of(s, q[name])
-    if s.family in ("Categorical", "Normal", "MultivariateNormal"):
+    if record.labels or record.gaussian:  # in closed form
         return block.entropy()
     return -block.expected_log_prob(expected_stats(plan, q, name))
 
@@ -206,11 +214,12 @@ def natural(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
     """η* of a latent site: its prior's expected natural parameter plus (``children``)
     its children's messages (design §1)."""
     s, sizes = plan.sites[name], plan.sizes
+    record = lookup(s.family)
     if s.point:  # no prior term: the children's messages alone
         eta = [plan.ref.new_zeros([sizes[d] for d in dims]) for dims in stat_dims(s)]
-    elif s.family == "Normal" and not fixed_normal(s):
+    elif _scalar_gaussian(s) and not fixed_normal(s):
         eta = normal.natural(plan, q, s)
-    elif s.family == "Categorical":  # a mask (or a tempering scale) weighs the prior
+    elif record.labels:  # a mask (or a tempering scale) weighs the prior
         cd = s.dims + (f"{s.name}#cat",)
         M = [] if s.mask is None else [(s.mask, s.mask_dims)]
         eta = [ein(cd, M + [_log_probs(plan, q, s)], cd, sizes, plan.ref, expand=False)]
@@ -225,9 +234,9 @@ def natural(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
         for child, role in kids:
             eta[0] = eta[0] + message(plan, q, child, role, s)[0]
         return tuple(eta)
-    elif s.family == "Gamma" and s.params["rate"].parent is not None:
-        eta = conjugate_children.gamma_rate_natural(plan, q, s)
-    elif s.family == "MultivariateNormal":
+    elif record.compact_factor and conjugate_children.linear_key(s) is not None:
+        eta = conjugate_children.gamma_rate_natural(plan, q, s)  # a rate with a Gamma parent
+    elif record.outer_axis:
         eta = mvn.natural(plan, q, s)
     else:
         natural = prior(plan, s)[1]
@@ -241,14 +250,15 @@ def natural(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
         for i, m in enumerate(message(plan, q, child, role, s)):
             if s.joint and i == 1 and m.dim() < eta[1].dim():  # an elementwise message
                 m = torch.diag_embed(m)
-            eta[i] = broadcast_add(eta[i], m) if s.family == "Gamma" else eta[i] + m
+            eta[i] = broadcast_add(eta[i], m) if record.compact_factor else eta[i] + m
     return tuple(eta)
 
 
 def message(plan, q, child: str, role: str, to: Site) -> list:
     """m_{child → to}: the coefficients of u(to) in E ln p(child | pa) (design §2 table)."""
     c, sizes, ref = plan.sites[child], plan.sizes, plan.ref
-    if c.family == "DiscreteHMM":
+    family = lookup(c.family)
+    if family.structured:
         return hmm.message(plan, q, c, role, to)
     if "logits" in c.params:
         return polya_gamma.message(plan, q, c, to)
@@ -256,7 +266,7 @@ def message(plan, q, child: str, role: str, to: Site) -> list:
         return dirichlet_points.message(plan, q, c, role, to)
     if conjugate_children.linear_key(c) is not None:
         return conjugate_children.message(plan, q, c, role, to)
-    if c.family == "Categorical":  # to a Dirichlet, or to the label choosing a fixed table
+    if family.labels:  # to a Dirichlet, or to the label choosing a fixed table
         p = c.params["probs"]
         cd = c.dims + (f"{c.name}#cat",)
         M = [] if c.mask is None else [(c.mask, c.mask_dims)]
@@ -265,7 +275,7 @@ def message(plan, q, child: str, role: str, to: Site) -> list:
             return [ein(to.dims + (p.comp,), M + [(R, cd), _log_probs(plan, q, c)], cd, sizes, ref)]
         out = tuple(p.rename[d] for d in to.dims)
         return [ein(out, M + [(R, cd)], cd, sizes, ref)]
-    if c.family == "MultivariateNormal":
+    if family.outer_axis:
         return mvn.message(plan, q, c, role, to)
     return normal.message(plan, q, c, role, to)
 
@@ -279,7 +289,8 @@ def update(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
         return (dirichlet_points.m_step(q[name][0], *eta),)
     if s.point:
         return (point_mode(s, eta),)
-    if s.family == "Categorical":
+    record = lookup(s.family)
+    if record.labels:
         # softmax, in fewer passes than torch's; in place where η is a new tensor (a child's
         # message was added to the prior term: :func:`natural`)
         owned = children and not s.at_prior and plan.children[name] and 0 not in eta[0].stride()
@@ -299,9 +310,9 @@ def update(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
     if s.joint:
         b = expfam.MultivariateNormal.from_natural(*eta)
         return b.loc, b.precision
-    if s.family == "Gamma":  # elementwise: on the distinct values, broadcast back
-        b = BLOCKS["Gamma"].from_natural(*(compact(t) for t in eta))
-        shape, rate = FIELDS["Gamma"]  # from η = (−b, a − 1)
+    if record.compact_factor:  # elementwise: on the distinct values, broadcast back
+        b = record.block.from_natural(*(compact(t) for t in eta))
+        shape, rate = record.fields  # from η = (−b, a − 1)
         return getattr(b, shape).expand(eta[1].shape), getattr(b, rate).expand(eta[0].shape)
-    b = BLOCKS[s.family].from_natural(*eta)
-    return tuple(getattr(b, f) for f in FIELDS[s.family])
+    b = record.block.from_natural(*eta)
+    return tuple(getattr(b, f) for f in record.fields)

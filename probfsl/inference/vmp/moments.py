@@ -7,33 +7,11 @@ in the plan and shared by every message and bound term that reads them (Winn & B
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from probfsl.inference import expfam
+from probfsl.inference.vmp.family import lookup
 from probfsl.inference.vmp.layout import Plan, Site, stat_dims
-
-FIELDS = {
-    "MultivariateNormal": ("loc", "precision"),
-    "Wishart": ("df", "scale"),
-    "Normal": ("loc", "precision"),
-    "Gamma": ("shape", "rate"),
-    "Dirichlet": ("concentration",),
-    "Categorical": ("probs",),
-    "Beta": ("concentration1", "concentration0"),
-}
-
-
-BLOCKS = {
-    "MultivariateNormal": expfam.MultivariateNormal,
-    "Wishart": expfam.Wishart,
-    "Normal": expfam.Normal,
-    "Gamma": expfam.Gamma,
-    "Dirichlet": expfam.Dirichlet,
-    "Categorical": expfam.Categorical,
-    "Beta": expfam.Beta,
-}
 
 
 def expected_stats(plan: Plan, q: dict, name: str) -> tuple:
@@ -49,7 +27,8 @@ def expected_stats(plan: Plan, q: dict, name: str) -> tuple:
         return hit[1]
     if s.point:
         stats = point_stats(s, q[name][0])
-    elif s.family == "Gamma":  # digamma once per distinct shape (see :func:`compact`)
+    elif lookup(s.family).compact_factor:
+        # digamma once per distinct shape (see :func:`compact`)
         shape = broadcast_shape(q[name])
         stats = compact_block(s, q[name]).expected_stats()
         stats = tuple(t.expand(shape) for t in stats)
@@ -126,7 +105,7 @@ def broadcast_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def block_of(s: Site, params: tuple):
     """The factor of site ``s`` with parameters ``params`` as an exponential-family block
     (a joint Normal site's factor is a MultivariateNormal over its last event axis)."""
-    return (expfam.MultivariateNormal if s.joint else BLOCKS[s.family])(*params)
+    return (expfam.MultivariateNormal if s.joint else lookup(s.family).block)(*params)
 
 
 def parent_ops(plan, q, s, key):
@@ -154,31 +133,13 @@ def weights(plan, q, s):
 
 def point_stats(s: Site, value: torch.Tensor) -> tuple:
     """u(θ) of a point estimate θ, in the statistics of its family."""
-    if s.family == "Gamma":
-        return value, value.log()
-    if s.family == "Normal":
-        return value, value.square()
-    # a probability of exactly 0 or 1 (a task whose data are all 0 or all 1; a component
-    # no entry takes) has its logarithms clamped at ln(tiny), as fixed probabilities have,
-    # so that its terms 0 · ln π stay 0
-    low = math.log(torch.finfo(value.dtype).tiny)
-    if s.family == "Beta":
-        return value.log().clamp_min(low), (-value).log1p().clamp_min(low)
-    return (value.log().clamp_min(low),)  # Dirichlet
+    return lookup(s.family).point_stats(value)
 
 
 def point_mode(s: Site, eta: tuple) -> torch.Tensor:
     """argmax_θ η·u(θ): the point that maximises its children's terms (VMP design §7.2), e.g.
     a precision θ = −η₂/η₁ = Σ ½ / Σ ½⟨(x − m)²⟩ (an EM step of type-II maximum likelihood)."""
-    if s.family == "Gamma":
-        return -eta[1] / eta[0]
-    if s.family == "Normal" and s.joint:
-        return torch.linalg.solve(-2 * eta[1], eta[0])
-    if s.family == "Normal":
-        return -eta[0] / (2 * eta[1])
-    if s.family == "Beta":
-        return eta[0] / (eta[0] + eta[1])
-    return eta[0] / eta[0].sum(-1, keepdim=True)  # Dirichlet
+    return lookup(s.family).point_mode(eta, s)
 
 
 def precision_factors(plan: Plan, q: dict, s: Site) -> list:

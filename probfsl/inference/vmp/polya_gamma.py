@@ -20,15 +20,13 @@ import torch
 
 from probfsl.inference.vmp import linear_maps
 from probfsl.inference.vmp.einsum import ein
+from probfsl.inference.vmp.family import lookup
 from probfsl.inference.vmp.layout import Plan, Site
 
 
 def _trials(plan: Plan, s: Site) -> torch.Tensor:
     """b: 1 for a Bernoulli, the number of trials of a Binomial (in the site's axes)."""
-    if s.family == "Bernoulli":
-        return s.stats[0].new_ones(())
-    n = s.params["total_count"]
-    return ein(s.dims, [(n.const, n.const_dims)], s.dims, plan.sizes, s.stats[0])
+    return lookup(s.family).trials(plan, s)
 
 
 def _mean_omega(b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -52,7 +50,7 @@ def loglik(plan: Plan, q: dict, s: Site, out: tuple) -> torch.Tensor:
     kappa, b, mean, c, _ = augmented(plan, q, s)
     log_cosh2 = c / 2 + torch.log1p(torch.exp(-c))  # ln(2 cosh(c/2)), stable
     terms = kappa * mean - b * log_cosh2
-    if s.family == "Binomial":
+    if "total_count" in s.params:  # a Binomial's ln C(b, y)
         y = s.stats[0]
         terms = terms + torch.lgamma(b + 1) - torch.lgamma(y + 1) - torch.lgamma(b - y + 1)
     ops = [(terms, s.dims)] + ([] if s.mask is None else [(s.mask, s.mask_dims)])

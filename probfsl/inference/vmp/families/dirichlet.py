@@ -1,0 +1,77 @@
+"""The Dirichlet family: probabilities' conjugate parent."""
+
+from __future__ import annotations
+
+import pyro.distributions as dist
+import torch
+from pyro.distributions import constraints
+
+from probfsl.inference import expfam
+from probfsl.inference.vmp.checks import position, refuse, simplex_tolerance
+from probfsl.inference.vmp.family import Family, floored, register
+
+
+@register
+class Dirichlet(Family):
+    """u(π) = ln π; an observed one's concentration may be a point estimate
+    (:mod:`~probfsl.inference.vmp.dirichlet_points`)."""
+
+    name = "Dirichlet"
+    pyro_class = dist.Dirichlet
+    parameters = ("concentration",)
+    roles = {"concentration": ("Gamma", "Categorical")}  # a point estimate only
+    conjugate = {"concentration": "Gamma"}
+    hints = {"concentration": "fixed, or a positive pyro.param of an observed Dirichlet"}
+    block = expfam.Dirichlet
+    fields = ("concentration",)
+    event_rank = 1
+    point_constraint = constraints.simplex
+
+    def data_stats(self, value):
+        return (value.log(),)
+
+    def stat_dims(self, site):
+        return (site.dims,)
+
+    def support(self, value):
+        tol = simplex_tolerance(value.dtype, value.shape[-1])
+        low, high = torch.aminmax(value.sum(-1))
+        return (value.amin() > 0) & (low >= 1 - tol) & (high <= 1 + tol)
+
+    def refusal(self, site, fn, value, dims):
+        tol = simplex_tolerance(value.dtype, value.shape[-1])
+        sums = value.sum(-1)
+        bad = (value <= 0).any(-1) | ((sums - 1).abs() > tol)
+        if not bool(bad.any()):
+            return None
+        at = tuple(int(i) for i in bad.nonzero()[0])
+        row = value[at]
+        return refuse(
+            site,
+            fn,
+            "-",
+            f"its data must be probability vectors (entries > 0, each row summing to 1 "
+            f"within {tol:.3g}); the row at {position(dims, at)} sums to "
+            f"{float(sums[at]):.6g} with smallest entry {float(row.min()):.6g}",
+        )
+
+    def draw(self, shape, n_cat, generator):
+        v = torch.rand(shape, generator=generator, dtype=torch.float64, device="cpu") + 0.05
+        return v / v.sum(-1, keepdim=True)
+
+    def extreme(self, shape, n_cat, pattern):
+        v = torch.full(shape, 0.01, dtype=torch.float64)
+        v[..., -1 if pattern == "high" else 0] = 1.0
+        return v / v.sum(-1, keepdim=True)
+
+    def placeholder(self, value):
+        return dist.Dirichlet(torch.ones_like(value))
+
+    def point_stats(self, value):
+        return (floored(value.log()),)
+
+    def point_mode(self, eta, site):
+        return eta[0] / eta[0].sum(-1, keepdim=True)
+
+    def posterior(self, params):
+        return dist.Dirichlet(params[0])
