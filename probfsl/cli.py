@@ -42,6 +42,13 @@ def _positive(kind: type):
     return parse
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
 ALLOW_PICKLE_HELP = "load .pkl feature files (unpickling runs code from the file: trusted only)"
 
 
@@ -309,6 +316,17 @@ def build_parser(parser_class: type[_Parser] = _Parser) -> argparse.ArgumentPars
     run.add_argument("--allow-pickle", action="store_true", help=ALLOW_PICKLE_HELP)
     _add_task_shape(run)
     run.add_argument("--tasks", type=_positive(int), default=1000, help="tasks to evaluate")
+    run.add_argument(
+        "--open-queries",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="open-set tasks: N open queries per task from other novel classes (as many "
+        "open classes as --way where the data hold them; 75 in the literature), scored "
+        "by the method's P(none of the classes): closed accuracy, AUROC, AUPR, precision "
+        "at 90%% recall, ECE-open, beside nearest centroid with k-NN distance and max "
+        "softmax (0: closed tasks)",
+    )
     run.add_argument("--seed", type=int, default=0, help="seed of the tasks (task i: seed, i)")
     _add_device_dtype(run)
     run.add_argument(

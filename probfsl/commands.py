@@ -26,6 +26,11 @@ from probfsl.data import (
 from probfsl.data.simplex import zero_shot_probabilities
 from probfsl.data.task_files import TaskFile
 from probfsl.evaluation import text_table, write_results
+from probfsl.evaluation.open_set import (
+    OPEN_METRICS,
+    evaluate_open_set_stream,
+    open_set_baselines,
+)
 from probfsl.evaluation.protocol import evaluate_stream
 from probfsl.evaluation.tables import COLUMNS
 from probfsl.evaluation.zero_shot import evaluate_argmax, evaluate_zero_shot
@@ -143,6 +148,7 @@ def run_setting(
     preset: str | None = None,
     params: dict | None = None,
     calibrate: str = "none",
+    open_queries: int = 0,
 ) -> dict:
     """Evaluate ``method`` on one task setting; returns the row of the results table.
 
@@ -152,11 +158,26 @@ def run_setting(
 
     ``calibrate="temperature"`` tempers the query probabilities by one temperature
     fitted on base-class episodes of the same setting (:mod:`probfsl.temperature`).
+
+    ``open_queries > 0`` adds that many open queries to each task (the open-set
+    protocol, :mod:`probfsl.data.open_set`) and scores the method's
+    ``predict_proba_open`` (:func:`_run_open_set`).
     """
     estimator = make_estimator(method, preset, **(params or {}))
     if calibrate == "temperature":
         # base episodes of the search's seed, not the run's: one temperature per setting
         estimator = TemperatureScaled(estimator, balance=balance, alpha=alpha, seed=SEARCH_SEED)
+    if open_queries:
+        if task_file is not None:
+            raise ValueError(
+                "--open-queries draws open-set tasks; it does not apply to --task-file "
+                "(task files hold closed tasks)"
+            )
+        if not hasattr(estimator, "predict_proba_open"):
+            extra = " with --calibrate temperature (use --calibrate none)" * (
+                calibrate == "temperature"
+            )
+            raise ValueError(f"--open-queries: {method} has no open-set posterior{extra}")
     estimator.fit_featureset(fs, dtype, device)
     baseline = make_estimator(BASELINE, center=bool(fs.classes_in("base").size))
     baseline.fit_featureset(fs, dtype, device)
@@ -181,19 +202,34 @@ def run_setting(
         calibration["temperature"] = estimator.fit_shape(way, shot, query, dtype, device)
         if (way, shot, query) in estimator.notes_:
             _note(f"--calibrate temperature: {estimator.notes_[(way, shot, query)]}")
-    results = evaluate_stream(
-        {"method": estimator, "baseline": baseline},
-        batch,
-        tasks,
-        batch_size,
-        progress,
-        device,
-        dtype,
-    )
-    result, base = results["method"], results["baseline"]
+    open_row = None
+    if open_queries:
+        open_row = _run_open_set(
+            estimator, baseline, fs, way, shot, query, balance, alpha, tasks, seed,
+            open_queries, batch_size, progress, device, dtype,
+        )  # fmt: skip
+    else:
+        results = evaluate_stream(
+            {"method": estimator, "baseline": baseline},
+            batch,
+            tasks,
+            batch_size,
+            progress,
+            device,
+            dtype,
+        )
     note = getattr(estimator, "estimator", estimator).setting_note(way, shot)
     if note:
         _note(note)
+    if open_row is not None:
+        scores = {"tasks": open_row.pop("tasks")}
+        base = {"baseline_accuracy": open_row.pop("baseline_accuracy")}
+        base["baseline_ci95"] = open_row.pop("baseline_ci95")
+    else:
+        result, base = results["method"], results["baseline"]
+        scores = {"tasks": result.n_tasks}
+        scores.update({k: v for k, v in result.summary().items() if k != "n_tasks"})
+        base = {"baseline_accuracy": base.accuracy, "baseline_ci95": base.ci95}
     return {
         "method": method,
         "method_run": method,
@@ -204,7 +240,7 @@ def run_setting(
         "query": query,
         "balance": "file" if task_file is not None else balance,
         "alpha": alpha,
-        "tasks": result.n_tasks,
+        "tasks": scores.pop("tasks"),
         "seed": seed,
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
@@ -212,11 +248,65 @@ def run_setting(
         "preset": preset,
         "params": params or {},
         **calibration,
-        **{k: v for k, v in result.summary().items() if k != "n_tasks"},
+        **scores,
         "baseline": BASELINE,
-        "baseline_accuracy": base.accuracy,
-        "baseline_ci95": base.ci95,
+        **base,
+        **(open_row or {}),
     }
+
+
+#: the baselines' fields of an open-set row: their open-set metrics (closed accuracy is
+#: nearest centroid's, the row's ``baseline_accuracy``)
+BASELINE_OPEN_METRICS = ("auroc", "aupr", "prec_at_90_recall")
+
+
+def _run_open_set(
+    estimator,
+    baseline,
+    fs: FeatureSet,
+    way: int,
+    shot: int,
+    query: int,
+    balance: str,
+    alpha: float,
+    tasks: int,
+    seed: int,
+    open_queries: int,
+    batch_size: int,
+    progress: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict:
+    """The open-set fields of a row: the method's ``predict_proba_open`` and the two
+    baselines on nearest centroid (:func:`probfsl.evaluation.open_set.open_set_baselines`)
+    on the same open-set tasks, made a batch at a time. Returns the method's metrics
+    (closed ``accuracy`` and ``ci95``, ``auroc``, ``aupr``, ``prec_at_90_recall``,
+    ``ece_open`` and the closed-set calibration, each with ``_ci95``), ``tasks``,
+    ``seconds``, ``tasks_per_second``, ``baseline_accuracy`` / ``baseline_ci95``, and
+    ``knn_*`` and ``msp_*`` fields of the baselines, with ``open_queries``,
+    ``open_way`` and ``knn_k``."""
+    from probfsl.data.open_set import default_open_way
+
+    def batch(start: int, stop: int):
+        return sample_episodes(
+            fs, stop - start, way, shot, query, balance, alpha, seed, start,
+            dtype=dtype, n_open=open_queries,
+        )  # fmt: skip
+
+    baselines = open_set_baselines(baseline)
+    results = evaluate_open_set_stream(
+        {"method": estimator, **baselines}, batch, tasks, batch_size, progress, device, dtype
+    )
+    method = results["method"]
+    row = {"tasks": method.n_tasks, **method.summary()}
+    row["baseline_accuracy"], row["baseline_ci95"] = results["msp"].metrics["accuracy"]
+    row["open_queries"] = open_queries
+    row["open_way"] = default_open_way(fs.classes_in("novel").size, way, open_queries)
+    for name in baselines:
+        for metric in BASELINE_OPEN_METRICS:
+            row[f"{name}_{metric}"], row[f"{name}_{metric}_ci95"] = results[name].metrics[metric]
+    row["knn_k"] = baselines["knn"].k or (1 if shot == 1 else 3)
+    return row
 
 
 def run_zero_shot(
@@ -361,13 +451,18 @@ def _check_tasks_possible(args: argparse.Namespace, fs: FeatureSet) -> None:
             )
         sample_zero_shot_tasks(fs, 1, args.min_classes, args.max_classes, args.query, args.seed)
     elif not args.task_file:
+        setting = (fs, 1, args.way, args.shot, args.query, args.balance, args.alpha, args.seed)
         try:
-            sample_task_indices(
-                fs, 1, args.way, args.shot, args.query, args.balance, args.alpha, args.seed
-            )
+            sample_task_indices(*setting)
         except ValueError as err:
             hint = _task_shape_hint(fs, args.way, args.shot, args.query, args.balance)
             raise ValueError(f"{err}{hint}") from None
+        n_open = getattr(args, "open_queries", 0)
+        if n_open:
+            try:
+                sample_task_indices(*setting, n_open=n_open)
+            except ValueError as err:
+                raise ValueError(f"--open-queries {n_open}: {err}") from None
 
 
 def _open_task_file(args: argparse.Namespace) -> TaskFile | None:
@@ -398,7 +493,7 @@ def _check_batch_memory(args: argparse.Namespace, fs: FeatureSet, dtype: torch.d
     free = _free_memory()
     if free is None or args.zero_shot:
         return
-    rows = args.way * args.shot + args.query
+    rows = args.way * args.shot + args.query + getattr(args, "open_queries", 0)
     per_task = 4 * rows * fs.dim * torch.finfo(dtype).bits // 8
     batch = min(args.batch_size, args.tasks)
     if batch * per_task > free:
@@ -450,10 +545,49 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(text_table([row], [*columns, "argmax_in_task_accuracy"]))
     else:
         print(text_table([row], _shown_columns(row)))
+    if row.get("open_queries"):
+        print()
+        print(open_set_table(row))
     if args.out:
         write_results([row], args.out)
         print(f"wrote {args.out}")
     return 0
+
+
+def _pm_text(row: dict, key: str, half: str) -> str:
+    """``"86.53 ± 0.87"``: a row's ``key`` and its 95% half-width ``half`` (three
+    decimals for ECE-open; ``"–"`` when the row has no ``key``)."""
+    if key not in row:
+        return "–"
+    digits = 3 if key.endswith("ece_open") else 2
+    return f"{row[key]:.{digits}f} ± {row[half]:.{digits}f}"
+
+
+def open_set_table(row: dict) -> str:
+    """The open-set metrics of a run's row: the method's posterior, then the k-NN
+    distance and maximum softmax baselines on nearest centroid (the same tasks)."""
+    header = (
+        f"open-set: {row['tasks']} tasks, {row['way']}-way {row['shot']}-shot, "
+        f"{row['query']} closed + {row['open_queries']} open queries "
+        f"({row['open_way']} open classes) per task; percent but ece_open; "
+        "95% intervals over tasks"
+    )
+    base = row.get("baseline", BASELINE)
+    method = {"scorer": f"{row['method']} (P(open))"}
+    method["accuracy"] = _pm_text(row, "accuracy", "ci95")
+    rows = [method]
+    for name in (f"{row['knn_k']}-NN distance", "max softmax"):
+        rows.append(
+            {
+                "scorer": f"{base} + {name}",
+                "accuracy": _pm_text(row, "baseline_accuracy", "baseline_ci95"),
+            }
+        )
+    for metric in OPEN_METRICS[1:]:
+        method[metric] = _pm_text(row, metric, f"{metric}_ci95")
+        for prefix, out in zip(("knn", "msp"), rows[1:], strict=True):
+            out[metric] = _pm_text(row, f"{prefix}_{metric}", f"{prefix}_{metric}_ci95")
+    return header + "\n" + text_table(rows, ["scorer", *OPEN_METRICS])
 
 
 def _shown_columns(row: dict) -> list[str]:
@@ -483,6 +617,14 @@ def run_row(args: argparse.Namespace, fs: FeatureSet | None = None, progress: bo
         raise ValueError("--zero-shot takes no named --preset (only auto)")
     if args.zero_shot and args.calibrate == "temperature":
         raise ValueError("--calibrate temperature applies to few-shot runs, not --zero-shot")
+    open_queries = getattr(args, "open_queries", 0)
+    if open_queries and args.zero_shot:
+        raise ValueError("--open-queries applies to few-shot runs, not --zero-shot")
+    if open_queries and task_file is not None:
+        raise ValueError(
+            "--open-queries draws open-set tasks; it does not apply to --task-file "
+            "(task files hold closed tasks)"
+        )
     # unknown or invalid hyperparameters and presets fail before loading
     make_estimator(args.method, None if preset == "auto" or args.zero_shot else preset, **params)
     if preset == "auto":
@@ -499,7 +641,10 @@ def run_row(args: argparse.Namespace, fs: FeatureSet | None = None, progress: bo
             f"(hyperparameters tuned on base-class episodes; --preset {DEFAULTS} opts out)"
         )
         preset = "auto"
-    calibrate = args.calibrate or ("temperature" if preset == "auto" else "none")
+    # the temperature is fitted to the closed-set probabilities: an open-set run leaves
+    # its posterior untempered unless asked
+    tempered = preset == "auto" and not open_queries
+    calibrate = args.calibrate or ("temperature" if tempered else "none")
     if calibrate == "temperature" and fs.classes_in("base").size == 0:
         if args.calibrate == "temperature":
             raise ValueError(f"--calibrate temperature needs base classes; {fs.name} has none")
@@ -558,6 +703,7 @@ def run_row(args: argparse.Namespace, fs: FeatureSet | None = None, progress: bo
             preset=run_preset,
             params=params,
             calibrate=calibrate,
+            open_queries=open_queries,
         )
     if preset == "auto":
         row["method"] = args.method

@@ -206,6 +206,10 @@ SECOND_D = {
     "evidence-lssvm": ("coef_",),
     "slem": ("factor_", "mu"),
     "em-dirichlet": ("class_features_",),
+    # the open-set background (fit_base) shares D with base_mean_
+    "nearest-centroid": ("background_mean_",),
+    "soft-kmeans": ("background_mean_",),
+    "gp-tree": ("background_mean_",),
 }
 
 
@@ -228,6 +232,13 @@ def test_attributes_that_disagree_on_a_dimension_are_refused(name, saved, tmp_pa
 def test_the_methods_without_a_second_d_keep_only_the_base_mean(saved):
     for name in set(NAMES) - set(SECOND_D):
         assert list(saved[name][1].fitted_state()) == ["base_mean_"], name
+    for name in ("nearest-centroid", "soft-kmeans", "gp-tree"):
+        assert set(saved[name][1].fitted_state()) == {
+            "base_mean_",
+            "background_mean_",
+            "background_within_",
+            "background_between_",
+        }, name
 
 
 @pytest.mark.parametrize("name", NAMES)

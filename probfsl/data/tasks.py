@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from probfsl.data.featureset import FeatureSet
+from probfsl.data.open_set import add_open_queries, check_open_setting, refuse_open_tasks
 from probfsl.fileio import atomic_path
 from probfsl.validation import (
     FLOAT_DTYPES,
@@ -43,7 +44,8 @@ class Episodes:
         support: ``[T, K*L, D]`` support features, shot-major (labels 0..K-1 repeated L times).
         support_labels: ``[T, K*L]`` task-local labels.
         query: ``[T, Q, D]`` query features in shuffled order.
-        query_labels: ``[T, Q]`` task-local labels (for scoring only).
+        query_labels: ``[T, Q]`` task-local labels (for scoring only); an open query of
+            an open-set task (:mod:`probfsl.data.open_set`) has the label ``way``.
         classes: ``[T, K]`` data-set label of each task-local class.
         support_index, query_index: ``[T, K*L]``, ``[T, Q]`` rows of the source FeatureSet.
 
@@ -113,6 +115,12 @@ class Episodes:
     @property
     def n_query(self) -> int:
         return self.query.shape[1]
+
+    @property
+    def open_mask(self) -> torch.Tensor:
+        """``[T, Q]`` bool: which queries are open queries (label ``way``: a class outside
+        the task, :mod:`probfsl.data.open_set`); all false for closed tasks."""
+        return self.query_labels == self.classes.shape[1]
 
     def __len__(self) -> int:
         return self.n_tasks
@@ -247,6 +255,8 @@ def sample_task_indices(
     alpha: float = 2.0,
     seed: int = 0,
     start: int = 0,
+    n_open: int = 0,
+    open_way: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Row indices of tasks ``start .. start+n_tasks-1`` drawn from the novel classes.
 
@@ -256,6 +266,11 @@ def sample_task_indices(
     integers (n_tasks, shot, n_query >= 1, way >= 2, seed, start >= 0), an unknown
     ``balance``, an ``alpha`` that is not finite and positive, or tasks the novel
     classes cannot hold.
+
+    ``n_open > 0`` adds that many open queries to each task, from ``open_way`` other
+    novel classes (default ``min(way, n_open, classes left)``), labelled ``way`` and
+    shuffled among the ``n_query`` closed ones, and an ``open_classes`` array ``[T,
+    open_way]``: the open-set protocol of :mod:`probfsl.data.open_set`.
     """
     _check_featureset(fs)
     n_tasks, way, shot, n_query, seed, start = _check_sampling_args(
@@ -264,6 +279,7 @@ def sample_task_indices(
     novel_rows = fs.rows("novel")
     classes = fs.classes_in("novel")
     sizes = _check_task_size(fs, classes, way, shot, n_query, balance)
+    n_open, open_way = check_open_setting(sizes, way, n_open, open_way, balance, fs.name)
     rows_of = {c: novel_rows[fs.labels[novel_rows] == c] for c in classes}
     size_of = dict(zip(classes.tolist(), sizes.tolist(), strict=True))
     out = {
@@ -298,6 +314,8 @@ def sample_task_indices(
         out["query"][i] = np.concatenate(query)[order]
         out["query_labels"][i] = np.concatenate(query_labels)[order]
         out["classes"][i] = chosen
+    if n_open:
+        out = add_open_queries(out, rows_of, n_open, open_way, balance, alpha, seed, start)
     return out
 
 
@@ -619,6 +637,8 @@ def sample_episodes(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device | None = None,
     max_bytes: int | None = None,
+    n_open: int = 0,
+    open_way: int | None = None,
 ) -> Episodes:
     """Sample N-way, L-shot, Q-query tasks from the novel classes as batched tensors of
     ``dtype`` on ``device`` (default the CPU).
@@ -628,6 +648,9 @@ def sample_episodes(
     (:func:`dirichlet_query_counts`). Tasks whose tensors would exceed ``max_bytes``
     (default half the physical memory) are refused before any sampling
     (:func:`check_dense_size`); ``start`` lets a loop make them a batch at a time.
+    ``n_open`` open queries per task (labelled ``way``, :attr:`Episodes.open_mask`)
+    from ``open_way`` other novel classes make open-set tasks
+    (:mod:`probfsl.data.open_set`); the query tensors are then ``[T, Q + n_open]``.
     """
     check_float_dtype("dtype", dtype)
     device = as_device(device)
@@ -635,11 +658,14 @@ def sample_episodes(
     n_tasks, way, shot, n_query, *_ = _check_sampling_args(
         n_tasks, way, shot, n_query, balance, alpha, seed, start
     )
+    n_open = check_count("n_open", n_open, low=0)
     source = torch.as_tensor(fs.features[:0]).dtype
     check_dense_size(
-        n_tasks, way * shot + n_query, fs.dim, dtype, source, max_bytes, "sample_episodes"
+        n_tasks, way * shot + n_query + n_open, fs.dim, dtype, source, max_bytes, "sample_episodes"
     )
-    indices = sample_task_indices(fs, n_tasks, way, shot, n_query, balance, alpha, seed, start)
+    indices = sample_task_indices(
+        fs, n_tasks, way, shot, n_query, balance, alpha, seed, start, n_open, open_way
+    )
     return gather_episodes(fs, indices, dtype, device)
 
 
@@ -725,6 +751,7 @@ def save_task_file(path: str | os.PathLike, indices: dict[str, np.ndarray]) -> P
     """
     if not isinstance(indices, dict):
         raise TypeError(f"indices must be a dict of arrays, got {type(indices).__name__}")
+    refuse_open_tasks(indices, "save_task_file")
     checked = check_task_indices(indices, np.iinfo(np.int64).max)
     path = Path(path)
     if path.suffix != ".npz":

@@ -17,6 +17,8 @@ _HOMES = {
     "text_table": "tables",
     "write_results": "tables",
     "evaluate_zero_shot": "zero_shot",
+    "OpenSetResult": "open_set",
+    "evaluate_open_set": "open_set",
 }
 
 __all__ = [
@@ -24,6 +26,8 @@ __all__ = [
     "accuracy_ci",
     "evaluate",
     "evaluate_zero_shot",
+    "OpenSetResult",
+    "evaluate_open_set",
     "score_batches",
     "markdown_table",
     "text_table",
@@ -44,6 +48,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from probfsl.evaluation.open_set import OpenSetResult, evaluate_open_set
     from probfsl.evaluation.protocol import EvalResult, accuracy_ci, evaluate, score_batches
     from probfsl.evaluation.tables import markdown_table, text_table, write_results
     from probfsl.evaluation.zero_shot import evaluate_zero_shot

@@ -15,11 +15,18 @@ weights and the support labels observed.)
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from probfsl.inference.class_stats import one_hot_support, softmax_last
 
-__all__ = ["soft_kmeans", "soft_kmeans_gram"]
+__all__ = [
+    "isotropic_background_logit",
+    "soft_kmeans",
+    "soft_kmeans_gram",
+    "soft_kmeans_gram_open",
+]
 
 
 def soft_kmeans(
@@ -71,3 +78,62 @@ def soft_kmeans_gram(
         p = torch.cat([labels, p[:, n_support:]], 1)
         weights = p
     return p
+
+
+def soft_kmeans_gram_open(
+    gram: torch.Tensor,
+    support_labels: torch.Tensor,
+    way: int,
+    background_logit: torch.Tensor,
+    open_prior: float = 0.5,
+    temperature: float = 10.0,
+    n_iter: int = 5,
+) -> torch.Tensor:
+    """:func:`soft_kmeans_gram` with a background component: responsibilities
+    ``[T, N, K + 1]``, the background last (open-set recognition,
+    :mod:`probfsl.inference.background`).
+
+    ``background_logit`` [T, N] is the background's log-density on the scale of the class
+    logits -T_km ||x_n - c_k||^2 (the same normalising constant left out). Each pass is
+    an EM step of the mixture with weights ((1 - π_0) / K, ..., π_0): the class
+    centroids are the means weighted by the class responsibilities only (the background's
+    share of a query does not pull them), and π_0 is the mean of its Beta posterior
+    (prior mean ``open_prior``) given the queries' background responsibilities. Without
+    any background mass the passes are those of :func:`soft_kmeans_gram`.
+    """
+    from probfsl.inference.background import open_fraction_prior
+
+    a_open, a_closed = open_fraction_prior(open_prior)
+    n_support = support_labels.shape[1]
+    labels = one_hot_support(support_labels, way, gram.dtype)
+    sq_norms = gram.diagonal(dim1=1, dim2=2).unsqueeze(-1)
+    n_query = gram.shape[1] - n_support
+    weights = torch.cat([labels, labels.new_zeros(gram.shape[0], n_query, way)], 1)
+    support = torch.cat([labels, labels.new_zeros(labels.shape[:2] + (1,))], -1)
+    log_open = gram.new_full((gram.shape[0], 1), open_prior).log()
+    p = None
+    for _ in range(n_iter):
+        weights = weights / weights.sum(1, keepdim=True).clamp_min(1e-12)
+        cross = (weights.transpose(1, 2) @ gram).transpose(1, 2)
+        sq_dist = sq_norms - 2 * cross + (weights * cross).sum(1, keepdim=True)
+        log_closed = torch.log1p(-log_open.exp()) - math.log(way)
+        class_logit = -temperature * sq_dist + log_closed.unsqueeze(-1)
+        logits = torch.cat([class_logit, (background_logit + log_open).unsqueeze(-1)], -1)
+        p = torch.cat([support, softmax_last(logits)[:, n_support:]], 1)
+        open_mass = p[:, n_support:, -1].sum(-1, keepdim=True)
+        log_open = ((open_mass + a_open) / (n_query + a_open + a_closed)).log()
+        weights = p[..., :way]
+    return p
+
+
+def isotropic_background_logit(
+    x: torch.Tensor, mean: torch.Tensor, between: float, temperature: float
+) -> torch.Tensor:
+    """The background logit [T, N] of :func:`soft_kmeans_gram_open` for rows ``x``
+    [T, N, D]: the predictive of a new class whose centre is drawn from N(``mean``,
+    ``between`` I) (the base classes' mean and average between-class variance) under the
+    tempered isotropic model exp(-T ||x - c||^2) of soft k-means,
+    -T ||x - mean||^2 / (1 + 2 T s^2) - (D/2) ln(1 + 2 T s^2)."""
+    inflate = 1 + 2 * temperature * between
+    sq = (x - mean).square().sum(-1)
+    return -temperature * sq / inflate - 0.5 * x.shape[-1] * math.log(inflate)

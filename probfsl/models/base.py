@@ -33,8 +33,9 @@ import numpy as np
 import torch
 
 from probfsl.data.featureset import FeatureSet
+from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
-from probfsl.schema import FEATURE_BOUND, Choice, EstimatorSchema, Group, Tensor
+from probfsl.schema import FEATURE_BOUND, Choice, EstimatorSchema, Group, Real, Tensor
 from probfsl.validation import (
     as_device,
     as_float_tensor,
@@ -46,14 +47,17 @@ from probfsl.validation import (
 )
 
 __all__ = [
+    "BACKGROUND",
     "BASE_MEAN",
     "ENGINE",
     "ENGINES",
     "BaseMeanCentering",
     "FewShotClassifier",
     "Hyperparameters",
+    "OPEN_PRIOR",
+    "OpenSetBackground",
     "TaskProbabilities",
-    "check_engine",
+    "check_engine_name",
     "encode_task_labels",
     "episodes_from_arrays",
 ]
@@ -67,9 +71,26 @@ ENGINE = Choice(ENGINES)
 #: the fitted attributes of ``fit_base`` for the methods that only centre on the base mean:
 #: ``base_mean_ [D]``, D the width of the base features
 BASE_MEAN = Group("fit_base", {"base_mean_": Tensor("D", bound=FEATURE_BOUND)})
+#: the fitted attributes of the open-set background (:class:`OpenSetBackground`), set by
+#: ``fit_base`` in the feature space the method classifies in: the base classes' mean of
+#: class means ``background_mean_ [D]``, pooled within-class covariance
+#: ``background_within_ [D, D]`` and between-class covariance ``background_between_ [D, D]``
+#: (:func:`probfsl.inference.background.fit_background`)
+BACKGROUND = Group(
+    "fit_base",
+    {
+        "background_mean_": Tensor("D", bound=FEATURE_BOUND),
+        "background_within_": Tensor("D", "D", bound=FEATURE_BOUND),
+        "background_between_": Tensor("D", "D", bound=FEATURE_BOUND),
+    },
+)
+#: the declaration of the ``open_prior`` hyperparameter: the prior probability π_0 that a
+#: query belongs to none of the task's classes (inductive methods: fixed; transductive
+#: methods: the mean of the Beta prior of the open fraction inferred per task)
+OPEN_PRIOR = Real(positive=True, high=0.99)
 
 
-def check_engine(engine: Any) -> str:
+def check_engine_name(engine: Any) -> str:
     """``engine`` if it is one of :data:`ENGINES`; ``ValueError`` listing them otherwise."""
     ENGINE.check("engine", engine)
     return engine
@@ -218,6 +239,18 @@ class FewShotClassifier(Hyperparameters, ABC):
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
         """Class probabilities ``[T, Q, K]`` for the queries of every task."""
 
+    def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
+        """Open-set probabilities ``[T, Q, K+1]`` for the queries of every task.
+
+        Columns ``0..K-1`` are the task's classes and the last column is the posterior
+        probability that the query belongs to none of them (a background component of the
+        method's generative model, fitted on the base classes by ``fit_base``; see
+        :mod:`probfsl.inference.background` and the methods' page on open-set
+        recognition). Rows sum to 1; :meth:`predict_proba` is unchanged. ``ValueError``
+        when the method has no open-set posterior or was not fitted on base classes.
+        """
+        raise ValueError(f"{type(self).__name__} has no open-set posterior (predict_proba_open)")
+
     #: attributes that ``predict_proba`` rewrites on each call (diagnostics of the last
     #: batch): not part of the fitted state, not saved
     call_diagnostics: tuple[str, ...] = ()
@@ -332,6 +365,62 @@ class FewShotClassifier(Hyperparameters, ABC):
         return f"{type(self).__name__}({params})"
 
 
+class OpenSetBackground:
+    """Mixin: the background density of the open-set posterior (:meth:`predict_proba_open`).
+
+    ``fit_base`` calls :meth:`fit_background` with the base features in the space the
+    method classifies in (after its preprocessing), which stores :data:`BACKGROUND`.
+    The inductive posterior (:meth:`inductive_open`) reads the method's features through
+    the two-covariance model of the base classes
+    (:func:`~probfsl.inference.background.two_covariance_log_liks`): the last column is
+    P(z = 0 | x) with prior π_0 = ``open_prior``, and the known columns are the method's
+    own closed-set probabilities times 1 - P(z = 0 | x), so their argmax is
+    :meth:`predict_proba`'s.
+    """
+
+    open_prior: float = 0.5
+
+    def fit_background(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        """Store the background statistics of preprocessed base ``features`` [N, D]."""
+        from probfsl.inference.background import fit_background
+
+        labels = labels.to(features.device)
+        stats = fit_background(features, labels)
+        self.background_mean_, self.background_within_, self.background_between_ = stats
+
+    def background_stats(self, reference: torch.Tensor):
+        """The fitted :class:`~probfsl.inference.background.BackgroundStats` in the dtype
+        and on the device of ``reference``; ``ValueError`` without base classes."""
+        from probfsl.inference.background import BackgroundStats
+
+        if getattr(self, "background_mean_", None) is None:
+            raise ValueError(
+                f"{type(self).__name__}.predict_proba_open needs base classes: its "
+                "background density is learnt from them; call fit_base(features, labels) first"
+            )
+        return BackgroundStats(
+            self.background_mean_, self.background_within_, self.background_between_
+        ).to(reference)
+
+    def inductive_open(
+        self, episodes: Episodes, proba: torch.Tensor, support: torch.Tensor, query: torch.Tensor
+    ) -> torch.Tensor:
+        """``[T, Q, K+1]`` from the closed-set ``proba`` and the preprocessed ``support``
+        and ``query`` features (the class docstring)."""
+        from probfsl.inference.background import (
+            attach_open,
+            open_posterior,
+            two_covariance_log_liks,
+        )
+
+        stats = self.background_stats(query)
+        class_ll, background_ll = two_covariance_log_liks(
+            support, episodes.support_labels, query, episodes.way, stats
+        )
+        p_open = open_posterior(class_ll, background_ll, self.open_prior)[..., -1]
+        return attach_open(proba, p_open.to(proba))
+
+
 class BaseMeanCentering:
     """Mixin for estimators that centre features on the base-class mean (SimpleShot).
 
@@ -348,8 +437,10 @@ class BaseMeanCentering:
 
     def fit_base(self, features: Any, labels: Any) -> Self:
         """Store the mean of the base ``features`` [N, D] (tensor or NumPy array)."""
-        features, _ = check_base(features, labels)
+        features, labels = check_base(features, labels)
         self.base_mean_ = features.mean(0)
+        if isinstance(self, OpenSetBackground):
+            self.fit_background(center_and_normalize(features, self.centring_mean()), labels)
         return self
 
     def centring_mean(self) -> torch.Tensor | None:

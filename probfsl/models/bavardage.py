@@ -42,8 +42,9 @@ import torch
 
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
+from probfsl.derived.bavardage import ENGINES
 from probfsl.derived.bavardage import bavardage_model as bavardage_model  # its declaration
-from probfsl.derived.bavardage import fit as derived_fit
+from probfsl.inference.background import gaussian_log_density, isotropic_scale
 from probfsl.inference.class_stats import class_means
 from probfsl.inference.gram import centred_rows, task_grams
 from probfsl.inference.plda import (
@@ -52,9 +53,14 @@ from probfsl.inference.plda import (
     task_span_whitening,
     within_class_scatter,
 )
-from probfsl.inference.soft_kmeans import soft_kmeans_gram
+from probfsl.inference.soft_kmeans import (
+    isotropic_background_logit,
+    soft_kmeans_gram,
+    soft_kmeans_gram_open,
+)
 from probfsl.inference.vb_mixture import BavardageVB, VBMixtureState, fit_bavardage_vb
-from probfsl.models.base import ENGINE, FewShotClassifier
+from probfsl.inference.vb_mixture_open import BavardageOpenVB, OpenBackground
+from probfsl.models.base import BACKGROUND, ENGINE, OPEN_PRIOR, FewShotClassifier, OpenSetBackground
 from probfsl.schema import (
     FEATURE_BOUND,
     Choice,
@@ -156,7 +162,7 @@ BASE_STATISTICS = Group(
 )
 
 
-class Bavardage(FewShotClassifier):
+class Bavardage(OpenSetBackground, FewShotClassifier):
     """BAVARDAGE transductive few-shot classifier (Hu, Pateux & Gripon, AISTATS 2023).
 
     Defaults are the reference code's command-line defaults (= the CUB setting, design §4
@@ -196,6 +202,13 @@ class Bavardage(FewShotClassifier):
             :mod:`probfsl.inference.vb_mixture`) or ``"derived"`` (the same loop with the
             updates that VMP derives from :func:`bavardage_model`,
             :mod:`probfsl.derived.bavardage`).
+        open_prior: prior mean of the open fraction π_0 (:meth:`predict_proba_open`).
+
+    Open set (:meth:`predict_proba_open`): the mixture gains a background component, the
+    base classes' predictive of a new class carried into the projected space and
+    tempered as the classes are, with its weight inferred per task, inside the soft
+    k-means initialisation and every VB iteration
+    (:mod:`probfsl.inference.vb_mixture_open`; always the hand-written updates).
 
     Fitted attributes: ``base_mean_``, ``scatter_``, ``precision_``, ``whitening_``,
     ``s_max_`` and ``temperature_vb_`` (the values used, in the code's units),
@@ -227,8 +240,9 @@ class Bavardage(FewShotClassifier):
             "scale": Choice(SCALES),
             "trace_elbo": Flag(),
             "engine": ENGINE,
+            "open_prior": OPEN_PRIOR,
         },
-        fitted=(BASE_STATISTICS,),
+        fitted=(BASE_STATISTICS, BACKGROUND),
     )
 
     def __init__(
@@ -249,6 +263,7 @@ class Bavardage(FewShotClassifier):
         scale: str = "code",
         trace_elbo: bool = False,
         engine: str = "handwritten",
+        open_prior: float = 0.5,
     ) -> None:
         self.temperature_km = temperature_km
         self.temperature_vb = temperature_vb
@@ -266,6 +281,7 @@ class Bavardage(FewShotClassifier):
         self.scale = scale
         self.trace_elbo = trace_elbo
         self.engine = engine
+        self.open_prior = open_prior
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> Bavardage:
@@ -305,6 +321,7 @@ class Bavardage(FewShotClassifier):
         # floored so that scale="relative" stays finite when every base class is one point
         within = float((x - onehot @ means).square().sum(-1).mean())
         self.within_ = max(within, torch.finfo(torch.float64).eps)
+        self.fit_background(x, labels)
         self._search_cache = None  # shared by with_params copies (see _rotated_grams)
         self._apply_hyperparameters()
         return self
@@ -464,13 +481,69 @@ class Bavardage(FewShotClassifier):
         if engine is None:
             self.state_, self.elbo_trace_ = None, None
             return resp[:, episodes.support.shape[1] :]
-        if self.engine == "derived":  # the same loop, its updates derived by VMP
-            state, info = derived_fit(engine, *data, n_iter=int(self.n_vb))
-        else:
-            state, info = fit_bavardage_vb(engine, *data, n_iter=int(self.n_vb))
+        fit = ENGINES[self.engine]  # probfsl.derived.bavardage: "handwritten" or "derived"
+        state, info = fit(engine, *data, n_iter=int(self.n_vb))
         self.state_ = state
         self.elbo_trace_ = info.trace if self.trace_elbo else None
         return state.query_resp
+
+    def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
+        """Open-set responsibilities ``[T, Q, K+1]`` (the background last): soft k-means
+        and n_vb VB iterations of the mixture with the background component (class
+        docstring; :class:`~probfsl.inference.vb_mixture_open.BavardageOpenVB`)."""
+        _, engine, data = self._prepare(episodes)
+        way, n_s = episodes.way, episodes.support.shape[1]
+        xn = center_and_normalize(episodes.points(), self.base_mean_.to(episodes.support))
+        stats = self.background_stats(xn)
+        between = isotropic_scale(stats.between)
+        logit = isotropic_background_logit(xn, stats.mean, between, self.temperature_km)
+        gram = xn @ xn.transpose(1, 2)
+        resp = soft_kmeans_gram_open(
+            gram,
+            episodes.support_labels,
+            way,
+            logit,
+            self.open_prior,
+            self.temperature_km,
+            int(self.n_km),
+        )
+        if engine is None:
+            return resp[:, n_s:]
+        tau = engine.tau
+        total = stats.within + stats.between
+        support, labels, query, _ = data
+        if engine.projection == "identity":
+            kappa = 1 / (tau * isotropic_scale(stats.within))
+            chol = torch.linalg.cholesky(kappa * total)
+            log_lik = gaussian_log_density(xn[:, n_s:], stats.mean, chol)
+            background = OpenBackground(log_lik, None, xn.shape[-1])
+            projection = "identity"
+        else:  # the global whitening W (task_span's when s_max does not clamp)
+            metric = self.whitening_.to(xn)
+            white_within = isotropic_scale(metric.metric_apply(stats.within))
+            chol = torch.linalg.cholesky(total)
+            log_det = metric.scales.log().sum()  # ln |det W|: the density of y = x W
+            log_lik = gaussian_log_density(xn[:, n_s:], stats.mean, chol) - log_det
+            k = metric.gram(xn)
+            support, query = k[:, :n_s], k[:, n_s:]
+            background = OpenBackground(
+                log_lik, k.diagonal(dim1=1, dim2=2), xn.shape[-1], 1 / white_within
+            )
+            projection = "adaptive_gram"
+        open_engine = BavardageOpenVB(
+            way,
+            background,
+            self.open_prior,
+            tau=tau,
+            alpha0=engine.alpha0,
+            beta0=engine.beta0,
+            gamma=engine.gamma,
+            balanced=engine.balanced,
+            count_support=engine.count_support,
+            projection=projection,
+        )
+        state, _ = fit_bavardage_vb(open_engine, support, labels, query, resp, int(self.n_vb))
+        return state.open_proba
 
     # ------------------------------------------------------------------ diagnostics
     def posterior_draws(

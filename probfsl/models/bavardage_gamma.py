@@ -31,6 +31,7 @@ import pyro
 import pyro.distributions as dist
 import torch
 
+from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
 from probfsl.derived.bavardage import run_blocks
 from probfsl.inference.class_stats import one_hot_support
@@ -145,6 +146,7 @@ class BavardageGamma(Bavardage):
         whitening: str = "task_span",
         scatter: str = "code",
         scale: str = "code",
+        open_prior: float = 0.5,
     ) -> None:
         self.temperature_km = temperature_km
         self.temperature_vb = temperature_vb
@@ -159,6 +161,7 @@ class BavardageGamma(Bavardage):
         self.whitening = whitening
         self.scatter = scatter
         self.scale = scale
+        self.open_prior = open_prior
 
     def declared_model(self, engine: BavardageVB) -> Callable[..., None]:
         """:func:`bavardage_gamma_model` with this estimator's hyperparameters (τ and the
@@ -185,6 +188,21 @@ class BavardageGamma(Bavardage):
             state, resp, trace = run_blocks(model, engine, *data, n_iter=int(self.n_vb))
         self.state_, self.elbo_trace_ = state, trace
         return resp[:, episodes.support.shape[1] :]
+
+    def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
+        """``[T, Q, K+1]``: :meth:`predict_proba` times 1 - P(open), and P(open) last.
+
+        P(open) is the inductive outlier posterior of the two-covariance Gaussian reading
+        of the centred, normalised features, with prior ``open_prior``
+        (:meth:`~probfsl.models.base.OpenSetBackground.inductive_open`).
+
+        Transductive background not yet inside this method's iterations: the open column
+        is the inductive reading, the known columns are the method's own.
+        """
+        proba = self.predict_proba(episodes)
+        support = center_and_normalize(episodes.support, self.base_mean_.to(episodes.support))
+        query = center_and_normalize(episodes.query, self.base_mean_.to(episodes.query))
+        return self.inductive_open(episodes, proba, support, query)
 
     def posterior(self) -> dict[str, torch.distributions.Distribution]:
         """The last batch's factors q(π), q(τ), q(μ), q(z) as batched distributions."""

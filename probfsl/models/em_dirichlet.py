@@ -6,7 +6,8 @@ vector (for CLIP: softmax of 30 x the cosines between image and class-text
 embeddings, paper eq. 2); each class has a Dirichlet law on the simplex and the
 queries of a task are clustered jointly under an MDL partition-complexity penalty.
 
-* :func:`em_dirichlet_model` — the generative model in Pyro (design §2);
+* :func:`em_dirichlet_model` — the generative model in Pyro (design §2), declared in
+  :mod:`probfsl.derived.em_dirichlet` and checked against both engines;
 * :class:`EMDirichlet` — the estimator (few-shot :meth:`~EMDirichlet.predict_proba`,
   zero-shot :meth:`~EMDirichlet.predict_zero_shot`);
 * :func:`match_clusters` — cluster-to-class matching (Hungarian, paper §4.3).
@@ -24,15 +25,12 @@ from __future__ import annotations
 from typing import Self
 
 import numpy as np
-import pyro
-import pyro.distributions as dist
 import torch
-from pyro import poutine
-from pyro.distributions import constraints
 
 from probfsl.data.simplex import check_probabilities, softmax_cosine
 from probfsl.data.tasks import Episodes
-from probfsl.inference.base import CHECK_EVERY, run
+from probfsl.derived.em_dirichlet import ENGINES
+from probfsl.derived.em_dirichlet import em_dirichlet_model as em_dirichlet_model  # declared
 from probfsl.inference.dirichlet_mm import (
     BOUNDED_MM,
     NEWTON,
@@ -40,9 +38,15 @@ from probfsl.inference.dirichlet_mm import (
     SOLVERS,
     DirichletMixtureState,
     EMDirichletEngine,
-    gather_alpha,
 )
-from probfsl.models.base import BASE_MEAN, ENGINE, FewShotClassifier
+from probfsl.models.base import (
+    BACKGROUND,
+    BASE_MEAN,
+    ENGINE,
+    OPEN_PRIOR,
+    FewShotClassifier,
+    OpenSetBackground,
+)
 from probfsl.schema import (
     FEATURE_BOUND,
     Choice,
@@ -73,69 +77,6 @@ __all__ = [
     "em_dirichlet_model",
     "match_clusters",
 ]
-
-
-class _Flat(dist.ImproperUniform):
-    """Improper flat law (log density 0) in the dtype and device of its value.
-
-    Pyro's ``ImproperUniform`` returns float32 zeros, which breaks float64 enumeration.
-    """
-
-    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
-        batch_shape = value.shape[: value.dim() - self.event_dim]
-        return value.new_zeros(torch.broadcast_shapes(batch_shape, self.batch_shape))
-
-
-def em_dirichlet_model(
-    query: torch.Tensor,
-    support: torch.Tensor | None = None,
-    support_labels: torch.Tensor | None = None,
-    lambda_coef: float = 1.0,
-) -> None:
-    """Dirichlet mixture on the simplex with a tempered class prior (design §2).
-
-    Per task (plate ``tasks``)::
-
-        alpha_k  point estimate (improper flat site, a Delta in the guide), [K, K]
-        pi       point estimate of the query class proportions (improper flat site)
-        c_n ~ Categorical(pi)            for n in Q, log-probability scaled by lambda/|Q|
-        x_n | c_n = k ~ Dirichlet(alpha_k)      for n in Q (observed)
-        x_n ~ Dirichlet(alpha_{y_n})            for n in S, y_n the observed support label
-
-    With the guide q(c_n) = Categorical(r_n), Delta(alpha), Delta(pi) the negative ELBO
-    is -sum_n sum_k r_nk ln Dir(x_n|alpha_k) + sum_Q r ln r - (lambda/|Q|) sum_Q sum_k
-    r_nk ln pi_k; at the profile pi = mean_Q r the last term is lambda * (-sum pi ln pi),
-    so the negative ELBO is the paper's objective (6) = J of design §3.5: the MDL penalty
-    is a categorical prior on the classes tempered by lambda/|Q| (lambda = |Q| is plain
-    EM). Support labels only select alpha (they carry no pi term, as in the paper).
-
-    alpha and pi are sample sites here (a Delta guide scores the hand-written engine under
-    ``Trace_ELBO``); :func:`probfsl.derived.em_dirichlet.em_dirichlet_model` is the same
-    model with them as ``pyro.param`` point estimates, the form VMP derives from.
-
-    Args:
-        query: ``[B, Q, K]`` probability vectors.
-        support, support_labels: ``[B, S, K]`` and ``[B, S]`` (few-shot), or None.
-        lambda_coef: lambda / |Q| (0 drops the prior term).
-    """
-    b, n_query, k = query.shape
-    with pyro.plate("tasks", b, dim=-2):
-        positive = constraints.independent(constraints.positive, 2)
-        alpha = pyro.sample("alpha", _Flat(positive, (b, 1), (k, k)))
-        pi = pyro.sample("pi", _Flat(constraints.simplex, (b, 1), (k,)))
-        if support is not None and support.shape[1] > 0:
-            with pyro.plate("support_rows", support.shape[1], dim=-1):
-                pyro.sample(
-                    "x_support", dist.Dirichlet(gather_alpha(alpha, support_labels)), obs=support
-                )
-        with pyro.plate("queries", n_query, dim=-1):
-            if lambda_coef > 0:
-                with poutine.scale(scale=float(lambda_coef)):
-                    c = pyro.sample("c", dist.Categorical(probs=pi))
-            else:
-                with poutine.mask(mask=False):
-                    c = pyro.sample("c", dist.Categorical(probs=pi))
-            pyro.sample("x", dist.Dirichlet(gather_alpha(alpha, c)), obs=query)
 
 
 def match_clusters(
@@ -179,7 +120,7 @@ def match_clusters(
     return cluster_class.gather(1, assignments.long())
 
 
-class EMDirichlet(FewShotClassifier):
+class EMDirichlet(OpenSetBackground, FewShotClassifier):
     """EM-Dirichlet and Hard EM-Dirichlet (Martin et al., CVPR 2024, Algorithm 2).
 
     Zero-shot: :meth:`predict_zero_shot` takes class probabilities ``[T, Q, K]`` over all
@@ -281,9 +222,11 @@ class EMDirichlet(FewShotClassifier):
             "solver": Choice(tuple(SOLVERS), optional=True),
             "compiled": Flag(optional=True),
             "engine": ENGINE,
+            "open_prior": OPEN_PRIOR,
         },
         fitted=(
             BASE_MEAN,
+            BACKGROUND,
             # few-shot prototypes [C, D], one row per data-set class (set_class_features)
             Group("set_class_features", {"class_features_": Tensor("C", "D", bound=FEATURE_BOUND)}),
         ),
@@ -305,6 +248,7 @@ class EMDirichlet(FewShotClassifier):
         solver: str | None = None,
         compiled: bool | None = None,
         engine: str = "handwritten",
+        open_prior: float = 0.5,
     ) -> None:
         self.hard = hard
         self.lambda_coef = lambda_coef
@@ -320,6 +264,7 @@ class EMDirichlet(FewShotClassifier):
         self.solver = solver
         self.compiled = compiled
         self.engine = engine
+        self.open_prior = open_prior
 
     # -- configuration ------------------------------------------------------------------
     @property
@@ -360,7 +305,12 @@ class EMDirichlet(FewShotClassifier):
         ``features`` [N, D] and ``labels`` [N]: tensors or NumPy arrays."""
         self._check_params()
         check_base(features, labels)
-        self.base_mean_ = as_float_tensor(features, "base features", ndim=2).mean(0)
+        features = as_float_tensor(features, "base features", ndim=2)
+        self.base_mean_ = features.mean(0)
+        labels = torch.as_tensor(labels, device=features.device)
+        from probfsl.data.preprocess import center_and_normalize
+
+        self.fit_background(center_and_normalize(features, self.base_mean_), labels)
         return self
 
     def set_class_features(self, class_features: torch.Tensor) -> Self:
@@ -390,22 +340,8 @@ class EMDirichlet(FewShotClassifier):
         (:func:`probfsl.derived.em_dirichlet.fit_probabilities`).
         """
         self._check_params()
-        if self.engine == "derived":
-            from probfsl.derived.em_dirichlet import fit_probabilities
-
-            n_iter = self.n_iter if self.n_iter is not None else 20
-            tol = self.tol if self.tol is not None else 0.0
-            self.state_, self.trace_ = fit_probabilities(
-                self.make_engine, n_iter, tol, query, support, support_labels
-            )
-            return self.state_
-        zero_shot = support is None or (
-            isinstance(support, torch.Tensor) and support.ndim == 3 and support.shape[1] == 0
-        )
-        engine = self.make_engine(zero_shot)
-        state = engine.init(query, support, support_labels)
-        n_iter = self.n_iter if self.n_iter is not None else (10 if self.hard else 20)
-        state, info = run(engine, state, n_iter, self.tol, check_every=CHECK_EVERY)
+        fit = ENGINES[self.engine]  # probfsl.derived.em_dirichlet: "handwritten" or "derived"
+        state, info = fit(self.make_engine, self.n_iter, self.tol, query, support, support_labels)
         self.state_, self.trace_ = state, info.trace
         return state
 
@@ -455,6 +391,23 @@ class EMDirichlet(FewShotClassifier):
         """Query assignments R_Q ``[T, Q, K]`` of the few-shot tasks (argmax = prediction)."""
         support, query = self.episode_probabilities(episodes)
         return self.fit_probabilities(query, support, episodes.support_labels).query_r
+
+    def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
+        """``[T, Q, K+1]``: :meth:`predict_proba` times 1 - P(open), and P(open) last.
+
+        P(open) is the inductive outlier posterior of the two-covariance Gaussian reading
+        of the centred, normalised embeddings, with prior ``open_prior``
+        (:meth:`~probfsl.models.base.OpenSetBackground.inductive_open`).
+
+        Transductive background not yet inside this method's iterations: the open column
+        is the inductive reading, the known columns are the method's own.
+        """
+        proba = self.predict_proba(episodes)
+        from probfsl.data.preprocess import center_and_normalize
+
+        support = center_and_normalize(episodes.support, self.base_mean_)
+        query = center_and_normalize(episodes.query, self.base_mean_)
+        return self.inductive_open(episodes, proba, support, query)
 
     def predict_zero_shot(self, probs: torch.Tensor, matching: str | None = None) -> torch.Tensor:
         """Zero-shot predictions ``[T, Q]`` (column indices of ``probs``, i.e. data-set labels).

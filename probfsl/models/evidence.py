@@ -39,22 +39,28 @@ import torch
 from pyro.distributions import constraints
 
 from probfsl.data.tasks import Episodes, check_task_indices
+from probfsl.derived.evidence import ENGINES
 from probfsl.inference.evidence import (
     EvidenceResult,
     Spectrum,
-    at_upper_limit,
     conditional_log_evidence,
-    decision_weights,
     evidence_curve,
     maximize_evidence,
     maximize_shared_evidence,
     pool_spectra,
     posterior_covariance,
     posterior_mean,
+    solve_evidence,
     spectrum,
     spectrum_from_gram,
 )
-from probfsl.models.base import ENGINE, FewShotClassifier
+from probfsl.models.base import (
+    BACKGROUND,
+    ENGINE,
+    OPEN_PRIOR,
+    FewShotClassifier,
+    OpenSetBackground,
+)
 from probfsl.schema import (
     FEATURE_BOUND,
     Array,
@@ -254,7 +260,7 @@ def _prepare(x: torch.Tensor, normalize: bool, mean: torch.Tensor | None) -> tor
 # Estimator
 
 
-class EvidenceLSSVM(FewShotClassifier):
+class EvidenceLSSVM(OpenSetBackground, FewShotClassifier):
     """One-vs-rest Bayesian LS-SVM with per-class lambda set by evidence maximisation.
 
     Args:
@@ -347,6 +353,7 @@ class EvidenceLSSVM(FewShotClassifier):
         lambda_mode: str = "shared",
         dtype: torch.dtype = torch.float64,
         engine: str = "handwritten",
+        open_prior: float = 0.5,
     ) -> None:
         self.normalize = normalize
         self.center = center
@@ -359,6 +366,7 @@ class EvidenceLSSVM(FewShotClassifier):
         self.lambda_mode = lambda_mode
         self.dtype = dtype
         self.engine = engine
+        self.open_prior = open_prior
 
     call_diagnostics = ("last_lambda_", "last_log_evidence_", "last_at_boundary_", "last_at_limit_")
     schema = EstimatorSchema(
@@ -374,10 +382,12 @@ class EvidenceLSSVM(FewShotClassifier):
             "lambda_mode": Choice(("per_class", "shared")),
             "dtype": FloatDType(),
             "engine": ENGINE,
+            "open_prior": OPEN_PRIOR,
         },
         # fit_base's base mean [D] (for centring) and fit's single problem, each optional
         fitted=(
             Group("fit_base", {"base_mean_": Tensor("D", bound=FEATURE_BOUND)}),
+            BACKGROUND,
             SINGLE_PROBLEM,
         ),
     )
@@ -399,14 +409,8 @@ class EvidenceLSSVM(FewShotClassifier):
         return ""
 
     def _solve(self, sp: Spectrum, warn: bool = True) -> EvidenceResult:
-        if self.lambda_mode == "shared":
-            return maximize_shared_evidence(sp)
-        return maximize_evidence(
-            sp,
-            lam_init=self.lam_init,
-            accelerate=self.accelerate,
-            paper_exact=self.paper_exact,
-            warn=warn,
+        return solve_evidence(
+            sp, self.lambda_mode, self.lam_init, self.accelerate, self.paper_exact, warn
         )
 
     def fit_base(self, features: Any, labels: Any) -> Self:
@@ -415,6 +419,10 @@ class EvidenceLSSVM(FewShotClassifier):
         check_base(features, labels)
         features = as_float_tensor(features, "base features", ndim=2)
         self.base_mean_ = features.to(self.dtype).mean(0)
+        x = _prepare(
+            features.to(self.dtype), self.normalize, self.base_mean_ if self.center else None
+        )
+        self.fit_background(x, torch.as_tensor(labels, device=x.device))
         return self
 
     # -- single problem (scikit-learn style) ------------------------------------------
@@ -508,40 +516,24 @@ class EvidenceLSSVM(FewShotClassifier):
         in_dtype = episodes.support.dtype
         support = _prepare(episodes.support.to(self.dtype), self.normalize, mean)
         query = _prepare(episodes.query.to(self.dtype), self.normalize, mean)
-        if self.engine == "derived":
-            return self._derived_proba(support, query, episodes).to(in_dtype)
-        y = torch.nn.functional.one_hot(episodes.support_labels, episodes.way).to(self.dtype)
-        sp = spectrum(support, y, self.fit_intercept)
-        res = self._solve(sp, warn=False)  # one-shot classes have no finite maximiser
-        limit = at_upper_limit(sp, res)
-        if self.fit_intercept:
-            limit = torch.zeros_like(limit)
-        self.last_lambda_, self.last_log_evidence_ = res.lam, res.log_evidence
-        self.last_at_boundary_, self.last_at_limit_ = res.at_boundary, limit
-        w = decision_weights(sp, res.lam, limit)  # [T, D, K]
-        scores = query @ w
-        if self.fit_intercept:
-            scores = scores + y.mean(-2, keepdim=True) - support.mean(-2, keepdim=True) @ w
-        return torch.softmax(self.temperature * scores, -1).to(in_dtype)
+        engine = ENGINES[self.engine]  # probfsl.derived.evidence: "handwritten" or "derived"
+        fit = engine(support, query, episodes.support_labels, episodes.way, self)
+        self.last_lambda_, self.last_log_evidence_ = fit.lam, fit.log_evidence
+        self.last_at_boundary_, self.last_at_limit_ = fit.at_boundary, fit.at_limit
+        return torch.softmax(self.temperature * fit.scores, -1).to(in_dtype)
 
-    def _derived_proba(
-        self, support: torch.Tensor, query: torch.Tensor, episodes: Episodes
-    ) -> torch.Tensor:
-        """``engine="derived"``: :func:`probfsl.derived.evidence.derived_proba` on the
-        prepared support and query, with the same per-call diagnostics."""
-        from probfsl.derived.evidence import derived_proba
+    def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
+        """``[T, Q, K+1]``: :meth:`predict_proba` times 1 - P(open), and P(open) last.
 
-        if self.fit_intercept or self.paper_exact:
-            raise ValueError(
-                "engine='derived' supports fit_intercept=False and paper_exact=False only"
-            )
-        proba, res = derived_proba(
-            support, episodes.support_labels, query, episodes.way, self.temperature,
-            self.lambda_mode,
-        )  # fmt: skip
-        self.last_lambda_, self.last_log_evidence_ = res.lam, res.log_evidence
-        self.last_at_boundary_, self.last_at_limit_ = res.at_boundary, res.at_limit
-        return proba
+        P(open) is the inductive outlier posterior of the two-covariance Gaussian reading
+        of the (centred, normalised) features of the regressions, with prior ``open_prior``
+        (:meth:`~probfsl.models.base.OpenSetBackground.inductive_open`).
+        """
+        proba = self.predict_proba(episodes)
+        mean = getattr(self, "base_mean_", None) if self.center else None
+        support = _prepare(episodes.support.to(self.dtype), self.normalize, mean)
+        query = _prepare(episodes.query.to(self.dtype), self.normalize, mean)
+        return self.inductive_open(episodes, proba, support, query)
 
 
 # ---------------------------------------------------------------------------------------

@@ -7,11 +7,18 @@ import torch
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
 from probfsl.inference.class_stats import class_means, one_hot_support
-from probfsl.models.base import BASE_MEAN, BaseMeanCentering, FewShotClassifier
+from probfsl.models.base import (
+    BACKGROUND,
+    BASE_MEAN,
+    OPEN_PRIOR,
+    BaseMeanCentering,
+    FewShotClassifier,
+    OpenSetBackground,
+)
 from probfsl.schema import Choice, EstimatorSchema, Flag, Real
 
 
-class NearestCentroid(BaseMeanCentering, FewShotClassifier):
+class NearestCentroid(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
     """Inductive baseline: similarity of each query to the mean of each class's support.
 
     Features are centred on the base-class mean (when ``center``) and L2-normalised;
@@ -23,10 +30,17 @@ class NearestCentroid(BaseMeanCentering, FewShotClassifier):
     the cosine is about 2 points better on Omniglot (87.6 against 85.4, PCA-64).
     Probabilities are softmax(temperature * score).
 
+    Open set (:meth:`predict_proba_open`): the outlier posterior reads the centred,
+    normalised features through the two-covariance Gaussian model of the base classes
+    (:meth:`~probfsl.models.base.OpenSetBackground.inductive_open`), with prior open
+    fraction ``open_prior``.
+
     Args:
         center: centre on the base-class mean (needs ``fit_base``).
         prototype: ``"mean"`` or ``"normalized"`` (see above).
         temperature: finite, positive inverse temperature of the softmax.
+        open_prior: π_0, the prior probability that a query is of none of the classes
+            (:meth:`predict_proba_open` only).
     """
 
     PROTOTYPES = ("mean", "normalized")
@@ -35,16 +49,22 @@ class NearestCentroid(BaseMeanCentering, FewShotClassifier):
             "center": Flag(),
             "prototype": Choice(PROTOTYPES),
             "temperature": Real(positive=True),
+            "open_prior": OPEN_PRIOR,
         },
-        fitted=(BASE_MEAN,),
+        fitted=(BASE_MEAN, BACKGROUND),
     )
 
     def __init__(
-        self, center: bool = True, prototype: str = "mean", temperature: float = 10.0
+        self,
+        center: bool = True,
+        prototype: str = "mean",
+        temperature: float = 10.0,
+        open_prior: float = 0.5,
     ) -> None:
         self.center = center
         self.prototype = prototype
         self.temperature = temperature
+        self.open_prior = open_prior
 
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
         """Query probabilities ``[T, Q, K]``: softmax of the temperature-scaled scores."""
@@ -58,3 +78,12 @@ class NearestCentroid(BaseMeanCentering, FewShotClassifier):
             prototypes = torch.nn.functional.normalize(prototypes, dim=-1)
         score = query @ prototypes.transpose(1, 2)
         return torch.softmax(self.temperature * score, -1)
+
+    def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
+        """``[T, Q, K+1]``: :meth:`predict_proba` times 1 - P(open), and P(open) last, from
+        the two-covariance reading of the centred, normalised features (class docstring)."""
+        proba = self.predict_proba(episodes)
+        mean = self.centring_mean()
+        support = center_and_normalize(episodes.support, mean)
+        query = center_and_normalize(episodes.query, mean)
+        return self.inductive_open(episodes, proba, support, query)

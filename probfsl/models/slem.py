@@ -45,17 +45,23 @@ from pyro.distributions import constraints
 
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
+from probfsl.derived.slem import ENGINES
 from probfsl.inference.class_stats import class_means, one_hot_support
 from probfsl.inference.woodbury import (
     NegativeFactor,
     default_lambda,
     factor_negatives,
-    lda_scores,
     slem_descriptors,
     slem_similarity,
     slem_woodbury,
 )
-from probfsl.models.base import ENGINE, FewShotClassifier
+from probfsl.models.base import (
+    BACKGROUND,
+    ENGINE,
+    OPEN_PRIOR,
+    FewShotClassifier,
+    OpenSetBackground,
+)
 from probfsl.schema import (
     FEATURE_BOUND,
     Choice,
@@ -200,12 +206,7 @@ class SLEMEncoder:
         return slem_similarity(da, None if b is None else self.transform(b))
 
 
-#: bytes of q(ω) precision matrices that ``engine="derived"`` holds at once (tasks are
-#: taken in chunks that fit)
-DERIVED_MEMORY = 1 << 29
-
-
-class SLEM(FewShotClassifier):
+class SLEM(OpenSetBackground, FewShotClassifier):
     """Few-shot SLEM / shrinkage LDA against the base set (design §1, §3 "Several positives").
 
     For each class c of a task, ``omega_c = A^-1 (xbar_c - mu)`` with the base mean ``mu``
@@ -242,6 +243,7 @@ class SLEM(FewShotClassifier):
             "normalize": Flag(),
             "temperature": Real(positive=True),
             "engine": ENGINE,
+            "open_prior": OPEN_PRIOR,
         },
         fitted=(
             Group(
@@ -254,6 +256,7 @@ class SLEM(FewShotClassifier):
                 },
                 optional=frozenset({"negatives_"}),
             ),
+            BACKGROUND,
         ),
     )
 
@@ -264,22 +267,18 @@ class SLEM(FewShotClassifier):
         normalize: bool = True,
         temperature: float = 1.0,
         engine: str = "handwritten",
+        open_prior: float = 0.5,
     ) -> None:
         self.lam = lam
         self.rel_lam = rel_lam
         self.normalize = normalize
         self.temperature = temperature
         self.engine = engine
+        self.open_prior = open_prior
 
     def setting_note(self, way: int, shot: int) -> str:
-        """With ``engine="derived"``: what the derived engine costs."""
-        if self.engine != "derived":
-            return ""
-        return (
-            "slem with engine='derived' fits a d x d Gaussian posterior per class of every "
-            "task (the closed form factors one matrix for all tasks): seconds per 100 tasks "
-            "at 64 dimensions, minutes at a few hundred"
-        )
+        """What the engine costs (the derived one: a d x d posterior per class and task)."""
+        return ENGINES[self.engine].note
 
     def _prep(self, x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
         return center_and_normalize(x, mean) if self.normalize else x - mean.to(x)
@@ -298,9 +297,10 @@ class SLEM(FewShotClassifier):
         self.base_mean_ = features.mean(0)
         neg = self._prep(features, self.base_mean_)
         lam = default_lambda(neg, self.rel_lam) if self.lam is None else self.lam
+        self.fit_background(neg, torch.as_tensor(labels, device=neg.device))
         self.factor_ = factor_negatives(neg, lam)
         self.lam_ = self.factor_.lam
-        if self.engine == "derived":  # the declared model takes the negatives as data
+        if ENGINES[self.engine].keeps_negatives:  # the declaration takes them as data
             self.negatives_ = neg
         return self
 
@@ -323,26 +323,20 @@ class SLEM(FewShotClassifier):
         support = self._prep(episodes.support, self.base_mean_)
         query = self._prep(episodes.query, self.base_mean_)
         means = class_means(support, one_hot_support(episodes.support_labels, episodes.way, dtype))
-        if self.engine == "derived":
-            scores = self._derived_scores(query, means)
-        else:
-            scores = lda_scores(query, means, factor)
+        negatives = getattr(self, "negatives_", None)
+        negatives = None if negatives is None else negatives.to(query)
+        engine = ENGINES[self.engine]  # probfsl.derived.slem: "handwritten" or "derived"
+        scores = engine.scores(query, means, factor, negatives, self.lam_.to(query))
         return torch.softmax(self.temperature * scores, -1)
 
-    def _derived_scores(self, query: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
-        """The scores from the MAP that VMP derives (:mod:`probfsl.derived.slem`)."""
-        from probfsl.derived import slem as derived
+    def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
+        """``[T, Q, K+1]``: :meth:`predict_proba` times 1 - P(open), and P(open) last.
 
-        if getattr(self, "negatives_", None) is None:
-            raise ValueError("engine='derived' needs the negatives: call fit_base with it set")
-        negatives = self.negatives_.to(query)
-        lam = self.lam_.to(query)
-        # q(ω) holds a d x d precision per class of a task: chunks of tasks bound it
-        per_task = means.shape[1] * means.shape[2] ** 2 * means.element_size()
-        chunk = max(1, DERIVED_MEMORY // per_task)
-        return torch.cat(
-            [
-                derived.lda_scores(query[a : a + chunk], means[a : a + chunk], negatives, lam)
-                for a in range(0, means.shape[0], chunk)
-            ]
-        )
+        P(open) is the inductive outlier posterior of the two-covariance Gaussian reading
+        of the centred (normalised) features of the LDA scores, with prior ``open_prior``
+        (:meth:`~probfsl.models.base.OpenSetBackground.inductive_open`).
+        """
+        proba = self.predict_proba(episodes)
+        support = self._prep(episodes.support, self.base_mean_)
+        query = self._prep(episodes.query, self.base_mean_)
+        return self.inductive_open(episodes, proba, support, query)

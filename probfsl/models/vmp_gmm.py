@@ -27,7 +27,7 @@ from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
 from probfsl.inference.soft_kmeans import soft_kmeans_gram
 from probfsl.inference.vmp import VMP, VMPState
-from probfsl.models.base import FewShotClassifier
+from probfsl.models.base import BACKGROUND, OPEN_PRIOR, FewShotClassifier, OpenSetBackground
 from probfsl.schema import FEATURE_BOUND, Choice, EstimatorSchema, Group, Int, Real, Tensor
 from probfsl.validation import check_base, check_episodes
 
@@ -128,7 +128,7 @@ class SeededVMP(VMP):
         return super().init(x, labels, observed, init_resp=init_resp)
 
 
-class VMPGaussianMixture(FewShotClassifier):
+class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
     """Transductive VB mixture with per-class diagonal Gamma precisions (module docstring).
 
     Args:
@@ -158,6 +158,7 @@ class VMPGaussianMixture(FewShotClassifier):
             "tol": Real(nonnegative=True),
             "precision": Choice(("diagonal", "full")),
             "chunk": Int(low=1),
+            "open_prior": OPEN_PRIOR,
         },
         # the base mean [D] and the average within-class variance of each normalised
         # feature [D] (floored at 1e-8)
@@ -169,6 +170,7 @@ class VMPGaussianMixture(FewShotClassifier):
                     "within_var_": Tensor("D", bound=FEATURE_BOUND, positive=True),
                 },
             ),
+            BACKGROUND,
         ),
     )
 
@@ -183,11 +185,13 @@ class VMPGaussianMixture(FewShotClassifier):
         tol: float = 1e-6,
         precision: str = "diagonal",
         chunk: int = 50,
+        open_prior: float = 0.5,
     ) -> None:
         self.alpha0, self.beta0, self.a0 = alpha0, beta0, a0
         self.temperature, self.n_kmeans = temperature, n_kmeans
         self.max_iter, self.tol = max_iter, tol
         self.precision, self.chunk = precision, chunk
+        self.open_prior = open_prior
 
     def fit_base(self, features: Any, labels: Any) -> Self:
         """Base mean and the average within-class variance of each normalised feature."""
@@ -200,6 +204,7 @@ class VMPGaussianMixture(FewShotClassifier):
         means = x.new_zeros(len(classes), x.shape[1]).index_add_(0, inverse, x)
         means = means / counts.unsqueeze(-1)
         self.within_var_ = (x - means[inverse]).square().mean(0).clamp_min(1e-8)
+        self.fit_background(x, labels)
         return self
 
     def engine(self, way: int, n_support: int) -> SeededVMP:
@@ -271,3 +276,19 @@ class VMPGaussianMixture(FewShotClassifier):
             elbo.append(state.objective)
         self.episode_objective_ = torch.cat(elbo)
         return torch.cat(probs)
+
+    def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
+        """``[T, Q, K+1]``: :meth:`predict_proba` times 1 - P(open), and P(open) last.
+
+        P(open) is the inductive outlier posterior of the two-covariance Gaussian reading
+        of the centred, normalised features, with prior ``open_prior``
+        (:meth:`~probfsl.models.base.OpenSetBackground.inductive_open`).
+
+        Transductive background not yet inside this method's iterations: the open column
+        is the inductive reading, the known columns are the method's own.
+        """
+        proba = self.predict_proba(episodes)
+        mean = self.base_mean_ if getattr(self, "center", True) else None
+        support = center_and_normalize(episodes.support, mean)
+        query = center_and_normalize(episodes.query, mean)
+        return self.inductive_open(episodes, proba, support, query)

@@ -46,6 +46,8 @@ class Cell:
     episodes: int | None
     min_classes: int
     max_classes: int
+    #: open queries per task (the grid's ``open`` axis; 0: closed tasks)
+    open_queries: int = 0
 
     def argv(self, device: str | None = None) -> list[str]:
         """The arguments of ``probfsl run`` for this cell (``device`` replaces ``auto``)."""
@@ -65,6 +67,8 @@ class Cell:
             if self.balance != "balanced":
                 args += ["--alpha", repr(self.alpha)]
         args += ["--query", str(self.query), "--seed", str(self.seed)]
+        if self.open_queries:
+            args += ["--open-queries", str(self.open_queries)]
         args += ["--tasks", str(self.tasks), "--dtype", self.dtype]
         args += ["--device", device or ("cpu" if self.device == "auto" else self.device)]
         for flag, value in (
@@ -89,6 +93,8 @@ class Cell:
     def describe(self) -> str:
         """A short name: data, label and setting."""
         setting = "zero-shot" if self.zero_shot else f"{self.way}w{self.shot}s {self.balance}"
+        if self.open_queries:
+            setting += f" open {self.open_queries}"
         return f"{self.data}/{self.label} {setting} seed {self.seed}"
 
     def key(self, code: str, data_digest: str) -> str:
@@ -96,6 +102,8 @@ class Cell:
         included as written), the content of its features (not where the file lies) and
         the code version."""
         options = {**self.fields(), "features": None}
+        if not self.open_queries:  # closed cells keep the identity they had before the axis
+            options.pop("open_queries")
         payload = json.dumps({"cell": options, "data": data_digest, "code": code}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:24]
 

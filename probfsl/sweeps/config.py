@@ -20,6 +20,7 @@ The YAML file (every key but ``data`` and ``methods`` optional)::
       alpha: 2.0
       seed: [0, 1]
       engine: [handwritten, derived]   # methods with one engine run once
+      open: [0, 75]              # open queries per task (open-set tasks; 0: closed)
     run:                         # the same for every cell
       tasks: 1000
       device: auto               # cpu, cuda, cuda:N, mps or auto (the worker's device)
@@ -81,6 +82,7 @@ GRID_DEFAULTS: dict[str, Any] = {
     "alpha": 2.0,
     "seed": 0,
     "engine": None,
+    "open": 0,
 }
 
 
@@ -220,6 +222,7 @@ def _cell(
         episodes=run.episodes,
         min_classes=run.min_classes if zero else 0,
         max_classes=run.max_classes if zero else 0,
+        open_queries=0 if zero else setting["open"],
     )
 
 
@@ -441,6 +444,11 @@ class GridSpec(BaseModel):
         [None],
         description="`handwritten`, `derived` or `null`: the engine of the methods with two "
         "(the methods with one run once)",
+    )
+    open: _listing(Seed) = Field(
+        [0],
+        description="integer >= 0: open queries per task from other novel classes "
+        "(`probfsl run --open-queries`; open-set metrics); 0: closed tasks",
     )
 
 
@@ -849,7 +857,7 @@ def _check_cell(i: int, source: Source, cell: Cell, args: Any, fs: Any, checked:
     from probfsl.methods import DEFAULTS
 
     setting = (source.name, cell.zero_shot, cell.way, cell.shot, cell.query, cell.balance)
-    setting += (cell.alpha, cell.seed, cell.min_classes, cell.max_classes)
+    setting += (cell.alpha, cell.seed, cell.min_classes, cell.max_classes, cell.open_queries)
     if setting not in checked:
         checked.add(setting)
         try:
@@ -891,6 +899,8 @@ def _setting_keys(cell: Cell) -> str:
         keys.append(f"grid.balance = {cell.balance}")
         if cell.balance != "balanced":
             keys.append(f"grid.alpha = {cell.alpha}")
+        if cell.open_queries:
+            keys.append(f"grid.open = {cell.open_queries}")
     return ", ".join([*keys, f"grid.seed = {cell.seed}"])
 
 

@@ -12,6 +12,9 @@ figures into one folder:
   is marked **below**; the most accurate method of each setting is marked *best*;
 - the calibration table (:func:`calibration_table`): ECE, NLL and Brier score of the
   few-shot settings;
+- where cells ran open-set tasks (the grid's ``open`` axis), the open-set table
+  (:func:`open_set_table`): closed accuracy, AUROC, AUPR, precision at 90% recall and
+  ECE-open of each method, with the k-NN distance and maximum softmax baselines;
 - the throughput table (:func:`throughput_table`): tasks per second, the median over the
   cells of each method on each device;
 - the failed cells and their errors (:func:`failures_table`);
@@ -60,7 +63,7 @@ IDENTITY = ("status", "data", "label", "zero_shot", "way", "shot", "query", "bal
 #: the columns needed as soon as one cell ran
 RESULTS = ("tasks", "accuracy", "ci95", "baseline", "baseline_accuracy", "baseline_ci95")
 #: what makes a task setting: the tasks drawn (with the seed), hence also the baseline
-SETTING = ("data", "zero_shot", "way", "shot", "query", "balance", "alpha")
+SETTING = ("data", "zero_shot", "way", "shot", "query", "balance", "alpha", "open_queries")
 SETTING_EXTRA = ("min_classes", "max_classes")
 #: what makes a method variant (``label`` first)
 VARIANT = ("label", "method", "preset", "params", "engine", "calibrate", "dtype", "episodes")
@@ -71,6 +74,20 @@ METRICS = (
     ("ece", "ece_ci95"),
     ("nll", "nll_ci95"),
     ("brier", "brier_ci95"),
+    *((m, f"{m}_ci95") for m in ("auroc", "aupr", "prec_at_90_recall", "ece_open")),
+    *(
+        (f"{b}_{m}", f"{b}_{m}_ci95")
+        for b in ("knn", "msp")
+        for m in ("auroc", "aupr", "prec_at_90_recall")
+    ),
+)
+#: the open-set columns of :func:`open_set_table`: (heading, value column)
+OPEN_COLUMNS = (
+    ("accuracy", "accuracy"),
+    ("AUROC", "auroc"),
+    ("AUPR", "aupr"),
+    ("P@90R", "prec_at_90_recall"),
+    ("ECE-open", "ece_open"),
 )
 #: text columns of a pooled row: the distinct values of its cells, joined by "; "
 TEXTS = (
@@ -342,11 +359,26 @@ def _classes_text(row: pd.Series) -> str:
     return "" if way == "–" else f" ({way} classes)"
 
 
+def _open_count(row: pd.Series) -> int:
+    """A row's open queries per task (0 for closed tasks or rows without the column)."""
+    value = row.get("open_queries")
+    return 0 if _missing(value) else int(value)
+
+
 def _setting_text(row: pd.Series) -> str:
-    """One line: ``"5-way 1-shot balanced"`` or ``"zero-shot (3–10 classes)"``."""
+    """One line: ``"5-way 1-shot balanced"`` (``", 75 open"`` for open-set tasks) or
+    ``"zero-shot (3–10 classes)"``."""
     if _truthy(row.get("zero_shot")):
         return f"zero-shot{_classes_text(row)}"
-    return f"{_way_text(row)}-way {_shot_text(row)}-shot {_balance_text(row)}"
+    text = f"{_way_text(row)}-way {_shot_text(row)}-shot {_balance_text(row)}"
+    return text + (f", {_open_count(row)} open" if _open_count(row) else "")
+
+
+def _has_open(frame: pd.DataFrame) -> bool:
+    """Whether any row of ``frame`` ran open-set tasks."""
+    if "open_queries" not in frame.columns:
+        return False
+    return bool((pd.to_numeric(frame["open_queries"], errors="coerce").fillna(0) > 0).any())
 
 
 def _baseline_name(name) -> str:
@@ -373,7 +405,9 @@ def _settings(frame: pd.DataFrame) -> tuple[list[str], Iterator[tuple[list[str],
     data sets in order of first appearance, then few-shot before zero-shot, way, shot,
     balance, alpha, query."""
     show_query = "query" in frame.columns and frame["query"].nunique(dropna=False) > 1
+    show_open = _has_open(frame)
     header = ["data", "way", "shot", "balance"] + (["query"] if show_query else [])
+    header += ["open"] if show_open else []
     order = {d: i for i, d in enumerate(dict.fromkeys(frame["data"]))}
     sort = ["_data"] + [c for c in SETTING[1:] if c in frame.columns]
     frame = frame.assign(_data=frame["data"].map(order)).sort_values(sort, kind="stable")
@@ -384,6 +418,7 @@ def _settings(frame: pd.DataFrame) -> tuple[list[str], Iterator[tuple[list[str],
             first = group.iloc[0]
             cells = [str(first["data"]), _way_text(first), _shot_text(first)]
             cells += [_balance_text(first)] + ([_int(first["query"])] if show_query else [])
+            cells += [str(_open_count(first))] if show_open else []
             yield cells, group.drop(columns="_data")
 
     return header, groups()
@@ -523,6 +558,43 @@ def calibration_table(table: pd.DataFrame, fmt: str = "markdown") -> str:
     return _render([*header, "method", "seeds", *names], rows, fmt, "no few-shot cell ran")
 
 
+def open_set_table(table: pd.DataFrame, fmt: str = "markdown") -> str:
+    """The open-set settings (cells with open queries) × methods: closed accuracy (%),
+    AUROC, AUPR and precision at 90% recall of the outlier score (%), and ECE-open, each
+    with its 95% half-width, pooled over seeds; then, per setting, the baselines on the
+    same tasks (nearest centroid with the k-NN distance, and with the maximum softmax
+    probability, as outlier scores). ``fmt``: ``"markdown"`` or ``"html"``."""
+    _check_fmt(fmt)
+    frame = pooled(table)
+    frame["variant"] = _variant_names(frame)
+    if not _has_open(frame):
+        return _render([], [], fmt, "no open-set cell ran")
+    frame = frame[pd.to_numeric(frame["open_queries"], errors="coerce").fillna(0) > 0]
+    header, groups = _settings(frame)
+    rows = []
+    for cells, group in groups:
+        for _, row in group.iterrows():
+            values = [
+                _pm(
+                    row.get(column),
+                    row.get("ci95" if column == "accuracy" else f"{column}_ci95"),
+                    digits=3 if column == "ece_open" else 2,
+                )
+                for _, column in OPEN_COLUMNS
+            ]
+            rows.append([*cells, row["variant"], _int(row["seeds"]), *values])
+        base = _baseline_row(group)
+        name = _baseline_name(base.get("baseline"))
+        for prefix, detector in (("knn", "k-NN distance"), ("msp", "max softmax")):
+            values = [_pm(base.get("baseline_accuracy"), base.get("baseline_ci95"))]
+            for _, column in OPEN_COLUMNS[1:-1]:
+                key = f"{prefix}_{column}"
+                values.append(_pm(base.get(key), base.get(f"{key}_ci95")))
+            rows.append([*cells, f"{name} + {detector}", _int(base["seeds"]), *values, "–"])
+    names = [heading for heading, _ in OPEN_COLUMNS]
+    return _render([*header, "method", "seeds", *names], rows, fmt, "no open-set cell ran")
+
+
 def _device_text(row: pd.Series) -> str:
     device = "" if _missing(row.get("device")) else str(row.get("device"))
     gpu = "" if _missing(row.get("gpu")) else str(row.get("gpu"))
@@ -600,6 +672,7 @@ def _tick(row: pd.Series, show_query: bool) -> str:
         text = "zero-shot" + _classes_text(row).replace(" (", "\n(")
     else:
         text = f"{_way_text(row)}-way {_shot_text(row)}-shot\n{_balance_text(row)}"
+        text += f"\n{_open_count(row)} open" if _open_count(row) else ""
     return text + (f"\nquery {_int(row.get('query'))}" if show_query else "")
 
 
@@ -810,6 +883,13 @@ _NOTES = {
         "Tasks per second: the median over the cells of each method on each device "
         "(all settings together)."
     ),
+    "open_set": (
+        "Open-set tasks (open queries from classes outside the task): accuracy on the "
+        "closed queries, AUROC, AUPR and precision at 90% recall of the outlier score "
+        "(open queries positive), all in %, and ECE-open, the calibration of P(open), "
+        "pooled over seeds. The baselines are nearest centroid with the k-NN distance to "
+        "the support or the maximum softmax probability as outlier score (no ECE-open)."
+    ),
 }
 _FIGURES = (
     ("accuracy", "Accuracy per setting with 95% CIs and the baseline"),
@@ -846,6 +926,10 @@ def _document(
     heading("Calibration", 2)
     note(_NOTES["calibration"])
     parts.append(calibration_table(table, fmt))
+    if _has_open(_ok(table)):
+        heading("Open-set recognition", 2)
+        note(_NOTES["open_set"])
+        parts.append(open_set_table(table, fmt))
     heading("Throughput", 2)
     note(_NOTES["throughput"])
     parts.append(throughput_table(table, fmt))

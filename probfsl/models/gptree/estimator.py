@@ -30,7 +30,7 @@ from typing import Self
 import numpy as np
 import torch
 
-from probfsl.derived.gp_tree import DerivedVINodes
+from probfsl.derived.gp_tree import ENGINES
 from probfsl.inference import gp_nodes as gpn
 from probfsl.inference.base import run
 from probfsl.models.base import ENGINE, Hyperparameters
@@ -254,7 +254,7 @@ class GPTree(Hyperparameters):
         """``TypeError``/``ValueError`` naming the first bad hyperparameter (the
         declaration, then the rule that ties ``engine`` to ``inference``)."""
         super()._check_params()
-        if self.engine == "derived" and self.inference == "gibbs":
+        if self.inference == "gibbs" and ENGINES[self.engine].gibbs is None:
             raise ValueError(
                 "engine='derived' needs inference='vi': the derived engine is variational "
                 "message passing on the VI nodes' declaration, and the Gibbs sampler is not "
@@ -264,7 +264,7 @@ class GPTree(Hyperparameters):
     # ------------------------------------------------------------------ helpers
     def _gibbs_engine(self, stage: int, device) -> gpn.GibbsNodes:
         gen = torch.Generator(device=device).manual_seed(int(self.seed) + stage)
-        return gpn.GibbsNodes(
+        return ENGINES[self.engine].gibbs(
             n_chains=int(self.n_chains),
             outputscale=self.gibbs_outputscale,
             lengthscale=self.gibbs_lengthscale,
@@ -348,7 +348,7 @@ class GPTree(Hyperparameters):
         tree = self.base_tree_
         Z = torch.nn.Parameter(self.inducing_.clone(), requires_grad=self.learn_inducing)
         sizes = [sum(len(feats[c]) for c in n.classes) for n in tree.nodes]
-        nodes = DerivedVINodes if self.engine == "derived" else gpn.VINodes
+        nodes = ENGINES[self.engine].vi  # probfsl.derived.gp_tree: VINodes or DerivedVINodes
         engine = nodes(natural_lr=self.natural_lr, code_elbo=self.code_elbo)
         groups, kernels, states, zidx = [], [], [], []
         for ids in group_by_size(sizes):

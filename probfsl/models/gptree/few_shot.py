@@ -16,16 +16,23 @@ import torch
 
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
-from probfsl.derived import gp_tree as derived_gp_tree
-from probfsl.inference import gp_nodes as gpn
+from probfsl.derived.gp_tree import ENGINES
 from probfsl.inference.polya_gamma import mix32
-from probfsl.models.base import BASE_MEAN, ENGINE, BaseMeanCentering, FewShotClassifier
+from probfsl.models.base import (
+    BACKGROUND,
+    BASE_MEAN,
+    ENGINE,
+    OPEN_PRIOR,
+    BaseMeanCentering,
+    FewShotClassifier,
+    OpenSetBackground,
+)
 from probfsl.models.gptree.tree import build_tree
 from probfsl.schema import Choice, EstimatorSchema, Flag, Int, Real
 from probfsl.validation import check_base, check_episodes
 
 
-class GPTreeFewShot(BaseMeanCentering, FewShotClassifier):
+class GPTreeFewShot(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
     """GP-Tree on each few-shot task's support (``probfsl run --method gp-tree``).
 
     Per task: the class tree by exact 2-means on the task's L2-normalised support means,
@@ -71,8 +78,9 @@ class GPTreeFewShot(BaseMeanCentering, FewShotClassifier):
             "seed": Int(nonnegative=True),
             "max_nodes": Int(low=1),
             "engine": ENGINE,
+            "open_prior": OPEN_PRIOR,
         },
-        fitted=(BASE_MEAN,),
+        fitted=(BASE_MEAN, BACKGROUND),
     )
 
     def __init__(
@@ -86,6 +94,7 @@ class GPTreeFewShot(BaseMeanCentering, FewShotClassifier):
         seed: int = 0,
         max_nodes: int = 2000,
         engine: str = "handwritten",
+        open_prior: float = 0.5,
     ) -> None:
         self.n_chains = n_chains
         self.n_sweeps = n_sweeps
@@ -96,13 +105,28 @@ class GPTreeFewShot(BaseMeanCentering, FewShotClassifier):
         self.seed = seed
         self.max_nodes = max_nodes
         self.engine = engine
+        self.open_prior = open_prior
 
     def fit_base(self, features, labels) -> Self:
         """Store the mean of the base ``features [N, D]`` (tensor or NumPy array)."""
         self._check_params()
-        features, _ = check_base(features, labels)
+        features, labels = check_base(features, labels)
         self.base_mean_ = features.mean(0)
+        self.fit_background(center_and_normalize(features, self.centring_mean()), labels)
         return self
+
+    def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
+        """``[T, Q, K+1]``: :meth:`predict_proba` times 1 - P(open), and P(open) last.
+
+        P(open) is the inductive outlier posterior of the two-covariance Gaussian reading
+        of the centred, normalised features, with prior ``open_prior``
+        (:meth:`~probfsl.models.base.OpenSetBackground.inductive_open`).
+        """
+        proba = self.predict_proba(episodes)
+        mean = self.centring_mean()
+        support = center_and_normalize(episodes.support, mean)
+        query = center_and_normalize(episodes.query, mean)
+        return self.inductive_open(episodes, proba, support, query)
 
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
         """Query class probabilities ``[T, Q, K]`` (rows sum to one), design §3.2 and §3.5."""
@@ -138,13 +162,8 @@ class GPTreeFewShot(BaseMeanCentering, FewShotClassifier):
         node_right_t = torch.as_tensor(node_right, device=dev)
         task_keys = _task_keys(episodes.support, labels, int(self.seed))
         node_keys = mix32(task_keys[node_task_t] ^ mix32(torch.as_tensor(node_pos, device=dev)))
-        engine = gpn.GibbsNodes(
-            int(self.n_chains),
-            self.outputscale,
-            self.lengthscale,
-            sampler=self.pg_sampler,
-            seed=int(self.seed),
-        )
+        # probfsl.derived.gp_tree: Gibbs sampling ("handwritten") or VMP's q(f) ("derived")
+        node_probs_of = ENGINES[self.engine].few_shot(self)
         V = len(node_task)
         node_probs = query.new_empty(V, Q)
         failed = torch.zeros(V, dtype=torch.bool, device=dev)
@@ -156,16 +175,9 @@ class GPTreeFewShot(BaseMeanCentering, FewShotClassifier):
             lab = labels[tt]  # [v, n]
             mask = torch.gather(node_in_t[sl], 1, lab)
             y = torch.gather(node_right_t[sl], 1, lab).to(support.dtype) * mask
-            if self.engine == "derived":  # q(f) by VMP on the node's declaration
-                node_probs[sl] = derived_gp_tree.exact_node_probs(
-                    support[tt], y, mask, query[tt], self.outputscale, self.lengthscale
-                )
-                continue
-            state = engine.fit(
-                support[tt], y, mask, int(self.n_sweeps), keys=node_keys[sl], checked=False
+            node_probs[sl], failed[sl] = node_probs_of(
+                support[tt], y, mask, query[tt], node_keys[sl]
             )
-            failed[sl] = state.chol_failed
-            node_probs[sl] = gpn.gibbs_predict(state, query[tt])
         # p(c | x) = Π_{v on c's path} p_v or 1 − p_v (§3.5), all tasks at once
         idx = torch.as_tensor(path_node, device=dev)
         right = torch.as_tensor(path_right, device=dev).unsqueeze(-1)

@@ -1,0 +1,246 @@
+"""The background ("none of the K classes") density of open-set few-shot recognition.
+
+Few-shot open-set recognition (Boudiaf, Bennequin et al., "Model-Agnostic Few-Shot
+Open-Set Recognition", 2022; Jeong et al., "Few-shot Open-set Recognition by
+Transformation Consistency", CVPR 2021) asks, for every query, the probability that it
+belongs to none of the K classes of its task. probfsl answers it in each method's own
+generative model by adding a component k = 0 to the model of the queries:
+
+    z_q ~ Categorical(π),  π ~ Dirichlet(α_0, α_1..α_K),
+    x_q | z_q = k ~ p_k(x)  (k ≥ 1, the method's class-conditional density),
+    x_q | z_q = 0 ~ p_0(x)  (the background: a density of "any class", from the base classes).
+
+This module holds what every method shares:
+
+* :func:`fit_background`: the base classes' pooled mean, within-class and between-class
+  covariances (their sum is the total covariance), optionally shrunk towards a multiple
+  of the identity. A new class's predictive under the two-covariance model of the base
+  classes (class mean drawn from the between-class Gaussian, plus within-class noise) is
+  N(mean, within + between): the background Gaussian.
+* :func:`gaussian_log_density`: a batched Gaussian log-density through a Cholesky
+  factor, for ``[T, Q, D]`` queries against one ``[D, D]`` factor or one per task
+  (``[T, D, D]``); no Python loop over tasks, dtype and device those of the queries.
+* :func:`open_posterior`: the inductive outlier posterior by enumeration over z,
+  P(z = 0 | x) = π_0 p_0(x) / (π_0 p_0(x) + Σ_k π_k p_k(x)), with π_0 the prior open
+  fraction and the known classes sharing 1 - π_0 equally.
+* :func:`two_covariance_log_liks`: the class and background predictive log-likelihoods
+  of the two-covariance (PLDA) model of Ioffe ("Probabilistic Linear Discriminant
+  Analysis", ECCV 2006) and Prince & Elder (ICCV 2007): the generative reading of the
+  inductive methods whose scores are discriminative.
+* :func:`open_fraction_expectations`: E ln π_0 and E ln(1 - π_0) of the Beta posterior of
+  the open fraction, the part of π that transductive methods infer per task. By the
+  aggregation property, π ~ Dirichlet(α_0, α_1..α_K) is π_0 ~ Beta(α_0, Σ_k α_k) and
+  π_{1:K} / (1 - π_0) ~ Dirichlet(α_1..α_K), independent: the class proportions of a
+  method's closed-set model stay as they were, times (1 - π_0).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "BackgroundStats",
+    "attach_open",
+    "fit_background",
+    "gaussian_log_density",
+    "isotropic_scale",
+    "open_fraction_expectations",
+    "open_fraction_prior",
+    "open_posterior",
+    "two_covariance_log_liks",
+]
+
+LOG_2PI = math.log(2 * math.pi)
+#: pseudo-observations of the Beta prior of the open fraction in the transductive methods
+OPEN_PRIOR_STRENGTH = 2.0
+
+
+class BackgroundStats(NamedTuple):
+    """The base classes' Gaussian statistics (one feature space, ``[D]`` and ``[D, D]``).
+
+    ``mean`` the mean of the base class means, ``within`` the pooled within-class
+    covariance, ``between`` the covariance of the class means; the background Gaussian
+    is N(mean, within + between)."""
+
+    mean: torch.Tensor
+    within: torch.Tensor
+    between: torch.Tensor
+
+    @property
+    def total(self) -> torch.Tensor:
+        """The total covariance, within + between (the background's covariance)."""
+        return self.within + self.between
+
+    def to(self, reference: torch.Tensor) -> BackgroundStats:
+        """The statistics in the dtype and on the device of ``reference``."""
+        return BackgroundStats(*(t.to(reference) for t in self))
+
+
+def fit_background(
+    features: torch.Tensor, labels: torch.Tensor, shrinkage: float = 1e-3
+) -> BackgroundStats:
+    """Pooled mean, within- and between-class covariances of base ``features`` [N, D].
+
+    ``labels`` [N]: any integer labels. Every class counts once in the between-class
+    covariance (the mean of the class means, and their covariance); the within-class
+    covariance pools every sample. Both are shrunk towards ``shrinkage`` times their mean
+    variance times the identity (so that they are positive definite when D exceeds the
+    number of samples or classes). Computed in the features' dtype and device.
+    """
+    if features.ndim != 2 or labels.shape != features.shape[:1]:
+        raise ValueError(
+            f"features must be [N, D] with labels [N], got {tuple(features.shape)} and "
+            f"{tuple(labels.shape)}"
+        )
+    if not shrinkage >= 0:
+        raise ValueError(f"shrinkage must be non-negative, got {shrinkage}")
+    _, inverse = labels.unique(return_inverse=True)
+    onehot = torch.nn.functional.one_hot(inverse).to(features)  # [N, C]
+    counts = onehot.sum(0)
+    means = onehot.T @ features / counts.unsqueeze(-1)  # [C, D]
+    centre = means.mean(0)
+    resid = features - means[inverse]
+    within = resid.T @ resid / features.shape[0]
+    spread = means - centre
+    between = spread.T @ spread / means.shape[0]
+    eye = torch.eye(features.shape[1], dtype=features.dtype, device=features.device)
+    d = features.shape[1]
+    floor = torch.finfo(features.dtype).eps
+    within = within + (shrinkage * within.trace() / d + floor) * eye
+    between = between + shrinkage * between.trace() / d * eye
+    return BackgroundStats(centre, within, between)
+
+
+def gaussian_log_density(
+    x: torch.Tensor, mean: torch.Tensor, scale_tril: torch.Tensor
+) -> torch.Tensor:
+    """ln N(x | mean, L L^T) for every row of ``x`` [T, Q, D] (or [Q, D]).
+
+    ``mean`` [D] or [T, D]; ``scale_tril`` L, the lower Cholesky factor of the
+    covariance: [D, D] (one for all tasks, one triangular solve for every row at once) or
+    [T, D, D] (one per task, batched). Returns [T, Q] (or [Q]).
+    """
+    d = x.shape[-1]
+    diff = x - (mean.unsqueeze(-2) if mean.ndim == x.ndim - 1 and mean.ndim > 1 else mean)
+    if scale_tril.ndim == 2:
+        z = torch.linalg.solve_triangular(scale_tril, diff.reshape(-1, d).T, upper=False)
+        maha = z.square().sum(0).reshape(diff.shape[:-1])
+        log_det = scale_tril.diagonal().log().sum()
+    else:
+        z = torch.linalg.solve_triangular(scale_tril, diff.transpose(-1, -2), upper=False)
+        maha = z.square().sum(-2)
+        log_det = scale_tril.diagonal(dim1=-2, dim2=-1).log().sum(-1).unsqueeze(-1)
+    return -0.5 * maha - log_det - 0.5 * d * LOG_2PI
+
+
+def open_posterior(
+    class_log_lik: torch.Tensor, background_log_lik: torch.Tensor, open_prior: float
+) -> torch.Tensor:
+    """P(z = k | x) for k = 1..K and 0 (last column), [T, Q, K + 1], by enumeration.
+
+    ``class_log_lik`` [T, Q, K] ln p_k(x), ``background_log_lik`` [T, Q] ln p_0(x),
+    ``open_prior`` π_0 in (0, 1); the known classes share 1 - π_0 equally:
+    P(z = 0 | x) = π_0 p_0(x) / (π_0 p_0(x) + Σ_k (1 - π_0) / K p_k(x)).
+    """
+    if not 0 < open_prior < 1:
+        raise ValueError(f"open_prior must be in (0, 1), got {open_prior}")
+    k = class_log_lik.shape[-1]
+    logits = torch.cat(
+        [
+            class_log_lik + (math.log1p(-open_prior) - math.log(k)),
+            background_log_lik.unsqueeze(-1) + math.log(open_prior),
+        ],
+        -1,
+    )
+    return torch.softmax(logits, -1)
+
+
+def attach_open(proba: torch.Tensor, p_open: torch.Tensor) -> torch.Tensor:
+    """[T, Q, K + 1]: the closed-set ``proba`` [T, Q, K] times 1 - ``p_open`` [T, Q], and
+    ``p_open`` last (rows sum to one when those of ``proba`` do).
+
+    1 - ``p_open`` is floored at the dtype's smallest normal number, so that the known
+    columns of a query deemed certainly open keep the order of ``proba`` (the row then
+    sums to 1 up to that amount)."""
+    p_open = p_open.unsqueeze(-1)
+    closed = (1 - p_open).clamp_min(torch.finfo(p_open.dtype).smallest_normal)
+    return torch.cat([proba * closed, p_open], -1)
+
+
+def open_fraction_prior(open_prior: float) -> tuple[float, float]:
+    """The Beta prior (a_open, a_closed) of the open fraction π_0, with mean
+    ``open_prior`` and :data:`OPEN_PRIOR_STRENGTH` pseudo-observations."""
+    if not 0 < open_prior < 1:
+        raise ValueError(f"open_prior must be in (0, 1), got {open_prior}")
+    return OPEN_PRIOR_STRENGTH * open_prior, OPEN_PRIOR_STRENGTH * (1 - open_prior)
+
+
+def open_fraction_expectations(
+    open_mass: torch.Tensor, closed_mass: torch.Tensor, open_prior: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """E ln π_0 and E ln(1 - π_0), each [T], under the Beta posterior of the open
+    fraction given the expected counts ``open_mass`` and ``closed_mass`` [T]."""
+    a_open, a_closed = open_fraction_prior(open_prior)
+    a = open_mass + a_open
+    b = closed_mass + a_closed
+    total = torch.digamma(a + b)
+    return torch.digamma(a) - total, torch.digamma(b) - total
+
+
+def isotropic_scale(covariance: torch.Tensor) -> float:
+    """The average variance of a covariance [D, D], tr / D (a host number)."""
+    return float(covariance.trace()) / covariance.shape[-1]
+
+
+def _diagonalise(stats: BackgroundStats) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W [D, D], λ [D]): W^T within W = I and W^T between W = diag(λ) (simultaneous
+    diagonalisation through the Cholesky factor of ``within``)."""
+    chol = torch.linalg.cholesky(stats.within)
+    eye = torch.eye(chol.shape[0], dtype=chol.dtype, device=chol.device)
+    inv = torch.linalg.solve_triangular(chol, eye, upper=False)  # L^{-1}
+    lam, vec = torch.linalg.eigh(inv @ stats.between @ inv.T)
+    return inv.T @ vec, lam.clamp_min(0)
+
+
+def two_covariance_log_liks(
+    support: torch.Tensor,
+    support_labels: torch.Tensor,
+    query: torch.Tensor,
+    way: int,
+    stats: BackgroundStats,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Class and background predictive log-likelihoods of the queries, [T, Q, K] and [T, Q].
+
+    The two-covariance model of the base classes (Ioffe, ECCV 2006; Prince & Elder, ICCV
+    2007): μ_k ~ N(mean, between), x | k ~ N(μ_k, within). Given the n_k support rows of
+    class k, its predictive is N(posterior mean of μ_k, within + posterior covariance);
+    the background is a new class's predictive, N(mean, within + between). Computed in
+    the basis that whitens ``within`` and diagonalises ``between`` (one D x D
+    factorisation per call, shared by every task): every density is then diagonal.
+    ``stats`` is cast to the dtype and device of ``query``.
+    """
+    stats = stats.to(query)
+    w, lam = _diagonalise(stats)
+    log_jac = torch.linalg.slogdet(w)[1]
+    ys = (support - stats.mean) @ w  # [T, S, D]
+    yq = (query - stats.mean) @ w  # [T, Q, D]
+    onehot = torch.nn.functional.one_hot(support_labels, way).to(ys)  # [T, S, K]
+    counts = onehot.sum(1).unsqueeze(-1)  # [T, K, 1]
+    sums = onehot.transpose(1, 2) @ ys  # [T, K, D]
+    shrink = lam / (1 + counts * lam)  # posterior variance of μ_k, [T, K, D]
+    post_mean = shrink * sums
+    var = 1 + shrink  # [T, K, D]
+    inv_var = var.reciprocal()
+    maha = (
+        yq.square() @ inv_var.transpose(1, 2)
+        - 2 * yq @ (post_mean * inv_var).transpose(1, 2)
+        + (post_mean.square() * inv_var).sum(-1).unsqueeze(1)
+    )  # [T, Q, K]: Σ_d (y_d - m_kd)^2 / v_kd without a [T, Q, K, D] tensor
+    d = query.shape[-1]
+    class_ll = -0.5 * (maha + var.log().sum(-1).unsqueeze(1) + d * LOG_2PI)
+    bg_var = 1 + lam
+    background_ll = -0.5 * ((yq.square() / bg_var).sum(-1) + bg_var.log().sum() + d * LOG_2PI)
+    return class_ll + log_jac, background_ll + log_jac

@@ -1,0 +1,255 @@
+"""Open-set posteriors: the background module and every method's ``predict_proba_open``."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import multivariate_normal
+
+from probfsl.data import load_dataset
+from probfsl.data.tasks import Episodes
+from probfsl.inference.background import (
+    attach_open,
+    fit_background,
+    gaussian_log_density,
+    open_posterior,
+    two_covariance_log_liks,
+)
+from probfsl.methods import METHODS, build_estimator
+from probfsl.models.nearest_centroid import NearestCentroid
+
+WAY, SHOT, PER_CLASS = 5, 1, 3
+
+#: small settings for the slow methods
+FAST = {"gp-tree": {"n_chains": 2, "n_sweeps": 2}, "em-dirichlet": {"n_iter": 5}}
+
+
+@pytest.fixture(scope="module")
+def omniglot():
+    return load_dataset("omniglot")
+
+
+def open_episodes(fs, n_tasks: int, n_open_classes: int = 2, seed: int = 0) -> Episodes:
+    """Tasks of WAY known novel classes and ``n_open_classes`` others whose queries
+    (labelled WAY) come last."""
+    novel = fs.rows("novel")
+    labels = fs.labels[novel]
+    classes = np.unique(labels)
+    sup, qry, qlab, cls = [], [], [], []
+    for t in range(n_tasks):
+        rng = np.random.default_rng([seed, t])
+        chosen = rng.choice(classes, WAY + n_open_classes, replace=False)
+        s_rows, q_rows, q_lab = [], [], []
+        for k, c in enumerate(chosen):
+            take = SHOT + PER_CLASS if k < WAY else PER_CLASS
+            rows = rng.choice(novel[labels == c], take, replace=False)
+            if k < WAY:
+                s_rows.append(rows[:SHOT])
+                rows = rows[SHOT:]
+            q_rows.append(rows)
+            q_lab += [min(k, WAY)] * PER_CLASS
+        sup.append(np.stack(s_rows, 1).reshape(-1))
+        qry.append(np.concatenate(q_rows))
+        qlab.append(q_lab)
+        cls.append(chosen[:WAY])
+    feats = torch.as_tensor(fs.features, dtype=torch.float32)
+    sup, qry = torch.as_tensor(np.stack(sup)), torch.as_tensor(np.stack(qry))
+    return Episodes(
+        feats[sup],
+        torch.arange(WAY).repeat(SHOT).expand(n_tasks, -1),
+        feats[qry],
+        torch.as_tensor(np.array(qlab)),
+        torch.as_tensor(np.stack(cls)),
+        sup,
+        qry,
+    )
+
+
+# ------------------------------------------------------------------ background module
+@pytest.mark.parametrize("per_task", [False, True])
+def test_gaussian_log_density_matches_scipy(per_task):
+    gen = torch.Generator().manual_seed(0)
+    t, q, d = 3, 4, 5
+    x = torch.randn(t, q, d, generator=gen, dtype=torch.float64)
+    a = torch.randn(t if per_task else 1, d, d, generator=gen, dtype=torch.float64)
+    cov = a @ a.transpose(1, 2) + torch.eye(d, dtype=torch.float64)
+    mean = torch.randn(t if per_task else 1, d, generator=gen, dtype=torch.float64)
+    chol = torch.linalg.cholesky(cov)
+    got = gaussian_log_density(x, mean if per_task else mean[0], chol if per_task else chol[0])
+    for i in range(t):
+        j = i if per_task else 0
+        want = multivariate_normal(mean[j].numpy(), cov[j].numpy()).logpdf(x[i].numpy())
+        np.testing.assert_allclose(got[i].numpy(), want, rtol=1e-10)
+    got32 = gaussian_log_density(
+        x.float(), (mean if per_task else mean[0]).float(), (chol if per_task else chol[0]).float()
+    )
+    assert got32.dtype == torch.float32
+    torch.testing.assert_close(got32.double(), got, rtol=1e-4, atol=1e-4)
+
+
+def test_fit_background_statistics():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 3, generator=gen, dtype=torch.float64)
+    labels = torch.arange(4).repeat_interleave(10)
+    stats = fit_background(x, labels, shrinkage=0.0)
+    means = torch.stack([x[labels == c].mean(0) for c in range(4)])
+    torch.testing.assert_close(stats.mean, means.mean(0))
+    resid = x - means[labels]
+    torch.testing.assert_close(stats.within, resid.T @ resid / 40, atol=1e-12, rtol=0)
+    spread = means - means.mean(0)
+    torch.testing.assert_close(stats.between, spread.T @ spread / 4)
+    stats32 = fit_background(x.float(), labels, shrinkage=0.0)
+    assert stats32.total.dtype == torch.float32
+    torch.testing.assert_close(stats32.total.double(), stats.total, atol=1e-5, rtol=1e-5)
+
+
+def test_open_posterior_is_enumeration_over_z():
+    """P(z | x) of the tiny mixture (π_0, (1 - π_0)/K ...) by enumerating z."""
+    class_ll = torch.tensor([[[-1.0, -3.0, -0.5]]], dtype=torch.float64)
+    bg_ll = torch.tensor([[-2.0]], dtype=torch.float64)
+    pi0 = 0.3
+    got = open_posterior(class_ll, bg_ll, pi0)
+    joint = [(1 - pi0) / 3 * np.exp(v) for v in class_ll[0, 0].tolist()]
+    joint.append(pi0 * np.exp(bg_ll.item()))
+    np.testing.assert_allclose(got[0, 0].numpy(), np.array(joint) / sum(joint), rtol=1e-12)
+    with pytest.raises(ValueError, match="open_prior"):
+        open_posterior(class_ll, bg_ll, 1.0)
+
+
+def test_two_covariance_log_liks_match_brute_force():
+    gen = torch.Generator().manual_seed(2)
+    d, k = 3, 2
+    base = torch.randn(60, d, generator=gen, dtype=torch.float64)
+    labels = torch.arange(6).repeat_interleave(10)
+    base = base + 2 * torch.randn(6, d, generator=gen, dtype=torch.float64)[labels]
+    stats = fit_background(base, labels)
+    support = torch.randn(1, 4, d, generator=gen, dtype=torch.float64)
+    support_labels = torch.tensor([[0, 1, 0, 1]])
+    query = torch.randn(1, 3, d, generator=gen, dtype=torch.float64)
+    class_ll, bg_ll = two_covariance_log_liks(support, support_labels, query, k, stats)
+    w, b, m = stats.within.numpy(), stats.between.numpy(), stats.mean.numpy()
+    for c in range(k):
+        rows = support[0, support_labels[0] == c].numpy()
+        n = len(rows)
+        post_cov = np.linalg.inv(np.linalg.inv(b) + n * np.linalg.inv(w))
+        post_mean = m + post_cov @ np.linalg.inv(w) @ (rows - m).sum(0)
+        want = multivariate_normal(post_mean, w + post_cov).logpdf(query[0].numpy())
+        np.testing.assert_allclose(class_ll[0, :, c].numpy(), want, rtol=1e-9)
+    want = multivariate_normal(m, w + b).logpdf(query[0].numpy())
+    np.testing.assert_allclose(bg_ll[0].numpy(), want, rtol=1e-9)
+
+
+def test_attach_open_rows_sum_to_one():
+    proba = torch.softmax(torch.randn(2, 3, 4), -1)
+    p_open = torch.rand(2, 3)
+    out = attach_open(proba, p_open)
+    torch.testing.assert_close(out.sum(-1), torch.ones(2, 3))
+    assert torch.equal(out[..., :4].argmax(-1), proba.argmax(-1))
+
+
+# ------------------------------------------------------------------ every method
+@pytest.fixture(scope="module")
+def fitted(omniglot):
+    return {
+        name: build_estimator(name, **FAST.get(name, {})).fit_featureset(omniglot)
+        for name in METHODS
+    }
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_every_method_shape_sum_dtype(name, fitted, omniglot):
+    est = fitted[name]
+    episodes = open_episodes(omniglot, 3)
+    for dtype in (torch.float32, torch.float64):
+        ep = episodes.to(dtype=dtype)
+        p = est.predict_proba_open(ep)
+        assert p.shape == (3, ep.n_query, WAY + 1)
+        assert p.dtype == dtype and p.device == ep.query.device
+        assert bool(torch.isfinite(p).all()) and bool((p >= 0).all())
+        torch.testing.assert_close(p.sum(-1), torch.ones_like(p[..., 0]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_closed_argmax_agrees_without_open_queries(name, fitted, omniglot):
+    est = fitted[name]
+    episodes = open_episodes(omniglot, 6, n_open_classes=0)
+    closed = est.predict_proba(episodes).argmax(-1)
+    open_ = est.predict_proba_open(episodes)[..., :WAY].argmax(-1)
+    agree = (closed == open_).double().mean().item()
+    assert agree >= (1.0 if not est.transductive else 0.85), agree
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_needs_base_classes(name):
+    est = build_estimator(name)
+    fs = load_dataset("omniglot")
+    episodes = open_episodes(fs, 1)
+    with pytest.raises(ValueError, match="base"):
+        est.predict_proba_open(episodes)
+
+
+@pytest.mark.parametrize("name", ["nearest-centroid", "soft-kmeans", "bavardage", "slem"])
+def test_batched_equals_one_at_a_time(name, fitted, omniglot):
+    est = fitted[name]
+    episodes = open_episodes(omniglot, 3).to(dtype=torch.float64)
+    batched = est.predict_proba_open(episodes)
+    single = torch.cat([est.predict_proba_open(episodes[t]) for t in range(3)])
+    torch.testing.assert_close(batched, single, atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["nearest-centroid", "evidence-lssvm", "slem"])
+def test_outlier_posterior_monotone_in_distance(name, fitted, omniglot):
+    """A query moved away from every class along the base mean's complement grows more open."""
+    est = fitted[name]
+    episodes = open_episodes(omniglot, 1).to(dtype=torch.float64)
+    support = episodes.support[0]
+    direction = torch.randn(support.shape[-1], generator=torch.Generator().manual_seed(3))
+    direction = direction.to(support) / direction.norm()
+    base = support.mean(0)
+    steps = torch.linspace(0, 3, 7, dtype=support.dtype)
+    scale = support.norm(dim=-1).mean()
+    query = (base + scale * steps[:, None] * direction).unsqueeze(0)
+    ep = Episodes(
+        episodes.support,
+        episodes.support_labels,
+        query,
+        torch.zeros(1, len(steps), dtype=torch.long),
+        episodes.classes,
+        episodes.support_index,
+        torch.zeros(1, len(steps), dtype=torch.long),
+    )
+    p_open = est.predict_proba_open(ep)[0, :, -1]
+    assert bool((p_open[1:] >= p_open[:-1] - 1e-9).all()), p_open
+
+
+def test_inductive_open_column_is_the_formula(fitted, omniglot):
+    """nearest centroid's last column is the two-covariance enumeration, known columns its
+    own probabilities times 1 - P(open)."""
+    est: NearestCentroid = fitted["nearest-centroid"]
+    episodes = open_episodes(omniglot, 2).to(dtype=torch.float64)
+    got = est.predict_proba_open(episodes)
+    from probfsl.data.preprocess import center_and_normalize
+
+    s = center_and_normalize(episodes.support, est.base_mean_)
+    q = center_and_normalize(episodes.query, est.base_mean_)
+    stats = est.background_stats(q)
+    class_ll, bg_ll = two_covariance_log_liks(s, episodes.support_labels, q, WAY, stats)
+    for t, i in itertools.product(range(2), range(3)):
+        ll = torch.cat([class_ll[t, i] + np.log(0.5 / WAY), bg_ll[t, i : i + 1] + np.log(0.5)])
+        want = torch.softmax(ll, -1)[-1]
+        torch.testing.assert_close(got[t, i, -1], want)
+    proba = est.predict_proba(episodes)
+    torch.testing.assert_close(got[..., :WAY], proba * (1 - got[..., -1:]))
+
+
+def test_open_queries_get_more_background(fitted, omniglot):
+    """On average, open queries get a larger last column than closed ones (soft k-means,
+    BAVARDAGE, nearest centroid)."""
+    episodes = open_episodes(omniglot, 20, n_open_classes=5)
+    is_open = episodes.query_labels == WAY
+    for name in ("nearest-centroid", "soft-kmeans", "bavardage"):
+        p = fitted[name].predict_proba_open(episodes)[..., -1]
+        assert p[is_open].mean() > p[~is_open].mean(), name

@@ -1,0 +1,391 @@
+"""The few-shot open-set recognition protocol: open queries in the sampled tasks, the
+metrics of probfsl.evaluation.open_set (against scikit-learn), ``probfsl run
+--open-queries`` and the sweep grid's ``open`` axis."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from scipy.stats import rankdata
+from sklearn.metrics import average_precision_score, precision_recall_curve, roc_auc_score
+
+from probfsl.cli import main
+from probfsl.data import load_dataset, sample_episodes, sample_task_indices, save_task_file
+from probfsl.data.preprocess import center_and_normalize
+from probfsl.data.tasks import Episodes
+from probfsl.evaluation.open_set import (
+    KNNDistanceBaseline,
+    MaxSoftmaxBaseline,
+    auroc,
+    average_precision,
+    average_ranks,
+    evaluate_open_set,
+    open_ece,
+    open_set_baselines,
+    open_set_per_task,
+    open_set_scores,
+    precision_at_recall,
+)
+from probfsl.models.nearest_centroid import NearestCentroid
+from probfsl.sweeps.cell import run_cell
+from probfsl.sweeps.config import config_from_dict
+from probfsl.sweeps.report import open_set_table, write_report
+
+# --- a stub open-set posterior (until every method has its own) --------------------------
+
+
+def _stub_proba_open(self, episodes: Episodes) -> torch.Tensor:
+    """Nearest centroid's probabilities times P(known), P(open) rising with the distance
+    of the query to its nearest support sample: a posterior over K + 1 columns."""
+    mean = self.checked_centring_mean(episodes)
+    support = center_and_normalize(episodes.support, mean)
+    query = center_and_normalize(episodes.query, mean)
+    nearest = torch.cdist(query, support).min(-1).values
+    p_open = torch.sigmoid(8 * (nearest - 0.8)).unsqueeze(-1)
+    return torch.cat([self.predict_proba(episodes) * (1 - p_open), p_open], -1)
+
+
+@pytest.fixture
+def open_posterior(monkeypatch):
+    """Nearest centroid with ``predict_proba_open``: its own where it has one, else the
+    stub above."""
+    if not hasattr(NearestCentroid, "predict_proba_open"):
+        monkeypatch.setattr(NearestCentroid, "predict_proba_open", _stub_proba_open, raising=False)
+    return NearestCentroid
+
+
+class _Oracle:
+    """Knows which queries are open: a perfect posterior."""
+
+    def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
+        return torch.nn.functional.one_hot(episodes.query_labels, episodes.way + 1).float()
+
+
+class _Coin:
+    """Scores at random: AUROC about one half."""
+
+    def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
+        g = torch.Generator().manual_seed(0)
+        shape = (episodes.n_tasks, episodes.n_query, episodes.way + 1)
+        return torch.softmax(torch.randn(shape, generator=g), -1)
+
+
+# --- sampling ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("balance", ["balanced", "dirichlet"])
+def test_open_queries_come_from_other_classes_of_the_split(synthetic, balance):
+    ep = sample_episodes(
+        synthetic, 12, way=3, shot=2, n_query=12, n_open=12, balance=balance, seed=3
+    )
+    assert ep.query.shape == (12, 24, 5) and ep.classes.shape == (12, 3)
+    assert ep.open_mask.dtype == torch.bool and ep.open_mask.shape == (12, 24)
+    assert torch.equal(ep.open_mask, ep.query_labels == 3)
+    assert torch.equal(ep.open_mask.sum(1), torch.full((12,), 12))
+    labels = torch.as_tensor(synthetic.labels)
+    novel = set(synthetic.classes_in("novel").tolist())
+    feats = torch.as_tensor(synthetic.features)
+    assert torch.equal(ep.query, feats[ep.query_index])
+    for t in range(12):
+        known = set(ep.classes[t].tolist())
+        open_rows = ep.query_index[t][ep.open_mask[t]]
+        closed_rows = ep.query_index[t][~ep.open_mask[t]]
+        open_labels = labels[open_rows].tolist()
+        assert not set(open_labels) & known and set(open_labels) <= novel
+        assert len(set(open_labels)) <= 3  # open_way: as many as the known classes
+        closed = ep.classes[t][ep.query_labels[t][~ep.open_mask[t]]]
+        assert torch.equal(labels[closed_rows], closed)
+        rows = torch.cat([ep.support_index[t], ep.query_index[t]])
+        assert rows.unique().numel() == rows.numel(), "support and queries overlap"
+        if balance == "balanced":
+            assert sorted(np.bincount(open_labels)[np.bincount(open_labels) > 0]) == [4, 4, 4]
+
+
+def test_open_tasks_are_seeded_and_keep_the_closed_task(synthetic):
+    args = dict(way=3, shot=2, n_query=12, balance="dirichlet", seed=5)
+    first = sample_task_indices(synthetic, 6, n_open=9, **args)
+    again = sample_task_indices(synthetic, 6, n_open=9, **args)
+    later = sample_task_indices(synthetic, 2, n_open=9, start=4, **args)
+    closed = sample_task_indices(synthetic, 6, **args)
+    for key in first:
+        assert np.array_equal(first[key], again[key])
+        assert np.array_equal(first[key][4:], later[key])
+    assert np.array_equal(first["support"], closed["support"])
+    assert np.array_equal(first["classes"], closed["classes"])
+    for t in range(6):
+        known = first["query"][t][first["query_labels"][t] < 3]
+        assert sorted(known) == sorted(closed["query"][t])
+    other_seed = sample_task_indices(synthetic, 6, n_open=9, **{**args, "seed": 6})
+    assert not np.array_equal(first["query"], other_seed["query"])
+
+
+def test_dirichlet_open_counts_vary_and_balanced_spread_evenly(synthetic):
+    labels = synthetic.labels
+    idx = sample_task_indices(
+        synthetic, 40, way=3, shot=1, n_query=15, balance="dirichlet", n_open=15, seed=0
+    )
+    spreads = set()
+    for t in range(40):
+        open_rows = idx["query"][t][idx["query_labels"][t] == 3]
+        counts = np.unique(labels[open_rows], return_counts=True)[1]
+        assert counts.sum() == 15 and set(labels[open_rows]) <= set(idx["open_classes"][t])
+        spreads.add(tuple(sorted(counts)))
+    assert len(spreads) > 5, "Dirichlet open counts should differ between tasks"
+    # balanced with a remainder: 14 over 3 open classes is 5, 5, 4
+    idx = sample_task_indices(synthetic, 5, way=3, shot=1, n_query=15, n_open=14, seed=0)
+    for t in range(5):
+        open_rows = idx["query"][t][idx["query_labels"][t] == 3]
+        assert sorted(np.unique(labels[open_rows], return_counts=True)[1]) == [4, 5, 5]
+
+
+def test_open_way_defaults_to_the_classes_left(synthetic):
+    # 8 novel classes: 6-way tasks leave 2 open classes
+    idx = sample_task_indices(synthetic, 4, way=6, shot=1, n_query=12, n_open=10, seed=0)
+    assert idx["open_classes"].shape == (4, 2)
+    idx = sample_task_indices(synthetic, 4, way=3, shot=1, n_query=12, n_open=10, open_way=5)
+    assert idx["open_classes"].shape == (4, 5)
+    for t in range(4):
+        assert not set(idx["open_classes"][t]) & set(idx["classes"][t])
+    closed = sample_episodes(synthetic, 3, way=3, shot=1, n_query=12)
+    assert not closed.open_mask.any()
+
+
+@pytest.mark.parametrize(
+    "kwargs, problem",
+    [
+        (dict(n_open=-1), "n_open"),
+        (dict(way=8, n_query=8, n_open=5), "all taken by 8-way tasks"),
+        (dict(n_open=6, open_way=6), "open_way=6 open classes asked"),
+        (dict(n_open=31 * 3), "need up to 31 samples per class"),
+        (dict(n_open=91, balance="dirichlet"), "cannot be drawn from 3 open classes"),
+        (dict(n_open=0, open_way=2), "needs open queries"),
+        (dict(n_open=5, open_way=0), "open_way"),
+    ],
+)
+def test_bad_open_settings_are_value_errors_before_any_work(synthetic, kwargs, problem):
+    args = {"way": 3, "shot": 1, "n_query": 9, "seed": 0, **kwargs}
+    with pytest.raises(ValueError, match=problem):
+        sample_task_indices(synthetic, 2, **args)
+    with pytest.raises(ValueError, match=problem):
+        # a huge batch: refused before anything is drawn or allocated
+        sample_episodes(synthetic, 10**9, max_bytes=2**62, **args)
+
+
+def test_task_files_refuse_open_tasks(synthetic, tmp_path):
+    idx = sample_task_indices(synthetic, 3, way=3, shot=1, n_query=9, n_open=6)
+    with pytest.raises(ValueError, match="task files hold closed tasks only"):
+        save_task_file(tmp_path / "open.npz", idx)
+    without = {k: v for k, v in idx.items() if k != "open_classes"}
+    with pytest.raises(ValueError, match="task files hold closed tasks only"):
+        save_task_file(tmp_path / "open.npz", without)
+    assert not (tmp_path / "open.npz").exists()
+
+
+# --- metrics --------------------------------------------------------------------------------
+
+
+def _random_scores(ties: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (60, 50)
+    scores = (
+        torch.randint(0, 7, shape, generator=g).double()
+        if ties
+        else torch.randn(shape, generator=g)
+    )
+    positive = torch.rand(shape, generator=g) < 0.4
+    positive[:, 0], positive[:, 1] = True, False
+    return scores, positive
+
+
+def _sklearn_p_at_90(y: np.ndarray, s: np.ndarray) -> float:
+    precision, recall, _ = precision_recall_curve(y, s)
+    return precision[np.flatnonzero(recall[:-1] >= 0.9).max()]
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_rank_metrics_match_sklearn(ties):
+    scores, positive = _random_scores(ties)
+    y, s = positive.numpy(), scores.numpy()
+    expected_ranks = np.stack([rankdata(row) for row in s])
+    np.testing.assert_allclose(average_ranks(scores).numpy(), expected_ranks)
+    np.testing.assert_allclose(
+        auroc(scores, positive).numpy(),
+        [roc_auc_score(a, b) for a, b in zip(y, s, strict=True)],
+        atol=1e-12,
+    )
+    np.testing.assert_allclose(
+        average_precision(scores, positive).numpy(),
+        [average_precision_score(a, b) for a, b in zip(y, s, strict=True)],
+        atol=1e-12,
+    )
+    np.testing.assert_allclose(
+        precision_at_recall(scores, positive).numpy(),
+        [_sklearn_p_at_90(a, b) for a, b in zip(y, s, strict=True)],
+        atol=1e-12,
+    )
+
+
+def test_metrics_are_nan_without_positives_and_check_their_input():
+    scores = torch.tensor([[0.1, 0.2, 0.3], [0.2, 0.2, 0.2]])  # all tied: AUROC 1/2
+    positive = torch.tensor([[False, False, False], [True, False, True]])
+    assert torch.isnan(auroc(scores, positive)[0]) and auroc(scores, positive)[1] == 0.5
+    assert torch.isnan(average_precision(scores, positive)[0])
+    assert torch.isnan(precision_at_recall(scores, positive)[0])
+    with pytest.raises(ValueError, match="finite"):
+        auroc(torch.tensor([[0.1, float("nan")]]), torch.tensor([[True, False]]))
+    with pytest.raises(ValueError, match=r"\[T, N\]"):
+        auroc(scores, positive[:, :2])
+
+
+def test_open_ece_by_hand():
+    p = torch.tensor([[0.05, 0.05, 0.95, 0.95, 0.5, 0.5]])
+    y = torch.tensor([[False, True, True, True, False, False]])
+    # bins: {0.05, 0.05}: |1 - 0.1| = 0.9; {0.95, 0.95}: |2 - 1.9| = 0.1; {0.5, 0.5}: 1.0
+    assert open_ece(p, y, n_bins=10).item() == pytest.approx((0.9 + 0.1 + 1.0) / 6)
+    assert open_ece(y.double(), y).item() == 0
+
+
+def test_per_task_scores_use_closed_queries_for_accuracy():
+    # 2 known classes; queries: closed 0, closed 1, open, open
+    proba = torch.tensor([[[0.7, 0.2, 0.1], [0.6, 0.3, 0.1], [0.1, 0.1, 0.8], [0.5, 0.1, 0.4]]])
+    labels = torch.tensor([[0, 1, 2, 2]])
+    scores = open_set_scores(proba, labels)
+    assert scores["accuracy"].item() == 0.5  # the open queries are not counted
+    assert scores["auroc"].item() == 1.0 and scores["aupr"].item() == 1.0
+    assert scores["prec_at_90_recall"].item() == 1.0
+    assert {"ece_open", "ece", "nll", "brier"} <= set(scores)
+    with pytest.raises(ValueError, match="closed and open queries"):
+        open_set_per_task(proba[..., :2], proba[..., 2], torch.tensor([[0, 1, 0, 1]]))
+
+
+# --- evaluation with estimators and baselines ------------------------------------------------
+
+
+@pytest.fixture
+def open_episodes(synthetic):
+    return sample_episodes(synthetic, 30, way=3, shot=2, n_query=12, n_open=12, seed=0)
+
+
+def test_evaluate_open_set_oracle_coin_and_wrong_shapes(open_episodes):
+    perfect = evaluate_open_set(_Oracle(), open_episodes, batch_size=7)
+    assert perfect.n_tasks == 30
+    for name in ("accuracy", "auroc", "aupr", "prec_at_90_recall"):
+        assert perfect.metrics[name] == (100.0, 0.0)
+    assert perfect.metrics["ece_open"] == (0.0, 0.0)
+    coin = evaluate_open_set(_Coin(), open_episodes)
+    mean, ci = coin.metrics["auroc"]
+    assert abs(mean - 50) < 3 * ci + 1
+    summary = coin.summary()
+    assert {"accuracy", "ci95", "auroc", "auroc_ci95", "ece_open_ci95"} <= set(summary)
+    assert "auroc" in str(coin)
+
+    class Wrong:
+        def predict_proba_open(self, episodes):
+            return torch.ones(episodes.n_tasks, episodes.n_query, episodes.way) / episodes.way
+
+    with pytest.raises(ValueError, match=r"\[T, Q, K\+1\]"):
+        evaluate_open_set(Wrong(), open_episodes)
+    with pytest.raises(ValueError, match="no open-set posterior"):
+        evaluate_open_set(object(), open_episodes)
+
+
+def test_baselines_detect_open_queries(synthetic, open_episodes, open_posterior):
+    classifier = open_posterior().fit_featureset(synthetic)
+    baselines = open_set_baselines(classifier)
+    assert isinstance(baselines["knn"], KNNDistanceBaseline)
+    assert isinstance(baselines["msp"], MaxSoftmaxBaseline)
+    assert baselines["knn"].neighbours(open_episodes) == 3  # 2 shots: the 5-shot default
+    one_shot = sample_episodes(synthetic, 4, way=3, shot=1, n_query=12, n_open=6)
+    assert baselines["knn"].neighbours(one_shot) == 1
+    knn = evaluate_open_set(baselines["knn"], open_episodes)
+    msp = evaluate_open_set(baselines["msp"], open_episodes)
+    assert knn.metrics["accuracy"] == msp.metrics["accuracy"]  # nearest centroid's argmax
+    assert "ece_open" not in knn.metrics  # a distance is not a probability
+    assert knn.metrics["auroc"][0] > 75  # well-separated synthetic classes
+    method = evaluate_open_set(classifier, open_episodes)
+    assert method.metrics["auroc"][0] > 60 and "ece_open" in method.metrics
+    with pytest.raises(ValueError, match="k must be"):
+        KNNDistanceBaseline(classifier, k=0)
+
+
+# --- the command line and sweeps ------------------------------------------------------------
+
+
+def test_probfsl_run_open_queries_end_to_end(tmp_path, capsys, open_posterior):
+    out = tmp_path / "open.json"
+    argv = ["run", "--method", "nearest-centroid", "--dataset", "omniglot"]
+    status = main([*argv, "--open-queries", "75", "--tasks", "40", "--out", str(out)])
+    assert status == 0
+    printed = capsys.readouterr().out
+    assert "75 closed + 75 open queries (5 open classes)" in printed
+    assert "1-NN distance" in printed and "max softmax" in printed
+    row = json.loads(out.read_text())
+    assert row["open_queries"] == 75 and row["open_way"] == 5 and row["knn_k"] == 1
+    for key in ("auroc", "aupr", "prec_at_90_recall", "knn_auroc", "msp_auroc"):
+        assert 0 <= row[key] <= 100 and row[f"{key}_ci95"] > 0
+    assert 0 <= row["ece_open"] <= 1 and row["tasks"] == 40
+    assert row["accuracy"] == row["baseline_accuracy"]  # the same argmax on the same tasks
+    # the closed-set run of the same seed has the same support and closed queries
+    closed = tmp_path / "closed.json"
+    assert main([*argv, "--tasks", "40", "--out", str(closed)]) == 0
+    assert json.loads(closed.read_text())["accuracy"] == pytest.approx(row["accuracy"])
+
+
+@pytest.mark.parametrize(
+    "extra, problem",
+    [
+        (["--open-queries", "-1"], "must be an integer >= 0"),
+        (["--open-queries", "75", "--zero-shot"], "applies to few-shot runs"),
+        (["--open-queries", "3000"], "open queries"),
+        (["--open-queries", "75", "--way", "106", "--query", "106"], "all taken"),
+    ],
+)
+def test_probfsl_run_open_queries_errors(capsys, extra, problem):
+    argv = ["run", "--method", "nearest-centroid", "--dataset", "omniglot", "--tasks", "5"]
+    try:
+        status = main([*argv, *extra])
+    except SystemExit as stop:
+        status = stop.code
+    assert status == 2
+    assert problem in capsys.readouterr().err
+
+
+def test_sweep_open_axis_cells_rows_and_report(tmp_path, open_posterior):
+    raw = {
+        "data": {"omni": {"dataset": "omniglot"}},
+        "methods": ["nearest-centroid"],
+        "grid": {"open": [0, 75]},
+        "run": {"tasks": 12, "device": "cpu"},
+    }
+    cells = config_from_dict(raw).cells()
+    assert [c.open_queries for c in cells] == [0, 75]
+    assert "--open-queries" not in cells[0].argv()
+    assert "--open-queries" in cells[1].argv() and "open 75" in cells[1].describe()
+    assert cells[0].key("v", "d") != cells[1].key("v", "d")
+    with pytest.raises(ValueError, match="grid.open"):
+        config_from_dict({**raw, "grid": {"open": [-1]}})
+    with pytest.raises(ValueError, match="grid.open = 5000"):
+        config_from_dict({**raw, "grid": {"open": [5000]}})
+    rows = []
+    for cell in cells:
+        row = run_cell(cell, "cpu")
+        assert row["status"] == "ok", row.get("error")
+        rows.append({**cell.fields(), **row, "code_version": "test"})
+    table = pd.DataFrame(rows)
+    text = open_set_table(table)
+    assert "AUROC" in text and "k-NN distance" in text and "max softmax" in text
+    assert text.count("| omni |") == 3  # the method and the two baselines, open cells only
+    paths = write_report(table, tmp_path / "report", code_version="test")
+    assert "## Open-set recognition" in paths["markdown"].read_text()
+
+
+def test_omniglot_paper_setting_shapes():
+    fs = load_dataset("omniglot")
+    ep = sample_episodes(fs, 3, way=5, shot=5, n_query=75, n_open=75, seed=0)
+    assert ep.query.shape == (3, 150, 64) and int(ep.open_mask.sum()) == 225
+    counts = torch.stack([torch.bincount(ep.query_labels[t], minlength=6) for t in range(3)])
+    assert torch.equal(counts, torch.tensor([[15] * 5 + [75]] * 3))
