@@ -282,6 +282,7 @@ def test_newton_step_decreases_the_nll_at_least_as_much_as_mm():
         alpha = new
 
 
+@pytest.mark.slow
 def test_newton_fit_reaches_the_mm_fixed_point_in_few_iterations():
     """Float64, rows with alpha from 0.02 to ~200: 30 Newton iterations reach the Dirichlet
     MLE that MM reaches after 20,000 to 1e-9 (gradient 0 to 1e-10; Minka's fixed point)."""
@@ -382,6 +383,7 @@ def test_capped_fit_is_repeated_mm_steps_and_resumes_from_its_warm_start():
 
 
 @pytest.mark.parametrize("hard", [False, True])
+@pytest.mark.slow
 def test_default_bounded_mode_agrees_with_the_reference_loop(hard):
     """Zero-shot default (BOUNDED_MM: 20 inner its, check every one) and reference agree.
 
@@ -423,6 +425,7 @@ def test_estimator_inner_loop_defaults_per_mode():
 
 
 @pytest.mark.parametrize("hard", [False, True])
+@pytest.mark.slow
 def test_newton_solver_agrees_with_the_reference_loop_where_it_converges(hard):
     """Few-shot: the Newton solver and the reference MM loop (the default) give the same
     predictions and nearly the same alpha on tasks whose class rows have a finite, moderate
@@ -560,6 +563,7 @@ def test_engine_passes_conformance(hard, coef, n_shot):
 
 
 @pytest.mark.parametrize("hard,n_shot", [(False, 1), (True, 0)])
+@pytest.mark.slow
 def test_newton_engine_passes_conformance(hard, n_shot):
     """The Newton inner solver keeps J monotone, batched = single, no host sync, devices."""
     check_engine(_case(hard, 1.0, n_shot, solver="newton"))
@@ -567,6 +571,7 @@ def test_newton_engine_passes_conformance(hard, n_shot):
 
 @pytest.mark.parametrize("hard", [False, True])
 @pytest.mark.parametrize("zero_shot", [False, True])
+@pytest.mark.slow
 def test_production_engine_passes_conformance(hard, zero_shot):
     """The engine exactly as the estimator builds it by default (the reference MM loop in
     few-shot, bounded MM in zero-shot, default lambda), K = 10 so that lambda/|Q| = 2: no
@@ -598,7 +603,11 @@ def test_objective_equals_enumerated_negative_elbo(n_shot):
     engine = case.make_engine()
     state, _ = run(engine, engine.init(*case.data), 3)
     elbo = pyro.infer.TraceEnum_ELBO(max_plate_nesting=2)
-    loss = elbo.loss(case.model, pyro.infer.config_enumerate(engine.guide(state)), *case.data)
+    with pyro.get_param_store().scope():  # the declaration's pyro.param sites: alpha, pi
+        for name, value in engine.point_estimates(state).items():
+            pyro.param(name, value)
+        guide = pyro.infer.config_enumerate(engine.guide(state))
+        loss = elbo.loss(case.model, guide, *case.data)
     assert loss == pytest.approx(state.objective.sum().item(), rel=1e-9)
 
 
@@ -679,6 +688,7 @@ def test_graphed_loop_orchestration_is_the_eager_loop(monkeypatch):
             assert torch.equal(torch.where(active, max_iter, stopped), eager_iters)
 
 
+@pytest.mark.slow
 def test_compiled_inner_loop_matches_the_eager_loop_on_the_cpu():
     """compiled=True on the CPU (torch.compile, no graphs): the eager loop's alpha up to
     float32 rounding and the same stopping iterations; frozen rows untouched."""

@@ -122,6 +122,7 @@ def _syncs(method, *args) -> int:
 
 
 @pytest.mark.parametrize("hard", [False, True])
+@pytest.mark.slow
 def test_host_synchronisations_do_not_grow_with_tasks_or_iterations(hard):
     """predict_proba and predict_zero_shot synchronise with the host a fixed number of
     times (input checks, the Hungarian matching on the CPU), the same for T and 3T tasks

@@ -4,7 +4,9 @@ Every method of the five papers is declared as a plain Pyro model (its module's
 ``*_model`` function). With ``engine="derived"`` an estimator does not run its
 hand-written updates: it hands that declaration and its data to variational message
 passing (:mod:`probfsl.inference.vmp`), which derives the updates, and reads the answer
-off the factors it returns. One module per method:
+off the factors it returns. One module per method, which also registers the method's two
+engines side by side (``ENGINES``, keyed ``"handwritten"`` and ``"derived"``: the
+estimator picks ``ENGINES[engine]``; docs/design/engine.md §1.1):
 
 * :mod:`probfsl.derived.bavardage`: the VB Gaussian mixture of BAVARDAGE (Hu et al.,
   AISTATS 2023), with the adaptive PLDA projection as a point-estimated linear map

@@ -36,7 +36,7 @@ import torch
 
 from probfsl.inference.base import RunInfo
 from probfsl.inference.class_stats import one_hot_support
-from probfsl.inference.vb_mixture import BavardageVB, VBMixtureState
+from probfsl.inference.vb_mixture import BavardageVB, VBMixtureState, fit_bavardage_vb
 from probfsl.inference.vmp import VMP, VMPState
 
 
@@ -188,3 +188,12 @@ def _as_mixture_state(
     alpha = None if engine.balanced else state.q["pi"][0].reshape(beta.shape)
     empty = VBMixtureState(x, support_labels, u, resp, alpha, beta, loc, state.objective)
     return replace(empty, mean=loc.reshape(*beta.shape, u.shape[-1]))
+
+
+#: BAVARDAGE's engines by the estimator's ``engine`` hyperparameter: both map (the
+#: hand-written engine that holds the hyperparameters and the projection, support,
+#: support_labels, query, resp, n_iter) to (:class:`VBMixtureState`, :class:`RunInfo`)
+ENGINES: dict[str, Callable[..., tuple[VBMixtureState, RunInfo]]] = {
+    "handwritten": fit_bavardage_vb,
+    "derived": fit,
+}

@@ -41,7 +41,7 @@ from pyro.distributions import constraints
 from pyro.ops.indexing import Vindex
 
 from probfsl.data.simplex import check_probabilities
-from probfsl.inference.base import CHECK_EVERY, Info
+from probfsl.inference.base import CHECK_EVERY, Info, RunInfo, run
 from probfsl.inference.dirichlet_mm import (
     EMPTY,
     EPS,
@@ -162,27 +162,30 @@ class EMDirichletVMP(VMP):
 
 def fit_probabilities(
     make_engine: Callable[[bool], EMDirichletEngine],
-    n_iter: int,
-    tol: float,
+    n_iter: int | None,
+    tol: float | None,
     query: torch.Tensor,
     support: torch.Tensor | None = None,
     support_labels: torch.Tensor | None = None,
-) -> tuple[DirichletMixtureState, torch.Tensor]:
+) -> tuple[DirichletMixtureState, RunInfo]:
     """EM-Dirichlet (soft) on probability vectors by VMP on :func:`em_dirichlet_model`.
 
     Args:
         make_engine: the hand-written engine of the estimator for zero-shot (True) or
             few-shot (False) data (:meth:`~probfsl.models.em_dirichlet.EMDirichlet.
             make_engine`): its λ, its inner loop and its ``hard`` flag are used.
-        n_iter, tol: the outer iterations and their tolerance.
+        n_iter, tol: the outer iterations (None: 20) and their tolerance (None: 0, all
+            iterations run).
         query: ``[B, Q, K]`` probability vectors.
         support, support_labels: ``[B, S, K]`` and ``[B, S]`` (few-shot), or None.
 
     Returns:
         The state in the hand-written engine's form (``query_r``, ``alpha``, ``pi``, J
-        as ``objective``, inner iterations of each task's last alpha step) and the trace
-        of J ``[steps + 1, B]`` (minus the ELBO).
+        as ``objective``, inner iterations of each task's last alpha step) and the run's
+        information, its trace that of J ``[steps + 1, B]`` (minus the ELBO).
     """
+    n_iter = 20 if n_iter is None else n_iter
+    tol = 0.0 if tol is None else tol
     check_probabilities(query, "query", ndim=3)
     if (support is None) != (support_labels is None):
         raise ValueError("support and support_labels must be given together")
@@ -217,4 +220,33 @@ def fit_probabilities(
         objective=-state.objective,
         mm_iters=iters,
     )
-    return result, -info.trace
+    return result, info._replace(trace=-info.trace)
+
+
+def handwritten_fit(
+    make_engine: Callable[[bool], EMDirichletEngine],
+    n_iter: int | None,
+    tol: float | None,
+    query: torch.Tensor,
+    support: torch.Tensor | None = None,
+    support_labels: torch.Tensor | None = None,
+) -> tuple[DirichletMixtureState, RunInfo]:
+    """EM-Dirichlet (soft or hard) by the hand-written engine, driven by
+    :func:`~probfsl.inference.base.run`: the signature and the result of
+    :func:`fit_probabilities` (``n_iter`` None: 10 hard, 20 soft; ``tol`` None: every
+    iteration runs)."""
+    zero_shot = support is None or (
+        isinstance(support, torch.Tensor) and support.ndim == 3 and support.shape[1] == 0
+    )
+    engine = make_engine(zero_shot)
+    state = engine.init(query, support, support_labels)
+    n_iter = n_iter if n_iter is not None else (10 if engine.hard else 20)
+    return run(engine, state, n_iter, tol, check_every=CHECK_EVERY)
+
+
+#: EM-Dirichlet's engines by the estimator's ``engine`` hyperparameter; each maps
+#: (make_engine, n_iter, tol, query, support, support_labels) to (state, RunInfo)
+ENGINES: dict[str, Callable[..., tuple[DirichletMixtureState, RunInfo]]] = {
+    "handwritten": handwritten_fit,
+    "derived": fit_probabilities,
+}

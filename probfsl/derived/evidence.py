@@ -21,7 +21,7 @@ X never reaches y, the regression is exactly
 N independent coordinates per class with ``|det U| = 1``: the same evidence
 ``p(y_k | lambda, beta_k)`` (eq. 14-17), the same stationary points, and the posterior
 mean ``m_k = X^T U diag(1/sigma) E[z_k]`` (zero-eigenvalue coordinates keep the least
-squares residual in y~ and contribute nothing else). :func:`evidence_model` declares
+squares residual in y~ and contribute nothing else). :func:`rotated_evidence_model` declares
 this regression in plain Pyro; the Gram matrix and its eigendecomposition are the data
 preparation (:func:`rotate`), not inference. A dual (Gram) factor in the VMP language
 would have done the same work with an N x N precision per class; the rotated
@@ -85,6 +85,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import pyro
 import pyro.distributions as dist
@@ -93,8 +94,15 @@ from pyro.distributions import constraints
 
 from probfsl.inference import VMP
 from probfsl.inference.base import Engine, Info, RunInfo, run
-from probfsl.inference.eigh import stable_eigh
-from probfsl.inference.evidence import Spectrum, newton_polish
+from probfsl.inference.evidence import (
+    Spectrum,
+    at_upper_limit,
+    decision_weights,
+    newton_polish,
+    solve_evidence,
+    spectrum,
+)
+from probfsl.inference.ops import aitken, gram_eigh
 from probfsl.inference.vmp import messages
 from probfsl.inference.vmp.einsum import sweeping
 from probfsl.inference.vmp.engine import VMPState
@@ -104,7 +112,7 @@ LAMBDA_MODES = ("shared", "per_class")
 LOG_2PI = math.log(2 * math.pi)
 
 
-def evidence_model(sigma: torch.Tensor, proj: torch.Tensor, lam_init: torch.Tensor) -> None:
+def rotated_evidence_model(sigma: torch.Tensor, proj: torch.Tensor, lam_init: torch.Tensor) -> None:
     """Bayesian linear regression in the rotated basis (module docstring; eq. 3-5, 15).
 
     ``sigma [T, 1, N]`` square roots of the Gram eigenvalues (0 for null directions),
@@ -142,8 +150,7 @@ class Rotation:
 
 def rotate(x: torch.Tensor, y: torch.Tensor, rel_tol: float = 1e-12) -> Rotation:
     """Eigendecompose the Gram matrices of ``x [T, N, D]``, rotate ``y [T, N, K]`` (design §7)."""
-    s, u = stable_eigh(x @ x.mT)
-    s = torch.where(s > rel_tol * s.amax(-1, keepdim=True), s, torch.zeros_like(s))
+    s, u = gram_eigh(x, rel_tol)
     pos = s > 0
     scale = s.sum(-1) / pos.sum(-1).clamp_min(1)
     return Rotation(s, u, u.mT @ y, scale.clamp_min(torch.finfo(s.dtype).tiny))
@@ -168,14 +175,8 @@ class DerivedEvidenceState:
         return self.vmp.q["lam"][0].reshape(-1)
 
 
-def _aitken(a0: torch.Tensor, a1: torch.Tensor, a2: torch.Tensor) -> torch.Tensor:
-    """Aitken's delta-squared extrapolation, falling back to ``a2`` (Algorithm 1)."""
-    cand = a0 - (a1 - a0) ** 2 / ((a2 - a1) - (a1 - a0))
-    return torch.where(torch.isfinite(cand), cand, a2)
-
-
 class DerivedEvidenceEngine(Engine):
-    """Type-II maximum likelihood of :func:`evidence_model` with VMP's derived updates,
+    """Type-II maximum likelihood of :func:`rotated_evidence_model` with VMP's derived updates,
     in the paper's accelerated schedule (module docstring). Data: ``sigma [T, 1, N]``,
     ``proj [T, K, N]``, ``scale [T]`` (mean non-zero eigenvalue)."""
 
@@ -184,7 +185,7 @@ class DerivedEvidenceEngine(Engine):
 
     def __init__(self, clamp: tuple[float, float] = (1e-10, 1e10), reach: float = 1e3) -> None:
         self.clamp, self.reach = clamp, reach
-        self.vmp = VMP(evidence_model, order=["lam", "beta", "z"])
+        self.vmp = VMP(rotated_evidence_model, order=["lam", "beta", "z"])
 
     def init(
         self, sigma: torch.Tensor, proj: torch.Tensor, scale: torch.Tensor, lam0: torch.Tensor
@@ -210,7 +211,7 @@ class DerivedEvidenceEngine(Engine):
             for _ in range(2):
                 self._sweep(state, q, ("beta", "z"))
                 inv.append(q["beta"][0].reciprocal())
-            beta = _aitken(*inv).reciprocal()
+            beta = aitken(*inv, positive=True).reciprocal()
             q["beta"] = (torch.where(beta > 0, beta, q["beta"][0]),)
             self._sweep(state, q, ("z",))
             objective = messages.elbo(state.plan, q)
@@ -231,7 +232,7 @@ class DerivedEvidenceEngine(Engine):
         logs = [s.q["lam"][0].log() for s in (s0, s1, s2)]
         lo, hi = state.lo, state.hi
         reach = self.reach * (logs[2] - logs[0]).abs()
-        jump = logs[0] + (_aitken(*logs) - logs[0]).clamp(-reach, reach)
+        jump = logs[0] + (aitken(*logs) - logs[0]).clamp(-reach, reach)
         jump = jump.exp().clamp(lo, hi)
         best = s0  # a candidate must beat the current state (NaN never does)
         for cand in (s2, s1, self._settle(s0, jump)):
@@ -306,7 +307,7 @@ class DerivedEvidenceResult:
 
 
 def profile_log_evidence(s: torch.Tensor, proj: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
-    """``max_beta log p(y~ | lambda, beta)`` of :func:`evidence_model` for lambdas
+    """``max_beta log p(y~ | lambda, beta)`` of :func:`rotated_evidence_model` for lambdas
     ``lam [T, G]``, summed over the targets: ``[T, G]`` (``s [T, 1, N]``, ``proj [T, K, N]``).
 
     The declared model's marginal is ``y~_dk ~ Normal(0, (s_d / lambda + 1) / beta_k)``,
@@ -324,7 +325,7 @@ def profile_log_evidence(s: torch.Tensor, proj: torch.Tensor, lam: torch.Tensor)
 
 
 def rotated_spectrum(s: torch.Tensor, proj: torch.Tensor) -> Spectrum:
-    """The regression of :func:`evidence_model` (eigenvalues ``s [T, 1, N]``, rotated
+    """The regression of :func:`rotated_evidence_model` (eigenvalues ``s [T, 1, N]``, rotated
     targets ``proj [T, K, N]``) as the hand-written engine's
     :class:`~probfsl.inference.evidence.Spectrum`: every coordinate is in ``s`` (the
     null ones with s = 0), so there is no separate least-squares residual."""
@@ -345,7 +346,8 @@ def derived_evidence(
     tol: float | None = None,
     polish: bool = True,
 ) -> DerivedEvidenceResult:
-    """Fit :func:`evidence_model` to supports ``x [T, N, D]`` with 0/1 targets ``y [T, N, K]``.
+    """Fit :func:`rotated_evidence_model` to supports ``x [T, N, D]`` with 0/1 targets
+    ``y [T, N, K]``.
 
     Rotates each support once (:func:`rotate`), runs :class:`DerivedEvidenceEngine` with
     :func:`~probfsl.inference.base.run` (``tol``: relative change of the evidence, default
@@ -411,15 +413,99 @@ def derived_proba(
     return torch.softmax(temperature * scores, -1), res
 
 
+# -- the engines of the estimator, side by side ------------------------------------------
+
+
+@dataclass
+class EpisodeFit:
+    """What an evidence engine returns for a batch of episodes (``[T, K]`` unless noted).
+
+    ``scores [T, Q, K]``: the queries' regression scores (the estimator's probabilities
+    are ``softmax(temperature x scores)``); ``lam``, ``log_evidence``, ``at_boundary``:
+    the fit per target; ``at_limit [T]``: the tasks scored by the lambda -> infinity
+    limit.
+    """
+
+    scores: torch.Tensor
+    lam: torch.Tensor
+    log_evidence: torch.Tensor
+    at_boundary: torch.Tensor
+    at_limit: torch.Tensor
+
+
+class EvidenceSettings(Protocol):
+    """The hyperparameters of :class:`~probfsl.models.evidence.EvidenceLSSVM` an engine
+    reads."""
+
+    lambda_mode: str
+    lam_init: float
+    accelerate: bool
+    paper_exact: bool
+    fit_intercept: bool
+
+
+def handwritten_episodes(
+    support: torch.Tensor,
+    query: torch.Tensor,
+    support_labels: torch.Tensor,
+    way: int,
+    hp: EvidenceSettings,
+) -> EpisodeFit:
+    """The hand-written engine (:func:`~probfsl.inference.evidence.solve_evidence` on the
+    support's spectrum) on prepared supports ``[T, N, D]`` and queries ``[T, Q, D]``."""
+    y = torch.nn.functional.one_hot(support_labels, way).to(support.dtype)
+    sp = spectrum(support, y, hp.fit_intercept)
+    # one-shot classes have no finite maximiser: no warning
+    res = solve_evidence(sp, hp.lambda_mode, hp.lam_init, hp.accelerate, hp.paper_exact, False)
+    limit = at_upper_limit(sp, res)
+    if hp.fit_intercept:
+        limit = torch.zeros_like(limit)
+    w = decision_weights(sp, res.lam, limit)  # [T, D, K]
+    scores = query @ w
+    if hp.fit_intercept:
+        scores = scores + y.mean(-2, keepdim=True) - support.mean(-2, keepdim=True) @ w
+    return EpisodeFit(scores, res.lam, res.log_evidence, res.at_boundary, limit)
+
+
+def derived_episodes(
+    support: torch.Tensor,
+    query: torch.Tensor,
+    support_labels: torch.Tensor,
+    way: int,
+    hp: EvidenceSettings,
+) -> EpisodeFit:
+    """The derived engine (:func:`derived_evidence`) on prepared supports and queries;
+    ``fit_intercept=False`` and ``paper_exact=False`` only."""
+    if hp.fit_intercept or hp.paper_exact:
+        raise ValueError("engine='derived' supports fit_intercept=False and paper_exact=False only")
+    y = torch.nn.functional.one_hot(support_labels, way).to(support.dtype)
+    res = derived_evidence(support, y, hp.lambda_mode)
+    scores = (query @ support.mT) @ res.weights
+    return EpisodeFit(scores, res.lam, res.log_evidence, res.at_boundary, res.at_limit)
+
+
+#: the evidence LS-SVM's engines by the estimator's ``engine`` hyperparameter; each maps
+#: (support, query, support_labels, way, hyperparameters) to an :class:`EpisodeFit`
+ENGINES: dict[str, Callable[..., EpisodeFit]] = {
+    "handwritten": handwritten_episodes,
+    "derived": derived_episodes,
+}
+
+
 __all__ = [
+    "ENGINES",
     "LAMBDA_MODES",
     "DerivedEvidenceEngine",
     "DerivedEvidenceResult",
     "DerivedEvidenceState",
+    "EpisodeFit",
+    "EvidenceSettings",
     "Rotation",
+    "derived_episodes",
     "derived_evidence",
     "derived_proba",
-    "evidence_model",
+    "handwritten_episodes",
+    "rotated_evidence_model",
     "profile_log_evidence",
     "rotate",
     "rotated_spectrum",

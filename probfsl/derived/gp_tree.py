@@ -30,6 +30,10 @@ that produced q(u).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
 import pyro
 import pyro.distributions as dist
 import torch
@@ -182,3 +186,76 @@ def exact_node_probs(
     mean = (a * m.unsqueeze(-1)).sum(-2)
     var = s.unsqueeze(-1) - (ks * a).sum(-2) + (a * (cov @ a)).sum(-2)
     return gpn.gauss_hermite_sigmoid(mean, var.clamp_min(1e-12))
+
+
+# -- the engines of the estimators, side by side -----------------------------------------
+
+#: node probabilities of a batch of few-shot nodes: (support ``[v, n, D]``, node labels
+#: ``y [v, n]``, ``mask [v, n]``, query ``[v, Q, D]``, per-node keys ``[v]``) ->
+#: (p(y_v = 1 | x*) ``[v, Q]``, a factorisation failed ``[v]``)
+NodeProbs = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+class FewShotSettings(Protocol):
+    """The hyperparameters of :class:`~probfsl.models.gptree.GPTreeFewShot` its node
+    engines read."""
+
+    n_chains: int
+    n_sweeps: int
+    outputscale: float
+    lengthscale: float
+    pg_sampler: str
+    seed: int
+
+
+def gibbs_node_probs(hp: FewShotSettings) -> NodeProbs:
+    """The hand-written few-shot nodes: one :class:`~probfsl.inference.gp_nodes.GibbsNodes`
+    for the whole prediction (its generator runs on across node batches), block Gibbs
+    sampling on the exact kernel and its Monte Carlo predictive."""
+    engine = gpn.GibbsNodes(
+        int(hp.n_chains), hp.outputscale, hp.lengthscale, sampler=hp.pg_sampler, seed=int(hp.seed)
+    )
+
+    def probs(support, y, mask, query, keys):
+        # the node data come from validated episodes: the engine skips its checks
+        state = engine.fit(support, y, mask, int(hp.n_sweeps), keys=keys, checked=False)
+        return gpn.gibbs_predict(state, query), state.chol_failed
+
+    return probs
+
+
+def exact_node_probs_of(hp: FewShotSettings) -> NodeProbs:
+    """The derived few-shot nodes: q(f) by VMP on :func:`gp_tree_exact_node`
+    (:func:`exact_node_probs`); nothing to report as failed."""
+
+    def probs(support, y, mask, query, keys):
+        p = exact_node_probs(support, y, mask, query, hp.outputscale, hp.lengthscale)
+        return p, torch.zeros(p.shape[0], dtype=torch.bool, device=p.device)
+
+    return probs
+
+
+@dataclass(frozen=True)
+class GPTreeEngines:
+    """One engine's node inference for each stage of GP-Tree.
+
+    Attributes:
+        vi: the variational base nodes, an :class:`~probfsl.inference.base.Engine` class
+            built as ``vi(natural_lr=..., code_elbo=...)`` (:class:`GPTree`,
+            ``inference="vi"``).
+        gibbs: the Gibbs base nodes' class (``inference="gibbs"``), or None where this
+            engine has none (the Gibbs sampler is no message-passing derivation).
+        few_shot: given the few-shot estimator's hyperparameters, the node probabilities
+            of a batch of few-shot nodes (:data:`NodeProbs`).
+    """
+
+    vi: type[gpn.VINodes]
+    gibbs: type[gpn.GibbsNodes] | None
+    few_shot: Callable[[FewShotSettings], NodeProbs]
+
+
+#: GP-Tree's engines by the estimators' ``engine`` hyperparameter
+ENGINES: dict[str, GPTreeEngines] = {
+    "handwritten": GPTreeEngines(gpn.VINodes, gpn.GibbsNodes, gibbs_node_probs),
+    "derived": GPTreeEngines(DerivedVINodes, None, exact_node_probs_of),
+}

@@ -27,9 +27,9 @@ Every tensor has a leading task dimension ``B``. With ``lambda = |Q|`` and no
 support this is exactly EM for a Dirichlet mixture (paper Prop. 1).
 :class:`EMDirichletEngine` is the outer loop under the engine contract of
 :mod:`probfsl.inference.base` (driven by ``run``); its objective ``J`` is the
-negative ELBO of the Pyro model :func:`probfsl.models.em_dirichlet.em_dirichlet_model`
-under the guide Categorical(r) x Delta(alpha) x Delta(pi), with ``pi`` at its profile
-value.
+negative ELBO of the Pyro model :func:`probfsl.derived.em_dirichlet.em_dirichlet_model`
+(the one declaration both engines are checked against) under the guide Categorical(r),
+with alpha and ``pi`` (at its profile value) as the model's point estimates.
 
 Outside the ``run`` contract: the inner Algorithm-1 loop :func:`mm_dirichlet_fit`. It
 is one block of the outer MM (the alpha step inside one engine step), with its own
@@ -697,14 +697,19 @@ class EMDirichletEngine(Engine):
         return data + torch.special.xlogy(r_q, r_q).sum((-1, -2)) + mdl
 
     # -- Pyro guide ---------------------------------------------------------------------
+    def point_estimates(self, state: DirichletMixtureState) -> dict[str, torch.Tensor]:
+        """The values of the declaration's ``pyro.param`` sites
+        (:func:`probfsl.derived.em_dirichlet.em_dirichlet_model`): the concentrations
+        ``alpha [B, K, K]`` and the proportions ``pi = mean_Q r`` as ``[B, 1, K]``."""
+        return {"alpha": state.alpha, "pi": state.pi.unsqueeze(-2)}
+
     def guide(self, state: DirichletMixtureState):
-        """Categorical(r_n) for the query classes, Delta at alpha and at pi = mean_Q r."""
-        alpha, pi, r_q = state.alpha, state.pi, state.query_r
+        """Categorical(r_n) for the query classes (alpha and pi are the declaration's
+        point estimates: :meth:`point_estimates`)."""
+        r_q = state.query_r
 
         def guide(query, support=None, support_labels=None, *args, **kwargs) -> None:
             with pyro.plate("tasks", query.shape[0], dim=-2):
-                pyro.sample("alpha", dist.Delta(alpha.unsqueeze(-3), event_dim=2))
-                pyro.sample("pi", dist.Delta(pi.unsqueeze(-2), event_dim=1))
                 with pyro.plate("queries", query.shape[1], dim=-1):
                     pyro.sample("c", dist.Categorical(probs=r_q))
 

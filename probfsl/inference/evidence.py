@@ -54,6 +54,7 @@ import torch
 
 from probfsl.inference.base import Engine, Info, RunInfo, run
 from probfsl.inference.eigh import stable_eigh
+from probfsl.inference.ops import aitken, clean_eigenvalues, gram_eigh
 from probfsl.validation import as_float_tensor, check_choice, check_hyperparameter
 
 LOG_2PI = math.log(2 * math.pi)
@@ -111,12 +112,6 @@ def _checked(
     return x, y
 
 
-def _clean(s: torch.Tensor, rel: float) -> torch.Tensor:
-    """Eigenvalues below ``rel * max`` (and negative round-off) set to exactly zero."""
-    top = s.amax(-1, keepdim=True)
-    return torch.where(s > rel * top, s, torch.zeros_like(s))
-
-
 def spectrum(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -140,8 +135,7 @@ def spectrum(
         x = x - x.mean(-2, keepdim=True)
         y = y - y.mean(-2, keepdim=True)
     if mode == "dual" or (mode is None and n <= d):
-        s, u = stable_eigh(x @ x.mT)  # [..., N], [..., N, N]
-        s = _clean(s, rel_tol)
+        s, u = gram_eigh(x, rel_tol)  # [..., N], [..., N, N]
         keep = s > 0
         proj = (u.mT @ y) * keep.unsqueeze(-1)  # u_d^T y
         sigma = s.sqrt()
@@ -152,7 +146,7 @@ def spectrum(
         mode = "dual"
     else:
         s, v = stable_eigh(x.mT @ x)  # [..., D], [..., D, D]
-        s = _clean(s, rel_tol)
+        s = clean_eigenvalues(s, rel_tol)
         keep = s > 0
         h = v.mT @ (x.mT @ y)  # h_d = sigma_d u_d^T y
         inv_sigma = torch.where(keep, 1 / s.sqrt().clamp_min(torch.finfo(x.dtype).tiny), 0.0)
@@ -177,7 +171,7 @@ def spectrum_from_gram(
     gram, y = _checked(gram, y, "gram")
     y = y.to(gram.dtype)
     s, u = stable_eigh(gram)
-    s = _clean(s, rel_tol)
+    s = clean_eigenvalues(s, rel_tol)
     proj = (u.mT @ y) * (s > 0).unsqueeze(-1)
     e0 = ((y - u @ proj) ** 2).sum(-2)
     n = gram.shape[-1]
@@ -412,14 +406,6 @@ class EvidenceResult:
     degenerate: torch.Tensor
 
 
-def _aitken(l0: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
-    """Aitken's delta-squared extrapolation with Algorithm 1's fallback to ``l2``."""
-    denom = (l2 - l1) - (l1 - l0)
-    cand = l0 - (l1 - l0) ** 2 / denom
-    bad = ~torch.isfinite(cand) | (cand < 0) | (denom == 0)
-    return torch.where(bad, l2, cand)
-
-
 def grid_search(
     sp: Spectrum, n_grid: int = 64, span: tuple[float, float] = (1e-6, 1e6)
 ) -> torch.Tensor:
@@ -503,7 +489,7 @@ def maximize_evidence(
             if bool(done.all()):
                 break
             l1 = update(sp, lam, variant)
-            new = _aitken(lam, l1, update(sp, l1, variant)) if accelerate else l1
+            new = aitken(lam, l1, update(sp, l1, variant), positive=True) if accelerate else l1
             new = torch.where(done, lam, new)
             n_iter = n_iter + (~done).long()
             stop = ((new - lam).abs() < eps) | ~torch.isfinite(new)
@@ -693,6 +679,25 @@ def newton_polish(
         if (i + 1) % check_every == 0 and not bool(moving.any()):
             break
     return lam
+
+
+def solve_evidence(
+    sp: Spectrum,
+    lambda_mode: str = "shared",
+    lam_init: float | torch.Tensor = 1.0,
+    accelerate: bool = True,
+    paper_exact: bool = False,
+    warn: bool = True,
+) -> EvidenceResult:
+    """The hand-written engine's fit of ``sp`` as the estimator's ``lambda_mode`` asks:
+    :func:`maximize_shared_evidence` (``"shared"``: one lambda per batch element) or
+    :func:`maximize_evidence` (``"per_class"``: one per target, with ``lam_init``,
+    ``accelerate``, ``paper_exact`` and ``warn``)."""
+    if lambda_mode == "shared":
+        return maximize_shared_evidence(sp)
+    return maximize_evidence(
+        sp, lam_init=lam_init, accelerate=accelerate, paper_exact=paper_exact, warn=warn
+    )
 
 
 def maximize_shared_evidence(
@@ -891,7 +896,7 @@ class EvidenceEngine(Engine):
         moves = [l1]
         if self.accelerate:
             l2 = self._map(sp, l1)
-            moves = [_aitken(l0, l1, l2), l1, l2]
+            moves = [aitken(l0, l1, l2, positive=True), l1, l2]
         cands = torch.stack([*moves, em_lambda(sp, l0, self.shared)])
         cands = cands.nan_to_num(nan=0.0).clamp(state.lo, state.hi)
         cands = torch.cat([cands, l0.unsqueeze(0)])  # [C, T, K]; the last keeps lambda
@@ -966,6 +971,7 @@ __all__ = [
     "log_evidence_ab",
     "maximize_evidence",
     "maximize_shared_evidence",
+    "solve_evidence",
     "posterior_covariance",
     "pool_spectra",
     "posterior_mean",
