@@ -12,6 +12,7 @@ from scipy.stats import multivariate_normal
 from probfsl.data import load_dataset
 from probfsl.data.tasks import Episodes
 from probfsl.inference.background import (
+    TwoCovarianceReading,
     attach_open,
     fit_background,
     gaussian_log_density,
@@ -142,6 +143,30 @@ def test_two_covariance_log_liks_match_brute_force():
     np.testing.assert_allclose(bg_ll[0].numpy(), want, rtol=1e-9)
 
 
+def test_reading_query_weights_count_as_support():
+    """One-hot query weights in :meth:`TwoCovarianceReading.class_log_lik` are those rows
+    added to the support; ``open_log_odds`` is ln p_0 - ln((1/K) Σ_k p_k)."""
+    gen = torch.Generator().manual_seed(4)
+    d, k = 3, 2
+    base = torch.randn(60, d, generator=gen, dtype=torch.float64)
+    labels = torch.arange(6).repeat_interleave(10)
+    stats = fit_background(
+        base + torch.randn(6, d, generator=gen, dtype=torch.float64)[labels], labels
+    )
+    support = torch.randn(2, 2, d, generator=gen, dtype=torch.float64)
+    support_labels = torch.tensor([[0, 1], [1, 0]])
+    query = torch.randn(2, 3, d, generator=gen, dtype=torch.float64)
+    reading = TwoCovarianceReading(support, support_labels, query, k, stats)
+    weights = torch.zeros(2, 3, k, dtype=torch.float64)
+    weights[:, 0, 1] = 1.0
+    grown = torch.cat([support, query[:, :1]], 1)
+    grown_labels = torch.cat([support_labels, torch.ones(2, 1, dtype=torch.long)], 1)
+    want, bg = two_covariance_log_liks(grown, grown_labels, query, k, stats)
+    torch.testing.assert_close(reading.class_log_lik(weights), want)
+    closed = torch.logsumexp(reading.class_log_lik(), -1) - np.log(k)
+    torch.testing.assert_close(reading.open_log_odds(), bg - closed)
+
+
 def test_attach_open_rows_sum_to_one():
     proba = torch.softmax(torch.randn(2, 3, 4), -1)
     p_open = torch.rand(2, 3)
@@ -191,7 +216,9 @@ def test_needs_base_classes(name):
         est.predict_proba_open(episodes)
 
 
-@pytest.mark.parametrize("name", ["nearest-centroid", "soft-kmeans", "bavardage", "slem"])
+@pytest.mark.parametrize(
+    "name", ["nearest-centroid", "soft-kmeans", "bavardage", "vmp-gmm", "slem"]
+)
 def test_batched_equals_one_at_a_time(name, fitted, omniglot):
     est = fitted[name]
     episodes = open_episodes(omniglot, 3).to(dtype=torch.float64)
@@ -253,3 +280,58 @@ def test_open_queries_get_more_background(fitted, omniglot):
     for name in ("nearest-centroid", "soft-kmeans", "bavardage"):
         p = fitted[name].predict_proba_open(episodes)[..., -1]
         assert p[is_open].mean() > p[~is_open].mean(), name
+
+
+def synthetic_open_tasks(n_tasks: int = 20, dim: int = 32, seed: int = 0, noise: float = 0.9):
+    """Base classes and tasks of Gaussian classes: ``(base features, base labels, tasks with
+    open queries, the same tasks without them)``; the open queries (labelled WAY, last)
+    come from 5 other classes, far from the known ones in the full space."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(n_classes, per_class):
+        means = torch.randn(n_classes, dim, generator=gen, dtype=torch.float64)
+        spread = torch.randn(n_classes, per_class, dim, generator=gen, dtype=torch.float64)
+        return means.unsqueeze(1) + noise * spread
+
+    base = draw(40, 20)
+    base_labels = torch.arange(40).repeat_interleave(20)
+    shot, per_class, n_open = 1, 10, 5
+    known = draw(n_tasks * WAY, shot + per_class).reshape(n_tasks, WAY, shot + per_class, dim)
+    other = draw(n_tasks * n_open, per_class).reshape(n_tasks, n_open * per_class, dim)
+    support = known[:, :, :shot].transpose(1, 2).reshape(n_tasks, shot * WAY, dim)
+    closed = known[:, :, shot:].reshape(n_tasks, WAY * per_class, dim)
+    support_labels = torch.arange(WAY).repeat(shot).expand(n_tasks, -1)
+    closed_labels = torch.arange(WAY).repeat_interleave(per_class).expand(n_tasks, -1)
+    open_labels = torch.full((n_tasks, n_open * per_class), WAY)
+
+    def make(query, labels):
+        zeros = torch.zeros(labels.shape, dtype=torch.long)
+        return Episodes(
+            support,
+            support_labels,
+            query,
+            labels,
+            torch.arange(WAY).expand(n_tasks, -1),
+            torch.zeros(support_labels.shape, dtype=torch.long),
+            zeros,
+        )
+
+    with_open = make(torch.cat([closed, other], 1), torch.cat([closed_labels, open_labels], 1))
+    return base.reshape(-1, dim), base_labels, with_open, make(closed, closed_labels)
+
+
+@pytest.mark.parametrize("name", ["bavardage", "soft-kmeans", "vmp-gmm"])
+def test_open_queries_leave_closed_accuracy(name):
+    """With as many open queries as closed ones, the closed-set accuracy of the known
+    columns stays close to the accuracy on the same tasks without them, and the last
+    column separates open from closed queries."""
+    base, base_labels, with_open, closed = synthetic_open_tasks()
+    est = build_estimator(name).fit_base(base, base_labels)
+    n_closed = closed.n_query
+    labels = closed.query_labels
+    p_open = est.predict_proba_open(with_open)
+    acc_open = (p_open[:, :n_closed, :WAY].argmax(-1) == labels).double().mean().item()
+    acc_closed = (est.predict_proba(closed).argmax(-1) == labels).double().mean().item()
+    assert acc_open >= acc_closed - 0.03, (acc_open, acc_closed)
+    score = p_open[..., -1]
+    assert score[:, n_closed:].mean() > score[:, :n_closed].mean() + 0.3

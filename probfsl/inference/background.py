@@ -50,6 +50,7 @@ __all__ = [
     "open_fraction_expectations",
     "open_fraction_prior",
     "open_posterior",
+    "TwoCovarianceReading",
     "two_covariance_log_liks",
 ]
 
@@ -205,6 +206,75 @@ def _diagonalise(stats: BackgroundStats) -> tuple[torch.Tensor, torch.Tensor]:
     return inv.T @ vec, lam.clamp_min(0)
 
 
+class TwoCovarianceReading:
+    """The two-covariance (PLDA) reading of a batch of tasks, for repeated evaluation.
+
+    Holds the basis that whitens the base classes' ``within`` and diagonalises their
+    ``between`` covariance (one D x D factorisation per batch), the support's per-class
+    counts and sums in it, and the whitened queries. :meth:`class_log_lik` is the class
+    predictive of every query given the support and, optionally, soft query counts (the
+    transductive methods pass their current class responsibilities: the posterior of μ_k
+    then pools the support and the weighted queries); :meth:`background_log_lik` is a new
+    class's predictive N(mean, within + between); :meth:`open_log_odds` their contrast,
+    ln p_0(x) - ln((1/K) Σ_k p_k(x)), with which a mixture's background responsibility is
+    taken in the full feature space. ``stats`` is cast to the dtype and device of
+    ``query``; every method is batched over tasks.
+    """
+
+    def __init__(
+        self,
+        support: torch.Tensor,
+        support_labels: torch.Tensor,
+        query: torch.Tensor,
+        way: int,
+        stats: BackgroundStats,
+    ) -> None:
+        stats = stats.to(query)
+        w, lam = _diagonalise(stats)
+        self.way, self.lam = way, lam
+        self.log_jac = torch.linalg.slogdet(w)[1]
+        ys = (support - stats.mean) @ w  # [T, S, D]
+        self.yq = (query - stats.mean) @ w  # [T, Q, D]
+        self.yq_sq = self.yq.square()
+        onehot = torch.nn.functional.one_hot(support_labels, way).to(ys)  # [T, S, K]
+        self.counts = onehot.sum(1)  # [T, K]
+        self.sums = onehot.transpose(1, 2) @ ys  # [T, K, D]
+
+    def class_log_lik(self, query_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """ln p_k(x_q) [T, Q, K]: class k's predictive given its support rows and, when
+        ``query_weights`` [T, Q, K] is given, the queries counted with those weights."""
+        counts, sums = self.counts, self.sums
+        if query_weights is not None:
+            query_weights = query_weights.to(self.yq)
+            counts = counts + query_weights.sum(1)
+            sums = sums + query_weights.transpose(1, 2) @ self.yq
+        counts = counts.unsqueeze(-1)  # [T, K, 1]
+        shrink = self.lam / (1 + counts * self.lam)  # posterior variance of μ_k, [T, K, D]
+        post_mean = shrink * sums
+        var = 1 + shrink  # [T, K, D]
+        inv_var = var.reciprocal()
+        maha = (
+            self.yq_sq @ inv_var.transpose(1, 2)
+            - 2 * self.yq @ (post_mean * inv_var).transpose(1, 2)
+            + (post_mean.square() * inv_var).sum(-1).unsqueeze(1)
+        )  # [T, Q, K]: Σ_d (y_d - m_kd)^2 / v_kd without a [T, Q, K, D] tensor
+        d = self.yq.shape[-1]
+        return -0.5 * (maha + var.log().sum(-1).unsqueeze(1) + d * LOG_2PI) + self.log_jac
+
+    def background_log_lik(self) -> torch.Tensor:
+        """ln p_0(x_q) [T, Q], the predictive of a new class, N(mean, within + between)."""
+        bg_var = 1 + self.lam
+        d = self.yq.shape[-1]
+        quad = (self.yq_sq / bg_var).sum(-1)
+        return -0.5 * (quad + bg_var.log().sum() + d * LOG_2PI) + self.log_jac
+
+    def open_log_odds(self, query_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """ln p_0(x_q) - ln((1/K) Σ_k p_k(x_q)) [T, Q] (``query_weights`` as in
+        :meth:`class_log_lik`)."""
+        closed = torch.logsumexp(self.class_log_lik(query_weights), -1) - math.log(self.way)
+        return self.background_log_lik() - closed
+
+
 def two_covariance_log_liks(
     support: torch.Tensor,
     support_labels: torch.Tensor,
@@ -219,28 +289,9 @@ def two_covariance_log_liks(
     class k, its predictive is N(posterior mean of μ_k, within + posterior covariance);
     the background is a new class's predictive, N(mean, within + between). Computed in
     the basis that whitens ``within`` and diagonalises ``between`` (one D x D
-    factorisation per call, shared by every task): every density is then diagonal.
-    ``stats`` is cast to the dtype and device of ``query``.
+    factorisation per call, shared by every task): every density is then diagonal
+    (:class:`TwoCovarianceReading`). ``stats`` is cast to the dtype and device of
+    ``query``.
     """
-    stats = stats.to(query)
-    w, lam = _diagonalise(stats)
-    log_jac = torch.linalg.slogdet(w)[1]
-    ys = (support - stats.mean) @ w  # [T, S, D]
-    yq = (query - stats.mean) @ w  # [T, Q, D]
-    onehot = torch.nn.functional.one_hot(support_labels, way).to(ys)  # [T, S, K]
-    counts = onehot.sum(1).unsqueeze(-1)  # [T, K, 1]
-    sums = onehot.transpose(1, 2) @ ys  # [T, K, D]
-    shrink = lam / (1 + counts * lam)  # posterior variance of μ_k, [T, K, D]
-    post_mean = shrink * sums
-    var = 1 + shrink  # [T, K, D]
-    inv_var = var.reciprocal()
-    maha = (
-        yq.square() @ inv_var.transpose(1, 2)
-        - 2 * yq @ (post_mean * inv_var).transpose(1, 2)
-        + (post_mean.square() * inv_var).sum(-1).unsqueeze(1)
-    )  # [T, Q, K]: Σ_d (y_d - m_kd)^2 / v_kd without a [T, Q, K, D] tensor
-    d = query.shape[-1]
-    class_ll = -0.5 * (maha + var.log().sum(-1).unsqueeze(1) + d * LOG_2PI)
-    bg_var = 1 + lam
-    background_ll = -0.5 * ((yq.square() / bg_var).sum(-1) + bg_var.log().sum() + d * LOG_2PI)
-    return class_ll + log_jac, background_ll + log_jac
+    reading = TwoCovarianceReading(support, support_labels, query, way, stats)
+    return reading.class_log_lik(), reading.background_log_lik()

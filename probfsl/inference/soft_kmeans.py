@@ -84,10 +84,11 @@ def soft_kmeans_gram_open(
     gram: torch.Tensor,
     support_labels: torch.Tensor,
     way: int,
-    background_logit: torch.Tensor,
+    background_logit: torch.Tensor | None,
     open_prior: float = 0.5,
     temperature: float = 10.0,
     n_iter: int = 5,
+    open_log_odds: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`soft_kmeans_gram` with a background component: responsibilities
     ``[T, N, K + 1]``, the background last (open-set recognition,
@@ -100,6 +101,14 @@ def soft_kmeans_gram_open(
     share of a query does not pull them), and π_0 is the mean of its Beta posterior
     (prior mean ``open_prior``) given the queries' background responsibilities. Without
     any background mass the passes are those of :func:`soft_kmeans_gram`.
+
+    With ``open_log_odds`` [T, Q] (the queries' ln p_0(x) - ln p_closed(x) in the full
+    feature space, e.g. the two-covariance contrast of
+    :meth:`~probfsl.inference.background.TwoCovarianceReading.open_log_odds`), the
+    background is taken from it instead (``background_logit`` is then unused): a
+    query's responsibility is o_q0 = σ(ln π_0 - ln(1 - π_0) + ``open_log_odds``), π_0
+    still inferred in every pass, and its class responsibilities are
+    (1 - o_q0) softmax_k(-T_km ||x - c_k||^2), those of soft k-means among the classes.
     """
     from probfsl.inference.background import open_fraction_prior
 
@@ -116,10 +125,18 @@ def soft_kmeans_gram_open(
         weights = weights / weights.sum(1, keepdim=True).clamp_min(1e-12)
         cross = (weights.transpose(1, 2) @ gram).transpose(1, 2)
         sq_dist = sq_norms - 2 * cross + (weights * cross).sum(1, keepdim=True)
-        log_closed = torch.log1p(-log_open.exp()) - math.log(way)
-        class_logit = -temperature * sq_dist + log_closed.unsqueeze(-1)
-        logits = torch.cat([class_logit, (background_logit + log_open).unsqueeze(-1)], -1)
-        p = torch.cat([support, softmax_last(logits)[:, n_support:]], 1)
+        if open_log_odds is None:
+            log_closed = torch.log1p(-log_open.exp()) - math.log(way)
+            class_logit = -temperature * sq_dist + log_closed.unsqueeze(-1)
+            logits = torch.cat([class_logit, (background_logit + log_open).unsqueeze(-1)], -1)
+            p = torch.cat([support, softmax_last(logits)[:, n_support:]], 1)
+        else:
+            log_closed = torch.log1p(-log_open.exp())
+            open_resp = torch.sigmoid(open_log_odds + log_open - log_closed)
+            classes = softmax_last(-temperature * sq_dist[:, n_support:])
+            closed = classes * (1 - open_resp).unsqueeze(-1)
+            query = torch.cat([closed, open_resp.unsqueeze(-1)], -1)
+            p = torch.cat([support, query], 1)
         open_mass = p[:, n_support:, -1].sum(-1, keepdim=True)
         log_open = ((open_mass + a_open) / (n_query + a_open + a_closed)).log()
         weights = p[..., :way]

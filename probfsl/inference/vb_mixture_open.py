@@ -34,6 +34,23 @@ over the iterations. With ``projection="identity"`` (VB in the feature space, no
 residual) the background is N(m_b, κ (Σ_b + Σ_w)), κ = 1 / (τ w), w the base classes'
 average within-class variance (tempered as the classes are). The ELBO counts the
 residual factor for the queries only (it is constant for the support given u).
+
+The projected space with a class-shared residual factor leaves the background weak (open
+queries keep most of their class mass and pull the centroids). So the estimator uses the
+full-space reading (:attr:`OpenBackground.open_log_odds`): a query's joint over the
+components is taken as z_q ∈ {open, closed} first, with odds π_0 p_0(x) against
+(1 - π_0) p_closed(x), p_0 and p_closed = (1/K) Σ_k p_k the base classes' two-covariance
+predictives of a new class and of the known classes given the support, in the full
+centred, normalised feature space
+(:meth:`~probfsl.inference.background.TwoCovarianceReading.open_log_odds`); then the
+class given "closed" from BAVARDAGE's projected model:
+
+    o_q0 = σ(E ln π_0 - E ln(1 - π_0) + ln p_0(x_q) - ln p_closed(x_q)),
+    o_qk = (1 - o_q0) softmax_k(E ln ρ_k + E ln N(u_q | μ_k, τ^{-1} I)).
+
+The M step, q(π_0) and the projection are unchanged (class statistics weighted by o_qk,
+which sum to 1 - o_q0). The objective traced is the ELBO of this nested model with
+ln p_closed(x_q) in place of the classes' residual factor.
 """
 
 from __future__ import annotations
@@ -66,12 +83,19 @@ class OpenBackground:
         dim: D, the dimension of the full space.
         residual_precision: the precision of the residuals outside the projection's
             span under a known class (the base classes' whitened within-class precision).
+        open_log_odds: ln p_0(x_q) - ln p_closed(x_q) [T, Q] in the full feature space
+            (the two-covariance contrast of
+            :meth:`~probfsl.inference.background.TwoCovarianceReading.open_log_odds`);
+            when given, the background-vs-classes split of every query is taken from it
+            (the full-space reading of the module docstring) and ``log_lik``,
+            ``sq_norms`` and the residual are unused.
     """
 
     log_lik: torch.Tensor
     sq_norms: torch.Tensor | None
     dim: int
     residual_precision: float = 1.0
+    open_log_odds: torch.Tensor | None = None
 
 
 @dataclass
@@ -174,6 +198,14 @@ class BavardageOpenVB(BavardageVB):
         e_open, e_closed = open_fraction_expectations(
             a[..., 0] - self.a_open, a[..., 1] - self.a_closed, self.open_prior
         )
+        odds = self.background.open_log_odds
+        if odds is not None:  # full-space reading: classes | closed from the projected model
+            classes = log_lik[:, state.n_support :]
+            if state.alpha is not None:
+                classes = classes + self.expected_log_pi(state.alpha).unsqueeze(1)
+            classes = torch.log_softmax(classes, -1) + e_closed.view(-1, 1, 1)
+            background = odds.to(classes) + e_open.unsqueeze(-1)
+            return torch.cat([classes, background.unsqueeze(-1)], -1)
         classes = log_lik[:, state.n_support :] + e_closed.view(-1, 1, 1)
         classes = classes + self.residual_log_lik(state).unsqueeze(-1)
         if state.alpha is None:

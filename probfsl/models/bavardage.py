@@ -44,7 +44,7 @@ from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
 from probfsl.derived.bavardage import ENGINES
 from probfsl.derived.bavardage import bavardage_model as bavardage_model  # its declaration
-from probfsl.inference.background import gaussian_log_density, isotropic_scale
+from probfsl.inference.background import TwoCovarianceReading
 from probfsl.inference.class_stats import class_means
 from probfsl.inference.gram import centred_rows, task_grams
 from probfsl.inference.plda import (
@@ -54,7 +54,6 @@ from probfsl.inference.plda import (
     within_class_scatter,
 )
 from probfsl.inference.soft_kmeans import (
-    isotropic_background_logit,
     soft_kmeans_gram,
     soft_kmeans_gram_open,
 )
@@ -204,11 +203,15 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
             :mod:`probfsl.derived.bavardage`).
         open_prior: prior mean of the open fraction π_0 (:meth:`predict_proba_open`).
 
-    Open set (:meth:`predict_proba_open`): the mixture gains a background component, the
-    base classes' predictive of a new class carried into the projected space and
-    tempered as the classes are, with its weight inferred per task, inside the soft
-    k-means initialisation and every VB iteration
-    (:mod:`probfsl.inference.vb_mixture_open`; always the hand-written updates).
+    Open set (:meth:`predict_proba_open`): the mixture gains a background component,
+    inside the soft k-means initialisation and every VB iteration, with its weight π_0
+    inferred per task (:mod:`probfsl.inference.vb_mixture_open`; always the
+    hand-written updates). A query's background-vs-classes split is taken in the full
+    centred, normalised feature space: the base classes' two-covariance predictive of a
+    new class against the known classes' predictives given the support
+    (:class:`~probfsl.inference.background.TwoCovarianceReading`); among the classes,
+    BAVARDAGE's own (projected) responsibilities, times 1 - o_q0, so that a query's
+    background share pulls neither the centroids nor the projection.
 
     Fitted attributes: ``base_mean_``, ``scatter_``, ``precision_``, ``whitening_``,
     ``s_max_`` and ``temperature_vb_`` (the values used, in the code's units),
@@ -495,40 +498,33 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         way, n_s = episodes.way, episodes.support.shape[1]
         xn = center_and_normalize(episodes.points(), self.base_mean_.to(episodes.support))
         stats = self.background_stats(xn)
-        between = isotropic_scale(stats.between)
-        logit = isotropic_background_logit(xn, stats.mean, between, self.temperature_km)
+        reading = TwoCovarianceReading(
+            xn[:, :n_s], episodes.support_labels, xn[:, n_s:], way, stats
+        )
+        odds = reading.open_log_odds()  # full-space background vs classes, [T, Q]
         gram = xn @ xn.transpose(1, 2)
         resp = soft_kmeans_gram_open(
             gram,
             episodes.support_labels,
             way,
-            logit,
+            None,
             self.open_prior,
             self.temperature_km,
             int(self.n_km),
+            open_log_odds=odds,
         )
         if engine is None:
             return resp[:, n_s:]
         tau = engine.tau
-        total = stats.within + stats.between
         support, labels, query, _ = data
+        background = OpenBackground(
+            reading.background_log_lik(), None, xn.shape[-1], open_log_odds=odds
+        )
         if engine.projection == "identity":
-            kappa = 1 / (tau * isotropic_scale(stats.within))
-            chol = torch.linalg.cholesky(kappa * total)
-            log_lik = gaussian_log_density(xn[:, n_s:], stats.mean, chol)
-            background = OpenBackground(log_lik, None, xn.shape[-1])
             projection = "identity"
         else:  # the global whitening W (task_span's when s_max does not clamp)
-            metric = self.whitening_.to(xn)
-            white_within = isotropic_scale(metric.metric_apply(stats.within))
-            chol = torch.linalg.cholesky(total)
-            log_det = metric.scales.log().sum()  # ln |det W|: the density of y = x W
-            log_lik = gaussian_log_density(xn[:, n_s:], stats.mean, chol) - log_det
-            k = metric.gram(xn)
+            k = self.whitening_.to(xn).gram(xn)
             support, query = k[:, :n_s], k[:, n_s:]
-            background = OpenBackground(
-                log_lik, k.diagonal(dim1=1, dim2=2), xn.shape[-1], 1 / white_within
-            )
             projection = "adaptive_gram"
         open_engine = BavardageOpenVB(
             way,

@@ -6,12 +6,8 @@ import torch
 
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
-from probfsl.inference.background import isotropic_scale
-from probfsl.inference.soft_kmeans import (
-    isotropic_background_logit,
-    soft_kmeans_gram,
-    soft_kmeans_gram_open,
-)
+from probfsl.inference.background import TwoCovarianceReading
+from probfsl.inference.soft_kmeans import soft_kmeans_gram, soft_kmeans_gram_open
 from probfsl.models.base import (
     BACKGROUND,
     BASE_MEAN,
@@ -33,11 +29,13 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
         center: centre the features on the base-class mean first (needs ``fit_base``).
         open_prior: prior mean of the open fraction π_0 (:meth:`predict_proba_open`).
 
-    Open set (:meth:`predict_proba_open`): one more component, the predictive of a new
-    class whose centre is drawn from the base classes' isotropic between-class spread,
-    under the same tempered isotropic model
-    (:func:`~probfsl.inference.soft_kmeans.isotropic_background_logit`), with its weight
-    π_0 inferred per task inside the passes
+    Open set (:meth:`predict_proba_open`): one more component, the background, whose
+    responsibility is taken in the full feature space: the two-covariance predictive of a
+    new class of the base classes against the classes' predictives given the support and
+    the queries weighted by their current class responsibilities
+    (:class:`~probfsl.inference.background.TwoCovarianceReading`), with its weight π_0
+    inferred per task inside the passes; among the classes, soft k-means'
+    responsibilities, times 1 - o_q0; centroids move by the class responsibilities only
     (:func:`~probfsl.inference.soft_kmeans.soft_kmeans_gram_open`).
     """
 
@@ -84,16 +82,18 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
         self._check_params()
         mean = self.checked_centring_mean(episodes)
         x = center_and_normalize(episodes.points(), mean)
-        stats = self.background_stats(x)
-        between = isotropic_scale(stats.between)
-        logit = isotropic_background_logit(x, stats.mean, between, self.temperature)
+        n_s = episodes.support.shape[1]
+        reading = TwoCovarianceReading(
+            x[:, :n_s], episodes.support_labels, x[:, n_s:], episodes.way, self.background_stats(x)
+        )
         p = soft_kmeans_gram_open(
             x @ x.transpose(1, 2),
             episodes.support_labels,
             episodes.way,
-            logit,
+            None,
             self.open_prior,
             self.temperature,
             int(self.n_iter),
+            open_log_odds=reading.open_log_odds(),
         )
         return p[:, episodes.support.shape[1] :]

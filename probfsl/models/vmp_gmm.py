@@ -278,17 +278,81 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
         return torch.cat(probs)
 
     def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
-        """``[T, Q, K+1]``: :meth:`predict_proba` times 1 - P(open), and P(open) last.
+        """``[T, Q, K+1]``: the mixture with a background component, the background last.
 
-        P(open) is the inductive outlier posterior of the two-covariance Gaussian reading
-        of the centred, normalised features, with prior ``open_prior``
+        ``precision="diagonal"``: the same model (Dirichlet weights, per-class diagonal
+        Gamma precision, Normal centroids) with one more component, by hand-written
+        mean-field updates (the VMP compiler has no mixture component with a fixed
+        density): q(μ_k, τ_k) Normal-Gamma from the support and the queries weighted by
+        their class responsibilities, q(π) Dirichlet, q(π_0) Beta (prior mean
+        ``open_prior``); a query's background responsibility is σ(E ln π_0 - E ln(1 - π_0)
+        + ln p_0(x) - ln p_closed(x)), the two-covariance contrast of the base classes in
+        the full feature space, and its class responsibilities (1 - o_q0) times the
+        mixture's among the classes. ``max_iter`` sweeps from soft k-means with the same
+        background. ``precision="full"``: :meth:`predict_proba` times 1 - P(open) and
+        P(open) last, the inductive two-covariance posterior
         (:meth:`~probfsl.models.base.OpenSetBackground.inductive_open`).
-
-        Transductive background not yet inside this method's iterations: the open column
-        is the inductive reading, the known columns are the method's own.
         """
-        proba = self.predict_proba(episodes)
-        mean = self.base_mean_ if getattr(self, "center", True) else None
-        support = center_and_normalize(episodes.support, mean)
-        query = center_and_normalize(episodes.query, mean)
-        return self.inductive_open(episodes, proba, support, query)
+        if self.precision != "diagonal":
+            proba = self.predict_proba(episodes)
+            mean = self.base_mean_ if getattr(self, "center", True) else None
+            support = center_and_normalize(episodes.support, mean)
+            query = center_and_normalize(episodes.query, mean)
+            return self.inductive_open(episodes, proba, support, query)
+        self._check_params()
+        if getattr(self, "base_mean_", None) is None:
+            raise ValueError("vmp-gmm needs base features: call fit_base first")
+        check_episodes(episodes, dim=self.base_mean_.shape[0])
+        from probfsl.inference.background import (
+            TwoCovarianceReading,
+            open_fraction_expectations,
+        )
+        from probfsl.inference.soft_kmeans import soft_kmeans_gram_open
+
+        x, _, _ = self.engine_data(episodes)
+        way, n_s = episodes.way, episodes.support.shape[1]
+        reading = TwoCovarianceReading(
+            x[:, :n_s], episodes.support_labels, x[:, n_s:], way, self.background_stats(x)
+        )
+        odds = reading.open_log_odds()
+        resp = soft_kmeans_gram_open(
+            x @ x.transpose(1, 2),
+            episodes.support_labels,
+            way,
+            None,
+            self.open_prior,
+            self.temperature,
+            int(self.n_kmeans),
+            open_log_odds=odds,
+        )
+        support_resp = resp[:, :n_s, :way]
+        q_resp, open_resp = resp[:, n_s:, :way], resp[:, n_s:, way]
+        rate0 = (self.a0 * self.within_var_).to(x)
+        d, x_sq = x.shape[-1], x.square()
+        digamma = torch.digamma
+        for _ in range(int(self.max_iter)):
+            r = torch.cat([support_resp, q_resp], 1)  # [T, N, K]
+            counts = r.sum(1)  # [T, K]
+            s1 = r.transpose(1, 2) @ x  # [T, K, D]
+            s2 = r.transpose(1, 2) @ x_sq
+            beta = self.beta0 + counts
+            mean = s1 / beta.unsqueeze(-1)
+            shape = self.a0 + 0.5 * counts  # [T, K]
+            rate = rate0 + 0.5 * (s2 - s1 * mean).clamp_min(0)  # [T, K, D]
+            prec = shape.unsqueeze(-1) / rate
+            alpha = self.alpha0 + counts
+            xq, xq_sq = x[:, n_s:], x_sq[:, n_s:]
+            maha = xq_sq @ prec.transpose(1, 2) - 2 * xq @ (prec * mean).transpose(1, 2)
+            maha = maha + (prec * mean.square()).sum(-1).unsqueeze(1)  # [T, Q, K]
+            log_lik = (
+                0.5 * (d * digamma(shape) - rate.log().sum(-1) - d / beta).unsqueeze(1) - 0.5 * maha
+            )
+            log_pi = digamma(alpha) - digamma(alpha.sum(-1, keepdim=True))
+            classes = torch.softmax(log_lik + log_pi.unsqueeze(1), -1)
+            open_mass = open_resp.sum(-1)
+            e_open, e_closed = open_fraction_expectations(
+                open_mass, open_resp.shape[-1] - open_mass, self.open_prior
+            )
+            open_resp = torch.sigmoid(odds + (e_open - e_closed).unsqueeze(-1))
+            q_resp = classes * (1 - open_resp).unsqueeze(-1)
+        return torch.cat([q_resp, open_resp.unsqueeze(-1)], -1)
