@@ -16,7 +16,7 @@ $(VENV)/.dev: $(VENV)/.core
 	$(PIP) -e ".[dev]"
 	touch $@
 
-.PHONY: demo test lint bench
+.PHONY: demo test test-quick lint bench
 demo: $(VENV)/.core
 	$(VENV)/bin/probfsl demo
 
@@ -24,6 +24,10 @@ demo: $(VENV)/.core
 test: $(VENV)/.docs
 	$(VENV)/bin/ruff check probfsl tests benchmarks tools
 	$(PY) -m pytest -q
+
+# every test module but not the slow and GPU tests: a few minutes on two cores
+test-quick: $(VENV)/.dev
+	$(PY) -m pytest -q -m "not slow and not gpu"
 
 # Tutorials: execute tutorials/NN_*.py into tutorials/NN_*.ipynb (with outputs).
 # Docs: build the site into site/ (mkdocs.yml); broken references fail the build.

@@ -10,7 +10,7 @@ from probfsl.models.soft_kmeans import SoftKMeans
 
 
 def _soft_kmeans_reference(support, labels, query, way, temperature, n_iter):
-    """One task, written loop by loop from the spec (bavardage.md §3.4), in numpy."""
+    """One task, written loop by loop from docs/design/bavardage.md §3.4, in numpy."""
     x = np.concatenate([support, query])
     ns = len(support)
     c = np.stack([support[labels == k].mean(0) for k in range(way)])

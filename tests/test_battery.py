@@ -487,6 +487,7 @@ def test_gptree_labels_do_not_depend_on_the_batch():
     assert torch.equal(alone, inside)
 
 
+@pytest.mark.slow
 def test_evidence_one_shot_labels_agree_across_dtypes():
     est = fitted("evidence-lssvm", dim=8)
     ep = make_tasks(200, way=5, shot=1, n_query=15, dim=8, seed=4)
@@ -722,6 +723,7 @@ def _shapes(rng: np.random.Generator, n_batches: int):
 
 
 @pytest.mark.parametrize("method, case", cases(RANDOM_SHARE, ["random"]))
+@pytest.mark.slow
 def test_random_tasks_never_give_nan(method, case):
     torch.manual_seed(0)
     rng = np.random.default_rng(list(RANDOM_SHARE).index(method))
@@ -737,6 +739,7 @@ def test_random_tasks_never_give_nan(method, case):
         assert_probabilities(proba, ep, f"{method} batch {b} {what}")
 
 
+@pytest.mark.slow
 def test_random_simplex_tasks_em_dirichlet():
     """EM-Dirichlet on probability vectors (its own input), one-hot and uniform rows
     mixed in: finite assignments summing to one."""

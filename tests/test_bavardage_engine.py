@@ -148,6 +148,7 @@ def _log_evidence_brute_force(u_s, y_s, u_q, tau, alpha0, beta0):
     return torch.logsumexp(torch.stack(terms), 0)
 
 
+@pytest.mark.slow
 def test_elbo_below_brute_force_evidence_and_gap_shrinks_with_separation():
     """Design §7: K=2-style tiny problem (here K=3, 3 queries, d=1) enumerated exactly."""
     gaps = []
@@ -327,6 +328,7 @@ def _model_given_projection(engine, state):
 
 
 @pytest.mark.parametrize("name", list(PRODUCTION))
+@pytest.mark.slow
 def test_production_engine_conformance(name, omniglot):
     """The shared checks on the estimator's own engine and data (adaptive projection).
 
@@ -342,6 +344,7 @@ def test_production_engine_conformance(name, omniglot):
 
 
 @pytest.mark.parametrize("name", list(PRODUCTION))
+@pytest.mark.slow
 def test_production_final_state_elbo_matches_pyro(name, omniglot):
     """At the state predict_proba returns (after the final E step), Trace_ELBO of the model
     on that block's u equals state.objective."""
@@ -356,6 +359,7 @@ def test_production_final_state_elbo_matches_pyro(name, omniglot):
 
 
 @pytest.mark.parametrize("name", list(PRODUCTION))
+@pytest.mark.slow
 def test_production_elbo_is_monotone_within_each_block(name, omniglot):
     """Within a block (projection fixed) the E step does not lower the ELBO; after a
     projection update the M step does not lower the ELBO of the new u. (Across an

@@ -38,6 +38,7 @@ def _one_block(est, tasks):
     return model, (u[:, :n_s], labels, u[:, n_s:]), {"z": resp[:, n_s:]}
 
 
+@pytest.mark.slow
 def test_elbo_is_monotone_within_a_block(omniglot, tasks):
     """Coordinate ascent on a fixed projection: no update lowers the ELBO; across blocks
     the projection changes the data, so only the last block's E step is compared."""
@@ -57,6 +58,7 @@ def test_elbo_is_monotone_within_a_block(omniglot, tasks):
     assert bool((trace[-1] >= trace[-2] - 1e-9 * trace[-2].abs()).all())
 
 
+@pytest.mark.slow
 def test_derived_block_passes_conformance(omniglot, tasks):
     """The engine of one block passes probfsl's engine contract (monotone ELBO, batch =
     one task at a time, float32 ~ float64, device, no host synchronisation, Pyro's
@@ -74,6 +76,7 @@ def test_derived_block_passes_conformance(omniglot, tasks):
     check_engine(case)
 
 
+@pytest.mark.slow
 def test_batch_equals_one_task_at_a_time(omniglot, tasks):
     est = _fitted(omniglot)
     batch = est.predict_proba(tasks)
@@ -81,6 +84,7 @@ def test_batch_equals_one_task_at_a_time(omniglot, tasks):
     torch.testing.assert_close(batch, single, rtol=0, atol=1e-10)
 
 
+@pytest.mark.slow
 def test_float32_follows_float64(omniglot, tasks):
     p64 = _fitted(omniglot).predict_proba(tasks)
     p32 = _fitted(omniglot, torch.float32).predict_proba(tasks.to(dtype=torch.float32))
@@ -99,6 +103,7 @@ def test_stays_on_the_cpu_in_the_data_dtype(omniglot, tasks):
             assert not t.is_floating_point() or t.dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_a_sharp_prior_gives_bavardage_back(omniglot, tasks):
     """a0 -> infinity pins every precision at T_vb: the method is then BAVARDAGE (the
     hand-written engine), which locates the declaration's one change."""

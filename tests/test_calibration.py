@@ -109,6 +109,7 @@ def test_bad_input_is_refused():
         fit_temperature(proba, labels, bounds=(0.0, 1.0))
 
 
+@pytest.mark.slow
 def test_temperature_scaled_estimator_keeps_labels_and_improves_nll():
     from probfsl.data import load_dataset, sample_episodes
     from probfsl.models.soft_kmeans import SoftKMeans
@@ -145,6 +146,7 @@ def test_evaluate_reports_calibration_with_intervals():
     assert "ece" in str(result)
 
 
+@pytest.mark.slow
 def test_cli_calibrate_keeps_accuracy_and_records_the_temperature(tmp_path, capsys):
     import json
 

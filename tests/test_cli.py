@@ -46,6 +46,7 @@ def test_run_on_builtin_writes_json(tmp_path, capsys):
     assert "nearest-centroid" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_run_on_a_features_file_and_same_seed_same_result(tmp_path):
     fs = make_featureset()
     path = tmp_path / "mine.npz"
@@ -103,6 +104,7 @@ def test_datasets_lists_builtins(capsys):
     assert "omniglot" in out and "wordnet" in out
 
 
+@pytest.mark.slow
 def test_params_and_presets_reach_the_estimator(tmp_path):
     out = tmp_path / "r.json"
     argv = [
@@ -132,6 +134,7 @@ def test_params_and_presets_reach_the_estimator(tmp_path):
 
 
 @pytest.mark.parametrize("method", ["bavardage", "evidence-lssvm", "em-dirichlet"])
+@pytest.mark.slow
 def test_engine_derived_gives_the_hand_written_result(tmp_path, method):
     """``--engine derived`` runs the method's declaration through VMP: same accuracy and
     per-task results as the hand-written engine on the same tasks."""
@@ -195,6 +198,7 @@ def test_tune_prints_candidates_and_choice(capsys):
     assert "chosen: {'temperature'" in out and "base-class episodes" in out
 
 
+@pytest.mark.slow
 def test_auto_is_the_default_on_user_features_and_zero_shot_tuning_runs(tmp_path, capsys):
     fs = make_featureset(n_base=10, n_novel=6, per_class=25)
     path = tmp_path / "mine.npz"
@@ -356,6 +360,7 @@ def test_features_without_base_classes(tmp_path, capsys):
     _one_line_error(rc, err, "center=True needs the base-class mean")
 
 
+@pytest.mark.slow
 def test_preset_auto_with_few_base_classes_says_what_it_used(tmp_path, capsys):
     fs = make_featureset(n_base=5, n_novel=6, per_class=12, dim=4)
     path = _save(tmp_path / "five.npz", fs)
@@ -513,6 +518,7 @@ def test_tune_and_auto_run_in_the_dtype_and_on_the_device_given(capsys, monkeypa
     assert set(fitted) == {(torch.float64, cpu)}  # before the run, then cached
 
 
+@pytest.mark.slow
 def test_select_in_float32_and_float64_ranks_alike(tmp_path, capsys, monkeypatch):
     import probfsl.commands as cli
 
@@ -569,6 +575,7 @@ def test_demo_says_a_repeated_note_once_and_why_rows_have_fewer_tasks(capsys, mo
     assert capsys.readouterr().err.count("after the demo") == 2
 
 
+@pytest.mark.slow
 def test_select_main_prints_ranking(tmp_path, capsys):
     from probfsl.commands import select_main
 

@@ -94,6 +94,7 @@ def test_the_tolerance_stops_the_same_tasks_at_the_same_step():
     assert torch.equal(sd.mm_iters, sh.mm_iters)
 
 
+@pytest.mark.slow
 def test_estimator_defaults_agree_on_builtin_wordnet():
     """The estimator's few-shot path (embeddings -> probabilities) with its default
     inner loop (the reference code's 1000 iterations), on two WordNet episodes."""

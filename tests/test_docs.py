@@ -47,6 +47,7 @@ def test_cli_reference_lists_every_subcommand():
         assert f"## `probfsl {name}`" in text
 
 
+@pytest.mark.slow
 def test_docs_build_strict(tmp_path):
     pytest.importorskip("mkdocs")
     pytest.importorskip("mkdocs_jupyter")

@@ -19,7 +19,14 @@ from probfsl import tuning
 from probfsl.estimator_io import checksum
 from probfsl.methods import METHODS, make_estimator
 from probfsl.models.base import FewShotClassifier
-from probfsl.testing import estimator_check_data, parametrize_with_checks
+from probfsl.testing import (
+    check_fit_is_fit_base,
+    check_fit_predict_on_arrays,
+    check_predict_proba_keeps_fitted_state,
+    check_save_load_roundtrip,
+    estimator_check_data,
+    parametrize_with_checks,
+)
 
 #: small settings for the slow methods (the checks test the interface, not accuracy)
 SMALL = {
@@ -59,7 +66,23 @@ def test_every_registered_method_is_checked():
     assert {type(est) for est in ESTIMATORS} == {METHODS[name].load() for name in NAMES}
 
 
-@parametrize_with_checks(ESTIMATORS)
+#: the checks that fit and predict, slow for EM-Dirichlet (its MM loop): left out of
+#: make test-quick for it, run by make test
+SLOW_CHECKS = {
+    "EMDirichlet": (
+        check_fit_is_fit_base,
+        check_fit_predict_on_arrays,
+        check_predict_proba_keeps_fitted_state,
+        check_save_load_roundtrip,
+    ),
+}
+
+
+def _marks(estimator, check):
+    return pytest.mark.slow if check in SLOW_CHECKS.get(type(estimator).__name__, ()) else None
+
+
+@parametrize_with_checks(ESTIMATORS, marks=_marks)
 def test_estimator(estimator, check):
     """probfsl.testing's estimator checks, one test id per (estimator, check) pair."""
     check(estimator)
@@ -133,6 +156,7 @@ def saved(data, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow
 def test_save_load_in_fresh_process(name, saved):
     folder, expected, loaded, refused = saved
     assert name not in refused, refused.get(name)
@@ -141,6 +165,7 @@ def test_save_load_in_fresh_process(name, saved):
     assert type(est) is METHODS[name].load()
 
 
+@pytest.mark.slow
 def test_load_refuses_other_classes(saved, tmp_path):
     folder, *_ = saved
     other = next(n for n in NAMES if n != "slem")
@@ -214,6 +239,7 @@ def _forged(payload: dict, **changes) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_saved_files_are_checked_not_trusted(saved, tmp_path):
     folder, *_ = saved
     good = folder / "slem.pt"

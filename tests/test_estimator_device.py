@@ -42,6 +42,10 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 NAMES = sorted(METHODS) + [
     f"{m}+derived" for m in ("bavardage", "em-dirichlet", "evidence-lssvm", "gp-tree", "slem")
 ]
+#: the same, with EM-Dirichlet's cases (its MM loop is the slow one) marked slow
+CASES = [
+    pytest.param(n, marks=pytest.mark.slow) if n.startswith("em-dirichlet") else n for n in NAMES
+]
 
 
 def _built(case: str) -> FewShotClassifier:
@@ -66,7 +70,7 @@ def _fitted(name: str, fs, dtype: torch.dtype, device: str = "cpu") -> FewShotCl
     return _built(name).fit_base(*fs.base(dtype, device))
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", CASES)
 def test_fit_and_predict_create_every_tensor_on_the_data_device(name, omniglot):
     """CPU data, ``meta`` default device: a tensor made without ``device=`` is caught."""
     base = omniglot.base(torch.float64)
@@ -83,7 +87,7 @@ def test_fit_and_predict_create_every_tensor_on_the_data_device(name, omniglot):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", CASES)
 def test_cuda_run_gives_the_cpu_labels(name, omniglot):
     cpu = _fitted(name, omniglot, torch.float64).predict_proba(
         _episodes(omniglot, T, torch.float64)
@@ -104,7 +108,7 @@ def _repeated(episodes, k: int):
     )
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", CASES)
 def test_host_syncs_per_call_do_not_grow_with_the_tasks(name, omniglot):
     model = _fitted(name, omniglot, torch.float32)
     model.predict_proba(_episodes(omniglot, T, torch.float32))  # one-time caches
@@ -121,7 +125,7 @@ def test_host_syncs_per_call_do_not_grow_with_the_tasks(name, omniglot):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", CASES)
 def test_output_dtype_follows_the_input(name, device, omniglot):
     for dtype in (torch.float32, torch.float64):
         model = _fitted(name, omniglot, dtype, device)
@@ -145,7 +149,7 @@ def _tensors(value) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", CASES)
 def test_fit_featureset_fits_on_the_device_given(name, device, omniglot):
     """``fit_featureset(fs, dtype, device)``: every fitted tensor lives on ``device``."""
     model = _built(name)

@@ -172,6 +172,7 @@ def test_missing_backbone_hint_names_an_install_that_works(monkeypatch):
 
 
 @pytest.mark.parametrize("executor", ["local", "ray"])
+@pytest.mark.slow
 def test_shards_on_an_executor_give_the_same_features(tmp_path, executor, monkeypatch):
     """Images cut into shards, extracted by worker processes (local) or Ray tasks that
     receive the image bytes: the same rows and features as one process."""

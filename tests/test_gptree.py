@@ -225,6 +225,7 @@ def _tree_nodes_of_builtin_classes(n_classes=5, n_per=8):
     return model, (x, yv, mask, z, zmask, s, ls)
 
 
+@pytest.mark.slow
 def test_tree_model_and_vi_engine_conform_in_production_configuration():
     """The tree-level Pyro model (every internal node a row) with VINodes in GPTree's default
     configuration: check_engine (monotone ELBO, batch = one node at a time, float32 ≈

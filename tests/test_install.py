@@ -10,6 +10,7 @@ import tomllib
 from importlib.metadata import version
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +53,7 @@ def test_installed_versions_meet_the_declared_bounds():
         assert pin.specifier.contains(version(pin.name).split("+")[0]), pin
 
 
+@pytest.mark.slow
 def test_import_is_light():
     """``import probfsl`` (and the CLI module) load no ArviZ, matplotlib or GPyTorch."""
     code = (

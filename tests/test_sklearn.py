@@ -42,6 +42,7 @@ def small(name: str, **params):
     expected_failed_checks=expected_failed_checks,
     xfail_strict=True,  # a listed check that passes is an error: the list stays honest
 )
+@pytest.mark.slow
 def test_scikit_learn_estimator_checks(estimator, check):
     check(estimator)
 

@@ -137,6 +137,7 @@ def test_local_devices():
 # -- running ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_cell_is_one_probfsl_run(local_table, tmp_path):
     """Each stored row holds the result fields of ``probfsl run --out`` for its options."""
     table, _ = local_table
@@ -155,6 +156,7 @@ def test_a_cell_is_one_probfsl_run(local_table, tmp_path):
     assert row["torch_version"] and row["machine"]
 
 
+@pytest.mark.slow
 def test_store_tables_and_skip(local_table):
     table, root = local_table
     import pandas as pd
@@ -167,6 +169,7 @@ def test_store_tables_and_skip(local_table):
     assert again["finished"].tolist() == table["finished"].tolist()
 
 
+@pytest.mark.slow
 def test_ray_and_local_give_the_same_table(local_table, tmp_path):
     """A local Ray cluster of 2 CPUs started by the test runs the sweep: same table."""
     if os.environ.get("CI"):
@@ -198,6 +201,7 @@ def _three_class_file(path: Path, novel: int = 3) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_failing_cell_is_recorded_and_the_others_finish(tmp_path):
     """The feature file has five novel classes when the sweep is checked and three when
     its cells run (a file changed under a sweep): its 5-way cells fail as cells."""
@@ -228,6 +232,7 @@ def test_a_failing_cell_is_recorded_and_the_others_finish(tmp_path):
     assert (retried["status"] == table["status"]).all()
 
 
+@pytest.mark.slow
 def test_killed_sweep_resumes_to_the_same_table(local_table, tmp_path):
     """``probfsl sweep`` killed (SIGKILL, workers included) after its first cell, then run
     again: the table equals the uninterrupted one."""
@@ -337,6 +342,7 @@ def test_optional_sources_are_left_out_when_absent(tmp_path):
         config_from_dict(raw, tmp_path)
 
 
+@pytest.mark.slow
 def test_cli_report_from_a_store(local_table, tmp_path, capsys):
     _, root = local_table
     assert main(["report", str(root), "--out", str(tmp_path / "rep")]) == 0
@@ -360,6 +366,7 @@ def test_local_workers_share_gpus_by_fraction(monkeypatch):
     assert local_devices(Resources(cpus=1, gpus=1), cpu_count=16) == ["cuda:0", "cuda:1"]
 
 
+@pytest.mark.slow
 def test_a_store_lists_the_last_sweep_in_its_order(local_table):
     """A report of the folder shows the sweep file's order (here soft-kmeans after
     nearest-centroid, shots and seeds as the grid lists them)."""

@@ -33,6 +33,7 @@ print(table["status"].tolist())
 
 
 @pytest.mark.parametrize("guard", [False, True], ids=["no-guard", "guard"])
+@pytest.mark.slow
 def test_the_documented_sweep_runs_as_a_script(tmp_path, guard):
     """The workers do not run the script again, so it works with or without the
     ``if __name__ == "__main__":`` guard, every cell stored as a result."""
@@ -74,6 +75,7 @@ def die_on(item: tuple[str, Path | None], shared) -> str:
 
 
 @pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.slow
 def test_a_call_that_kills_its_worker_is_lost_and_the_others_finish(tmp_path, workers):
     marks = tmp_path / "tries"
     items = [("a", None), ("b", None), ("die", marks), ("c", None), ("d", None), ("e", None)]
@@ -92,6 +94,7 @@ def test_a_call_that_kills_its_worker_is_lost_and_the_others_finish(tmp_path, wo
     assert marks.read_text().splitlines() == ["tried"] * (RETRIES + 1)
 
 
+@pytest.mark.slow
 def test_a_call_whose_worker_died_once_runs_again(tmp_path):
     marks = tmp_path / "tries"
     items = [("a", None), ("die-once", marks), ("b", None)]
@@ -100,6 +103,7 @@ def test_a_call_whose_worker_died_once_runs_again(tmp_path):
     assert marks.read_text() == "tried\n"
 
 
+@pytest.mark.slow
 def test_no_retries_gives_a_dead_workers_call_up_at_once(tmp_path):
     marks = tmp_path / "tries"
     items = [("die", marks), ("a", None)]
@@ -111,6 +115,7 @@ def test_no_retries_gives_a_dead_workers_call_up_at_once(tmp_path):
     assert marks.read_text() == "tried\n"
 
 
+@pytest.mark.slow
 def test_a_call_that_raises_keeps_its_worker():
     """An exception is the call's error (the worker goes on with the next call)."""
     out = dict(

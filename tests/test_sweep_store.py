@@ -247,6 +247,7 @@ def test_sweep_reruns_a_row_of_another_code_version(executor, tmp_path):
     assert ResultsStore(root).versions() == {code_version(): 2, OLD: 1}
 
 
+@pytest.mark.slow
 def test_cli_report_uses_one_code_version(executor, tmp_path, capsys):
     """A store of two current seeds and an older version's row (accuracy 11): the report
     shows the current version only and says what it left out; --code-version picks the
@@ -392,6 +393,7 @@ def test_lost_cells_are_in_the_returned_table(executor, tmp_path):
     assert list(ResultsStore(tmp_path).stored().values()) == ["ok"]
 
 
+@pytest.mark.slow
 def test_the_local_executor_reports_a_dead_worker_as_lost():
     """A call whose worker process exits gives the executor's ``WorkerLost`` error (what
     a sweep never stores)."""

@@ -1,4 +1,5 @@
-"""BAVARDAGE's task-span whitening (spec §3.1) without large per-task decompositions.
+"""BAVARDAGE's task-span whitening (docs/design/bavardage.md §3.1) without large per-task
+decompositions.
 
 The whitened Gram matrix K = y y^T of :func:`task_span_whitening` is compared with a
 brute-force construction (SVD basis of each task's span, eigendecomposition of

@@ -242,6 +242,7 @@ def test_zero_shot_tuning_uses_base_classes_only_and_finds_the_known_best(monkey
 
 
 @pytest.mark.parametrize("method", sorted(SEARCH_SPACES))
+@pytest.mark.slow
 def test_auto_falls_back_when_base_classes_cannot_form_the_episodes(method, monkeypatch):
     """5 base classes, 5-way tasks: half of the base classes (2) play novel classes, so the
     search runs on 2-way base episodes; 3 base classes: no search, a documented fallback."""

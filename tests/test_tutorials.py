@@ -21,6 +21,7 @@ def _notebook_tools():
     return module
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", TUTORIALS, ids=[p.stem for p in TUTORIALS])
 def test_tutorial_runs(path, tmp_path):
     env = dict(os.environ, MPLBACKEND="Agg", PYTHONHASHSEED="0")
