@@ -243,6 +243,7 @@ class FewShotNearestCentroid(FewShotTaskClassifier):
         center: bool = True,
         prototype: str = "mean",
         temperature: float = 10.0,
+        open_prior: float = 0.5,
         base_features: Any = None,
         base_labels: Any = None,
     ) -> None:
@@ -265,6 +266,7 @@ class FewShotSoftKMeans(FewShotTaskClassifier):
         temperature: float = 10.0,
         n_iter: int = 5,
         center: bool = True,
+        open_prior: float = 0.5,
         base_features: Any = None,
         base_labels: Any = None,
     ) -> None:
@@ -302,6 +304,7 @@ class FewShotBavardage(FewShotTaskClassifier):
         scale: str = "code",
         trace_elbo: bool = False,
         engine: str = "handwritten",
+        open_prior: float = 0.5,
         base_features: Any = None,
         base_labels: Any = None,
     ) -> None:
@@ -335,6 +338,7 @@ class FewShotBavardageGamma(FewShotTaskClassifier):
         whitening: str = "task_span",
         scatter: str = "code",
         scale: str = "code",
+        open_prior: float = 0.5,
         base_features: Any = None,
         base_labels: Any = None,
     ) -> None:
@@ -364,6 +368,7 @@ class FewShotVMPGaussianMixture(FewShotTaskClassifier):
         tol: float = 1e-06,
         precision: str = "diagonal",
         chunk: int = 50,
+        open_prior: float = 0.5,
         base_features: Any = None,
         base_labels: Any = None,
     ) -> None:
@@ -393,6 +398,7 @@ class FewShotGPTree(FewShotTaskClassifier):
         seed: int = 0,
         max_nodes: int = 2000,
         engine: str = "handwritten",
+        open_prior: float = 0.5,
         base_features: Any = None,
         base_labels: Any = None,
     ) -> None:
@@ -427,6 +433,7 @@ class FewShotEvidenceLSSVM(FewShotTaskClassifier):
         lambda_mode: str = "shared",
         dtype: str = "float64",
         engine: str = "handwritten",
+        open_prior: float = 0.5,
         base_features: Any = None,
         base_labels: Any = None,
     ) -> None:
@@ -463,6 +470,7 @@ class FewShotSLEM(FewShotTaskClassifier):
         normalize: bool = True,
         temperature: float = 1.0,
         engine: str = "handwritten",
+        open_prior: float = 0.5,
         base_features: Any = None,
         base_labels: Any = None,
     ) -> None:
@@ -499,6 +507,7 @@ class FewShotEMDirichlet(FewShotTaskClassifier):
         solver: str | None = None,
         compiled: bool | None = None,
         engine: str = "handwritten",
+        open_prior: float = 0.5,
         base_features: Any = None,
         base_labels: Any = None,
     ) -> None:
