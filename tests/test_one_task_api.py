@@ -202,7 +202,14 @@ def test_evidence_lssvm_fit_learns_the_base_classes(task):
     base, support, index, query = task
     est = EvidenceLSSVM().fit(*base)  # = fit_base, as on every estimator
     ref = EvidenceLSSVM().fit_base(*base)
-    assert est.fitted_state().keys() == {"base_mean_"}
+    # the base statistics: the mean it centres on and the background density of the
+    # open-set posterior, nothing of a trained probe
+    assert est.fitted_state().keys() == {
+        "base_mean_",
+        "background_mean_",
+        "background_between_",
+        "background_within_",
+    }
     torch.testing.assert_close(est.base_mean_, ref.base_mean_)
     assert not hasattr(est, "coef_")
     labels = est.fit_predict(support, NAMES_A[index], query)
