@@ -41,6 +41,7 @@ log = logging.getLogger("probfsl.sweep")
 VOLATILE = (
     "seconds",
     "tasks_per_second",
+    "tuning_seconds",
     "wall_seconds",
     "finished",
     "machine",
