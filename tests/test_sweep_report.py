@@ -214,9 +214,10 @@ def test_write_report_without_matplotlib(table, tmp_path, monkeypatch):
     markdown = paths["markdown"].read_text()
     assert "83.00 ± 0.90" in markdown
     assert 'pip install -c constraints.txt -e ".[plots]"' in markdown and ".png" not in markdown
-    assert "<code>pip install -c constraints.txt -e &quot;.[plots]&quot;</code>" in paths[
-        "html"
-    ].read_text()
+    assert (
+        "<code>pip install -c constraints.txt -e &quot;.[plots]&quot;</code>"
+        in paths["html"].read_text()
+    )
     assert not list(tmp_path.glob("*.png"))
 
 

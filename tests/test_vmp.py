@@ -538,7 +538,9 @@ def _no_tasks_plate(x):
 def test_non_conjugate_models_are_refused(model, site, words):
     with pytest.raises(ValueError, match=f"site '{site}'") as err:
         VMP(model).init(_x())
-    assert words in str(err.value) and "Supported" in str(err.value)
+    text = str(err.value)
+    assert words in text and text.startswith("VMP cannot use site")
+    assert text.endswith("The supported forms are listed in docs/modelling.md#supported-forms.")
 
 
 def test_bad_arguments():

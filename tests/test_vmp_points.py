@@ -353,7 +353,7 @@ def _latent_concentration(p):
     with pyro.plate("tasks", p.shape[0], dim=-2):
         a = pyro.sample("a", dist.Gamma(p.new_ones(p.shape[-1]), 1.0).to_event(1))
         with pyro.plate("points", p.shape[1], dim=-1):
-            pyro.sample("p", dist.Dirichlet(a.unsqueeze(-2)), obs=p)
+            pyro.sample("p", dist.Dirichlet(a), obs=p)
 
 
 def test_a_latent_dirichlet_concentration_is_refused():

@@ -55,7 +55,8 @@ parent (design §5), before any update. Deriving the plan costs a few runs of th
 (``init``, with the data's device as the default device, so that Pyro's plates and torch's
 samplers put their tensors with the data); the sweeps never run it.
 
-**Supported pairs** (child parameter ← parent): see :data:`SUPPORTED`.
+**Supported pairs** (child parameter ← parent): see :data:`SUPPORTED` (listed in
+docs/modelling.md, "Supported forms"; every refusal points there).
 
 **Partially observed labels.** ``pyro.sample("z", Categorical(pi), obs=labels,
 obs_mask=observed)`` (Pyro's own mechanism: sites ``z_observed`` and ``z_unobserved``) is one
@@ -65,7 +66,10 @@ Categorical factor whose observed entries are fixed one-hot and never updated.
 (``init(..., init_resp={site: probs})``), or from one-hot observed entries and
 uniform-plus-noise elsewhere (noise from a fixed seed over the non-task axes, the same for
 every task, so a batch equals its tasks run alone). Every other factor starts at its prior
-and is then updated once from those responsibilities (an M step before the first E step).
+and is then updated once from those responsibilities (an M step before the first E step),
+in the model's declaration order whatever ``order`` is. A start of one's own (``init=``:
+``"prior"`` draws, a site's mean, or a previous state) is :mod:`~probfsl.inference.vmp.starts`'s;
+``fit(state=previous)`` continues a fit.
 
 **Schedule.** One ``step`` updates every latent site once, in the order the model declares
 them (or ``order``), and makes no host synchronisation. ``fit`` is ``init`` followed by the
@@ -92,10 +96,10 @@ ELBO terms and its children's are its normaliser Σ_n ln Σ_k e^η_nk.
 
 from probfsl.inference.vmp import families  # noqa: F401  (registers the families)
 from probfsl.inference.vmp.checks import SUPPORTED
-from probfsl.inference.vmp.engine import VMP, VMPState
+from probfsl.inference.vmp.engine import VMP, ConvergenceWarning, VMPState
 from probfsl.inference.vmp.family import REGISTRY
 
 #: family name -> its Pyro distribution class (the families VMP knows)
 FAMILIES = {name: record.pyro_class for name, record in REGISTRY.items()}
 
-__all__ = ["FAMILIES", "SUPPORTED", "VMP", "VMPState"]
+__all__ = ["FAMILIES", "SUPPORTED", "VMP", "ConvergenceWarning", "VMPState"]

@@ -1,8 +1,9 @@
 """What VMP accepts: the refusals of docs/design/vmp.md §5 (the families it knows are
 :mod:`~probfsl.inference.vmp.families`).
 
-Every refusal is a ``ValueError`` raised before any sweep that names the site, its
-distribution and the offending parent, and ends with :data:`SUPPORTED`.
+Every refusal is a ``ValueError`` raised before any sweep that starts with the reason in
+one sentence, naming the site, its distribution and the offending parent, and then points
+to the list of supported forms (:data:`DOCS`, the same list as :data:`SUPPORTED`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from pyro.distributions import constraints
 
 from probfsl.inference.vmp.family import lookup, of_distribution
 
+#: where the supported forms are listed (the pointer every refusal ends with)
+DOCS = "docs/modelling.md#supported-forms"
+
+#: the supported forms in words (listed in :data:`DOCS`; refusals point there)
 SUPPORTED = (
     "Normal(loc <- Normal site, an affine map of Normal/MultivariateNormal sites with "
     "observed coefficients or a product of two of them, scale = (c * tau)^-1/2 <- Gamma "
@@ -213,9 +218,10 @@ def position(dims: tuple, index: tuple) -> str:
 
 
 def refuse(site: str, fn: str, parent: str, why: str) -> ValueError:
-    """The refusal of design §5: names the site, its distribution and the offending parent."""
+    """The refusal of design §5: one sentence naming the site, its distribution and the
+    offending parent with the reason, then a pointer to the supported forms (:data:`DOCS`)."""
     where = f"site {site!r} ({fn})" + ("" if parent == "-" else f" with parent {parent}")
-    return ValueError(f"VMP cannot use {where}: {why}. Supported: {SUPPORTED}")
+    return ValueError(f"VMP cannot use {where}: {why}. The supported forms are listed in {DOCS}.")
 
 
 def unwrap(fn):

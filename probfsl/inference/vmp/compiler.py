@@ -456,7 +456,16 @@ class Compiler:
                 dims.append(f.name)
                 sizes[f.name] = f.size
             elif size != 1:
-                raise refuse(logical, fname, "-", "a batch axis is not declared by a plate")
+                at = i - len(batch_shape)
+                raise refuse(
+                    logical,
+                    fname,
+                    "-",
+                    f"its batch axis at dim {at} (size {size}, batch shape "
+                    f"{tuple(batch_shape)}) is not declared by a plate; declare a plate of "
+                    f"size {size} at dim={at} around the site, or move the axis into the "
+                    "event shape with .to_event()",
+                )
         try:
             full = torch.broadcast_shapes(s["value"].shape, batch_shape + tuple(fn.event_shape))
         except RuntimeError:

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ import pyro.distributions as dist
 import torch
 
 from probfsl.inference.base import Engine, Info, RunInfo, run
-from probfsl.inference.vmp import gaussian_chain, layout, messages
+from probfsl.inference.vmp import gaussian_chain, layout, messages, starts
 from probfsl.inference.vmp.compiler import Compiler
 from probfsl.inference.vmp.einsum import sweeping
 from probfsl.inference.vmp.family import lookup
@@ -63,6 +64,11 @@ def _pyro_shaped(s: layout.Site, t: torch.Tensor) -> torch.Tensor:
     return t.expand(*s.batch_shape, *t.shape[len(s.batch_shape) :])
 
 
+class ConvergenceWarning(UserWarning):
+    """:meth:`VMP.fit` stopped some tasks at ``max_iter`` sweeps before their bound met
+    ``tol`` (``RunInfo.converged`` says which)."""
+
+
 class VMP(Engine):
     """Batched variational message passing for a Pyro model (module docstring).
 
@@ -86,11 +92,19 @@ class VMP(Engine):
             1: every sweep is checked, so the converged tasks leave the batch as soon as
             they are a fifth of it (the mixture of ``benchmarks/bench_vmp.py``, 1,000 tasks
             on one thread: 0.56 s instead of 0.60 s with 2 and 1.25).
-        order: the latent sites' update order (default: the model's declaration order,
-            ``pyro.param`` point estimates after every other site, as variational EM's
-            M-step follows its E-step, so that the first sweep starts from the parameters'
-            initial values).
-        seed: seed of the initial noise of latent Categorical sites.
+        order: the latent sites' update order, any permutation of them (default: the
+            model's declaration order, ``pyro.param`` point estimates after every other
+            site, as variational EM's M-step follows its E-step, so that the first sweep
+            starts from the parameters' initial values). It orders the sweeps only:
+            ``init`` always starts the factors in the model's declaration order (each
+            after the parents it reads), so every order starts from the same factors.
+        seed: seed of the initial noise of latent Categorical sites and of the draws of
+            ``init="prior"``.
+        init: the default start of :meth:`init` (:mod:`~probfsl.inference.vmp.starts`):
+            ``None`` (every factor at its prior, then one update from its children),
+            ``"prior"`` (every Normal and MultivariateNormal factor's mean drawn from its
+            prior: the way out of a saddle such as Bayesian PCA's W = x = 0), a dict
+            site name -> the factor's mean or ``"prior"``, or a :class:`VMPState`.
     """
 
     maximize = True
@@ -104,6 +118,7 @@ class VMP(Engine):
         order: list[str] | None = None,
         seed: int = 0,
         check_growth: float | None = None,
+        init: Any = None,
     ) -> None:
         if not callable(model):
             raise TypeError(f"model must be callable, got {type(model).__name__}")
@@ -119,6 +134,7 @@ class VMP(Engine):
         self.check_every, self.check_growth = check_every, check_growth
         self.model, self.max_iter, self.tol = model, int(max_iter), float(tol)
         self.order, self.seed = order, seed
+        self.init_values = init  # (``init`` is the method)
 
     def schedule(self, device: torch.device) -> tuple[int, float]:
         """``(check_every, check_growth)`` of :meth:`fit` on ``device``: the ones given,
@@ -153,19 +169,37 @@ class VMP(Engine):
         with sweeping():
             return messages.elbo(state.plan, state.q)
 
-    def init(self, *args: Any, init_resp: dict | None = None, **kwargs: Any) -> VMPState:
+    def init(
+        self, *args: Any, init_resp: dict | None = None, init: Any = None, **kwargs: Any
+    ) -> VMPState:
         """Derive the plan, initialise the factors (module docstring) and compute the ELBO.
 
         ``init_resp`` maps latent Categorical site names to initial probabilities in the
         site's Pyro shape plus the category axis (observed entries are reset to one-hot).
+        ``init`` is a start (:mod:`~probfsl.inference.vmp.starts`; default the engine's):
+        ``"prior"``, a dict site name -> mean (a tensor in the site's Pyro shape) or
+        ``"prior"``, or a :class:`VMPState` whose factors are taken over.
         """
-        return self.start(self.compile(*args, **kwargs), init_resp)
+        return self.start(self.compile(*args, **kwargs), init_resp, init)
 
-    def start(self, plan: Plan, init_resp: dict | None = None) -> VMPState:
+    def start(self, plan: Plan, init_resp: dict | None = None, init: Any = None) -> VMPState:
         """:meth:`init` on a plan already derived (:meth:`compile`, or a plan with new
         data, :meth:`~probfsl.inference.vmp.layout.Plan.observe`)."""
         sizes, ref = plan.sizes, plan.ref
+        init = self.init_values if init is None else init
+        if isinstance(init, VMPState):
+            if init_resp:
+                raise ValueError("init_resp cannot be given with a VMPState start")
+            q = starts.from_state(plan, init)
+            with sweeping():
+                return VMPState(plan, q, messages.elbo(plan, q))
+        given = starts.normalise(plan, init)
         init_resp = dict(init_resp or {})
+        for name in list(given):
+            if lookup(plan.sites[name].family).labels:
+                if name in init_resp:
+                    raise ValueError(f"site {name!r} is started by both init and init_resp")
+                init_resp[name] = given.pop(name)
         q: dict = {}
         for name in plan.latent:
             s = plan.sites[name]
@@ -198,17 +232,27 @@ class VMP(Engine):
         if init_resp:
             raise ValueError(f"init_resp names no latent Categorical site: {sorted(init_resp)}")
         for name in plan.latent:  # point estimates start at the model's initial values
-            if plan.sites[name].point:
-                q[name] = (plan.sites[name].init,)
+            s = plan.sites[name]
+            if s.point:
+                q[name] = (starts.canonical(s, given.pop(name)) if name in given else s.init,)
+        # in declaration order, whatever ``order``: each factor after the parents it reads
+        latent = set(plan.latent)
         others = [
             n
-            for n in plan.latent
-            if not lookup(plan.sites[n].family).labels and not plan.sites[n].point
+            for n in plan.sites
+            if n in latent and not lookup(plan.sites[n].family).labels and not plan.sites[n].point
         ]
         with sweeping():
-            for children in (False, True):  # priors first, then one update from the labels
-                for name in others:
-                    self._update(plan, q, name, children)
+            for name in others:  # priors first ...
+                self._update(plan, q, name, False)
+                s, value = plan.sites[name], given.get(name)
+                if isinstance(value, str):
+                    q[name] = starts.draw(s, q[name], self.seed)
+                elif value is not None:
+                    q[name] = starts.with_mean(s, q[name], starts.canonical(s, value))
+            for name in others:  # ... then one update from the labels (the given ones kept)
+                if name not in given:
+                    self._update(plan, q, name, True)
             objective = messages.elbo(plan, q)
         return VMPState(plan, q, objective)
 
@@ -275,18 +319,40 @@ class VMP(Engine):
         return VMPState(new.plan, q, where(old.objective, new.objective))
 
     def fit(
-        self, *args: Any, init_resp: dict | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        init_resp: dict | None = None,
+        init: Any = None,
+        state: VMPState | None = None,
+        **kwargs: Any,
     ) -> tuple[VMPState, RunInfo]:
         """``init``, then :func:`probfsl.inference.base.run` for up to ``max_iter`` sweeps.
 
-        With ``tol > 0`` a task that has converged is frozen (masked: its factors stop
+        With ``tol > 0`` a task has converged once its bound L moved by at most
+        ``tol`` · max(1, |L|) in one sweep; it is then frozen (masked: its factors stop
         changing, the batch keeps its size), so every task gets the result it would get
         alone; the loop ends once every task has converged, checked after ``check_every``
-        sweeps and then at gaps growing by ``check_growth``. Returns the final state and
-        the :class:`~probfsl.inference.base.RunInfo` (ELBO trace, sweeps per task,
-        converged).
+        sweeps and then at gaps growing by ``check_growth``. A :class:`ConvergenceWarning`
+        (``warnings.warn``, naming how many tasks) follows a fit that stopped some task at
+        ``max_iter`` sweeps without meeting ``tol``.
+
+        ``init`` is the start (:meth:`init`); ``state``, given instead of data, continues
+        that state's fit (on its own data) for up to ``max_iter`` more sweeps.
+
+        Returns the final state and the :class:`~probfsl.inference.base.RunInfo`: ``trace``
+        ``[sweeps + 1, T]`` (the bound after the start and after every sweep, a frozen task
+        repeating its last value), ``n_steps`` ``[T]`` (the sweeps each task ran until it
+        converged) and ``converged`` ``[T]`` (whether it met ``tol``).
         """
-        state = self.init(*args, init_resp=init_resp, **kwargs)
+        if state is not None:
+            if args or kwargs or init_resp is not None or init is not None:
+                raise ValueError(
+                    "fit(state=...) continues that state's fit on its own data; give no "
+                    "data, init or init_resp with it (init=state starts new data from it)"
+                )
+        else:
+            start = {} if init is None else {"init": init}
+            state = self.init(*args, init_resp=init_resp, **start, **kwargs)
         tol = self.tol if self.tol > 0 else None
         every, growth = self.schedule(state.objective.device)
         # the sweeps skip autograd's bookkeeping (a seventh of a small batch's sweep on the
@@ -295,7 +361,30 @@ class VMP(Engine):
             state, info = run(self, state, self.max_iter, tol, every, growth)
         q = {n: tuple(t.clone() for t in f) for n, f in state.q.items()}
         state = VMPState(state.plan, q, state.objective.clone())
-        return state, RunInfo(*(t.clone() for t in info))
+        info = RunInfo(*(t.clone() for t in info))
+        if tol is not None:
+            self._warn_unconverged(info, state.objective.dtype)
+        return state, info
+
+    def _warn_unconverged(self, info: RunInfo, dtype: torch.dtype) -> None:
+        """A :class:`ConvergenceWarning` when some task stopped at ``max_iter`` (one host
+        synchronisation, after the loop)."""
+        stuck = int((~info.converged).sum())
+        if not stuck:
+            return
+        hint = ""
+        if self.tol < 1e3 * torch.finfo(dtype).eps:
+            hint = (
+                f"; tol is near the rounding of the bound in {dtype} (eps "
+                f"{torch.finfo(dtype).eps:.1e}), where a sweep's change may never fall below it"
+            )
+        warnings.warn(
+            f"VMP stopped {stuck} of {len(info.converged)} task(s) at max_iter = "
+            f"{self.max_iter} sweeps before the bound's change met tol = {self.tol:g} "
+            f"(RunInfo.converged says which, RunInfo.trace holds the bound){hint}",
+            ConvergenceWarning,
+            stacklevel=3,
+        )
 
     def posterior(self, state: VMPState) -> dict[str, torch.distributions.Distribution]:
         """Site name -> the factor q as a batched distribution in the model's shape (point

@@ -1,0 +1,231 @@
+"""VMP's usability: any update order, starting values and continued fits, convergence
+reported (trace, sweeps, a warning at max_iter), and refusals that lead with the reason."""
+
+import itertools
+import warnings
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+
+from probfsl.inference import VMP
+from probfsl.inference.vmp import ConvergenceWarning
+from probfsl.inference.vmp.checks import DOCS, SUPPORTED
+
+F64 = torch.float64
+SITES = ["alpha", "tau", "W", "x"]
+
+
+def bayesian_pca(y, k=2):
+    """x_n ~ N(0, I_k); W_d ~ N(0, diag(1/alpha)) with alpha_k ~ Gamma; y_nd ~ N(W_d · x_n,
+    1/tau) with tau ~ Gamma (Bishop, PRML §12.2.3)."""
+    t, n, d = y.shape
+    with pyro.plate("tasks", t, dim=-3):
+        alpha = pyro.sample("alpha", dist.Gamma(y.new_full((k,), 1e-3), 1e-3).to_event(1))
+        tau = pyro.sample("tau", dist.Gamma(y.new_tensor(1e-3), 1e-3))
+        dims = pyro.plate("dims", d, dim=-1)
+        with dims:
+            w = pyro.sample("W", dist.Normal(y.new_zeros(k), alpha.rsqrt()).to_event(1))
+        with pyro.plate("points", n, dim=-2):
+            x = pyro.sample("x", dist.Normal(y.new_zeros(k), 1.0).to_event(1))
+            with dims:
+                pyro.sample("y", dist.Normal((w * x).sum(-1), tau.rsqrt()), obs=y)
+
+
+def pca_data(t=2, n=20, d=4, k=2, noise=0.1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(t, d, k, generator=g, dtype=F64)
+    x = torch.randn(t, n, k, generator=g, dtype=F64)
+    return x @ w.transpose(-1, -2) + noise * torch.randn(t, n, d, generator=g, dtype=F64)
+
+
+def normal_mean(y):
+    t, n = y.shape
+    with pyro.plate("tasks", t, dim=-2):
+        mu = pyro.sample("mu", dist.Normal(y.new_tensor(0.0), 10.0))
+        tau = pyro.sample("tau", dist.Gamma(y.new_tensor(1.0), 1.0))
+        with pyro.plate("n", n, dim=-1):
+            pyro.sample("y", dist.Normal(mu, tau.rsqrt()), obs=y)
+
+
+# --- the update order -----------------------------------------------------------------
+
+
+def test_a_site_before_its_gamma_parent_starts_as_the_default_order():
+    """``init`` follows the model's declaration order whatever ``order`` is: a site placed
+    before its Gamma parent starts from the same factors as the default order."""
+    y = pca_data(t=1, n=8, d=3)
+    ref = VMP(bayesian_pca).init(y)
+    state = VMP(bayesian_pca, order=["x", "W", "alpha", "tau"]).init(y)
+    assert torch.equal(state.objective, ref.objective)
+
+
+@pytest.mark.slow
+def test_every_order_of_bayesian_pca_starts_and_converges_alike():
+    """Every one of the 24 orders starts from the same factors and converges to the default
+    order's bound (from a start that leaves the W = x = 0 saddle)."""
+    y = pca_data(t=1, n=12, d=3)
+    w0 = torch.randn(1, 3, 2, generator=torch.Generator().manual_seed(1), dtype=F64)
+    ref_start = VMP(bayesian_pca).init(y, init={"W": w0})
+    ref, _ = VMP(bayesian_pca, tol=1e-10, max_iter=2000).fit(state=ref_start)
+    for order in itertools.permutations(SITES):
+        vmp = VMP(bayesian_pca, order=list(order), tol=1e-10, max_iter=2000)
+        start = vmp.init(y, init={"W": w0})
+        assert torch.equal(start.objective, ref_start.objective), order
+        state, info = vmp.fit(state=start)
+        assert bool(info.converged.all()), order
+        torch.testing.assert_close(state.objective, ref.objective, rtol=1e-6, atol=0)
+
+
+def test_an_order_that_is_not_a_permutation_is_refused():
+    with pytest.raises(ValueError, match="order must list the latent sites"):
+        VMP(bayesian_pca, order=["x", "W", "alpha"]).init(pca_data(t=1, n=5))
+
+
+# --- convergence reported -------------------------------------------------------------
+
+
+def test_fit_reports_trace_sweeps_and_convergence():
+    y = 1.0 + torch.randn(3, 10, generator=torch.Generator().manual_seed(0), dtype=F64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        state, info = VMP(normal_mean, tol=1e-10, max_iter=500).fit(y)
+    assert bool(info.converged.all())
+    assert info.trace.shape == (int(info.n_steps.max()) + 1, 3)
+    assert info.trace.dtype == F64
+    torch.testing.assert_close(info.trace[-1], state.objective)
+    # each task stopped at the first sweep whose relative change met tol
+    for t in range(3):
+        n = int(info.n_steps[t])
+        step = (info.trace[n, t] - info.trace[n - 1, t]).abs()
+        assert step <= 1e-10 * max(1.0, abs(float(info.trace[n - 1, t])))
+
+
+def test_a_fit_stopped_at_max_iter_warns_naming_how_many_tasks():
+    y = 1.0 + torch.randn(3, 10, generator=torch.Generator().manual_seed(0), dtype=F64)
+    with pytest.warns(ConvergenceWarning, match=r"stopped 3 of 3 task\(s\) at max_iter = 2"):
+        _, info = VMP(normal_mean, tol=1e-12, max_iter=2).fit(y)
+    assert not bool(info.converged.any()) and info.n_steps.tolist() == [2, 2, 2]
+    with pytest.warns(ConvergenceWarning, match="rounding of the bound"):
+        VMP(normal_mean, tol=1e-16, max_iter=3).fit(y)
+    with warnings.catch_warnings():  # tol = 0 asks for every sweep: nothing to warn about
+        warnings.simplefilter("error", ConvergenceWarning)
+        VMP(normal_mean, tol=0, max_iter=2).fit(y)
+
+
+def test_a_fit_continues_from_a_state():
+    """Fitting 3 sweeps, then 4 more from that state, equals 7 sweeps at once."""
+    y = 1.0 + torch.randn(2, 10, generator=torch.Generator().manual_seed(0), dtype=F64)
+    whole, _ = VMP(normal_mean, tol=0, max_iter=7).fit(y)
+    part, _ = VMP(normal_mean, tol=0, max_iter=3).fit(y)
+    rest, info = VMP(normal_mean, tol=0, max_iter=4).fit(state=part)
+    assert info.trace.shape == (5, 2)
+    torch.testing.assert_close(rest.objective, whole.objective, rtol=1e-12, atol=0)
+    for name in whole.q:
+        for a, b in zip(rest.q[name], whole.q[name], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="continues that state's fit"):
+        VMP(normal_mean).fit(y, state=part)
+
+
+# --- starting values ------------------------------------------------------------------
+
+
+def test_a_value_start_sets_the_factor_mean_and_is_kept_through_init():
+    y = pca_data(t=2, n=6, d=3)
+    w0 = torch.randn(2, 3, 2, generator=torch.Generator().manual_seed(3), dtype=F64)
+    vmp = VMP(bayesian_pca)
+    state = vmp.init(y, init={"W": w0, "tau": torch.full((2, 1, 1), 4.0, dtype=F64)})
+    post = vmp.posterior(state)
+    torch.testing.assert_close(post["W"].mean, w0.unsqueeze(1))
+    torch.testing.assert_close(post["tau"].mean, torch.full((2, 1, 1), 4.0, dtype=F64))
+    # x was updated from the given W, so the saddle is left
+    assert bool((post["x"].mean.abs().sum((1, 2, 3)) > 0).all())
+    zero = vmp.init(y)
+    assert float(vmp.posterior(zero)["W"].mean.abs().max()) == 0.0  # the W = x = 0 saddle
+
+
+def test_a_prior_start_is_seeded_per_site_and_shared_by_the_tasks():
+    y = pca_data(t=2, n=6, d=3)
+    a = VMP(bayesian_pca, seed=5).init(y, init="prior")
+    b = VMP(bayesian_pca, seed=5, init="prior").init(y)
+    c = VMP(bayesian_pca, seed=6).init(y, init="prior")
+    only_w = VMP(bayesian_pca, seed=5).init(y, init={"W": "prior"})
+    assert torch.equal(a.q["W"][0], b.q["W"][0]) and torch.equal(a.q["x"][0], b.q["x"][0])
+    assert not torch.equal(a.q["W"][0], c.q["W"][0])
+    assert torch.equal(only_w.q["W"][0], a.q["W"][0])  # W's draws do not depend on x's
+    assert torch.equal(a.q["W"][0][0], a.q["W"][0][1])  # the tasks share the draws
+    assert bool(a.q["W"][0].abs().gt(0).all())
+
+
+def test_a_state_starts_new_data_of_the_same_shapes():
+    y = pca_data(t=2, n=6, d=3)
+    first, _ = VMP(bayesian_pca, tol=0, max_iter=5, init="prior").fit(y)
+    again = VMP(bayesian_pca).init(y, init=first)
+    torch.testing.assert_close(again.objective, first.objective, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="factor of 'x' is for shape"):
+        VMP(bayesian_pca).init(pca_data(t=2, n=7, d=3), init=first)
+
+
+def test_bad_starts_are_refused_in_one_sentence():
+    y = pca_data(t=1, n=6, d=3)
+    with pytest.raises(ValueError, match="'nope', which is not a latent site"):
+        VMP(bayesian_pca).init(y, init={"nope": torch.zeros(1)})
+    with pytest.raises(ValueError, match=r"init\['W'\] must have the site's shape"):
+        VMP(bayesian_pca).init(y, init={"W": torch.zeros(2, 2)})
+    with pytest.raises(ValueError, match='may be "prior" only for a latent Normal'):
+        VMP(bayesian_pca).init(y, init={"tau": "prior"})
+    with pytest.raises(ValueError, match="must be positive"):
+        VMP(bayesian_pca).init(y, init={"tau": -torch.ones(1, 1, 1)})
+
+
+@pytest.mark.slow
+def test_a_random_start_leaves_the_bayesian_pca_saddle():
+    """From the zero start W = x = 0 stays exactly (a saddle, reported converged); from W
+    drawn from its prior the bound is clearly better on every task."""
+    y = pca_data(t=2, n=30, d=5)
+    zero, _ = VMP(bayesian_pca, tol=1e-8, max_iter=300).fit(y)
+    vmp = VMP(bayesian_pca, tol=1e-8, max_iter=3000, init={"W": "prior"}, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        drawn, _ = vmp.fit(y)
+    assert float(VMP(bayesian_pca).posterior(zero)["W"].mean.abs().max()) == 0.0
+    assert bool((drawn.objective > zero.objective + 50).all())
+
+
+# --- refusals -------------------------------------------------------------------------
+
+
+def undeclared_axis(y):
+    t, n = y.shape
+    with pyro.plate("tasks", t, dim=-2):
+        mu = pyro.sample("mu", dist.Normal(y.new_zeros(1, n), 1.0))
+        pyro.sample("y", dist.Normal(mu, 1.0).to_event(1), obs=y.unsqueeze(-2))
+
+
+def logistic_scale(y):
+    t, n = y.shape
+    with pyro.plate("tasks", t, dim=-2):
+        s = pyro.sample("s", dist.Normal(y.new_tensor(0.0), 1.0))
+        with pyro.plate("n", n, dim=-1):
+            pyro.sample("y", dist.Normal(0.0, s.exp()), obs=y)
+
+
+def test_refusals_lead_with_the_reason_and_point_to_the_docs():
+    y = torch.randn(2, 4, dtype=F64)
+    with pytest.raises(ValueError) as err:
+        VMP(logistic_scale).init(y)
+    text = str(err.value)
+    assert text.startswith("VMP cannot use site 'y' (Normal)")
+    assert text.endswith(f"The supported forms are listed in {DOCS}.")
+    assert SUPPORTED not in text and len(text) < 600
+
+
+def test_an_undeclared_batch_axis_is_named_by_its_dim_and_size():
+    with pytest.raises(
+        ValueError,
+        match=r"site 'mu' \(Normal\): its batch axis at dim -1 "
+        r"\(size 4, batch shape \(2, 4\)\) is not declared by a plate",
+    ):
+        VMP(undeclared_axis).init(torch.randn(2, 4, dtype=F64))
