@@ -727,31 +727,43 @@ def cmd_demo(args: argparse.Namespace) -> int:
     quiet = logging.getLogger("probfsl.temperature")
     level = quiet.level
     quiet.setLevel(logging.WARNING)
-    once = _OnceFilter()
-    handlers = logging.getLogger("probfsl").handlers
-    for handler in handlers:
-        handler.addFilter(once)
+    stderr = sys.stderr
+    sys.stderr = _OnceNotes(stderr)
     try:
         return _demo(args, fs, device, dtype)
     finally:
+        sys.stderr.flush()
+        sys.stderr = stderr
         quiet.setLevel(level)
-        for handler in handlers:
-            handler.removeFilter(once)
 
 
-class _OnceFilter(logging.Filter):
-    """Lets each distinct message through once."""
+class _OnceNotes:
+    """A text stream in front of ``stream`` that lets each distinct ``probfsl: note:``
+    line through once (other lines pass unchanged), whether it comes from ``print`` or
+    from the ``probfsl`` logger."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: set[str] = set()
+    def __init__(self, stream) -> None:
+        self.stream, self.pending, self.seen = stream, "", set()
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if message in self.seen:
-            return False
-        self.seen.add(message)
-        return True
+    def write(self, text: str) -> int:
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            if line.startswith("probfsl: note:"):
+                if line in self.seen:
+                    continue
+                self.seen.add(line)
+            self.stream.write(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending:
+            self.stream.write(self.pending)
+            self.pending = ""
+        self.stream.flush()
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
 
 
 def _demo(args: argparse.Namespace, fs: FeatureSet, device, dtype) -> int:

@@ -560,6 +560,7 @@ def test_demo_says_a_repeated_note_once_and_why_rows_have_fewer_tasks(capsys, mo
 
     def run_setting(method, fs, way, shot, query, balance, alpha, tasks, *rest, **kwargs):
         logging.getLogger("probfsl.models").info("the same note every setting")
+        cli._note(f"{method} says this at every setting")  # printed, not logged
         tasks_seen.append(tasks)
         return {"method": method, "tasks": tasks, "accuracy": 50.0}
 
@@ -567,6 +568,7 @@ def test_demo_says_a_repeated_note_once_and_why_rows_have_fewer_tasks(capsys, mo
     rc, out, err = _run(["demo"], capsys)
     assert rc == 0, err
     assert err.count("the same note every setting") == 1
+    assert err.count("gp-tree says this at every setting") == 1
     assert "tasks per row: 500, but 30 for gp-tree" in out
     assert sorted(set(tasks_seen)) == [30, 500]
     # the filter is gone after the demo

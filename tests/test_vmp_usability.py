@@ -112,6 +112,23 @@ def test_a_fit_stopped_at_max_iter_warns_naming_how_many_tasks():
     with warnings.catch_warnings():  # tol = 0 asks for every sweep: nothing to warn about
         warnings.simplefilter("error", ConvergenceWarning)
         VMP(normal_mean, tol=0, max_iter=2).fit(y)
+    with warnings.catch_warnings():  # a fixed budget by design: converged still says so
+        warnings.simplefilter("error", ConvergenceWarning)
+        _, quiet = VMP(normal_mean, tol=1e-12, max_iter=2, warn=False).fit(y)
+    assert not bool(quiet.converged.any())
+    with pytest.raises(TypeError, match="warn must be True or False"):
+        VMP(normal_mean, warn="no")
+
+
+def test_estimators_with_a_sweep_budget_do_not_warn():
+    from probfsl.data import load_dataset, sample_episodes
+    from probfsl.models.vmp_gmm import VMPGaussianMixture
+
+    fs = load_dataset("omniglot")
+    episodes = sample_episodes(fs, 4, way=5, shot=1, n_query=25, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        VMPGaussianMixture(max_iter=2).fit_featureset(fs).predict_proba(episodes)
 
 
 def test_a_fit_continues_from_a_state():

@@ -205,6 +205,7 @@ def fit_probabilities(
     coef = engine.coef(k)
     alpha_step = AlphaStep(engine)
     vmp = EMDirichletVMP(alpha_step, coef, max_iter=n_iter, tol=tol)
+    vmp.warn = False  # n_iter is the estimator's budget, as in the hand-written loop
     given = (None, None) if zero_shot else (support, support_labels.long())
     state, info = vmp.fit(query, *given)
     r_q = state.q["c"][0]

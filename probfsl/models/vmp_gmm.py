@@ -240,6 +240,7 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
             int(self.n_kmeans),
             max_iter=int(self.max_iter),
             tol=self.tol,
+            warn=False,  # max_iter is this estimator's budget of sweeps
         )
 
     def engine_data(self, episodes: Episodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

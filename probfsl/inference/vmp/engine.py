@@ -24,7 +24,7 @@ from probfsl.inference.vmp.compiler import Compiler
 from probfsl.inference.vmp.einsum import sweeping
 from probfsl.inference.vmp.family import lookup
 from probfsl.inference.vmp.layout import Plan
-from probfsl.validation import check_hyperparameter
+from probfsl.validation import check_flag, check_hyperparameter
 
 
 @dataclass
@@ -105,6 +105,9 @@ class VMP(Engine):
             ``"prior"`` (every Normal and MultivariateNormal factor's mean drawn from its
             prior: the way out of a saddle such as Bayesian PCA's W = x = 0), a dict
             site name -> the factor's mean or ``"prior"``, or a :class:`VMPState`.
+        warn: whether :meth:`fit` warns (:class:`ConvergenceWarning`) when it stops some
+            task at ``max_iter``; an estimator that runs a fixed budget of sweeps by design
+            turns it off (``RunInfo.converged`` still says which tasks met ``tol``).
     """
 
     maximize = True
@@ -119,6 +122,7 @@ class VMP(Engine):
         seed: int = 0,
         check_growth: float | None = None,
         init: Any = None,
+        warn: bool = True,
     ) -> None:
         if not callable(model):
             raise TypeError(f"model must be callable, got {type(model).__name__}")
@@ -135,6 +139,7 @@ class VMP(Engine):
         self.model, self.max_iter, self.tol = model, int(max_iter), float(tol)
         self.order, self.seed = order, seed
         self.init_values = init  # (``init`` is the method)
+        self.warn = check_flag("warn", warn)
 
     def schedule(self, device: torch.device) -> tuple[int, float]:
         """``(check_every, check_growth)`` of :meth:`fit` on ``device``: the ones given,
@@ -362,7 +367,7 @@ class VMP(Engine):
         q = {n: tuple(t.clone() for t in f) for n, f in state.q.items()}
         state = VMPState(state.plan, q, state.objective.clone())
         info = RunInfo(*(t.clone() for t in info))
-        if tol is not None:
+        if tol is not None and self.warn:
             self._warn_unconverged(info, state.objective.dtype)
         return state, info
 
