@@ -795,3 +795,20 @@ def test_gamma_exponential_passes_conformance():
             exact_log_evidence=evidence - shape * rate.log(),
         )
     )
+
+
+def test_a_family_refuses_the_roles_it_does_not_have():
+    """The family record's defaults refuse with a ValueError naming the family: a Wishart
+    cannot be a point estimate, an observed-only family has no posterior factor."""
+    from probfsl.inference.vmp.family import REGISTRY
+
+    assert {n for n, f in REGISTRY.items() if f.can_be_point()} == {
+        "Beta",
+        "Dirichlet",
+        "Gamma",
+        "Normal",
+    }
+    with pytest.raises(ValueError, match="cannot hold a Wishart parameter as a point estimate"):
+        REGISTRY["Wishart"].point_stats(torch.eye(2))
+    with pytest.raises(ValueError, match="no posterior factor for Poisson"):
+        REGISTRY["Poisson"].posterior([])

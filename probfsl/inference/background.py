@@ -46,7 +46,6 @@ __all__ = [
     "attach_open",
     "fit_background",
     "gaussian_log_density",
-    "isotropic_scale",
     "open_fraction_expectations",
     "open_fraction_prior",
     "open_posterior",
@@ -189,11 +188,6 @@ def open_fraction_expectations(
     b = closed_mass + a_closed
     total = torch.digamma(a + b)
     return torch.digamma(a) - total, torch.digamma(b) - total
-
-
-def isotropic_scale(covariance: torch.Tensor) -> float:
-    """The average variance of a covariance [D, D], tr / D (a host number)."""
-    return float(covariance.trace()) / covariance.shape[-1]
 
 
 def _diagonalise(stats: BackgroundStats) -> tuple[torch.Tensor, torch.Tensor]:

@@ -247,4 +247,11 @@ class BavardageOpenVB(BavardageVB):
         return self._elbo(state, log_lik, query) - torch.distributions.kl_divergence(q, p)
 
     def guide(self, state):
-        raise NotImplementedError("the open-set engine has no Pyro guide")
+        """Refused: the open-set model (a background of fixed density beside the classes
+        and a Beta open fraction) has no Pyro declaration, so there is no model for a
+        guide to be judged against; the closed-set engine's guide would describe another
+        model."""
+        raise ValueError(
+            "the open-set BAVARDAGE engine has no Pyro declaration, hence no guide; "
+            "check the closed-set engine (VBMixture) against Pyro instead"
+        )

@@ -172,8 +172,9 @@ class Family:
         return None
 
     def placeholder(self, value: torch.Tensor) -> Any:
-        """A law with the shape and support of ``value`` (a ``pyro.param``'s stand-in)."""
-        raise NotImplementedError(self.name)
+        """A law with the shape and support of ``value`` (a ``pyro.param``'s stand-in);
+        only the families that can be point estimates have one."""
+        raise self._no_point_estimate()
 
     def unit(self, shape: list, ref: torch.Tensor) -> torch.Tensor:
         """The unit of a scaled parameter c · parent (ones; identity matrices)."""
@@ -190,15 +191,28 @@ class Family:
 
     def point_stats(self, value: torch.Tensor) -> tuple:
         """u(θ) of a point estimate θ."""
-        raise NotImplementedError(self.name)
+        raise self._no_point_estimate()
 
     def point_mode(self, eta: tuple, site: Site) -> torch.Tensor:
         """argmax_θ η·u(θ): the point that maximises its children's terms."""
-        raise NotImplementedError(self.name)
+        raise self._no_point_estimate()
 
     def posterior(self, params: list) -> torch.distributions.Distribution:
-        """The factor as a distribution (parameters in the model's shapes)."""
-        raise NotImplementedError(self.name)
+        """The factor as a distribution (parameters in the model's shapes); a family that
+        is only ever observed has none."""
+        raise ValueError(f"VMP has no posterior factor for {self.name}: it is only observed")
+
+    def _no_point_estimate(self) -> ValueError:
+        points = ", ".join(name for name, f in REGISTRY.items() if f.can_be_point())
+        return ValueError(
+            f"VMP cannot hold a {self.name} parameter as a point estimate (pyro.param); "
+            f"point estimates are of the families {points}"
+        )
+
+    @classmethod
+    def can_be_point(cls) -> bool:
+        """Whether this family defines the point-estimate methods."""
+        return cls.point_mode is not Family.point_mode
 
     # ---- messages and bound terms (overridden by the families that have them) --------
     def linear_child(self, site: Site) -> str | None:
@@ -211,8 +225,9 @@ class Family:
 
     def linear_terms(self, plan: Plan, q: dict, site: Site) -> tuple[list, list]:
         """E ln p(x | parent) = Σ_i coef_i ⟨u_i(parent)⟩ + const as (coefs, const), each a
-        list of (sign, operands) (:mod:`~probfsl.inference.vmp.conjugate_children`)."""
-        raise NotImplementedError(self.name)
+        list of (sign, operands) (:mod:`~probfsl.inference.vmp.conjugate_children`); only
+        a family with a ``linear_parameter`` has them."""
+        raise ValueError(f"VMP has no conjugate-child terms for {self.name}")
 
 
 def register(cls: type[Family]) -> type[Family]:
