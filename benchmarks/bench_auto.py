@@ -35,10 +35,10 @@ from bench_bavardage import load_sets, machine  # a sibling script
 from scipy.stats import spearmanr
 from tqdm.auto import tqdm
 
+from probfsl import make_estimator
 from probfsl.data import sample_zero_shot_tasks
 from probfsl.data.tasks import sample_episodes
 from probfsl.evaluation.protocol import accuracy_ci, evaluate
-from probfsl.methods import make_estimator
 from probfsl.models.bavardage import PRESETS
 from probfsl.tuning import tune, tune_zero_shot
 

@@ -23,9 +23,10 @@ import numpy as np
 import torch
 from bench_bavardage import load_sets  # a sibling script
 
+from probfsl import make_estimator
 from probfsl.data import load_dataset, sample_episodes
 from probfsl.evaluation.calibration import METRICS, calibration_per_task, mean_ci, pooled_ece
-from probfsl.methods import METHODS, make_estimator
+from probfsl.methods import METHODS
 from probfsl.temperature import TemperatureScaled
 
 HERE = Path(__file__).resolve().parent

@@ -46,9 +46,9 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 
 import torch  # noqa: E402
 
+from probfsl import make_estimator  # noqa: E402
 from probfsl.data import load_dataset, sample_episodes  # noqa: E402
 from probfsl.data.loaders import load_features  # noqa: E402
-from probfsl.methods import make_estimator  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 METHODS = ("bavardage", "em-dirichlet", "evidence-lssvm", "slem", "gp-tree")

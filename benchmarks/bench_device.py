@@ -30,10 +30,11 @@ from pathlib import Path
 
 import torch
 
+from probfsl import make_estimator
 from probfsl.data import load_dataset, sample_episodes, sample_zero_shot_tasks
 from probfsl.data.simplex import zero_shot_probabilities
 from probfsl.host_syncs import HostSyncCounter
-from probfsl.methods import METHODS, make_estimator
+from probfsl.methods import METHODS
 from probfsl.models.em_dirichlet import EMDirichlet
 from probfsl.models.gptree import GPTree
 

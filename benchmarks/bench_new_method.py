@@ -72,9 +72,9 @@ def paired(source: list[str], shot: int, n_tasks: int, balance: str) -> dict:
     tasks of ``probfsl run``: seed 0, 75 queries): the mean per-task accuracy difference
     ± its 95% interval, in points, and each method's mean share of the queries given to
     its most predicted class (balanced queries: 20%), a sign of one class absorbing others."""
+    from probfsl import make_estimator
     from probfsl.data import load_dataset, load_features, sample_episodes
     from probfsl.evaluation import accuracy_ci
-    from probfsl.methods import make_estimator
 
     flag, name = source
     fs = load_dataset(name) if flag == "--dataset" else load_features(name)

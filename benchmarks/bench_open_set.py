@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from probfsl import make_estimator
 from probfsl.data import load_dataset, sample_episodes
 from probfsl.evaluation.calibration import mean_ci
 from probfsl.evaluation.open_set import (
@@ -55,7 +56,7 @@ from probfsl.evaluation.open_set import (
     evaluate_open_set,
     open_set_baselines,
 )
-from probfsl.methods import METHODS, make_estimator
+from probfsl.methods import METHODS
 
 HERE = Path(__file__).resolve().parent
 DATASETS = ("omniglot", "wordnet")

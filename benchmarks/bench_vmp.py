@@ -102,8 +102,8 @@ def save(part: str, payload: dict, lines: list[str]) -> None:
 
 # ---------------------------------------------------------------- accuracy
 def accuracy(args) -> None:
+    from probfsl import make_estimator
     from probfsl.evaluation import evaluate
-    from probfsl.methods import make_estimator
 
     rows = []
     for dataset in ("omniglot", "wordnet"):
@@ -147,8 +147,8 @@ def full_precision(args) -> None:
     the first ``--full-tasks`` tasks of the accuracy run (same seed, same tasks), Omniglot."""
     import warnings
 
+    from probfsl import make_estimator
     from probfsl.evaluation import evaluate
-    from probfsl.methods import make_estimator
 
     warnings.filterwarnings("ignore", "Singular sample")
     fs = load_dataset("omniglot")

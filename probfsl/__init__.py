@@ -1,19 +1,31 @@
 """probfsl: Bayesian few-shot learning with Pyro models and batched closed-form engines.
 
 ``probfsl.make_estimator(name, preset=None, **params)`` builds any registered method
-(:func:`probfsl.tuning.make_estimator`); ``probfsl.sweep`` runs a sweep
-(:func:`probfsl.sweeps.sweep`). Both are imported when first used, so that
+(:func:`probfsl.tuning.make_estimator`); ``probfsl.run(probfsl.RunSpec(...))`` runs one
+evaluation as ``probfsl run`` does (:class:`probfsl.run_spec.RunSpec`,
+:func:`probfsl.running.run`); ``probfsl.sweep`` runs a sweep
+(:func:`probfsl.sweeps.sweep`). They are imported when first used, so that
 ``import probfsl`` stays light.
 """
 
 __version__ = "0.2.0"  # the one place the version is written (pyproject reads it)
 
-__all__ = ["__version__", "make_estimator", "sweep"]
+__all__ = ["RunSpec", "__version__", "make_estimator", "run", "sweep"]
 
 
 def __getattr__(name: str):
-    """``probfsl.make_estimator`` (:func:`probfsl.tuning.make_estimator`) and
-    ``probfsl.sweep`` (:func:`probfsl.sweeps.sweep`), imported when first used."""
+    """``probfsl.make_estimator`` (:func:`probfsl.tuning.make_estimator`),
+    ``probfsl.RunSpec`` (:class:`probfsl.run_spec.RunSpec`), ``probfsl.run``
+    (:func:`probfsl.running.run`) and ``probfsl.sweep`` (:func:`probfsl.sweeps.sweep`),
+    imported when first used."""
+    if name == "RunSpec":
+        from probfsl.run_spec import RunSpec
+
+        return RunSpec
+    if name == "run":
+        from probfsl.running import run
+
+        return run
     if name == "make_estimator":
         from probfsl.tuning import make_estimator
 

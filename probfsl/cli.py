@@ -2,7 +2,9 @@
 
 Light on purpose: ``probfsl --help`` and argument errors import neither torch nor any
 method; :mod:`probfsl.commands` (what each subcommand does; :mod:`probfsl.sweeps.command`
-for ``sweep`` and ``report``) is imported once a command runs.
+for ``sweep`` and ``report``) is imported once a command runs. The choices of ``probfsl
+run``'s options come from :mod:`probfsl.run_spec` (:func:`~probfsl.run_spec.run_choices`),
+which a sweep file's schema reads too.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import probfsl
 from probfsl.data.builtin import DATASETS
 from probfsl.method_table import METHOD_TABLE
 from probfsl.methods import DEFAULTS, METHODS, parse_params
+from probfsl.run_spec import BALANCES, CALIBRATIONS, DTYPES, ENGINES
 
 #: the module of a subcommand's ``cmd_<name>`` where it is not :mod:`probfsl.commands`
 COMMAND_MODULES = {
@@ -26,8 +29,6 @@ COMMAND_MODULES = {
     "report": "probfsl.sweeps.command",
     "cache": "probfsl.tuning_cache",
 }
-#: ``--dtype`` choices
-DTYPES = ("float32", "float64")
 #: ``probfsl select --criterion`` choices (:data:`probfsl.selection.CRITERIA`)
 SELECT_CRITERIA = ("episodes", "all-rows")
 
@@ -152,7 +153,7 @@ def _add_task_shape(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--query", type=_positive(int), default=75, help="queries per task in all")
     parser.add_argument(
         "--balance",
-        choices=["balanced", "dirichlet"],
+        choices=list(BALANCES),
         default="balanced",
         help="queries per class: equal, or drawn from a Dirichlet (--alpha)",
     )
@@ -366,14 +367,14 @@ def build_parser(parser_class: type[_Parser] = _Parser) -> argparse.ArgumentPars
     )
     run.add_argument(
         "--engine",
-        choices=["handwritten", "derived"],
+        choices=list(ENGINES),
         default=None,
         help="the methods of the papers: their hand-written updates (default) or the "
         "updates derived by variational message passing from their Pyro declaration",
     )
     run.add_argument(
         "--calibrate",
-        choices=["none", "temperature"],
+        choices=list(CALIBRATIONS),
         default=None,
         help="temper the query probabilities by one temperature fitted on base-class "
         "episodes (accuracy unchanged); default: temperature with --preset auto, else none",

@@ -18,8 +18,8 @@ Anything else is a ``TypeError`` naming the attribute. Loading refuses a file wh
 class is not an estimator defined in :mod:`probfsl.models` or
 :class:`probfsl.tuning.AutoPreset` (a class with the estimator surface of
 :class:`probfsl.models.base.FewShotClassifier`), so a file cannot make the loader import
-or build anything else. The check reads the class, not the registry, so
-this module imports nothing above it.
+or build anything else. The check (:func:`probfsl.schema.saveable_class`) reads the
+class, not the registry, so this module imports nothing above it.
 
 A file is checked, not trusted. It carries its format version and a SHA-256 checksum of
 its content (class, hyperparameters and every tensor's dtype, shape and bytes); the
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import inspect
 import pickle
 import zipfile
 from importlib import import_module
@@ -55,8 +54,13 @@ import numpy as np
 import torch
 
 from probfsl.fileio import atomic_path
+from probfsl.schema import (
+    ESTIMATOR_SURFACE,
+    check_saved_estimator,
+    declared_schema,
+    saveable_class,
+)
 from probfsl.schema import TAG as _TAG
-from probfsl.schema import EstimatorSchema
 
 FORMAT = 2
 KEYS = frozenset({"format", "class", "params", "state", "checksum"})
@@ -115,7 +119,7 @@ def decode(value: Any) -> Any:
             raise ValueError(f"unknown dtype {value['value']!r} in the file")
         return dtype
     if tag == "estimator":
-        return _build(_registered(value["class"]), value["params"], value["state"], "")
+        return _build(saveable_class(value["class"]), value["params"], value["state"], "")
     if tag == "dataclass":
         module, _, qualname = value["class"].partition(":")
         if not module.startswith("probfsl."):
@@ -128,16 +132,10 @@ def decode(value: Any) -> Any:
     raise ValueError(f"unknown tag {tag!r} in the file")
 
 
-#: what makes a class an estimator (the surface of probfsl.models.base.FewShotClassifier)
-_ESTIMATOR_SURFACE = ("get_params", "fitted_state", "fit_base", "predict_proba")
-#: the saveable estimators outside probfsl.models ("module:Class")
-_OTHER_ESTIMATORS = frozenset({"probfsl.tuning:AutoPreset"})
-
-
 def _is_estimator(value: Any) -> bool:
     """Whether ``value`` is an estimator instance (it has the estimator surface)."""
     return not isinstance(value, type) and all(
-        callable(getattr(value, a, None)) for a in _ESTIMATOR_SURFACE
+        callable(getattr(value, a, None)) for a in ESTIMATOR_SURFACE
     )
 
 
@@ -149,12 +147,12 @@ def _encode_estimator(estimator: Any, name: str) -> dict:
     """A saveable estimator held in a state as a tagged dict; ``TypeError`` otherwise."""
     cls = type(estimator)
     try:
-        _registered(_target(cls))
+        saveable_class(_target(cls))
     except ValueError:
         raise TypeError(
             f"cannot save {name}: a {cls.__name__} is not a saveable estimator"
         ) from None
-    if _schema(cls) is None:
+    if declared_schema(cls) is None:
         raise TypeError(f"cannot save {name}: {cls.__name__} declares no schema")
     return {
         _TAG: "estimator",
@@ -162,41 +160,6 @@ def _encode_estimator(estimator: Any, name: str) -> dict:
         "params": encode(estimator.get_params(), f"{name}.params"),
         "state": {k: encode(v, f"{name}.{k}") for k, v in estimator.fitted_state().items()},
     }
-
-
-def check_nested(value: Any, where: str) -> None:
-    """``ValueError`` naming ``where`` unless ``value`` is an encoded estimator (see
-    :func:`encode`) of a saveable class whose hyperparameters and fitted state have the
-    form its declaration gives (used by :class:`probfsl.schema.Nested`)."""
-    keys = {_TAG, "class", "params", "state"}
-    if not isinstance(value, dict) or set(value) != keys:
-        raise ValueError(f"{where}: not a saved estimator (keys {sorted(keys - {_TAG})})")
-    if not isinstance(value["class"], str):
-        raise ValueError(f"{where}: the estimator's class should be a string")
-    try:
-        cls = _registered(value["class"])
-    except ValueError as err:
-        raise ValueError(f"{where}: {err}") from None
-    _check_content(cls, value["params"], value["state"], where)
-
-
-def _registered(target: str) -> type:
-    """The estimator class named ``"module:Class"``, if it is one of :mod:`probfsl.models`
-    (or :data:`_OTHER_ESTIMATORS`)."""
-    module, _, name = target.partition(":")
-    if (
-        not (module.startswith("probfsl.models.") or target in _OTHER_ESTIMATORS)
-        or not name.isidentifier()
-    ):
-        raise ValueError(f"{target!r} is not an estimator of probfsl.models")
-    cls = getattr(import_module(module), name, None)
-    if (
-        not isinstance(cls, type)
-        or inspect.isabstract(cls)
-        or not all(callable(getattr(cls, a, None)) for a in _ESTIMATOR_SURFACE)
-    ):
-        raise ValueError(f"{target!r} is not an estimator of probfsl.models")
-    return cls
 
 
 def checksum(payload: dict) -> str:
@@ -233,12 +196,12 @@ def save_estimator(estimator: Any, path: str | Path) -> None:
     cls = type(estimator)
     target = f"{cls.__module__}:{cls.__qualname__}"
     try:
-        _registered(target)
+        saveable_class(target)
     except ValueError:
         raise TypeError(
             f"cannot save a {cls.__name__}: only the estimators of probfsl.models can be saved"
         ) from None
-    schema = _schema(cls)
+    schema = declared_schema(cls)
     if schema is None:
         raise TypeError(f"cannot save a {cls.__name__}: it declares no schema")
     payload = {
@@ -301,12 +264,6 @@ def _check_payload(payload: dict, path: Path) -> None:
         raise ValueError(f"{name}: the checksum does not match: the file was changed or damaged")
 
 
-def _schema(cls: type) -> EstimatorSchema | None:
-    """The declaration of ``cls`` (its class attribute ``schema``), if it has one."""
-    schema = getattr(cls, "schema", None)
-    return schema if isinstance(schema, EstimatorSchema) else None
-
-
 def load_estimator(path: str | Path, expected: type | None = None) -> Any:
     """The estimator saved at ``path``, checked (see the module docstring); ``ValueError``
     naming the file and the problem otherwise, or when it is not an ``expected``."""
@@ -315,7 +272,7 @@ def load_estimator(path: str | Path, expected: type | None = None) -> Any:
     _check_payload(payload, path)
     where = repr(str(path))
     try:
-        cls = _registered(payload["class"])
+        cls = saveable_class(payload["class"])
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
     if expected is not None and not issubclass(cls, expected):
@@ -323,37 +280,11 @@ def load_estimator(path: str | Path, expected: type | None = None) -> Any:
     return _build(cls, payload["params"], payload["state"], where)
 
 
-def _check_content(cls: type, params: Any, state: Any, where: str) -> dict:
-    """The (encoded) hyperparameters and fitted state of an estimator of class ``cls``,
-    checked against its declaration before anything is decoded or computed; returns the
-    hyperparameters with their dtypes decoded. ``ValueError`` naming ``where``."""
-    schema = _schema(cls)
-    if schema is None:
-        raise ValueError(f"{where}: {cls.__name__} declares no schema and cannot be loaded")
-    if not isinstance(params, dict) or not isinstance(state, dict):
-        raise ValueError(f"{where}: 'params' and 'state' must be dicts")
-    accepted = set(schema.params)
-    for key in params:
-        if not isinstance(key, str) or not key.isidentifier() or key.startswith("_"):
-            raise ValueError(f"{where}: {key!r} is not a hyperparameter name")
-        if callable(getattr(cls, key, None)) or key not in accepted:
-            raise ValueError(f"{where}: {key!r} is not a hyperparameter of {cls.__name__}")
-    for key in state:
-        if not (isinstance(key, str) and key.isidentifier() and key.endswith("_")):
-            raise ValueError(f"{where}: {key!r} is not a fitted attribute name")
-        if key.startswith("_") or callable(getattr(cls, key, None)):
-            raise ValueError(f"{where}: fitted attribute {key!r} would hide a method")
-    # the declared form, on the encoded content: nothing is built or computed before
-    decoded = schema.check_saved_params(params, where, cls.__name__)
-    schema.check_state(state, where, cls.__name__)
-    return decoded
-
-
 def _build(cls: type, params: Any, state: Any, where: str) -> Any:
     """An estimator of class ``cls`` from its encoded hyperparameters and fitted state,
-    checked first (:func:`_check_content`; again, cheaply, for an estimator nested in a
-    state that was checked as a whole)."""
-    params = _check_content(cls, params, state, where or cls.__name__)
+    checked first (:func:`~probfsl.schema.check_saved_estimator`; again, cheaply, for an
+    estimator nested in a state that was checked as a whole)."""
+    params = check_saved_estimator(cls, params, state, where or cls.__name__)
     state = decode(state)
     try:
         estimator = cls(**params)

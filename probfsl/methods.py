@@ -5,9 +5,8 @@ the estimator interface. Tuning (:mod:`probfsl.tuning`, ``preset="auto"``) is bu
 the registry, and the command line on both: registry -> tuning -> cli, one direction.
 
 :func:`build_estimator` builds a registered method with its constructor defaults or a
-named preset; the public builder, :func:`probfsl.make_estimator` (also importable as
-``probfsl.methods.make_estimator`` and ``probfsl.tuning.make_estimator``: one function),
-adds ``preset="auto"``.
+named preset; the public builder, :func:`probfsl.make_estimator` (defined in
+:mod:`probfsl.tuning`), adds ``preset="auto"``.
 """
 
 from __future__ import annotations
@@ -44,6 +43,10 @@ class MethodInfo:
     #: its class tree is one node at 2 ways), so that a search on fewer ways than the tasks
     #: must be checked at the tasks' way
     way_dependent: bool = False
+    #: whether the method learns more than a centre from the base classes (a projection,
+    #: a whitening, class variances), so that scoring it on the classes it was fitted on
+    #: flatters it: a check of its choice needs base classes it has not seen
+    base_statistics: bool = False
 
     def load(self) -> type[FewShotClassifier]:
         module, cls = self.target.split(":")
@@ -67,16 +70,19 @@ METHODS: dict[str, MethodInfo] = {
             "bavardage",
             "probfsl.models.bavardage:Bavardage",
             "transductive VB Gaussian mixture with adaptive PLDA (Hu et al., AISTATS 2023)",
+            base_statistics=True,
         ),
         MethodInfo(
             "bavardage-gamma",
             "probfsl.models.bavardage_gamma:BavardageGamma",
             "BAVARDAGE with per-class diagonal Gamma precisions, derived by VMP",
+            base_statistics=True,
         ),
         MethodInfo(
             "vmp-gmm",
             "probfsl.models.vmp_gmm:VMPGaussianMixture",
             "VB mixture, per-class diagonal Gamma precision, derived by VMP (Winn & Bishop, 2005)",
+            base_statistics=True,
         ),
         MethodInfo(
             "gp-tree",
@@ -138,17 +144,6 @@ def build_estimator(name: str, preset: str | None = None, **params) -> FewShotCl
     if not hasattr(cls, "from_preset"):
         raise ValueError(f"method {name!r} has no presets")
     return _checked(cls.from_preset(preset, **params))
-
-
-def __getattr__(name: str):
-    """``probfsl.methods.make_estimator``: the public builder,
-    :func:`probfsl.make_estimator` (the same function; imported when first used, so
-    that the registry imports nothing of tuning)."""
-    if name == "make_estimator":
-        from probfsl.tuning import make_estimator
-
-        return make_estimator
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_param_keys(name: str, params: dict, accepted: Sequence[str] | None = None) -> None:

@@ -36,15 +36,21 @@ Every estimator class that can be saved declares both once, as its class attribu
 dataclasses, tuples, plain values), before anything is decoded or computed, and raises a
 ``ValueError`` that names the file, the attribute and the form it should have, e.g.
 ``'model.pt': base_mean_ should be a float32 tensor of shape [D] (D = 64), got float32
-of shape [2, 64]``.
+of shape [2, 64]``. :func:`saveable_class` names the classes a saved file may hold (the
+estimators of :mod:`probfsl.models`, read off the class, not the registry) and
+:func:`check_saved_estimator` checks an estimator's saved hyperparameters and state
+against its class's declaration: the loader (:mod:`probfsl.estimator_io`) and
+:class:`Nested` use both, so this module imports nothing above it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from importlib import import_module
 from typing import Any, NoReturn
 
 import torch
@@ -58,7 +64,9 @@ from probfsl.validation import (
 )
 
 __all__ = [
+    "ESTIMATOR_SURFACE",
     "FEATURE_BOUND",
+    "OTHER_ESTIMATORS",
     "TAG",
     "Array",
     "Choice",
@@ -78,6 +86,10 @@ __all__ = [
     "Record",
     "Tensor",
     "Text",
+    "check_nested",
+    "check_saved_estimator",
+    "declared_schema",
+    "saveable_class",
 ]
 
 #: the key that marks an encoded NumPy array, dtype or dataclass in a saved file
@@ -513,8 +525,6 @@ class Nested(Value):
         return "a saved probfsl estimator"
 
     def validate(self, value: Any, path: str, ctx: _Context) -> None:
-        from probfsl.estimator_io import check_nested  # the loader knows the classes
-
         if not (isinstance(value, dict) and value.get(TAG) == "estimator"):
             ctx.fail(path, self.form(ctx), _got(value))
         check_nested(value, f"{ctx.where}: {path}")
@@ -710,3 +720,80 @@ class EstimatorSchema:
             for name, spec in group.attributes.items():
                 if name in state:
                     _validate(spec, state[name], name, ctx)
+
+
+# ------------------------------------------------------------------ saveable estimators
+#: what makes a class an estimator (the surface of probfsl.models.base.FewShotClassifier)
+ESTIMATOR_SURFACE = ("get_params", "fitted_state", "fit_base", "predict_proba")
+#: the saveable estimators outside probfsl.models ("module:Class")
+OTHER_ESTIMATORS = frozenset({"probfsl.tuning:AutoPreset"})
+
+
+def saveable_class(target: str) -> type:
+    """The estimator class named ``"module:Class"``, if it is one of :mod:`probfsl.models`
+    (or :data:`OTHER_ESTIMATORS`); ``ValueError`` otherwise. The check reads the class
+    (its module and its estimator surface), not the registry, so that a saved file cannot
+    make the loader import or build anything else."""
+    module, _, name = target.partition(":")
+    if (
+        not (module.startswith("probfsl.models.") or target in OTHER_ESTIMATORS)
+        or not name.isidentifier()
+    ):
+        raise ValueError(f"{target!r} is not an estimator of probfsl.models")
+    cls = getattr(import_module(module), name, None)
+    if (
+        not isinstance(cls, type)
+        or inspect.isabstract(cls)
+        or not all(callable(getattr(cls, a, None)) for a in ESTIMATOR_SURFACE)
+    ):
+        raise ValueError(f"{target!r} is not an estimator of probfsl.models")
+    return cls
+
+
+def declared_schema(cls: type) -> EstimatorSchema | None:
+    """The declaration of ``cls`` (its class attribute ``schema``), if it has one."""
+    schema = getattr(cls, "schema", None)
+    return schema if isinstance(schema, EstimatorSchema) else None
+
+
+def check_saved_estimator(cls: type, params: Any, state: Any, where: str) -> dict:
+    """The (encoded) hyperparameters and fitted state of an estimator of class ``cls``,
+    checked against its declaration before anything is decoded or computed; returns the
+    hyperparameters with their dtypes decoded. ``ValueError`` naming ``where``."""
+    schema = declared_schema(cls)
+    if schema is None:
+        raise ValueError(f"{where}: {cls.__name__} declares no schema and cannot be loaded")
+    if not isinstance(params, dict) or not isinstance(state, dict):
+        raise ValueError(f"{where}: 'params' and 'state' must be dicts")
+    accepted = set(schema.params)
+    for key in params:
+        if not isinstance(key, str) or not key.isidentifier() or key.startswith("_"):
+            raise ValueError(f"{where}: {key!r} is not a hyperparameter name")
+        if callable(getattr(cls, key, None)) or key not in accepted:
+            raise ValueError(f"{where}: {key!r} is not a hyperparameter of {cls.__name__}")
+    for key in state:
+        if not (isinstance(key, str) and key.isidentifier() and key.endswith("_")):
+            raise ValueError(f"{where}: {key!r} is not a fitted attribute name")
+        if key.startswith("_") or callable(getattr(cls, key, None)):
+            raise ValueError(f"{where}: fitted attribute {key!r} would hide a method")
+    # the declared form, on the encoded content: nothing is built or computed before
+    decoded = schema.check_saved_params(params, where, cls.__name__)
+    schema.check_state(state, where, cls.__name__)
+    return decoded
+
+
+def check_nested(value: Any, where: str) -> None:
+    """``ValueError`` naming ``where`` unless ``value`` is an encoded estimator (as
+    :func:`probfsl.estimator_io.encode` writes one) of a saveable class whose
+    hyperparameters and fitted state have the form its declaration gives (used by
+    :class:`Nested`)."""
+    keys = {TAG, "class", "params", "state"}
+    if not isinstance(value, dict) or set(value) != keys:
+        raise ValueError(f"{where}: not a saved estimator (keys {sorted(keys - {TAG})})")
+    if not isinstance(value["class"], str):
+        raise ValueError(f"{where}: the estimator's class should be a string")
+    try:
+        cls = saveable_class(value["class"])
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    check_saved_estimator(cls, value["params"], value["state"], where)

@@ -43,6 +43,7 @@ import torch
 
 from probfsl import methods, tuning_cache
 from probfsl.data.base_episodes import (
+    MIN_STATISTICS_CLASSES,
     base_as_novel,
     base_classes_only,
     base_episode_shape,
@@ -72,6 +73,7 @@ from probfsl.schema import (
     Tensor,
     Text,
 )
+from probfsl.temperature import MIN_CLASSES as MIN_TEMPERATURE_CLASSES
 from probfsl.validation import as_device, check_base, check_count, check_float_dtype
 
 log = logging.getLogger(__name__)
@@ -209,7 +211,7 @@ class _Candidates:
 
     def fitted(self, params: dict):
         if self.shared is None:
-            model = methods.make_estimator(self.method, **{**self.fixed, **params})
+            model = make_estimator(self.method, **{**self.fixed, **params})
             model = model.fit_featureset(self.fs, self.dtype, self.device)
             if hasattr(model, "with_params"):
                 self.shared = model
@@ -457,7 +459,7 @@ def tune_zero_shot(
 
     def score(params: dict) -> dict:
         tic = time.perf_counter()
-        model = methods.make_estimator(method, **{**fixed, **params})
+        model = make_estimator(method, **{**fixed, **params})
         if not hasattr(model, "predict_zero_shot"):
             raise ValueError(f"method {method!r} has no zero-shot mode")
         probs = zero_shot_probabilities(view, tasks, model.temperature, dtype).to(device)
@@ -582,7 +584,7 @@ def _pool_row(
         if candidates is not None:
             model = candidates[i].fitted(params)
         else:
-            model = methods.make_estimator(method, preset, **params)
+            model = make_estimator(method, preset, **params)
             model = model.fit_featureset(view, dtype, device)
         probas.append(model.predict_proba(episodes))
     return _row(params, torch.cat(probas), pool.labels)
@@ -694,7 +696,10 @@ def auto_preset(
     within the most accurate one's 95% interval; the reference and nearest centroid are
     then held to the same rule (:func:`_prefer`). Wherever the episodes searched have
     fewer ways than the target, the choice of any method is held against nearest
-    centroid at the target way (:func:`_full_way_comparison`). A search whose every
+    centroid at the target way (:func:`_full_way_comparison`). With fewer base classes
+    than a temperature needs (:data:`probfsl.temperature.MIN_CLASSES`) the probabilities
+    are used as they come, so there too a choice not clearly more accurate than nearest
+    centroid must have the lower query NLL (:func:`_prefer`). A search whose every
     coarse candidate scores below nearest centroid on its first episodes
     (:data:`SCREEN_SHARE`) stops there and runs nearest centroid (``result`` ``None``).
 
@@ -861,12 +866,24 @@ def _auto_preset(
         full = _full_way_comparison(
             method, choice, fs, (way, ps, q_full), balance, alpha, seed, dtype, device
         )
-        if full is not None and full[0] < full[1]:
+        if full is None and _base_statistics(choice.method_run(method)):
+            below = (
+                f"{method} could not be checked at {way} ways on base classes it was not "
+                f"fitted on ({n_base} base classes: with {way} playing novel ones, fewer "
+                f"than the {MIN_STATISTICS_CLASSES} it needs are left for its statistics), "
+                f"and on its own base classes its projection looks better than it is: "
+                f"running {BASELINE} (--preset defaults runs {method} anyway)"
+            )
+        elif full is not None and full[0] < full[1]:
             below = (
                 f"{method} scored {full[0]:.1f}% on {full[2]}, below {BASELINE} "
                 f"({full[1]:.1f}%): running {BASELINE}"
             )
-    if below is None and ranked_by_nll and _prefer(baseline, chosen):
+    # where no temperature will be fitted (too few base classes), the probabilities are
+    # used as the method gives them: a method that is not clearly more accurate than
+    # nearest centroid must then also have the lower query NLL
+    uncalibrated = n_base < MIN_TEMPERATURE_CLASSES
+    if below is None and (ranked_by_nll or uncalibrated) and _prefer(baseline, chosen):
         below = (
             f"{method} scored {chosen['accuracy']:.1f}% (NLL {chosen['nll']:.3f}) on "
             f"{pool.where}, not above {BASELINE} ({baseline['accuracy']:.1f}%, NLL "
@@ -889,11 +906,18 @@ def _way_dependent(method: str) -> bool:
     return bool(info and info.way_dependent)
 
 
+def _base_statistics(method: str) -> bool:
+    info = methods.METHODS.get(method)
+    return bool(info and info.base_statistics)
+
+
 def _full_way_comparison(
     method, choice, fs, shape, balance, alpha, seed, dtype, device, n_episodes=100
 ) -> tuple[float, float, str] | None:
     """Accuracy (%) of ``choice`` and of :data:`BASELINE` on episodes of the target way
-    drawn from the base classes, and where; ``None`` when they cannot form one.
+    drawn from the base classes, and where; ``None`` when they cannot form one on base
+    classes the method was not fitted on (or, for a method that only centres on them,
+    at all).
 
     When the base classes are too few for base episodes of the target way (half of them
     play the novel classes), the search runs on fewer ways, where any method can look
@@ -901,34 +925,58 @@ def _full_way_comparison(
     way (GP-Tree's class tree is a single node at 2 ways,
     :attr:`probfsl.methods.MethodInfo.way_dependent`) even more so. Here draws of the
     target way's number of base classes play the novel classes and the other base
-    classes (at least two) the base classes
-    (:func:`probfsl.data.base_episodes.class_subset_views`); with too few classes left,
-    every base class plays both (:func:`probfsl.data.base_episodes.base_as_novel`: it
-    suits methods that only centre on the base classes, flatters BAVARDAGE's projection
-    and handicaps SLEM's negatives)."""
+    classes the base classes (:func:`probfsl.data.base_episodes.class_subset_views`):
+    at least two of them, else one. One class is a poor base for the statistics a
+    method learns (BAVARDAGE's whitening and projection, SLEM's negatives), so that
+    check is pessimistic for the method, which is the safe side for a guard: the
+    classes it is scored on are never those it was fitted on. Only where not even one
+    base class is left does every base class play both
+    (:func:`probfsl.data.base_episodes.base_as_novel`: it suits methods that only centre
+    on the base classes and handicaps SLEM's negatives). It is never used for a method
+    that learns more than a centre from the base classes
+    (:attr:`probfsl.methods.MethodInfo.base_statistics`: BAVARDAGE's projection would
+    look better than it is on the classes it was learnt from)."""
     way, s, _ = shape
     n_base = int(fs.classes_in("base").size)
-    views = class_subset_views(fs, way, HARDER_DRAWS, seed)
-    if views:
-        where = f"{way}-way {s}-shot episodes of {len(views)} draws of the {n_base} base classes"
-    else:
-        views = [base_as_novel(fs)]
-        where = f"{way}-way {s}-shot episodes of all {n_base} base classes"
-    per_view = max(1, -(-n_episodes // len(views)))
-    parts = []
-    for view in views:
-        try:
-            episodes = sample_episodes(
-                view, per_view, *shape, balance, alpha, seed, dtype=dtype, device=device
-            )
-        except ValueError:
+    attempts = [
+        (class_subset_views(fs, way, HARDER_DRAWS, seed, min_base), left)
+        for min_base, left in ((2, "the others"), (1, "the other one"))
+    ]
+    if not _base_statistics(choice.method_run(method)):
+        attempts.append(([base_as_novel(fs)], None))
+    for views, left in attempts:
+        if not views:
             continue
-        parts.append((view, episodes))
-    if not parts:
-        return None
-    pool = _Pool(parts, shape, where)
-    ran = _pool_row(choice.method_run(method), choice.preset, choice.params, pool, dtype, device)
-    return ran["accuracy"], _pool_row(BASELINE, None, {}, pool, dtype, device)["accuracy"], where
+        if left is None:
+            where = f"{way}-way {s}-shot episodes of all {n_base} base classes"
+        else:
+            where = (
+                f"{way}-way {s}-shot episodes of {len(views)} draws of the {n_base} base "
+                f"classes ({left} left for the base statistics)"
+            )
+        per_view = max(1, -(-n_episodes // len(views)))
+        parts = []
+        for view in views:
+            try:
+                episodes = sample_episodes(
+                    view, per_view, *shape, balance, alpha, seed, dtype=dtype, device=device
+                )
+            except ValueError:
+                continue
+            parts.append((view, episodes))
+        if not parts:
+            continue
+        pool = _Pool(parts, shape, where)
+        try:
+            ran = _pool_row(
+                choice.method_run(method), choice.preset, choice.params, pool, dtype, device
+            )
+        except ValueError as err:  # the method cannot fit on one base class
+            log.debug("target-way check on %s skipped: %s", where, err)
+            continue
+        baseline = _pool_row(BASELINE, None, {}, pool, dtype, device)["accuracy"]
+        return ran["accuracy"], baseline, where
+    return None
 
 
 def auto_preset_zero_shot(
@@ -1306,9 +1354,8 @@ def make_estimator(name: str, preset: str | None = None, **params) -> FewShotCla
     method without a search space (:data:`SEARCH_SPACES`). Every estimator it returns can
     be saved and loaded (``save(path)``, ``load(path)``), ``"auto"`` included.
 
-    This is ``probfsl.make_estimator`` (also importable from :mod:`probfsl.methods` and
-    from here: one function); :func:`probfsl.methods.build_estimator` is the registry's
-    builder, without ``"auto"``.
+    This is ``probfsl.make_estimator``; :func:`probfsl.methods.build_estimator` is the
+    registry's builder, without ``"auto"``.
     """
     if preset != "auto":
         return methods.build_estimator(name, preset, **params)

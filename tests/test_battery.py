@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 
+from probfsl import make_estimator
 from probfsl.data import (
     Episodes,
     FeatureSet,
@@ -34,7 +35,7 @@ from probfsl.data import (
     sample_zero_shot_tasks,
     save_task_file,
 )
-from probfsl.methods import METHODS, make_estimator
+from probfsl.methods import METHODS
 from tests.synthetic import episodes_from_tensors, gaussian_base
 
 ALL = list(METHODS)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from probfsl import make_estimator
 from probfsl.data import load_dataset, sample_episodes
 from probfsl.derived.bavardage import run_blocks
 from probfsl.inference.vmp import VMP
-from probfsl.methods import make_estimator
 from probfsl.testing import ConformanceCase, check_engine
 
 

@@ -177,3 +177,43 @@ def test_pooled_ece_matches_brute_force_over_all_queries():
     flat_p = proba.reshape(-1, proba.shape[-1]).numpy()
     expected = _brute_ece(flat_p, labels.reshape(-1).numpy(), 15, False)
     assert pooled_ece(proba, labels) == pytest.approx(expected, abs=1e-12)
+
+
+def test_the_temperature_is_fitted_at_the_tasks_way_or_not_at_all():
+    """A temperature fitted on 2-way episodes spreads 4-way probabilities by the wrong
+    amount: where the base classes cannot form episodes of the tasks' shape, it is fitted
+    on draws of base classes at the tasks' way, and not applied where those are missing."""
+    from probfsl.models.soft_kmeans import SoftKMeans
+    from probfsl.temperature import TemperatureScaled
+    from tests.conftest import make_featureset
+
+    fs = make_featureset(n_base=11, n_novel=4, per_class=10, dim=4, spread=1.0)
+    scaled = TemperatureScaled(SoftKMeans(), n_episodes=60).fit_featureset(fs)
+    tau = scaled.fit_shape(6, 1, 30, torch.float64)  # the split gives 5-way episodes only
+    note = scaled.notes_[(6, 1, 30)]
+    assert tau != 1.0 and "fitted on (6, 1, 30) (way, shot, queries) episodes of" in note
+    assert "draws of the base classes" in note
+    # 11 base classes and 10-way tasks: one class is left for the statistics
+    assert scaled.fit_shape(10, 1, 50, torch.float64) != 1.0
+    # 11-way tasks: none is
+    assert scaled.fit_shape(11, 1, 55, torch.float64) == 1.0
+    assert "cannot form episodes of the tasks' 11 ways" in scaled.notes_[(11, 1, 55)]
+    # where the split forms episodes of the tasks' way, it is used as before
+    assert scaled.fit_shape(4, 1, 20, torch.float64) != 1.0
+    assert (4, 1, 20) not in scaled.notes_
+
+
+def test_no_temperature_from_a_handful_of_base_classes():
+    """With few base classes, how hard their episodes are says little of the novel tasks:
+    no temperature below MIN_CLASSES base classes, and the note says why."""
+    from probfsl.models.soft_kmeans import SoftKMeans
+    from probfsl.temperature import MIN_CLASSES, TemperatureScaled
+    from tests.conftest import make_featureset
+
+    few = make_featureset(n_base=MIN_CLASSES - 1, n_novel=4, per_class=10, dim=4, spread=1.0)
+    scaled = TemperatureScaled(SoftKMeans(), n_episodes=60).fit_featureset(few)
+    assert scaled.fit_shape(3, 1, 15, torch.float64) == 1.0
+    assert f"{MIN_CLASSES - 1} base classes are too few" in scaled.notes_[(3, 1, 15)]
+    enough = make_featureset(n_base=MIN_CLASSES, n_novel=4, per_class=10, dim=4, spread=1.0)
+    scaled = TemperatureScaled(SoftKMeans(), n_episodes=60).fit_featureset(enough)
+    assert scaled.fit_shape(3, 1, 15, torch.float64) != 1.0

@@ -262,7 +262,7 @@ def test_bad_arguments_fail_before_loading_and_leave_out_alone(tmp_path, capsys,
     def no_loading(*args, **kwargs):
         raise AssertionError("the data were loaded before the arguments were checked")
 
-    monkeypatch.setattr("probfsl.commands.load_dataset", no_loading)
+    monkeypatch.setattr("probfsl.running.load_dataset", no_loading)
     out = tmp_path / "r.json"
     out.write_text("previous result\n")
     base = ["run", "--method", "soft-kmeans", "--dataset", "omniglot", "--tasks", "5"]
@@ -462,8 +462,9 @@ def test_device_and_dtype_on_every_computing_subcommand(tmp_path, capsys, monkey
         raise AssertionError("the data were loaded before the device was checked")
 
     files = _select_files(tmp_path)
-    monkeypatch.setattr("probfsl.commands.load_dataset", no_loading)
-    monkeypatch.setattr("probfsl.commands.load_features", no_loading)
+    for module in ("probfsl.commands", "probfsl.running"):  # tune and demo; run
+        monkeypatch.setattr(f"{module}.load_dataset", no_loading)
+        monkeypatch.setattr(f"{module}.load_features", no_loading)
     monkeypatch.setattr("probfsl.selection.load_features", no_loading)
     soft = ["--method", "soft-kmeans", "--dataset", "omniglot"]
     commands = [
@@ -481,7 +482,7 @@ def test_device_and_dtype_on_every_computing_subcommand(tmp_path, capsys, monkey
 
 
 def test_tune_and_auto_run_in_the_dtype_and_on_the_device_given(capsys, monkeypatch):
-    import probfsl.commands as cli
+    import probfsl.running as cli
 
     seen = []
 
@@ -659,8 +660,8 @@ def test_ctrl_c_ends_with_one_line_and_status_130(monkeypatch, capsys):
 
 
 def test_tasks_stream_in_batches_and_a_batch_too_large_is_refused(monkeypatch, capsys):
-    import probfsl.commands as cli
     import probfsl.data.tasks as tasks
+    import probfsl.running as cli
 
     made = []
     real = tasks.sample_task_indices

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from probfsl import make_estimator
 from probfsl.data import load_dataset, sample_episodes
 from probfsl.derived import bavardage as derived
 from probfsl.inference.vmp import normal
-from probfsl.methods import make_estimator
 
 
 @pytest.fixture(scope="module")

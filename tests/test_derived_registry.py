@@ -10,7 +10,7 @@ import torch
 
 from probfsl.derived import bavardage, em_dirichlet, evidence, gp_tree, slem
 from probfsl.inference.ops import aitken
-from probfsl.models.base import ENGINES as ENGINE_NAMES
+from probfsl.models.base import ENGINE_NAMES
 
 
 @pytest.mark.parametrize("module", [bavardage, em_dirichlet, evidence, gp_tree, slem])

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from probfsl import tuning
+from probfsl import make_estimator, tuning
 from probfsl.estimator_io import checksum
-from probfsl.methods import METHODS, make_estimator
+from probfsl.methods import METHODS
 from probfsl.models.base import FewShotClassifier
 from probfsl.testing import (
     check_fit_is_fit_base,

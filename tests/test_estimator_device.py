@@ -11,6 +11,10 @@ statistics; ``fit`` is the same on every estimator) and ``predict_proba``:
   the same on T and on 3T tasks, and at most :data:`MAX_SYNCS`;
 * **dtype follows the data**: float32 tasks give float32 probabilities, float64 tasks
   float64 (a method that computes in another dtype must still answer in the input's).
+
+The same checks hold the open-set paths (``predict_proba_open`` on tasks with open
+queries, :data:`OPEN_NAMES`): the mixtures with the background component and the
+background predictive.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ from dataclasses import fields, replace
 import pytest
 import torch
 
+from probfsl import make_estimator
 from probfsl.data import load_dataset, sample_episodes
 from probfsl.host_syncs import HostSyncCounter
-from probfsl.methods import METHODS, make_estimator
+from probfsl.methods import METHODS
 from probfsl.models.base import FewShotClassifier
 from probfsl.testing import audit_devices
 
@@ -161,3 +166,77 @@ def test_fit_featureset_fits_on_the_device_given(name, device, omniglot):
     assert proba.device.type == device
     with pytest.raises(ValueError, match="'warp-drive' is not a device"):
         _built(name).fit_featureset(omniglot, device="warp-drive")
+
+
+# ------------------------------------------------------------------ open-set paths
+#: the methods whose ``predict_proba_open`` iterates (their mixture with the background
+#: component) and nearest centroid, whose open column is the background predictive alone
+OPEN_NAMES = ["bavardage", "bavardage-gamma", "nearest-centroid", "soft-kmeans", "vmp-gmm"]
+#: open queries per task (3 open classes beside the 3 known ones)
+N_OPEN = 6
+
+
+def _open_episodes(fs, n_tasks: int, dtype: torch.dtype, device: str = "cpu"):
+    return sample_episodes(
+        fs, n_tasks, way=3, shot=2, n_query=9, seed=1, dtype=dtype, device=device, n_open=N_OPEN
+    )
+
+
+@pytest.mark.parametrize("name", OPEN_NAMES)
+def test_open_fit_and_predict_create_every_tensor_on_the_data_device(name, omniglot):
+    """``predict_proba_open`` with ``meta`` as the default device (CPU data)."""
+    base = omniglot.base(torch.float64)
+    episodes = _open_episodes(omniglot, T, torch.float64)
+
+    def fit_predict():
+        model = _built(name).fit_base(*base)
+        return model.predict_proba_open(episodes)
+
+    proba = audit_devices(fit_predict)
+    assert proba.device.type == "cpu" and proba.shape == (T, 9 + N_OPEN, 4)
+    assert torch.isfinite(proba).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+@pytest.mark.parametrize("name", OPEN_NAMES)
+def test_open_cuda_run_gives_the_cpu_labels(name, omniglot):
+    cpu = _fitted(name, omniglot, torch.float64).predict_proba_open(
+        _open_episodes(omniglot, T, torch.float64)
+    )
+    gpu = _fitted(name, omniglot, torch.float64, "cuda").predict_proba_open(
+        _open_episodes(omniglot, T, torch.float64, "cuda")
+    )
+    assert gpu.device.type == "cuda"
+    agree = (gpu.argmax(-1).cpu() == cpu.argmax(-1)).double().mean()
+    assert agree >= 0.95, f"{name}: {agree:.1%} of the labels agree"
+    torch.testing.assert_close(gpu[..., -1].cpu(), cpu[..., -1], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", OPEN_NAMES)
+def test_open_host_syncs_per_call_do_not_grow_with_the_tasks(name, omniglot):
+    model = _fitted(name, omniglot, torch.float32)
+    small = _open_episodes(omniglot, T, torch.float32)
+    model.predict_proba_open(small)  # one-time caches
+    counts = []
+    for episodes in (small, _repeated(small, 3)):
+        with HostSyncCounter() as counter:
+            model.predict_proba_open(episodes)
+        counts.append(counter.total)
+    assert counts[0] == counts[1], f"{name}: {counts} host syncs on {T} and {3 * T} tasks"
+    assert counts[0] <= MAX_SYNCS, f"{name}: {counts[0]} host syncs per call"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", OPEN_NAMES)
+def test_open_output_dtype_follows_the_input(name, device, omniglot):
+    for dtype in (torch.float32, torch.float64):
+        model = _fitted(name, omniglot, dtype, device)
+        proba = model.predict_proba_open(_open_episodes(omniglot, T, dtype, device))
+        assert proba.dtype == dtype and proba.device.type == device, (
+            f"{name}: {dtype} tasks on {device} gave {proba.dtype} on {proba.device}"
+        )
+        # float32 base statistics, float64 tasks (and back): the background follows the tasks
+        other = torch.float64 if dtype == torch.float32 else torch.float32
+        proba = model.predict_proba_open(_open_episodes(omniglot, T, other, device))
+        assert proba.dtype == other, f"{name}: {other} tasks gave {proba.dtype}"

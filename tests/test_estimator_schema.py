@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 import torch
 
+from probfsl import make_estimator
 from probfsl.estimator_io import checksum, encode
-from probfsl.methods import METHODS, make_estimator, method_info
+from probfsl.methods import METHODS, method_info
 from probfsl.models.base import FewShotClassifier, episodes_from_arrays
 from probfsl.models.gptree.estimator import GPTree
 from probfsl.schema import TAG, EstimatorSchema, Items, Maybe, Record

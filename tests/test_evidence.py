@@ -4,9 +4,12 @@ import math
 import warnings
 
 import numpy as np
+import pyro
+import pyro.distributions as dist
 import pytest
 import torch
 
+from probfsl.derived.evidence import declared_data, rotate, rotated_evidence_model
 from probfsl.inference.base import run
 from probfsl.inference.evidence import (
     EvidenceEngine,
@@ -27,13 +30,7 @@ from probfsl.inference.evidence import (
     spectrum_from_gram,
     update,
 )
-from probfsl.models.evidence import (
-    EvidenceLSSVM,
-    evidence_model,
-    greedy_ensemble,
-    rank_backbones,
-    shared_evidence_model,
-)
+from probfsl.models.evidence import EvidenceLSSVM, greedy_ensemble, rank_backbones
 from probfsl.testing import ConformanceCase, audit_devices, check_engine
 
 F64 = torch.float64
@@ -292,14 +289,51 @@ def _dense_log_evidence(x, y, alpha, beta):
     )
 
 
+class _OnTheDeclaration(EvidenceEngine):
+    """The hand-written engine scored against the method's one Pyro declaration,
+    :func:`~probfsl.derived.evidence.rotated_evidence_model` (data ``x``, ``y``, rotated
+    as the derived engine rotates them): its lambda and beta are the declaration's
+    ``pyro.param`` values and the guide is the exact q(z) at them, so Pyro's
+    ``Trace_ELBO`` is the log evidence of the state's hyperparameters."""
+
+    def point_estimates(self, state):
+        if self.shared:  # one problem per task, its K targets sharing lambda
+            return {"lam": state.lam[:, :1, None], "beta": state.beta[..., None]}
+        return {"lam": state.lam.reshape(-1, 1, 1), "beta": state.beta.reshape(-1, 1, 1)}
+
+    def guide(self, state):
+        points = self.point_estimates(state)
+
+        def guide(x, y):
+            sigma, proj, _ = declared_data(rotate(x, y), self.lambda_mode)
+            shrink = points["lam"] + sigma**2  # z_dk | y ~ Normal(sigma_d y~_dk / (lam + s_d), ...)
+            loc, scale = sigma * proj / shrink, (points["beta"] * shrink).rsqrt()
+            t, k, n = proj.shape
+            with pyro.plate("tasks", t, dim=-3), pyro.plate("targets", k, dim=-2):
+                with pyro.plate("coords", n, dim=-1):
+                    pyro.sample("z", dist.Normal(loc, scale))
+
+        return guide
+
+
+def _declaration(mode):
+    """:func:`rotated_evidence_model` on the engine's data ``x``, ``y``."""
+
+    def model(x, y):
+        sigma, proj, scale = declared_data(rotate(x, y), mode)
+        rotated_evidence_model(sigma, proj, scale.reshape(-1, 1, 1))  # lambda: the estimate
+
+    return model
+
+
 @pytest.mark.parametrize("mode", ["shared", "per_class"])
 def test_engine_conformance_exact_evidence(mode):
     """check_engine in production configuration (grid start, clamps): Pyro's Trace_ELBO of
-    (shared_evidence_model or evidence_model, guide) is the log evidence, which is the
-    dense-MVN log evidence of each task at the state's hyperparameters; monotone, batch
-    invariant, float32 ~ float64, devices follow, no host syncs in step."""
+    the method's declaration (rotated_evidence_model) with the exact q(z) at the engine's
+    lambda and beta is the log evidence, which is the dense-MVN log evidence of each task
+    at the state's hyperparameters; monotone, batch invariant, float32 ~ float64, devices
+    follow, no host syncs in step."""
     x, y = _tasks()
-    model = shared_evidence_model if mode == "shared" else evidence_model
     engine = EvidenceEngine(mode)
     state, _ = run(engine, engine.init(x, y), 15)
     exact = _dense_log_evidence(x, y, state.alpha, state.beta)
@@ -307,11 +341,12 @@ def test_engine_conformance_exact_evidence(mode):
     if mode == "shared":
         assert (state.lam == state.lam[:, :1]).all()
     case = ConformanceCase(
-        make_engine=lambda: EvidenceEngine(mode),
-        model=model,
+        make_engine=lambda: _OnTheDeclaration(mode),
+        model=_declaration(mode),
         data=(x, y),
         n_steps=15,
         exact_log_evidence=exact,
+        max_plate_nesting=3,
         particles=64,
         repeats=3,
     )

@@ -16,7 +16,9 @@ from probfsl.inference.background import (
     attach_open,
     fit_background,
     gaussian_log_density,
+    open_fraction_prior,
     open_posterior,
+    open_responsibility,
     two_covariance_log_liks,
 )
 from probfsl.methods import METHODS, build_estimator
@@ -167,6 +169,20 @@ def test_reading_query_weights_count_as_support():
     torch.testing.assert_close(reading.open_log_odds(), bg - closed)
 
 
+def test_open_responsibility_is_the_mean_field_update():
+    """o_q0 = σ(E ln π_0 - E ln(1 - π_0) + log-odds), q(π_0) the Beta posterior of the
+    previous o_q0 (digamma expectations)."""
+    gen = torch.Generator().manual_seed(1)
+    odds = torch.randn(2, 7, generator=gen, dtype=torch.float64)
+    previous = torch.rand(2, 7, generator=gen, dtype=torch.float64)
+    a_open, a_closed = open_fraction_prior(0.3)
+    a = a_open + previous.sum(-1)
+    b = a_closed + (1 - previous).sum(-1)
+    shift = torch.digamma(a) - torch.digamma(b)
+    want = torch.sigmoid(odds + shift.unsqueeze(-1))
+    torch.testing.assert_close(open_responsibility(odds, previous, 0.3), want)
+
+
 def test_attach_open_rows_sum_to_one():
     proba = torch.softmax(torch.randn(2, 3, 4), -1)
     p_open = torch.rand(2, 3)
@@ -217,7 +233,7 @@ def test_needs_base_classes(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["nearest-centroid", "soft-kmeans", "bavardage", "vmp-gmm", "slem"]
+    "name", ["nearest-centroid", "soft-kmeans", "bavardage", "bavardage-gamma", "vmp-gmm", "slem"]
 )
 def test_batched_equals_one_at_a_time(name, fitted, omniglot):
     est = fitted[name]
@@ -282,10 +298,13 @@ def test_open_queries_get_more_background(fitted, omniglot):
         assert p[is_open].mean() > p[~is_open].mean(), name
 
 
-def synthetic_open_tasks(n_tasks: int = 20, dim: int = 32, seed: int = 0, noise: float = 0.9):
+def synthetic_open_tasks(
+    n_tasks: int = 20, dim: int = 32, seed: int = 0, noise: float = 0.9, open_per_class: int = 10
+):
     """Base classes and tasks of Gaussian classes: ``(base features, base labels, tasks with
-    open queries, the same tasks without them)``; the open queries (labelled WAY, last)
-    come from 5 other classes, far from the known ones in the full space."""
+    open queries, the same tasks without them)``; the open queries (labelled WAY, last,
+    ``open_per_class`` from each of 5 other classes) come from classes far from the known
+    ones in the full space."""
     gen = torch.Generator().manual_seed(seed)
 
     def draw(n_classes, per_class):
@@ -297,12 +316,12 @@ def synthetic_open_tasks(n_tasks: int = 20, dim: int = 32, seed: int = 0, noise:
     base_labels = torch.arange(40).repeat_interleave(20)
     shot, per_class, n_open = 1, 10, 5
     known = draw(n_tasks * WAY, shot + per_class).reshape(n_tasks, WAY, shot + per_class, dim)
-    other = draw(n_tasks * n_open, per_class).reshape(n_tasks, n_open * per_class, dim)
+    other = draw(n_tasks * n_open, open_per_class).reshape(n_tasks, n_open * open_per_class, dim)
     support = known[:, :, :shot].transpose(1, 2).reshape(n_tasks, shot * WAY, dim)
     closed = known[:, :, shot:].reshape(n_tasks, WAY * per_class, dim)
     support_labels = torch.arange(WAY).repeat(shot).expand(n_tasks, -1)
     closed_labels = torch.arange(WAY).repeat_interleave(per_class).expand(n_tasks, -1)
-    open_labels = torch.full((n_tasks, n_open * per_class), WAY)
+    open_labels = torch.full((n_tasks, n_open * open_per_class), WAY)
 
     def make(query, labels):
         zeros = torch.zeros(labels.shape, dtype=torch.long)
@@ -320,7 +339,7 @@ def synthetic_open_tasks(n_tasks: int = 20, dim: int = 32, seed: int = 0, noise:
     return base.reshape(-1, dim), base_labels, with_open, make(closed, closed_labels)
 
 
-@pytest.mark.parametrize("name", ["bavardage", "soft-kmeans", "vmp-gmm"])
+@pytest.mark.parametrize("name", ["bavardage", "bavardage-gamma", "soft-kmeans", "vmp-gmm"])
 def test_open_queries_leave_closed_accuracy(name):
     """With as many open queries as closed ones, the closed-set accuracy of the known
     columns stays close to the accuracy on the same tasks without them, and the last
@@ -335,3 +354,42 @@ def test_open_queries_leave_closed_accuracy(name):
     assert acc_open >= acc_closed - 0.03, (acc_open, acc_closed)
     score = p_open[..., -1]
     assert score[:, n_closed:].mean() > score[:, :n_closed].mean() + 0.3
+
+
+def test_bavardage_gamma_weights_open_queries_in_its_fit():
+    """bavardage-gamma's fit weights every query by its closed share: with as many open
+    queries (from far-away classes) as closed ones, its closed-set accuracy stays within 2
+    points of the accuracy without them and above the inductive reading's (the mixture
+    fitted on every query, whose argmax the inductive known columns keep)."""
+    base, base_labels, with_open, closed = synthetic_open_tasks()
+    est = build_estimator("bavardage-gamma").fit_base(base, base_labels)
+    n_closed, labels = closed.n_query, closed.query_labels
+
+    def accuracy(proba):
+        return (proba[:, :n_closed, :WAY].argmax(-1) == labels).double().mean().item()
+
+    transductive = accuracy(est.predict_proba_open(with_open))
+    without = accuracy(est.predict_proba(closed))
+    inductive = accuracy(est.predict_proba(with_open))
+    assert transductive >= without - 0.02, (transductive, without)
+    assert transductive > inductive, (transductive, inductive)
+    assert est.elbo_trace_.shape == (est.n_vb + 1, len(closed))
+
+
+def test_em_dirichlet_open_column_is_inductive(fitted, omniglot):
+    """EM-Dirichlet's last column is the two-covariance enumeration of the centred,
+    normalised embeddings; its known columns are its closed-set assignments times
+    1 - P(open)."""
+    est = fitted["em-dirichlet"]
+    episodes = open_episodes(omniglot, 2).to(dtype=torch.float64)
+    got = est.predict_proba_open(episodes)
+    from probfsl.data.preprocess import center_and_normalize
+
+    s = center_and_normalize(episodes.support, est.base_mean_)
+    q = center_and_normalize(episodes.query, est.base_mean_)
+    class_ll, bg_ll = two_covariance_log_liks(
+        s, episodes.support_labels, q, WAY, est.background_stats(q)
+    )
+    torch.testing.assert_close(got[..., -1], open_posterior(class_ll, bg_ll, 0.5)[..., -1])
+    proba = est.predict_proba(episodes)
+    torch.testing.assert_close(got[..., :WAY], proba * (1 - got[..., -1:]))

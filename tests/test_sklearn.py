@@ -19,8 +19,9 @@ from sklearn.preprocessing import FunctionTransformer, StandardScaler
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
 import probfsl.sklearn as psk
+from probfsl import make_estimator
 from probfsl.data import load_dataset
-from probfsl.methods import METHODS, make_estimator
+from probfsl.methods import METHODS
 from probfsl.sklearn import CLASSIFIERS, expected_failed_checks
 
 #: small iteration counts for the slow methods (the checks test the interface)

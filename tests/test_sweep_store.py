@@ -310,17 +310,17 @@ def test_cli_report_prune_removes_other_versions(executor, tmp_path, capsys):
 def failing(monkeypatch):
     """The runs of the seeds in the returned set raise (in ``probfsl run`` itself, so
     that the cell records its error and traceback as a real failure does)."""
-    import probfsl.commands
+    import probfsl.running
 
     seeds: set[int] = set()
-    real = probfsl.commands.run_row
+    real = probfsl.running.run
 
-    def run_row(args, *rest, **kwargs):
-        if args.seed in seeds:
-            raise RuntimeError(f"seed {args.seed} cannot run")
-        return real(args, *rest, **kwargs)
+    def run(spec, *rest, **kwargs):
+        if spec.seed in seeds:
+            raise RuntimeError(f"seed {spec.seed} cannot run")
+        return real(spec, *rest, **kwargs)
 
-    monkeypatch.setattr(probfsl.commands, "run_row", run_row)
+    monkeypatch.setattr(probfsl.running, "run", run)
     return seeds
 
 

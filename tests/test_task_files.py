@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+import probfsl.data.episodes as episodes
 import probfsl.data.task_files as task_files
 import probfsl.data.tasks as tasks
 import probfsl.progress
@@ -141,8 +142,8 @@ def test_the_command_line_names_the_option_file_and_problem(
     def no_work(*args, **kwargs):
         raise AssertionError("the run started before the task file was checked")
 
-    monkeypatch.setattr("probfsl.commands.run_setting", no_work)
-    monkeypatch.setattr("probfsl.commands._auto", no_work)
+    monkeypatch.setattr("probfsl.running.run_setting", no_work)
+    monkeypatch.setattr("probfsl.running.auto_choice", no_work)
     path = _save(tmp_path / "bad.npz", change(idx))
     argv = ["run", "--method", "soft-kmeans", "--features", _features(tmp_path, fs)]
     rc, out, err = _run([*argv, "--task-file", str(path)], capsys)
@@ -156,7 +157,7 @@ def test_an_empty_task_file_fails_before_the_data_are_loaded(tmp_path, capsys, m
     def no_loading(*args, **kwargs):
         raise AssertionError("the data were loaded")
 
-    monkeypatch.setattr("probfsl.commands.load_dataset", no_loading)
+    monkeypatch.setattr("probfsl.running.load_dataset", no_loading)
     path = _save(tmp_path / "empty.npz", {k: v[:0] for k, v in idx.items()})
     argv = ["run", "--method", "nearest-centroid", "--dataset", "omniglot"]
     rc, _, err = _run([*argv, "--task-file", str(path)], capsys)
@@ -198,7 +199,7 @@ def test_an_oversized_task_set_is_refused_before_allocating(fs, idx, monkeypatch
     assert f"10 tasks of {rows} rows x 4 features need" in message
     assert "iter_episodes(fs, tasks, batch_size=1000)" in message and "--task-file" in message
     # the default bound: half the physical memory
-    monkeypatch.setattr(tasks, "dense_memory_limit", lambda: need - 1)
+    monkeypatch.setattr(episodes, "dense_memory_limit", lambda: need - 1)
     with pytest.raises(ValueError, match="half the physical memory"):
         episodes_from_indices(fs, idx)
     with pytest.raises(ValueError, match="as float64 tensors"):  # a cast counts both copies

@@ -345,7 +345,7 @@ def test_auto_runs_nearest_centroid_where_the_method_scores_below_it(monkeypatch
     auto.n_episodes = 10
     auto.fit_base(*fs.base())
     episodes = sample_episodes(fs, 4, way=4, shot=1, n_query=20, seed=1)
-    expected = methods.make_estimator("nearest-centroid").fit_featureset(fs).predict(episodes)
+    expected = methods.build_estimator("nearest-centroid").fit_featureset(fs).predict(episodes)
     with caplog.at_level(logging.INFO, logger="probfsl.tuning"):
         assert torch.equal(auto.predict(episodes), expected)
     assert "preset auto, noisy 4-way 1-shot: nearest-centroid" in caplog.text  # said so
@@ -452,6 +452,89 @@ def test_the_target_way_check_draws_classes_for_any_method(monkeypatch):
     choice = auto_preset("waydep", fs, 4, 1, 20, n_episodes=10)
     assert choice.method == "nearest-centroid", choice.note
     assert "4-way 1-shot episodes of 10 draws of the 7 base classes" in choice.note
+
+
+class NeedsTwoBaseClasses(WayDependent):
+    """:class:`WayDependent` whose fit needs two base classes (BAVARDAGE's projection)."""
+
+    needs_base = True
+
+    def __init__(self, flip: float = 0.0) -> None:
+        super().__init__(flip)
+
+    def fit_base(self, features, labels):
+        from probfsl.validation import check_base
+
+        check_base(features, labels, min_classes=2)
+        return self
+
+
+def test_a_method_learning_from_base_classes_is_checked_on_classes_it_has_not_seen(monkeypatch):
+    """4 base classes and 3-way tasks: 3 base classes playing novel ones leave one for the
+    statistics. A method that learns more than a centre from the base classes is never
+    scored on the classes it was fitted on (that flatters a projection); where it cannot
+    fit on one class, nothing checks it at the target way and nearest centroid runs."""
+    target = "tests.test_tuning:NeedsTwoBaseClasses"
+    monkeypatch.setitem(SEARCH_SPACES, "proj", {"flip": [0.0, 0.1]})
+    fs = make_featureset(n_base=4, n_novel=4, per_class=8, dim=4, spread=1.5)
+    monkeypatch.setitem(METHODS, "proj", MethodInfo("proj", target, "toy", base_statistics=True))
+    choice = auto_preset("proj", fs, 3, 1, 15, n_episodes=10, cache=False)
+    assert choice.method == "nearest-centroid", choice.note
+    assert "could not be checked at 3 ways on base classes it was not fitted on" in choice.note
+    # a method that only centres on the base classes is checked on all of them
+    monkeypatch.setitem(METHODS, "proj", MethodInfo("proj", target, "toy"))
+    kept = auto_preset("proj", fs, 3, 1, 15, n_episodes=10, cache=False)
+    assert kept.method is None, kept.note
+    # one that fits on one base class is checked on the other three as novel classes
+    info = MethodInfo("waydep", "tests.test_tuning:WayDependent", "toy", base_statistics=True)
+    monkeypatch.setitem(METHODS, "waydep", info)
+    monkeypatch.setitem(SEARCH_SPACES, "waydep", {"flip": [0.8, 0.9]})
+    held_out = auto_preset("waydep", fs, 3, 1, 15, n_episodes=10, cache=False)
+    assert held_out.method == "nearest-centroid", held_out.note
+    assert "3-way 1-shot episodes of 4 draws of the 4 base classes (the other one" in held_out.note
+
+
+def test_the_methods_learning_base_statistics_are_declared():
+    learners = {name for name, info in METHODS.items() if info.base_statistics}
+    assert learners == {"bavardage", "bavardage-gamma", "vmp-gmm"}
+
+
+class Overconfident(FewShotClassifier):
+    """Nearest centroid's decisions with its probabilities sharpened: as accurate, with a
+    much higher NLL wherever it errs."""
+
+    needs_base = True
+
+    def __init__(self, power: float = 30.0) -> None:
+        self.power = power
+
+    def fit_base(self, features, labels):
+        self.nc_ = methods.build_estimator("nearest-centroid").fit_base(features, labels)
+        return self
+
+    def predict_proba(self, episodes):
+        sharp = self.nc_.predict_proba(episodes) ** self.power
+        return sharp / sharp.sum(-1, keepdim=True)
+
+
+def test_on_few_base_classes_a_method_no_more_accurate_needs_the_lower_nll(monkeypatch):
+    """Below MIN_CLASSES base classes no temperature is fitted, so the probabilities are
+    used as they come: a method that is not clearly more accurate than nearest centroid
+    and has a higher query NLL runs nearest centroid. With enough base classes (and a
+    temperature to fix the spread) accuracy decides."""
+    from probfsl.temperature import MIN_CLASSES
+
+    info = MethodInfo("sharp", "tests.test_tuning:Overconfident", "toy")
+    monkeypatch.setitem(METHODS, "sharp", info)
+    monkeypatch.setitem(SEARCH_SPACES, "sharp", {"power": [30.0, 50.0]})
+    few = make_featureset(n_base=8, n_novel=4, per_class=12, dim=4, spread=1.0)
+    assert 8 < MIN_CLASSES
+    choice = auto_preset("sharp", few, 4, 1, 20, n_episodes=40, cache=False)
+    assert choice.method == "nearest-centroid", choice.note
+    assert "of higher NLL" in choice.note
+    many = make_featureset(n_base=MIN_CLASSES + 2, n_novel=4, per_class=12, dim=4, spread=1.0)
+    kept = auto_preset("sharp", many, 4, 1, 20, n_episodes=40, cache=False)
+    assert kept.method is None, kept.note
 
 
 def _separable(n_base: int = 6) -> FeatureSet:

@@ -65,15 +65,14 @@ def test_fingerprint_follows_the_data():
 
 
 def test_the_fitted_temperature_is_read_back_on_a_second_run(monkeypatch, tuning_cache_dir):
+    from probfsl import temperature
     from probfsl.models.soft_kmeans import SoftKMeans
     from probfsl.temperature import TemperatureScaled
     from tests.conftest import make_featureset
 
     fits = []
-    real = TemperatureScaled._fit
-    monkeypatch.setattr(
-        TemperatureScaled, "_fit", lambda self, *a: fits.append(a) or real(self, *a)
-    )
+    real = temperature.fit_base_temperature
+    monkeypatch.setattr(temperature, "fit_base_temperature", lambda *a: fits.append(a) or real(*a))
     fs = make_featureset(n_base=12, n_novel=4, per_class=20, spread=1.0)
     first = TemperatureScaled(SoftKMeans(), n_episodes=40).fit_featureset(fs)
     tau = first.fit_shape(5, 1, 30, torch.float32)
@@ -92,7 +91,7 @@ def test_no_temperature_from_base_episodes_without_errors():
     from probfsl.temperature import TemperatureScaled
     from tests.conftest import make_featureset
 
-    fs = make_featureset(n_base=6, n_novel=4, per_class=8, dim=4, spread=60.0)
+    fs = make_featureset(n_base=12, n_novel=4, per_class=8, dim=4, spread=60.0)
     scaled = TemperatureScaled(SoftKMeans(), n_episodes=50).fit_featureset(fs)
     assert scaled.fit_shape(3, 1, 15, torch.float32) == 1.0
     assert "not fitted" in scaled.notes_[(3, 1, 15)]

@@ -266,8 +266,8 @@ def test_check_episodes_names_the_base_width(synthetic):
 
 
 def test_the_one_task_api_takes_what_a_user_has():
+    from probfsl import make_estimator
     from probfsl.data import load_dataset
-    from probfsl.methods import make_estimator
     from probfsl.validation import as_user_array
 
     fs = load_dataset("omniglot")
@@ -308,7 +308,7 @@ def test_the_one_task_api_takes_what_a_user_has():
 
 
 def test_fit_predict_reports_the_label_shape_it_was_given():
-    from probfsl.methods import make_estimator
+    from probfsl import make_estimator
 
     support = np.random.default_rng(0).random((10, 4)).astype(np.float32)
     labels = np.repeat(np.arange(5), 2)

@@ -583,8 +583,8 @@ def test_fixed_table_selected_by_a_latent_label_matches_bavardage():
 
 
 def test_vmp_gmm_method():
+    from probfsl import make_estimator
     from probfsl.data import load_dataset, sample_episodes
-    from probfsl.methods import make_estimator
 
     fs = load_dataset("omniglot")
     tasks = sample_episodes(fs, 20, way=5, shot=1, n_query=30, seed=0)
@@ -601,8 +601,8 @@ def test_vmp_gmm_method():
 def _vmp_gmm_setup(n_tasks=3, n_query=10):
     """The vmp-gmm estimator with its default hyperparameters, fitted on the built-in
     Omniglot base classes, and a few 5-way 1-shot tasks."""
+    from probfsl import make_estimator
     from probfsl.data import load_dataset, sample_episodes
-    from probfsl.methods import make_estimator
 
     fs = load_dataset("omniglot")
     tasks = sample_episodes(fs, n_tasks, way=5, shot=1, n_query=n_query, seed=1)

@@ -11,7 +11,8 @@ import torch
 
 from probfsl.inference import VMP
 from probfsl.inference.vmp import ConvergenceWarning
-from probfsl.inference.vmp.checks import DOCS, SUPPORTED
+from probfsl.inference.vmp.checks import DOCS
+from probfsl.inference.vmp.supported import SUPPORTED
 
 F64 = torch.float64
 SITES = ["alpha", "tau", "W", "x"]

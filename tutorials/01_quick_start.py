@@ -20,9 +20,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+from probfsl import make_estimator
 from probfsl.data import load_dataset, sample_episodes
 from probfsl.evaluation import accuracy_ci, text_table
-from probfsl.methods import METHODS, make_estimator
+from probfsl.methods import METHODS
 
 # %% [markdown]
 # ## Data

@@ -32,7 +32,7 @@ import torch
 
 from probfsl.data import load_dataset, sample_episodes
 from probfsl.derived.bavardage import declared_model, run_blocks
-from probfsl.diagnostics import draws_from_guide, summary, to_datatree
+from probfsl.diagnostics import summary, vmp_datatree
 from probfsl.inference import VMP
 from probfsl.inference.class_stats import one_hot_support
 from probfsl.models.bavardage import Bavardage, bavardage_model
@@ -183,19 +183,20 @@ print("paired difference:        ", ci(acc_gamma - acc_bavardage))
 #
 # ## Diagnose the new posterior in ArviZ
 #
-# The derived guide (`VMP.guide(state)`) is a real Pyro guide: draws of the learnt
-# precisions become an `xarray.DataTree`, and `summary` gives means, intervals and ESS
-# (R-hat is 1 for these independent draws from closed-form factors). Task 0 first:
+# `vmp_datatree(vmp, state)` turns any fitted declaration into an `xarray.DataTree`: every
+# latent site drawn from its factor by the derived guide (`VMP.guide(state)`, a real Pyro
+# guide), each axis named after the plate that declares it (`tasks`, `classes`, `queries`;
+# event axes `<site>_dim_0`, ...), and the bound of each task in `sample_stats` (with the
+# `RunInfo` of `VMP.fit`, its trace and convergence too; `run_blocks` runs its own
+# schedule). `summary` gives means, intervals and ESS (R-hat is 1 for these independent
+# draws from closed-form factors; two chains give it something to compare). Task 0 first:
 
 # %%
 vmp = VMP(model_gamma)
-draws = draws_from_guide(vmp.guide(state_g), (), ["tau", "pi"], num_samples=200, num_chains=2)
-draws = {name: value[:, :, :3] for name, value in draws.items()}  # tasks 0-2
-draws["pi"] = draws["pi"].squeeze(-2)  # the guide's pi has a singleton class axis
-tree = to_datatree(
-    draws, dims={"tau": ["task", "cls", "axis"], "pi": ["task", "cls"]}, attrs={"T_vb": 4.0}
-)
-print(summary(tree.sel(task=[0])).round(2).head(12))
+tree = vmp_datatree(vmp, state_g, num_samples=200, num_chains=2, seed=0)
+for name in ("pi", "tau", "z"):
+    print(f"{name}: {tree.posterior[name].dims}")
+print(summary(tree.sel(tasks=[0]), var_names=["tau", "pi"]).round(2).head(12))
 
 # %% [markdown]
 # Across all tasks, the posterior mean precision by PLDA axis: most sit below the prior

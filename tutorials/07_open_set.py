@@ -31,10 +31,10 @@ import numpy as np
 import torch
 from sklearn.metrics import roc_curve
 
+from probfsl import make_estimator
 from probfsl.data import load_dataset, sample_episodes
 from probfsl.diagnostics import plot_forest, summary, to_datatree
 from probfsl.evaluation.open_set import evaluate_open_set, open_set_baselines
-from probfsl.methods import make_estimator
 
 torch.set_num_threads(1)  # these small batched operations are faster on one thread
 

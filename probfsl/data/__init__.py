@@ -16,7 +16,7 @@ _HOMES = {
     "load_npz": "loaders",
     "load_pickle": "loaders",
     "load_torch": "loaders",
-    "Episodes": "tasks",
+    "Episodes": "episodes",
     "ZeroShotTasks": "tasks",
     "episodes_from_indices": "tasks",
     "iter_episodes": "tasks",
@@ -63,11 +63,11 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from probfsl.data.builtin import DATASETS, load_dataset
+    from probfsl.data.episodes import Episodes
     from probfsl.data.featureset import FeatureSet
     from probfsl.data.loaders import load_features, load_npz, load_pickle, load_torch
     from probfsl.data.task_files import TaskFile
     from probfsl.data.tasks import (
-        Episodes,
         ZeroShotTasks,
         episodes_from_indices,
         iter_episodes,

@@ -18,7 +18,7 @@ default) and ``open_way`` (open classes per task) and hand them to this module:
 * **Counts.** ``balance="balanced"``: the open queries are spread as evenly as possible
   (``n_open // open_way`` each, the remainder one more each for randomly chosen open
   classes); ``"dirichlet"``: drawn by
-  :func:`~probfsl.data.tasks.dirichlet_query_counts` with the closed queries' ``alpha``.
+  :func:`~probfsl.data.query_counts.dirichlet_query_counts` with the closed queries' ``alpha``.
 * **Labels and order.** An open query's task-local label is ``way`` (K, the index of the
   "none of these classes" column of ``predict_proba_open``); the closed and open
   queries are shuffled together. ``classes`` stays ``[T, K]``.
@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from probfsl.data.query_counts import dirichlet_query_counts
 from probfsl.validation import check_count
 
 #: the last entry of the seed sequence of the open queries' random stream
@@ -109,8 +110,6 @@ def _open_counts(
     alpha: float,
 ) -> np.ndarray:
     """Open queries per open class: as even as possible, or Dirichlet-drawn."""
-    from probfsl.data.tasks import dirichlet_query_counts
-
     open_way = room.size
     if balance == "balanced":
         counts = np.full(open_way, n_open // open_way, np.int64)

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from probfsl.data.tasks import (
+from probfsl.data.episodes import (
     TASK_FIELDS,
     Episodes,
     check_dense_size,
@@ -210,7 +210,7 @@ class TaskFile:
     # ------------------------------------------------------------------ checks
     def check(self, n_rows: int | None = None, progress: bool = False) -> TaskFile:
         """Check the values of every task, a block of :data:`CHECK_BLOCK` tasks at a time
-        (:func:`probfsl.data.tasks.check_task_values`); returns ``self``.
+        (:func:`probfsl.data.episodes.check_task_values`); returns ``self``.
 
         Rows must be ``>= 0`` and, when ``n_rows`` is given, below it (the number of rows
         of the features); every task's support holds each class ``0..way-1`` (the same
@@ -298,7 +298,7 @@ class TaskFile:
         ``fs``, in ``dtype`` on ``device``; the rows are checked against ``fs`` first.
 
         Made at once, so refused before anything is allocated when the tensors would
-        exceed ``max_bytes`` (:func:`probfsl.data.tasks.check_dense_size`); a loop over
+        exceed ``max_bytes`` (:func:`probfsl.data.episodes.check_dense_size`); a loop over
         ranges, or :func:`probfsl.data.tasks.iter_episodes`, keeps memory flat. As
         ``evaluate_stream``'s batches::
 

@@ -335,6 +335,27 @@ def rotated_spectrum(s: torch.Tensor, proj: torch.Tensor) -> Spectrum:
     return Spectrum(s[:, 0], c, e0, c.sum(-2), n, n, None, proj.mT, "dual")
 
 
+def declared_data(
+    rot: Rotation, lambda_mode: str = "shared"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The data of :func:`rotated_evidence_model` for a rotated support (:func:`rotate`):
+    ``sigma [T', 1, N]``, ``proj [T', K', N]`` and the scale of lambda ``scale [T']``.
+
+    ``"shared"``: one problem per task (T' = T, K' = K), its K targets sharing lambda;
+    ``"per_class"``: T x K independent problems of one target each (T' = T K, K' = 1),
+    task-major.
+    """
+    t, n, k = rot.proj.shape
+    sigma = rot.s.sqrt().unsqueeze(-2)  # [T, 1, N]
+    proj = rot.proj.mT  # [T, K, N]
+    scale = rot.scale
+    if lambda_mode == "per_class":  # T x K independent problems, one target each
+        sigma = sigma.repeat_interleave(k, 0)
+        proj = proj.reshape(t * k, 1, n)
+        scale = scale.repeat_interleave(k, 0)
+    return sigma, proj, scale
+
+
 def derived_evidence(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -359,13 +380,7 @@ def derived_evidence(
     check_choice("lambda_mode", lambda_mode, LAMBDA_MODES)
     rot = rotate(x, y.to(x.dtype))
     t, n, k = rot.proj.shape
-    sigma = rot.s.sqrt().unsqueeze(-2)  # [T, 1, N]
-    proj = rot.proj.mT  # [T, K, N]
-    scale = rot.scale
-    if lambda_mode == "per_class":  # T x K independent problems, one target each
-        sigma = sigma.repeat_interleave(k, 0)
-        proj = proj.reshape(t * k, 1, n)
-        scale = scale.repeat_interleave(k, 0)
+    sigma, proj, scale = declared_data(rot, lambda_mode)
     unit = torch.logspace(
         math.log10(span[0]), math.log10(span[1]), n_grid, dtype=x.dtype, device=x.device
     )
@@ -501,6 +516,7 @@ __all__ = [
     "EpisodeFit",
     "EvidenceSettings",
     "Rotation",
+    "declared_data",
     "derived_episodes",
     "derived_evidence",
     "derived_proba",

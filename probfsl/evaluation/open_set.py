@@ -47,7 +47,7 @@ import torch
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
 from probfsl.evaluation.calibration import _binned_gap, calibration_per_task, mean_ci
-from probfsl.progress import progress as progress_display
+from probfsl.evaluation.protocol import evaluate_stream
 
 #: the open-set metrics, in table order (:func:`open_set_per_task`)
 OPEN_METRICS = ("accuracy", "auroc", "aupr", "prec_at_90_recall", "ece_open")
@@ -342,12 +342,21 @@ class OpenSetResult:
 
 
 class _OpenTally:
-    """Per-task open-set metrics of scored batches and the time spent."""
+    """Per-task open-set metrics of one scorer's batches and the time spent: the tally
+    of :func:`evaluate_open_set_stream` in :func:`~probfsl.evaluation.protocol.evaluate_stream`."""
 
-    def __init__(self, n_tasks: int) -> None:
-        self.n_tasks = n_tasks
+    def __init__(self, n_tasks: int, scorer: Any, n_bins: int) -> None:
+        self.n_tasks, self.scorer, self.n_bins = n_tasks, scorer, n_bins
         self.values: dict[str, np.ndarray] = {}
         self.done, self.seconds = 0, 0.0
+
+    def score(
+        self, episodes: Episodes, device: torch.device | str | None, dtype: torch.dtype | None
+    ) -> None:
+        """The scorer's outputs on the batch (moved to ``device`` and ``dtype``), timed,
+        and their metrics tallied."""
+        out = self.timed(_outputs_on, self.scorer, episodes, device, dtype)
+        self.add(out, episodes.query_labels, self.n_bins)
 
     def timed(self, predict: Callable[..., OpenSetOutputs], *args) -> OpenSetOutputs:
         tic = time.perf_counter()
@@ -403,19 +412,11 @@ def evaluate_open_set_stream(
     ``open_set_outputs`` (:func:`open_set_baselines`). Timing covers each model's work
     on the batches, not the making of the tasks or the scoring.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
-    scorers = {name: _scorer(model) for name, model in models.items()}
-    tallies = {name: _OpenTally(n_tasks) for name in scorers}
-    with progress_display(n_tasks, "run", "tasks", progress) as bar:
-        for start in range(0, n_tasks, batch_size):
-            episodes = batch(start, min(start + batch_size, n_tasks))
-            for name, scorer in scorers.items():
-                tally = tallies[name]
-                out = tally.timed(_outputs_on, scorer, episodes, device, dtype)
-                tally.add(out, episodes.query_labels, n_bins)
-            bar.update(len(episodes))
-    return {name: tally.result() for name, tally in tallies.items()}
+
+    def tally(n: int, model: Any) -> _OpenTally:
+        return _OpenTally(n, _scorer(model), n_bins)
+
+    return evaluate_stream(models, batch, n_tasks, batch_size, progress, device, dtype, tally)
 
 
 def evaluate_open_set(

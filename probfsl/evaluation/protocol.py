@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -84,9 +85,11 @@ class _Tally:
 
     The per-task values go into arrays of ``n_tasks`` made once: many small arrays kept
     across batches would pin the heap between the batches' large, freed feature tensors
-    and let the process grow with the number of tasks."""
+    and let the process grow with the number of tasks. With an ``estimator``,
+    :meth:`score` runs it on a batch (the default tally of :func:`evaluate_stream`)."""
 
-    def __init__(self, n_tasks: int) -> None:
+    def __init__(self, n_tasks: int, estimator: FewShotClassifier | None = None) -> None:
+        self.estimator = estimator
         self.per_task = np.full(n_tasks, np.nan)
         self.calibration: dict[str, np.ndarray] = {}
         self.done, self.seconds, self.tuning_seconds = 0, 0.0, 0.0
@@ -105,6 +108,15 @@ class _Tally:
         tic = time.perf_counter()
         estimator.prepare(episodes)
         self.tuning_seconds += time.perf_counter() - tic
+
+    def score(
+        self, episodes: Episodes, device: torch.device | str | None, dtype: torch.dtype | None
+    ) -> None:
+        """The estimator prepared for the batch's task shape, its probabilities on the
+        batch (moved to ``device`` and ``dtype``) timed and tallied."""
+        self.prepared(self.estimator, episodes[:1].to(device, dtype))  # the shape
+        proba = self.timed(_predict_on, self.estimator, episodes, device, dtype)
+        self.add(proba, episodes.query_labels)
 
     def add(self, predicted: torch.Tensor, labels: torch.Tensor) -> None:
         labels = labels.to(predicted.device)
@@ -171,6 +183,7 @@ def evaluate_stream(
     progress: bool = False,
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
+    tally: Callable[[int, Any], Any] = _Tally,
 ) -> dict[str, EvalResult]:
     """Every estimator of ``estimators`` on the same tasks, made one batch at a time.
 
@@ -182,20 +195,23 @@ def evaluate_stream(
     ``device`` and ``dtype`` included), not the making of the tasks; an estimator's
     preparation for a task shape (:meth:`FewShotClassifier.prepare`: the search of
     ``preset="auto"``) is timed apart, as ``tuning_seconds``.
+
+    ``tally(n_tasks, estimator)`` makes the running score of one estimator: its
+    ``score(episodes, device, dtype)`` scores a batch and its ``result()`` is that
+    estimator's entry of the returned dict. The default scores accuracy and calibration
+    (:class:`EvalResult`); :func:`probfsl.evaluation.open_set.evaluate_open_set_stream`
+    streams open-set tasks through the same loop with its own tally.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
-    tallies = {name: _Tally(n_tasks) for name in estimators}
+    tallies = {name: tally(n_tasks, estimator) for name, estimator in estimators.items()}
     with progress_display(n_tasks, "run", "tasks", progress) as bar:
         for start in range(0, n_tasks, batch_size):
             episodes = batch(start, min(start + batch_size, n_tasks))
-            for name, estimator in estimators.items():
-                tally = tallies[name]
-                tally.prepared(estimator, episodes[:1].to(device, dtype))  # the shape
-                proba = tally.timed(_predict_on, estimator, episodes, device, dtype)
-                tally.add(proba, episodes.query_labels)
+            for running in tallies.values():
+                running.score(episodes, device, dtype)
             bar.update(len(episodes))
-    return {name: tally.result() for name, tally in tallies.items()}
+    return {name: running.result() for name, running in tallies.items()}
 
 
 def evaluate(

@@ -32,6 +32,11 @@ This module holds what every method shares:
   aggregation property, π ~ Dirichlet(α_0, α_1..α_K) is π_0 ~ Beta(α_0, Σ_k α_k) and
   π_{1:K} / (1 - π_0) ~ Dirichlet(α_1..α_K), independent: the class proportions of a
   method's closed-set model stay as they were, times (1 - π_0).
+* :func:`open_responsibility`: the queries' background responsibility in the nested
+  reading of the transductive methods (z_q first "open" or "closed", then a class given
+  "closed" from the method's own model), o_q0 = σ(E ln π_0 - E ln(1 - π_0) + ln p_0(x_q)
+  - ln p_closed(x_q)), with q(π_0) the Beta posterior given the previous o_q0; the method
+  then weights query q by 1 - o_q0 in every class statistic.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ __all__ = [
     "open_fraction_expectations",
     "open_fraction_prior",
     "open_posterior",
+    "open_responsibility",
     "TwoCovarianceReading",
     "two_covariance_log_liks",
 ]
@@ -188,6 +194,26 @@ def open_fraction_expectations(
     b = closed_mass + a_closed
     total = torch.digamma(a + b)
     return torch.digamma(a) - total, torch.digamma(b) - total
+
+
+def open_responsibility(
+    open_log_odds: torch.Tensor, open_resp: torch.Tensor, open_prior: float
+) -> torch.Tensor:
+    """The queries' background responsibility o_q0 [T, Q] after one update of q(π_0).
+
+    ``open_log_odds`` [T, Q] is ln p_0(x_q) - ln p_closed(x_q) in the full feature space
+    (:meth:`TwoCovarianceReading.open_log_odds`), ``open_resp`` [T, Q] the current o_q0.
+    q(π_0) = Beta(a_open + Σ_q o_q0, a_closed + Σ_q (1 - o_q0)) (:func:`open_fraction_prior`),
+    then o_q0 = σ(E ln π_0 - E ln(1 - π_0) + ``open_log_odds``): the mean-field update of
+    the open/closed indicator of the nested mixture (module docstring; Bishop, PRML
+    §10.2.1, for the Dirichlet-Categorical pair). The class responsibilities of the
+    method's own model are then multiplied by 1 - o_q0.
+    """
+    open_mass = open_resp.sum(-1)
+    e_open, e_closed = open_fraction_expectations(
+        open_mass, open_resp.shape[-1] - open_mass, open_prior
+    )
+    return torch.sigmoid(open_log_odds.to(open_resp) + (e_open - e_closed).unsqueeze(-1))
 
 
 def _diagonalise(stats: BackgroundStats) -> tuple[torch.Tensor, torch.Tensor]:

@@ -794,9 +794,8 @@ class EvidenceInfo(Info):
 class EvidenceEngine(Engine):
     """Type-II maximum likelihood of lambda with the exact Gaussian posterior of w as guide.
 
-    Data: ``x [T, N, D]``, one-vs-rest targets ``y [T, N, K]``. Model
-    (:func:`probfsl.models.evidence.shared_evidence_model` for ``"shared"``,
-    :func:`probfsl.models.evidence.evidence_model` for ``"per_class"``):
+    Data: ``x [T, N, D]``, one-vs-rest targets ``y [T, N, K]``. Model (declared in Pyro,
+    in the rotated basis, by :func:`probfsl.derived.evidence.rotated_evidence_model`):
     ``w_k ~ Normal(0, (lambda_k beta_k)^-1 I)``, ``y_k ~ Normal(X w_k, beta_k^-1 I)``,
     with one lambda per task (``"shared"``) or per target (``"per_class"``).
 

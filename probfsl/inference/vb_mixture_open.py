@@ -242,8 +242,11 @@ class BavardageOpenVB(BavardageVB):
         KL(q(π_0) ‖ its prior)."""
         a = state.open_alpha
         prior = torch.tensor([self.a_open, self.a_closed], dtype=a.dtype, device=a.device)
-        q = torch.distributions.Beta(a[..., 0], a[..., 1])
-        p = torch.distributions.Beta(prior[0].expand_as(a[..., 0]), prior[1].expand_as(a[..., 1]))
+        # no argument validation: its checks read the values on the host in every iteration
+        q = torch.distributions.Beta(a[..., 0], a[..., 1], validate_args=False)
+        p = torch.distributions.Beta(
+            prior[0].expand_as(a[..., 0]), prior[1].expand_as(a[..., 1]), validate_args=False
+        )
         return self._elbo(state, log_lik, query) - torch.distributions.kl_divergence(q, p)
 
     def guide(self, state):

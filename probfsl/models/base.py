@@ -50,7 +50,7 @@ __all__ = [
     "BACKGROUND",
     "BASE_MEAN",
     "ENGINE",
-    "ENGINES",
+    "ENGINE_NAMES",
     "BaseMeanCentering",
     "FewShotClassifier",
     "Hyperparameters",
@@ -62,12 +62,14 @@ __all__ = [
     "episodes_from_arrays",
 ]
 
-#: inference engines of the five methods of the papers: ``"handwritten"``, the closed-form
-#: updates derived by hand for the method; ``"derived"``, the updates that variational
-#: message passing derives from the method's Pyro declaration (:mod:`probfsl.derived`)
-ENGINES = ("handwritten", "derived")
-#: the declaration of an ``engine`` hyperparameter (:data:`ENGINES`)
-ENGINE = Choice(ENGINES)
+#: the names of the inference engines of the five methods of the papers (the values of
+#: an estimator's ``engine``): ``"handwritten"``, the closed-form updates derived by hand
+#: for the method; ``"derived"``, the updates that variational message passing derives
+#: from the method's Pyro declaration. Each method's engines are registered under these
+#: names in the ``ENGINES`` dict of its module of :mod:`probfsl.derived`
+ENGINE_NAMES = ("handwritten", "derived")
+#: the declaration of an ``engine`` hyperparameter (:data:`ENGINE_NAMES`)
+ENGINE = Choice(ENGINE_NAMES)
 #: the fitted attributes of ``fit_base`` for the methods that only centre on the base mean:
 #: ``base_mean_ [D]``, D the width of the base features
 BASE_MEAN = Group("fit_base", {"base_mean_": Tensor("D", bound=FEATURE_BOUND)})
@@ -91,7 +93,7 @@ OPEN_PRIOR = Real(positive=True, high=0.99)
 
 
 def check_engine_name(engine: Any) -> str:
-    """``engine`` if it is one of :data:`ENGINES`; ``ValueError`` listing them otherwise."""
+    """``engine`` if it is one of :data:`ENGINE_NAMES`; ``ValueError`` listing them otherwise."""
     ENGINE.check("engine", engine)
     return engine
 
@@ -152,7 +154,7 @@ class Hyperparameters:
         """Check the hyperparameters (``TypeError``/``ValueError`` naming the first bad
         one); returns ``self``. ``__init__`` only stores its arguments (scikit-learn's
         convention), so this runs before every fit and prediction, and at once in
-        :func:`~probfsl.methods.make_estimator` and :meth:`set_params`."""
+        :func:`probfsl.make_estimator` and :meth:`set_params`."""
         self._check_params()
         return self
 

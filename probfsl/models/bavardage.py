@@ -35,7 +35,7 @@ import copy
 import inspect
 from collections.abc import Iterator
 from dataclasses import fields, replace
-from typing import Self
+from typing import NamedTuple, Self
 
 import pyro
 import torch
@@ -159,6 +159,25 @@ BASE_STATISTICS = Group(
     },
     dtype=torch.float64,
 )
+
+
+class OpenProblem(NamedTuple):
+    """The open-set VB problem of a batch (:meth:`Bavardage.open_problem`).
+
+    Attributes:
+        engine: the open-set engine (None with ``mode="soft_kmeans"``, which runs none).
+        support, support_labels, query: the rows the engine's projection acts on.
+        resp: soft k-means with the background, ``[T, N, K + 1]`` (the background last;
+            a query's class columns sum to 1 - o_q0).
+        open_log_odds: ln p_0(x_q) - ln p_closed(x_q) of the queries, ``[T, Q]``.
+    """
+
+    engine: BavardageOpenVB | None
+    support: torch.Tensor | None
+    support_labels: torch.Tensor
+    query: torch.Tensor | None
+    resp: torch.Tensor
+    open_log_odds: torch.Tensor
 
 
 class Bavardage(OpenSetBackground, FewShotClassifier):
@@ -490,11 +509,18 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         self.elbo_trace_ = info.trace if self.trace_elbo else None
         return state.query_resp
 
-    def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
-        """Open-set responsibilities ``[T, Q, K+1]`` (the background last): soft k-means
-        and n_vb VB iterations of the mixture with the background component (class
-        docstring; :class:`~probfsl.inference.vb_mixture_open.BavardageOpenVB`)."""
-        _, engine, data = self._prepare(episodes)
+    def open_problem(self, episodes: Episodes) -> OpenProblem:
+        """Everything before the open-set VB loop of :meth:`predict_proba_open` (class
+        docstring), for this estimator and the methods that extend its mixture.
+
+        The full-space contrast ln p_0(x) - ln p_closed(x) of the queries (the
+        two-covariance reading of the centred, normalised features), soft k-means with
+        the background component from it, and the open-set engine with the rows it acts
+        on (the global whitening's Gram rows; the normalised rows with ``mode="vb"``).
+        """
+        self._check_params()
+        self._require_base()
+        check_episodes(episodes, dim=self.base_mean_.shape[0])
         way, n_s = episodes.way, episodes.support.shape[1]
         xn = center_and_normalize(episodes.points(), self.base_mean_.to(episodes.support))
         stats = self.background_stats(xn)
@@ -513,32 +539,46 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
             int(self.n_km),
             open_log_odds=odds,
         )
-        if engine is None:
-            return resp[:, n_s:]
-        tau = engine.tau
-        support, labels, query, _ = data
+        labels = episodes.support_labels
+        if self.mode == "soft_kmeans":
+            return OpenProblem(None, None, labels, None, resp, odds)
+        if self.mode == "vb":  # VB in the normalised feature space
+            rows, projection = xn, "identity"
+        else:  # the global whitening W (task_span's when s_max does not clamp)
+            rows, projection = self.whitening_.to(xn).gram(xn, euclidean=gram), "adaptive_gram"
+        closed = self._engine(way, None, projection)  # the estimator's settings
         background = OpenBackground(
             reading.background_log_lik(), None, xn.shape[-1], open_log_odds=odds
         )
-        if engine.projection == "identity":
-            projection = "identity"
-        else:  # the global whitening W (task_span's when s_max does not clamp)
-            k = self.whitening_.to(xn).gram(xn)
-            support, query = k[:, :n_s], k[:, n_s:]
-            projection = "adaptive_gram"
         open_engine = BavardageOpenVB(
             way,
             background,
             self.open_prior,
-            tau=tau,
-            alpha0=engine.alpha0,
-            beta0=engine.beta0,
-            gamma=engine.gamma,
-            balanced=engine.balanced,
-            count_support=engine.count_support,
+            tau=closed.tau,
+            alpha0=closed.alpha0,
+            beta0=closed.beta0,
+            gamma=closed.gamma,
+            balanced=closed.balanced,
+            count_support=closed.count_support,
             projection=projection,
         )
-        state, _ = fit_bavardage_vb(open_engine, support, labels, query, resp, int(self.n_vb))
+        return OpenProblem(open_engine, rows[:, :n_s], labels, rows[:, n_s:], resp, odds)
+
+    def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
+        """Open-set responsibilities ``[T, Q, K+1]`` (the background last): soft k-means
+        and n_vb VB iterations of the mixture with the background component (class
+        docstring; :class:`~probfsl.inference.vb_mixture_open.BavardageOpenVB`)."""
+        problem = self.open_problem(episodes)
+        if problem.engine is None:
+            return problem.resp[:, episodes.support.shape[1] :]
+        state, _ = fit_bavardage_vb(
+            problem.engine,
+            problem.support,
+            problem.support_labels,
+            problem.query,
+            problem.resp,
+            int(self.n_vb),
+        )
         return state.open_proba
 
     # ------------------------------------------------------------------ diagnostics

@@ -31,12 +31,12 @@ import pyro
 import pyro.distributions as dist
 import torch
 
-from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
 from probfsl.derived.bavardage import run_blocks
+from probfsl.inference.background import open_responsibility
 from probfsl.inference.class_stats import one_hot_support
 from probfsl.inference.vb_mixture import BavardageVB
-from probfsl.inference.vmp import VMP
+from probfsl.inference.vmp import VMP, VMPState
 from probfsl.models.bavardage import Bavardage, _seeded_rng
 from probfsl.schema import Real
 from probfsl.validation import check_hyperparameter
@@ -89,6 +89,70 @@ def bavardage_gamma_model(
             pyro.sample("u_query", dist.Normal(onehot_q @ mu, scale).to_event(1), obs=u_query)
 
 
+def run_open_blocks(
+    model: Callable[..., None],
+    engine: BavardageVB,
+    support: torch.Tensor,
+    support_labels: torch.Tensor,
+    query: torch.Tensor,
+    resp: torch.Tensor,
+    open_log_odds: torch.Tensor,
+    open_prior: float,
+    n_iter: int = 5,
+) -> tuple[VMPState, torch.Tensor, torch.Tensor]:
+    """:func:`~probfsl.derived.bavardage.run_blocks` with the background component of
+    the nested open-set mixture (:mod:`probfsl.inference.vb_mixture_open`).
+
+    ``resp`` [T, N, K + 1]: the starting responsibilities, the background last (a query's
+    class columns sum to 1 - o_q0); ``open_log_odds`` [T, Q] the queries' full-space
+    ln p_0(x) - ln p_closed(x); ``open_prior`` the prior mean of π_0. Each block:
+
+    * the projection from the class responsibilities o_qk = (1 - o_q0) r_qk;
+    * the factors of every other latent site (q(π), q(τ), q(μ)) started by VMP from r,
+      then updated once more from o_qk (a query's background share pulls no class
+      statistic: the factor of z is the mean-field posterior of the class given "closed",
+      and the updates of its co-parents read it weighted by the closed share);
+    * q(z) (the class given "closed", r), then o_q0 after one update of q(π_0)
+      (:func:`~probfsl.inference.background.open_responsibility`).
+
+    Returns the last VMP state (its factor of z holds r, not o_qk), the responsibilities
+    [T, N, K + 1] (the support's one-hot, then o_qk and o_q0) and the trace [n_iter + 1,
+    T] of the VMP objective after each block's weighted updates and, last, after the final
+    update of z (with the weighted z factor it is the class part of the nested model's
+    bound, less the open/closed terms: a diagnostic, not a bound to compare across
+    methods).
+    """
+    if n_iter < 1:
+        raise ValueError(f"n_iter must be at least 1, got {n_iter}")
+    vmp, n_s, way = VMP(model), support.shape[1], engine.way
+    x = torch.cat([support, query], 1)
+    onehot = one_hot_support(support_labels, way, x.dtype)
+    resp = resp.to(x)
+    open_resp = resp[:, n_s:, way]
+    closed = resp[:, n_s:, :way] + torch.finfo(x.dtype).tiny  # r: a uniform row if o_q0 = 1
+    classes = closed / closed.sum(-1, keepdim=True)
+    plan, trace = None, []
+    for _ in range(n_iter):
+        weighted = classes * (1 - open_resp).unsqueeze(-1)
+        u = engine.rows(x, torch.cat([onehot, weighted], 1))
+        if plan is None:  # derived once; later blocks change the rows only
+            plan = vmp.compile(u[:, :n_s], support_labels, u[:, n_s:])
+        else:
+            plan = plan.observe(u_support=u[:, :n_s], u_query=u[:, n_s:])
+        state = vmp.start(plan, init_resp={"z": classes})
+        others = [name for name in plan.latent if name != "z"]
+        q = dict(state.q, z=(weighted,))
+        state = vmp.update(VMPState(plan, q, state.objective), others)
+        trace.append(state.objective)
+        state = vmp.update(state, ["z"])
+        classes = state.q["z"][0]
+        open_resp = open_responsibility(open_log_odds, open_resp, open_prior)
+    trace.append(state.objective)
+    query_resp = torch.cat([classes * (1 - open_resp).unsqueeze(-1), open_resp.unsqueeze(-1)], -1)
+    support_resp = torch.cat([onehot, onehot.new_zeros(onehot.shape[:2] + (1,))], -1)
+    return state, torch.cat([support_resp, query_resp], 1), torch.stack(trace)
+
+
 class BavardageGamma(Bavardage):
     """BAVARDAGE's PLDA-projected VB mixture with a learnt per-class diagonal precision
     (module docstring; Hu, Pateux & Gripon, AISTATS 2023; Winn & Bishop, JMLR 2005).
@@ -114,7 +178,18 @@ class BavardageGamma(Bavardage):
         scatter: S_w normalisation, ``"code"`` (default) or ``"paper"``.
         scale: the units of ``s_max`` and ``temperature_vb``, ``"code"`` or ``"relative"``.
 
-    Every argument but ``a0`` is :class:`~probfsl.models.bavardage.Bavardage`'s.
+    Every argument but ``a0`` is :class:`~probfsl.models.bavardage.Bavardage`'s
+    (``open_prior``: the prior mean of the open fraction π_0, :meth:`predict_proba_open`).
+
+    Open set (:meth:`predict_proba_open`): BAVARDAGE's nested open-set mixture
+    (:mod:`probfsl.inference.vb_mixture_open`) with this method's classes. A query is
+    first "open" or "closed" (weights π_0 ~ Beta, 1 - π_0), its background
+    responsibility o_q0 taken in the full centred, normalised feature space from the base
+    classes' two-covariance predictive of a new class against the known classes' given
+    the support; then a class given "closed" from :func:`bavardage_gamma_model`. Every
+    block weights query q by its closed share 1 - o_q0 in q(π), q(τ_k), q(μ_k) and the
+    projection (:func:`run_open_blocks`), so open queries pull neither the centroids nor
+    the precisions.
 
     After :meth:`predict_proba`: ``state_`` (the last block's
     :class:`~probfsl.inference.vmp.VMPState`; ``state_.objective`` the final ELBO [T]),
@@ -190,19 +265,29 @@ class BavardageGamma(Bavardage):
         return resp[:, episodes.support.shape[1] :]
 
     def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
-        """``[T, Q, K+1]``: :meth:`predict_proba` times 1 - P(open), and P(open) last.
-
-        P(open) is the inductive outlier posterior of the two-covariance Gaussian reading
-        of the centred, normalised features, with prior ``open_prior``
-        (:meth:`~probfsl.models.base.OpenSetBackground.inductive_open`).
-
-        Transductive background not yet inside this method's iterations: the open column
-        is the inductive reading, the known columns are the method's own.
-        """
-        proba = self.predict_proba(episodes)
-        support = center_and_normalize(episodes.support, self.base_mean_.to(episodes.support))
-        query = center_and_normalize(episodes.query, self.base_mean_.to(episodes.query))
-        return self.inductive_open(episodes, proba, support, query)
+        """Open-set responsibilities ``[T, Q, K+1]`` (the background last): BAVARDAGE's
+        open-set problem (:meth:`~probfsl.models.bavardage.Bavardage.open_problem`: soft
+        k-means with the background, the global whitening's rows), then n_vb blocks of
+        :func:`run_open_blocks` on :func:`bavardage_gamma_model`: every query weighted by
+        its closed share 1 - o_q0 in q(π), q(τ), q(μ) and the projection, o_q0 from the
+        full-space two-covariance contrast with π_0 inferred per task (class docstring).
+        Sets ``state_`` and ``elbo_trace_`` as :meth:`predict_proba` does."""
+        problem = self.open_problem(episodes)
+        model = self.declared_model(problem.engine)
+        with pyro.validation_enabled(False):  # the inputs are checked (open_problem)
+            state, resp, trace = run_open_blocks(
+                model,
+                problem.engine,
+                problem.support,
+                problem.support_labels,
+                problem.query,
+                problem.resp,
+                problem.open_log_odds,
+                self.open_prior,
+                n_iter=int(self.n_vb),
+            )
+        self.state_, self.elbo_trace_ = state, trace
+        return resp[:, episodes.support.shape[1] :]
 
     def posterior(self) -> dict[str, torch.distributions.Distribution]:
         """The last batch's factors q(π), q(τ), q(μ), q(z) as batched distributions."""

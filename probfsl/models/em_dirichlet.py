@@ -395,12 +395,21 @@ class EMDirichlet(OpenSetBackground, FewShotClassifier):
     def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
         """``[T, Q, K+1]``: :meth:`predict_proba` times 1 - P(open), and P(open) last.
 
-        P(open) is the inductive outlier posterior of the two-covariance Gaussian reading
-        of the centred, normalised embeddings, with prior ``open_prior``
-        (:meth:`~probfsl.models.base.OpenSetBackground.inductive_open`).
+        The open column is inductive: P(open) is the outlier posterior of the
+        two-covariance Gaussian reading of the centred, normalised embeddings (Ioffe,
+        ECCV 2006; Prince & Elder, ICCV 2007), with prior ``open_prior``
+        (:meth:`~probfsl.models.base.OpenSetBackground.inductive_open`); the known
+        columns are the transductive Dirichlet mixture's own, fitted on every query.
 
-        Transductive background not yet inside this method's iterations: the open column
-        is the inductive reading, the known columns are the method's own.
+        A background component inside the mixture would need a density of "any class"
+        on the task's simplex, and there is none here: the base classes give a Gaussian
+        density of the embeddings, not one of the probability vectors (whose simplex is
+        defined by each task's prototypes), and a flat Dirichlet would be a guess, not a
+        density learnt from the base classes. The nested reading of the other
+        transductive methods (open/closed from the embeddings' two-covariance contrast,
+        each query's assignments weighted by its closed share in the Dirichlet fits) was
+        tried and left out: the probability vectors of far-away classes are close to
+        uniform, and the Dirichlet fits are hardly moved by them (docs/methods/open-set.md).
         """
         proba = self.predict_proba(episodes)
         from probfsl.data.preprocess import center_and_normalize

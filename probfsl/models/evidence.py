@@ -11,11 +11,12 @@ Generative model, one problem per target column (one-vs-rest 0/1 targets, no bia
     w ~ Normal(0, alpha^-1 I_D)
     y ~ Normal(X w, beta^-1 I_N)
 
-* :func:`evidence_model` (per-target alpha, beta: the paper) and
-  :func:`shared_evidence_model` (one lambda = alpha_k / beta_k per task, the estimator's
-  default): the Pyro models; with the guide of
-  :class:`~probfsl.inference.evidence.EvidenceEngine` (point masses on the
-  hyperparameters, the exact posterior on w) Pyro's ``Trace_ELBO`` is the log evidence.
+* the method's one Pyro declaration, for both engines:
+  :func:`~probfsl.derived.evidence.rotated_evidence_model`, this regression in the
+  coordinates of the support's Gram eigendecomposition (the same evidence), with one
+  lambda = alpha_k / beta_k per problem (a task: the estimator's default, shared by its
+  targets; or one per class, the paper); with the exact posterior at an engine's lambda
+  and beta as guide, Pyro's ``Trace_ELBO`` is the log evidence.
 * :class:`EvidenceLSSVM`: ``fit_probe(X, y)`` / ``predict`` / ``predict_proba`` /
   ``log_evidence_`` with a shared (default; the engine, driven by
   :func:`~probfsl.inference.base.run`) or per-class lambda; also a batched few-shot classifier
@@ -33,10 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 import numpy as np
-import pyro
-import pyro.distributions as dist
 import torch
-from pyro.distributions import constraints
 
 from probfsl.data.tasks import Episodes, check_task_indices
 from probfsl.derived.evidence import ENGINES
@@ -140,75 +138,6 @@ SINGLE_PROBLEM = Group(
         "intercept_": Tensor("K"),
     },
 )
-
-
-def _regression(
-    x: torch.Tensor, y: torch.Tensor, prior_precision: torch.Tensor, beta: torch.Tensor
-) -> None:
-    """``w_k ~ Normal(0, prior_precision^-1 I_D)``, ``y_k ~ Normal(X w_k, beta_k^-1 I_N)``
-    inside the ``targets`` plate; ``prior_precision``, ``beta`` broadcast to ``[T, K]``."""
-    d = x.shape[-1]
-    scale = prior_precision.rsqrt().unsqueeze(-1)  # [..., T, K, 1]
-    w = pyro.sample(
-        "w",
-        dist.Normal(torch.zeros_like(scale), scale).expand(scale.shape[:-1] + (d,)).to_event(1),
-    )
-    mean = (x.unsqueeze(-3) @ w.unsqueeze(-1)).squeeze(-1)  # [..., T, K, N]
-    noise = beta.rsqrt().unsqueeze(-1).expand_as(mean)
-    pyro.sample("y", dist.Normal(mean, noise).to_event(1), obs=y.mT)
-
-
-def evidence_model(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    alpha: torch.Tensor | None = None,
-    beta: torch.Tensor | None = None,
-) -> None:
-    """Per-target Bayesian linear regression (the paper's model, eq. 3-5), a batch of tasks.
-
-    ``x [T, N, D]``, one-vs-rest targets ``y [T, N, K]``: for each target k,
-    ``w_k ~ Normal(0, alpha_k^-1 I)``, ``y_k ~ Normal(X w_k, beta_k^-1 I)``. Without
-    ``alpha``/``beta`` (``[T, K]``) they are sample sites with a flat improper prior on
-    the positive reals (type-II ML = MAP under that prior).
-    """
-    n_tasks, n_targets = x.shape[0], y.shape[-1]
-    with pyro.plate("tasks", n_tasks, dim=-2), pyro.plate("targets", n_targets, dim=-1):
-        flat = dist.ImproperUniform(constraints.positive, (n_tasks, n_targets), ())
-        alpha = pyro.sample("alpha", flat) if alpha is None else torch.as_tensor(alpha).to(x)
-        beta = pyro.sample("beta", flat) if beta is None else torch.as_tensor(beta).to(x)
-        _regression(x, y, alpha, beta)
-
-
-def shared_evidence_model(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    lam: torch.Tensor | None = None,
-    beta: torch.Tensor | None = None,
-) -> None:
-    """Bayesian linear regression with one lambda per task shared by its K targets.
-
-    ``x [T, N, D]``, one-vs-rest targets ``y [T, N, K]``: ``lambda_t`` (one per task),
-    ``beta_tk`` (noise precision per target), ``w_k ~ Normal(0, (lambda beta_k)^-1 I)``,
-    ``y_k ~ Normal(X w_k, beta_k^-1 I)``: the ridge ``lambda`` is the ratio of the prior
-    and noise precisions (Kim et al. 2016, eq. 15), shared; beta is per target, as in
-    :class:`EvidenceLSSVM` (``lambda_mode="shared"``). Without ``lam`` (``[T]``) and
-    ``beta`` (``[T, K]``) they are sample sites with a flat improper prior on the
-    positive reals (type-II ML). :class:`~probfsl.inference.evidence.EvidenceEngine`
-    (``"shared"``) maximises the evidence ``sum_k log p(y_k | lambda, beta_k)``.
-    """
-    n_tasks, n_targets = x.shape[0], y.shape[-1]
-    with pyro.plate("tasks", n_tasks, dim=-2):
-        if lam is None:
-            lam = pyro.sample("lam", dist.ImproperUniform(constraints.positive, (n_tasks, 1), ()))
-        else:
-            lam = torch.as_tensor(lam).to(x).reshape(n_tasks, 1)
-        with pyro.plate("targets", n_targets, dim=-1):
-            if beta is None:
-                flat = dist.ImproperUniform(constraints.positive, (n_tasks, n_targets), ())
-                beta = pyro.sample("beta", flat)
-            else:
-                beta = torch.as_tensor(beta).to(x)
-            _regression(x, y, lam * beta, beta)
 
 
 # ---------------------------------------------------------------------------------------
@@ -955,7 +884,6 @@ __all__ = [
     "backbone_evidence",
     "episode_evidence",
     "evidence_datatree",
-    "evidence_model",
     "greedy_ensemble",
     "plot_evidence",
     "rank_backbones",

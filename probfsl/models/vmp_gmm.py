@@ -304,10 +304,7 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
         if getattr(self, "base_mean_", None) is None:
             raise ValueError("vmp-gmm needs base features: call fit_base first")
         check_episodes(episodes, dim=self.base_mean_.shape[0])
-        from probfsl.inference.background import (
-            TwoCovarianceReading,
-            open_fraction_expectations,
-        )
+        from probfsl.inference.background import TwoCovarianceReading, open_responsibility
         from probfsl.inference.soft_kmeans import soft_kmeans_gram_open
 
         x, _, _ = self.engine_data(episodes)
@@ -350,10 +347,6 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
             )
             log_pi = digamma(alpha) - digamma(alpha.sum(-1, keepdim=True))
             classes = torch.softmax(log_lik + log_pi.unsqueeze(1), -1)
-            open_mass = open_resp.sum(-1)
-            e_open, e_closed = open_fraction_expectations(
-                open_mass, open_resp.shape[-1] - open_mass, self.open_prior
-            )
-            open_resp = torch.sigmoid(odds + (e_open - e_closed).unsqueeze(-1))
+            open_resp = open_responsibility(odds, open_resp, self.open_prior)
             q_resp = classes * (1 - open_resp).unsqueeze(-1)
         return torch.cat([q_resp, open_resp.unsqueeze(-1)], -1)

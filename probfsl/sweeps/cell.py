@@ -1,4 +1,5 @@
-"""One cell of a sweep: one ``probfsl run``, its identity and how it runs in a worker."""
+"""One cell of a sweep: one ``probfsl run`` (a :class:`~probfsl.run_spec.RunSpec`), its
+identity and how it runs in a worker."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:  # imported where a cell runs or is checked
+    from probfsl.run_spec import RunSpec
 
 
 @dataclass(frozen=True)
@@ -49,8 +53,48 @@ class Cell:
     #: open queries per task (the grid's ``open`` axis; 0: closed tasks)
     open_queries: int = 0
 
+    def spec(self, device: str | None = None, fs: Any = None) -> RunSpec:
+        """The run of this cell (``device`` replaces ``auto``, which is ``cpu`` without
+        one); ``fs``, a :class:`~probfsl.data.FeatureSet` the worker already holds,
+        replaces the cell's source. The options a cell does not use (way, shot and
+        balance of a zero-shot cell, alpha of a balanced one, the zero-shot class range
+        of a few-shot one) keep the run's defaults, as :meth:`argv` leaves them out."""
+        from probfsl.run_spec import RunSpec
+
+        if fs is not None:
+            source = {"features": fs}
+        elif self.dataset is not None:
+            source = {"dataset": self.dataset}
+        else:
+            source = {"features": str(self.features), "allow_pickle": self.allow_pickle}
+        if self.zero_shot:
+            setting = {"zero_shot": True, "min_classes": self.min_classes}
+            setting["max_classes"] = self.max_classes
+        else:
+            setting = {"way": self.way, "shot": self.shot, "balance": self.balance}
+            if self.balance != "balanced":
+                setting["alpha"] = self.alpha
+        return RunSpec(
+            method=self.method,
+            **source,
+            **setting,
+            query=self.query,
+            seed=self.seed,
+            open_queries=self.open_queries,
+            tasks=self.tasks,
+            dtype=self.dtype,
+            device=device or ("cpu" if self.device == "auto" else self.device),
+            preset=self.preset,
+            engine=self.engine,
+            calibrate=self.calibrate,
+            batch_size=self.batch_size,
+            episodes=self.episodes,
+            params=dict(self.params),
+        )
+
     def argv(self, device: str | None = None) -> list[str]:
-        """The arguments of ``probfsl run`` for this cell (``device`` replaces ``auto``)."""
+        """The arguments of ``probfsl run`` for this cell (``device`` replaces ``auto``):
+        the command line that runs :meth:`spec`, as ``probfsl sweep --dry-run`` shows it."""
         args = ["--method", self.method]
         if self.dataset is not None:
             args += ["--dataset", self.dataset]
@@ -178,7 +222,8 @@ def cell_job(cell: Cell, fs=None) -> tuple[dict, str]:
 
 
 def run_cell(cell: Cell, device: str, log: TextIO | None = None, fs=None) -> dict:
-    """Run ``cell`` as ``probfsl run`` on ``device``.
+    """Run ``cell`` on ``device``: :func:`probfsl.running.run` of :meth:`Cell.spec`, as
+    ``probfsl run`` runs it.
 
     Returns the run's result row (the fields of ``probfsl run --out``) with ``status``
     ``"ok"``, or, when the run raises, a row with ``status`` ``"failed"`` and the error:
@@ -188,14 +233,12 @@ def run_cell(cell: Cell, device: str, log: TextIO | None = None, fs=None) -> dic
     """
     import torch
 
-    from probfsl.cli import parse_run_args
-    from probfsl.commands import run_row
+    from probfsl.running import run
 
     tic = time.perf_counter()
     with _captured(log):
         try:
-            args = parse_run_args(cell.argv(device))
-            row = {"status": "ok", "error": "", **run_row(args, fs, progress=False)}
+            row = {"status": "ok", "error": "", **run(cell.spec(device, fs), progress=False)}
         except Exception as err:  # recorded in the store; the sweep goes on
             if log is not None:
                 traceback.print_exc(file=log)

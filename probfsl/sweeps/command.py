@@ -1,6 +1,6 @@
-"""What ``probfsl sweep`` and ``probfsl report`` do (their parser is :mod:`probfsl.cli`,
-which imports this module only once one of them runs). A sweep's cells run ``probfsl
-run`` (:mod:`probfsl.commands`), so these commands sit above it."""
+"""What ``probfsl sweep`` and ``probfsl report`` do (their parser is the ``probfsl``
+command's, which imports this module only once one of them runs). A sweep's cells are
+runs of :func:`probfsl.running.run`, as ``probfsl run``'s are: both sit above it."""
 
 from __future__ import annotations
 

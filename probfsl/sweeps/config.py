@@ -36,7 +36,8 @@ the wrong type (the string ``"false"`` for a boolean, ``1e30`` or ``true`` for a
 names the key and the value. The data are checked too: every feature file is loaded and
 every cell's task setting is drawn once from it, as ``probfsl run`` does before its work.
 
-Each cell is exactly one ``probfsl run`` (:meth:`Cell.argv`).
+Each cell is exactly one ``probfsl run``: one :class:`~probfsl.run_spec.RunSpec`
+(:meth:`Cell.spec`), executed by :func:`probfsl.running.run`.
 """
 
 from __future__ import annotations
@@ -245,16 +246,12 @@ def _custom(message: str) -> PydanticCustomError:
 
 @functools.cache
 def run_choices() -> dict[str, list[str]]:
-    """The choices of ``probfsl run``'s options (its parser's, so the rules are the
-    same): ``{"balance": [...], "dtype": [...], "engine": [...], "calibrate": [...],
-    "dataset": [...], "method": [...]}``."""
-    import argparse
+    """The choices of a run's options, those ``probfsl run``'s parser takes too
+    (:func:`probfsl.run_spec.run_choices`): ``{"balance": [...], "dtype": [...],
+    "engine": [...], "calibrate": [...], "dataset": [...], "method": [...]}``."""
+    from probfsl.run_spec import run_choices as choices
 
-    from probfsl.cli import build_parser
-
-    parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return {a.dest: list(a.choices) for a in sub.choices["run"]._actions if a.choices}
+    return choices()
 
 
 def _hint(value: str, choices: Sequence[str]) -> str:
@@ -452,7 +449,7 @@ class GridSpec(BaseModel):
     )
 
 
-class RunSpec(BaseModel):
+class RunSectionSpec(BaseModel):
     """The options of ``probfsl run`` that every cell shares."""
 
     model_config = _STRICT
@@ -520,8 +517,8 @@ class SweepFile(BaseModel):
         description="a mapping of the axes below, each one value or a non-empty list: every "
         "combination is a cell",
     )
-    run: Annotated[RunSpec, BeforeValidator(_mapping_or_empty)] = Field(
-        default_factory=RunSpec,
+    run: Annotated[RunSectionSpec, BeforeValidator(_mapping_or_empty)] = Field(
+        default_factory=RunSectionSpec,
         description="a mapping of the keys below: `probfsl run`'s options, the same for every cell",
     )
     resources: Annotated[ResourcesSpec, BeforeValidator(_mapping_or_empty)] = Field(
@@ -535,7 +532,7 @@ _SECTIONS: dict[str, type[BaseModel]] = {
     "data": SourceSpec,
     "methods": MethodSpec,
     "grid": GridSpec,
-    "run": RunSpec,
+    "run": RunSectionSpec,
     "resources": ResourcesSpec,
 }
 #: how a section's keys are written in the reference table
@@ -747,16 +744,14 @@ def check_config(config: SweepConfig) -> None:
     * files: every feature file is there and loads (``probfsl run``'s loader);
     * each method entry: its engine, hyperparameters, presets, calibration and zero-shot
       use, checked by the functions ``probfsl run`` checks them with;
-    * each cell: its arguments parse as ``probfsl run``'s, and one task of its setting
-      is drawn from its data (the check ``probfsl run`` makes before its work), so a
-      ``way`` above the data's classes, or queries the novel classes cannot hold, is
-      refused here rather than failing as a cell.
+    * each cell: its :class:`~probfsl.run_spec.RunSpec` is valid, and one task of its
+      setting is drawn from its data (the check ``probfsl run`` makes before its work),
+      so a ``way`` above the data's classes, or queries the novel classes cannot hold,
+      is refused here rather than failing as a cell.
 
     Only what depends on the worker (whether it has the device, its free memory) is left
     to the cell.
     """
-    from probfsl.cli import parse_run_args
-
     for s in config.data:
         if s.features is not None and not Path(s.features).is_file():
             _fail(f"data.{s.name}.features", f"file not found: {s.features}")
@@ -766,16 +761,16 @@ def check_config(config: SweepConfig) -> None:
     checked: set = set()
     for i, source, cell in config._combinations():
         try:
-            args = parse_run_args(cell.argv())
+            spec = cell.spec()
         except ValueError as err:
             _fail(f"methods[{i}] ({cell.describe()})", str(err))
-        _check_cell(i, source, cell, args, loaded[source.name], checked)
+        _check_cell(i, source, cell, spec, loaded[source.name], checked)
 
 
 def _check_entry(i: int, entry: MethodEntry, grid: Mapping[str, Any]) -> None:
     """A method entry's options, as ``probfsl run`` checks them before loading data."""
-    from probfsl.commands import _engine_param
     from probfsl.methods import DEFAULTS
+    from probfsl.run_spec import engine_param
     from probfsl.tuning import make_estimator
 
     where = f"methods[{i}]"
@@ -783,7 +778,7 @@ def _check_entry(i: int, entry: MethodEntry, grid: Mapping[str, Any]) -> None:
     engines = [e for e in _as_list(entry.engine) if e is not None]
     for engine in engines:
         try:
-            _engine_param(entry.method, engine, params)
+            engine_param(entry.method, engine, params)
         except ValueError as err:
             _fail(f"{where}.engine = {engine!r}", str(err))
     from_grid = not engines and _has_engines(entry.method)
@@ -849,19 +844,20 @@ def _load(source: Source) -> Any:
         )
 
 
-def _check_cell(i: int, source: Source, cell: Cell, args: Any, fs: Any, checked: set) -> None:
-    """What ``probfsl run`` checks on the data before its work, for one cell: the task
-    setting can be drawn (:func:`probfsl.commands._check_tasks_possible`), the method has
-    the base classes it needs, temperature calibration has base classes to fit on."""
-    from probfsl.commands import _check_tasks_possible, _without_base
+def _check_cell(i: int, source: Source, cell: Cell, spec: Any, fs: Any, checked: set) -> None:
+    """What ``probfsl run`` checks on the data before its work, for one cell (its run
+    ``spec``): the task setting can be drawn (:func:`probfsl.running.check_tasks_possible`),
+    the method has the base classes it needs (:func:`probfsl.running.params_without_base`),
+    temperature calibration has base classes to fit on."""
     from probfsl.methods import DEFAULTS
+    from probfsl.running import check_tasks_possible, params_without_base
 
     setting = (source.name, cell.zero_shot, cell.way, cell.shot, cell.query, cell.balance)
     setting += (cell.alpha, cell.seed, cell.min_classes, cell.max_classes, cell.open_queries)
     if setting not in checked:
         checked.add(setting)
         try:
-            _check_tasks_possible(args, fs)
+            check_tasks_possible(spec, fs)
         except (ValueError, TypeError) as err:
             _fail(f"{_setting_keys(cell)} on data.{source.name} ({cell.describe()})", str(err))
     if cell.zero_shot:
@@ -876,7 +872,7 @@ def _check_cell(i: int, source: Source, cell: Cell, args: Any, fs: Any, checked:
         params["engine"] = cell.engine
     try:
         with _quiet():
-            _without_base(cell.method, fs, preset, params)
+            params_without_base(cell.method, fs, preset, params)
     except ValueError as err:
         _fail(f"methods[{i}] = {cell.method!r} on data.{source.name}", str(err))
     if cell.calibrate == "temperature" and fs.classes_in("base").size == 0:

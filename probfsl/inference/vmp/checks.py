@@ -3,7 +3,8 @@
 
 Every refusal is a ``ValueError`` raised before any sweep that starts with the reason in
 one sentence, naming the site, its distribution and the offending parent, and then points
-to the list of supported forms (:data:`DOCS`, the same list as :data:`SUPPORTED`).
+to the list of supported forms (:data:`DOCS`; :data:`probfsl.inference.vmp.supported.SUPPORTED`
+holds the same list in words, formed from the family records).
 """
 
 from __future__ import annotations
@@ -18,28 +19,6 @@ from probfsl.inference.vmp.family import lookup, of_distribution
 
 #: where the supported forms are listed (the pointer every refusal ends with)
 DOCS = "docs/modelling.md#supported-forms"
-
-#: the supported forms in words (listed in :data:`DOCS`; refusals point there)
-SUPPORTED = (
-    "Normal(loc <- Normal site, an affine map of Normal/MultivariateNormal sites with "
-    "observed coefficients or a product of two of them, scale = (c * tau)^-1/2 <- Gamma "
-    "site or a product of Gamma sites), each optionally indexed "
-    "by a Categorical site or a fixed index; MultivariateNormal(loc <- MultivariateNormal "
-    "site, precision_matrix = c * Lambda <- Wishart site), optionally indexed likewise; "
-    "Gamma(rate = c * b <- Gamma site); Categorical(probs <- Dirichlet site, indexed by a "
-    "Categorical site when observed, or an observed one's fixed table indexed by a latent "
-    "Categorical site; a latent one may be tempered by poutine.scale); "
-    "observed Poisson(rate = c * lambda <- Gamma site), "
-    "Bernoulli and Binomial(probs <- Beta site, or logits affine in Normal/"
-    "MultivariateNormal sites), each optionally indexed by a Categorical site; Dirichlet, "
-    "Beta, Gamma and Wishart with fixed parameters; observed Dirichlet(concentration <- a "
-    "positive pyro.param, optionally indexed by a Categorical site); pyro.param sites "
-    "inside the tasks plate (point estimates) in place of a Gamma, Normal, Dirichlet or "
-    "Beta site; an observed DiscreteHMM (a Categorical Markov chain, updated by "
-    "forward-backward) with logits log(Dirichlet sites) and a Normal observation law whose "
-    "loc and precision are Normal and Gamma sites per state; latent Normal sites each the "
-    "mean of the next form one Gaussian Markov chain factor"
-)
 
 
 def data_device(args: tuple, kwargs: dict) -> contextlib.AbstractContextManager:

@@ -91,15 +91,3 @@ def message(plan: Plan, q: dict, s: Site, role: str, to: Site) -> list:
             )
         )
     return out
-
-
-def gamma_rate_natural(plan: Plan, q: dict, s: Site) -> list:
-    """η of a Gamma factor whose rate is c · b with b a Gamma site: (−c⟨b⟩, a − 1) (the
-    expected natural parameter of its prior, design §1), b selected where it is indexed."""
-    p, a = s.params["rate"], s.params["concentration"]
-    W, comp = weights(plan, q, s)
-    over = s.dims + ((comp,) if comp else ())
-    b = parent_ops(plan, q, s, "rate")[0]
-    eta1 = -ein(s.dims, W + [(p.coef, p.coef_dims), b], over, plan.sizes, plan.ref)
-    eta2 = ein(s.dims, [(a.const - 1, a.const_dims)], s.dims, plan.sizes, plan.ref)
-    return [eta1, eta2]

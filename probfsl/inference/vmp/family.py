@@ -51,6 +51,15 @@ class Family:
     names that parameter (:attr:`linear_parameter`) and gives its coefficients
     (:meth:`linear_terms`), from which
     :mod:`~probfsl.inference.vmp.conjugate_children` forms its messages and bound term.
+    Any other family gives its own (:meth:`natural`, :meth:`message`, :meth:`loglik`:
+    the Gaussian, Categorical and hidden-Markov algebra of
+    :mod:`~probfsl.inference.vmp.normal`, :mod:`~probfsl.inference.vmp.mvn` and
+    :mod:`~probfsl.inference.vmp.hmm`), which :mod:`~probfsl.inference.vmp.messages`
+    dispatches to.
+
+    Starting values (:mod:`~probfsl.inference.vmp.starts`): :meth:`start_at_mean` (a
+    factor moved to a given mean) and :meth:`start_drawn` (its mean drawn from it). The
+    supported forms in words: :attr:`forms` (:data:`~probfsl.inference.vmp.supported.SUPPORTED`).
     """
 
     name: ClassVar[str]
@@ -110,6 +119,10 @@ class Family:
     predictable: ClassVar[bool] = True
     point_constraint: ClassVar[Any] = None
     linear_parameter: ClassVar[str | None] = None
+    #: the forms of this family VMP supports, in words, one phrase each (a line of
+    #: docs/modelling.md#supported-forms): what each parameter of its :attr:`roles` may be,
+    #: naming the parents' families; a subclass that shares its parent's phrase keeps it
+    forms: ClassVar[tuple[str, ...]] = ()
 
     # ---- reading a site -------------------------------------------------------------
     def read_params(self, base: Any, site: Site) -> tuple[dict[str, torch.Tensor], bool]:
@@ -214,7 +227,50 @@ class Family:
         """Whether this family defines the point-estimate methods."""
         return cls.point_mode is not Family.point_mode
 
+    # ---- starting values (:mod:`~probfsl.inference.vmp.starts`) ------------------------
+    def start_at_mean(self, site: Site, factor: tuple, value: torch.Tensor) -> tuple:
+        """``factor`` (the prior's, canonical layout) moved to the mean ``value`` (canonical),
+        its spread kept (``init={site: mean}``); ``ValueError`` naming the site where
+        ``value`` cannot be a mean of the family. Only the families whose factor a mean
+        and the prior's spread determine have it (:meth:`takes_mean`)."""
+        raise ValueError(f"init cannot start site {site.name!r}: a {site.fn_name} factor")
+
+    def start_drawn(self, site: Site, factor: tuple, generator: torch.Generator) -> tuple:
+        """``factor`` (the prior's) with its mean drawn from it by ``generator`` (a CPU
+        generator; ``init="prior"``). Only the families that have it (:meth:`draws_start`)."""
+        raise ValueError(f"init cannot draw the start of site {site.name!r}: a {site.fn_name}")
+
+    @classmethod
+    def takes_mean(cls) -> bool:
+        """Whether a start may give this family's factor by its mean (:meth:`start_at_mean`)."""
+        return cls.start_at_mean is not Family.start_at_mean
+
+    @classmethod
+    def draws_start(cls) -> bool:
+        """Whether ``init="prior"`` draws this family's mean (:meth:`start_drawn`)."""
+        return cls.start_drawn is not Family.start_drawn
+
     # ---- messages and bound terms (overridden by the families that have them) --------
+    def natural(self, plan: Plan, q: dict, site: Site, kids: list) -> tuple[list, list] | None:
+        """E[η(pa)] of the latent ``site``: its law's expected natural parameters given its
+        parents (design §1), and those of its children ``kids`` ((name, role) pairs) whose
+        messages remain to be added (a record may fold a child's message into the term as
+        it forms it). ``None``: its prior's natural parameters, fixed and computed once per
+        plan (:func:`~probfsl.inference.vmp.messages.prior`)."""
+        return None
+
+    def message(self, plan: Plan, q: dict, site: Site, role: str, to: Site) -> list | None:
+        """m_{site → to}: the coefficients of u(to) in E ln p(site | pa), ``to`` its parent
+        in ``role`` (a parameter, or ``"select"`` for a selector: E ln p per component).
+        ``None``: a linear child's (:mod:`~probfsl.inference.vmp.conjugate_children`)."""
+        return None
+
+    def loglik(self, plan: Plan, q: dict, site: Site, out: tuple) -> torch.Tensor | None:
+        """E_q ln p(site | pa) summed into the axes ``out`` (the bound's term). ``None``: a
+        linear child's, or its fixed prior's
+        (:func:`~probfsl.inference.vmp.messages.site_elbo`)."""
+        return None
+
     def linear_child(self, site: Site) -> str | None:
         """The parameter through which ``site`` is a linear child of a parent (``None``:
         it is not one)."""

@@ -1,16 +1,19 @@
 """A Categorical Markov chain as one structured factor: Pyro's ``DiscreteHMM`` observed,
-with Dirichlet initial and transition probabilities and a Normal observation law per
-state (docs/design/vmp.md §7.5; Beal, *Variational algorithms for approximate Bayesian
-inference*, 2003, ch. 3; BayesPy's ``CategoricalMarkovChain``).
+with Dirichlet initial and transition probabilities and per state a Normal or a
+Categorical observation law (docs/design/vmp.md §7.5; Beal, *Variational algorithms for
+approximate Bayesian inference*, 2003, ch. 3; BayesPy's ``CategoricalMarkovChain`` with a
+``Mixture`` of ``GaussianARD`` or ``Categorical`` nodes).
 
 The hidden chain z_1..z_N is not a site: its factor q(z) is the exact chain given the
-expected log-potentials ⟨ln π⟩, ⟨ln A⟩ and E ln N(x_n | μ_k, τ_k), computed by
-forward-backward whenever it is read (batched over tasks, a loop over time; the scaled
-recursions of :func:`forward_backward`). Its messages
-are the expected counts: γ_1 to π, Σ_n ξ_n to A, and the state-weighted data to each
-state's mean and precision. With q(z) at its optimum the chain's part of the bound,
-E ln p(x, z | θ) + H[q(z)], is the forward pass's normaliser ln Z̃, so every update of a
-parent is followed by an optimal q(z) and the bound never falls.
+expected log-potentials ⟨ln π⟩, ⟨ln A⟩ and the emission terms E ln p(x_n | z_n = k), computed
+by forward-backward whenever it is read (batched over tasks, a loop over time; the scaled
+recursions of :func:`forward_backward`). The emission term is
+E ln N(x_n | μ_k, (c τ_k)⁻¹) for a Normal law and Σ_v [x_n = v] ⟨ln B_kv⟩ for a Categorical
+one with rows B_k ~ Dirichlet. Its messages are the expected counts: γ_1 to π, Σ_n ξ_n to
+A, and the state-weighted data to each state's parameters (to B_k: Σ_n γ_nk onehot(x_n),
+so q(B_k) = Dirichlet(α_k + Σ_n γ_nk onehot(x_n))). With q(z) at its optimum the chain's
+part of the bound, E ln p(x, z | θ) + H[q(z)], is the forward pass's normaliser ln Z̃, so
+every update of a parent is followed by an optimal q(z) and the bound never falls.
 """
 
 from __future__ import annotations
@@ -75,9 +78,13 @@ def _precision(plan: Plan, q: dict, s: Site) -> tuple[list, list]:
 
 
 def emission(plan: Plan, q: dict, s: Site) -> torch.Tensor:
-    """E ln N(x_n | μ_k, (c τ_k)⁻¹) [batch, N, K]: ½⟨ln cτ⟩ − ½ ln 2π − ½⟨cτ⟩(x² − 2x⟨μ⟩ + ⟨μ²⟩)."""
+    """E ln p(x_n | z_n = k) [batch, N, K]: for a Normal law E ln N(x_n | μ_k, (c τ_k)⁻¹) =
+    ½⟨ln cτ⟩ − ½ ln 2π − ½⟨cτ⟩(x² − 2x⟨μ⟩ + ⟨μ²⟩); for a Categorical one Σ_v [x_n = v] ⟨ln B_kv⟩."""
     sizes, ref = plan.sizes, plan.ref
     out = s.dims + (f"{s.name}#s",)
+    if "probs" in s.params:  # a Categorical law: the observed label's ⟨ln B_k x_n⟩
+        onehot = (s.stats[0], s.dims + (f"{s.name}#cat",))
+        return ein(out, [onehot, _log_table(plan, q, s)], out + (f"{s.name}#cat",), sizes, ref)
     prec, log_prec = _precision(plan, q, s)
     x, x2 = (s.stats[0], s.dims), (s.stats[1], s.dims)
     mu, mu2 = _expected(plan, q, s, "loc", 0), _expected(plan, q, s, "loc", 1)
@@ -90,6 +97,14 @@ def emission(plan: Plan, q: dict, s: Site) -> torch.Tensor:
         + ein(out, prec + [mu2], out, sizes, ref)
     )
     return total - 0.5 * quad
+
+
+def _log_table(plan: Plan, q: dict, s: Site) -> tuple:
+    """⟨ln B⟩ of a Categorical observation law (its Dirichlet parent's, or the logarithm of
+    the fixed table, 0 ln 0 kept finite) as (operand, axes)."""
+    p = s.params["probs"]
+    ops = parent_ops(plan, q, s, "probs")
+    return ops[0] if ops is not None else (derived(p, "log_probs"), p.const_dims)
 
 
 def forward_backward(
@@ -166,6 +181,9 @@ def message(plan: Plan, q: dict, s: Site, role: str, to: Site) -> list:
         dims = s.dims[:-1] + (state, f"{s.name}#s2")
         return [ein(out, [(pairs, dims)], out, sizes, ref)]
     over = s.dims + (state,)
+    if role == "probs":  # to the Dirichlet rows B_k: Σ_n γ_nk onehot(x_n)
+        onehot = (s.stats[0], s.dims + (f"{s.name}#cat",))
+        return [ein(out, [g, onehot], over + (f"{s.name}#cat",), sizes, ref)]
     x, x2 = (s.stats[0], s.dims), (s.stats[1], s.dims)
     prec, _ = _precision(plan, q, s)
     if role == "loc":

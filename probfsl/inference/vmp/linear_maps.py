@@ -3,7 +3,7 @@ y ~ Normal(B(u, v) + b, ...) with B bilinear in two latent sites (docs/design/vm
 
 BayesPy's ``Dot``, ``SumMultiply`` and ``Add``, read off a plain Pyro model: ``X @ w``,
 ``(X * w).sum(-1)``, ``a + b`` and ``c * mu`` with observed coefficients. The compiler
-(:meth:`~probfsl.inference.vmp.compiler.Compiler._linear_map`) finds each Jacobian J_k by
+(:func:`~probfsl.inference.vmp.affine_maps.linear_map`) finds each Jacobian J_k by
 automatic differentiation and proves the map affine structurally (the gradient of the
 parameter does not depend on the parent); this module supplies the two quantities the
 Normal algebra needs:

@@ -7,6 +7,13 @@ the bound is Σ_sites E ln p(x | pa) + Σ_latent H[q] (:func:`elbo`). Every func
 the :class:`~probfsl.inference.vmp.layout.Plan` and the current factors ``q`` (site name
 -> the factor's parameters in the canonical layout) and contracts named axes with
 :func:`~probfsl.inference.vmp.einsum.ein`.
+
+Each site's prior term, messages and bound term are its family record's
+(:meth:`~probfsl.inference.vmp.family.Family.natural`,
+:meth:`~probfsl.inference.vmp.family.Family.message`,
+:meth:`~probfsl.inference.vmp.family.Family.loglik`); where a record has none, they are a
+linear child's (:mod:`~probfsl.inference.vmp.conjugate_children`) or a fixed prior's
+(:func:`prior`), here.
 """
 
 from __future__ import annotations
@@ -15,18 +22,10 @@ import torch
 
 from probfsl.inference import expfam
 from probfsl.inference.expfam.block import sum_last
-from probfsl.inference.vmp import (
-    conjugate_children,
-    dirichlet_points,
-    gaussian_chain,
-    hmm,
-    mvn,
-    normal,
-    polya_gamma,
-)
+from probfsl.inference.vmp import conjugate_children, dirichlet_points, gaussian_chain
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.family import lookup
-from probfsl.inference.vmp.layout import TASKS, Plan, Site, derived, stat_dims
+from probfsl.inference.vmp.layout import TASKS, Plan, Site, stat_dims
 from probfsl.inference.vmp.moments import (
     block_of,
     broadcast_add,
@@ -34,59 +33,26 @@ from probfsl.inference.vmp.moments import (
     compact,
     compact_block,
     expected_stats,
-    parent_ops,
     point_mode,
-    weights,
 )
 
 
 def site_elbo(plan: Plan, q: dict, name: str) -> torch.Tensor:
-    """E_q[ln p(x_site | pa)], one value per task."""
+    """E_q[ln p(x_site | pa)], one value per task: the family's own term
+    (:meth:`~probfsl.inference.vmp.family.Family.loglik`), a linear child's, or a fixed
+    prior's."""
     s, out = plan.sites[name], (TASKS,)
-    if lookup(s.family).structured:
-        return hmm.loglik(plan, q, s, out)
-    if "logits" in s.params:
-        return polya_gamma.loglik(plan, q, s, out)
-    if dirichlet_points.is_child(s):
-        return dirichlet_points.loglik(plan, q, s, out, with_weights=True)
+    own = lookup(s.family).loglik(plan, q, s, out)
+    if own is not None:
+        return own
     if conjugate_children.linear_key(s) is not None:
         return conjugate_children.loglik(plan, q, s, out, with_weights=True)
-    if _scalar_gaussian(s) and not fixed_normal(s):
-        hit = plan.cache.get(("loglik", name))
-        if hit is not None and all(a is q[n] for n, a in zip(hit[0], hit[1], strict=True)):
-            # Σ_k r_nk E ln N(x_n | θ_k), from the message just sent to the selector
-            _, _, loglik, dims, selector = hit
-            ops = [(q[selector][0], dims), (loglik, dims)]
-            return ein(out, ops, dims, plan.sizes, plan.ref)
-        o = normal.ops(plan, q, s)
-        o["over"] = s.dims + ((o["comp"],) if o["comp"] else ())
-        return normal.loglik(plan, o, out, o["W"])
-    if lookup(s.family).outer_axis:
-        o = mvn.ops(plan, q, s)
-        return mvn.loglik(plan, o, out, o["W"])
-    if lookup(s.family).labels:  # a table chosen by a selector is weighted by its q
-        R = expected_stats(plan, q, name)[0]
-        cd = s.dims + (f"{s.name}#cat",)
-        M = [] if s.mask is None else [(s.mask, s.mask_dims)]
-        W, comp = weights(plan, q, s)
-        over = cd + ((comp,) if comp else ())
-        return ein(out, M + W + [(R, cd), _log_probs(plan, q, s)], over, plan.sizes, plan.ref)
     # E ln p = Σ_i η_i·⟨u_i⟩ − A(η) with η and Σ A fixed (computed once per plan)
     block, eta, a_total = prior(plan, s)
     lp = 0
     for t, u, n in zip(eta, expected_stats(plan, q, name), block._stat_dims, strict=True):
         lp = lp + sum_last(t * u, n)
     return sum_tasks(sum_last(lp, block.event_dim)) - a_total
-
-
-def _log_probs(plan: Plan, q: dict, s: Site) -> tuple:
-    """⟨ln π⟩ of a Categorical site's probabilities (a Dirichlet parent's, or the fixed
-    ones' logarithm) as (tensor, axes)."""
-    pi = parent_ops(plan, q, s, "probs")
-    if pi is not None:
-        return pi[0]
-    p = s.params["probs"]
-    return derived(p, "log_probs"), p.const_dims
 
 
 def prior(plan: Plan, s: Site) -> tuple:
@@ -120,29 +86,6 @@ def prior_block(plan: Plan, s: Site):
     params = [s.params[k] for k in keys]
     full = [ein(p.dims, [(p.const, p.const_dims)], (), plan.sizes, p.const) for p in params]
     return block_of(s, tuple(full))
-
-
-def fixed_normal(s: Site) -> bool:
-    """A latent Normal site whose location and precision are both fixed (no parent, map,
-    selection or mask): its prior is a block like a Gamma's, whose natural parameters and
-    log-normaliser :func:`prior` computes once per plan instead of at every sweep."""
-    return (
-        _scalar_gaussian(s)
-        and not s.observed
-        and not s.joint
-        and not s.point
-        and s.chain is None
-        and s.mask is None
-        and all(
-            p.parent is None
-            and not p.terms
-            and p.bilinear is None
-            and p.comp is None
-            and not p.factors
-            and p.const is not None
-            for p in s.params.values()
-        )
-    )
 
 
 def _scalar_gaussian(s: Site) -> bool:
@@ -211,42 +154,25 @@ def entropy(plan: Plan, q: dict, name: str) -> torch.Tensor:
 
 
 def natural(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
-    """η* of a latent site: its prior's expected natural parameter plus (``children``)
-    its children's messages (design §1)."""
+    """η* of a latent site: its prior's expected natural parameter (the family's
+    :meth:`~probfsl.inference.vmp.family.Family.natural`, or its fixed prior's) plus
+    (``children``) its children's messages (design §1)."""
     s, sizes = plan.sites[name], plan.sizes
     record = lookup(s.family)
+    kids = plan.children[name] if children and not s.at_prior else []
+    own = None if s.point else record.natural(plan, q, s, kids)
     if s.point:  # no prior term: the children's messages alone
         eta = [plan.ref.new_zeros([sizes[d] for d in dims]) for dims in stat_dims(s)]
-    elif _scalar_gaussian(s) and not fixed_normal(s):
-        eta = normal.natural(plan, q, s)
-    elif record.labels:  # a mask (or a tempering scale) weighs the prior
-        cd = s.dims + (f"{s.name}#cat",)
-        M = [] if s.mask is None else [(s.mask, s.mask_dims)]
-        eta = [ein(cd, M + [_log_probs(plan, q, s)], cd, sizes, plan.ref, expand=False)]
-        kids = plan.children[name] if children and not s.at_prior else []
-        if kids and lse_applies(plan, s):
-            # E ln π joins the first child's E ln N per component while that is formed
-            # (:func:`normal.loglik`): one full-size pass instead of two
-            (child, role), kids = kids[0], kids[1:]
-            eta = normal.message(plan, q, plan.sites[child], role, s, offset=eta[0])
-        else:
-            eta[0] = eta[0].expand([sizes[d] for d in cd])
-        for child, role in kids:
-            eta[0] = eta[0] + message(plan, q, child, role, s)[0]
-        return tuple(eta)
-    elif record.compact_factor and conjugate_children.linear_key(s) is not None:
-        eta = conjugate_children.gamma_rate_natural(plan, q, s)  # a rate with a Gamma parent
-    elif record.outer_axis:
-        eta = mvn.natural(plan, q, s)
+    elif own is not None:
+        eta, kids = own
     else:
-        natural = prior(plan, s)[1]
+        fixed = prior(plan, s)[1]
         eta = [
-            t.expand([sizes[d] for d in dims])
-            for t, dims in zip(natural, stat_dims(s), strict=True)
+            t.expand([sizes[d] for d in dims]) for t, dims in zip(fixed, stat_dims(s), strict=True)
         ]
     if s.joint:  # a diagonal prior, a full second natural parameter (matrix messages)
         eta[1] = torch.diag_embed(eta[1])
-    for child, role in plan.children[name] if children and not s.at_prior else ():
+    for child, role in kids:
         for i, m in enumerate(message(plan, q, child, role, s)):
             if s.joint and i == 1 and m.dim() < eta[1].dim():  # an elementwise message
                 m = torch.diag_embed(m)
@@ -255,29 +181,12 @@ def natural(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
 
 
 def message(plan, q, child: str, role: str, to: Site) -> list:
-    """m_{child → to}: the coefficients of u(to) in E ln p(child | pa) (design §2 table)."""
-    c, sizes, ref = plan.sites[child], plan.sizes, plan.ref
-    family = lookup(c.family)
-    if family.structured:
-        return hmm.message(plan, q, c, role, to)
-    if "logits" in c.params:
-        return polya_gamma.message(plan, q, c, to)
-    if dirichlet_points.is_child(c):
-        return dirichlet_points.message(plan, q, c, role, to)
-    if conjugate_children.linear_key(c) is not None:
-        return conjugate_children.message(plan, q, c, role, to)
-    if family.labels:  # to a Dirichlet, or to the label choosing a fixed table
-        p = c.params["probs"]
-        cd = c.dims + (f"{c.name}#cat",)
-        M = [] if c.mask is None else [(c.mask, c.mask_dims)]
-        R = expected_stats(plan, q, child)[0]
-        if role == "select":  # Σ_c x_nc ln table_kc
-            return [ein(to.dims + (p.comp,), M + [(R, cd), _log_probs(plan, q, c)], cd, sizes, ref)]
-        out = tuple(p.rename[d] for d in to.dims)
-        return [ein(out, M + [(R, cd)], cd, sizes, ref)]
-    if family.outer_axis:
-        return mvn.message(plan, q, c, role, to)
-    return normal.message(plan, q, c, role, to)
+    """m_{child → to}: the coefficients of u(to) in E ln p(child | pa) (design §2 table),
+    the child's family's (:meth:`~probfsl.inference.vmp.family.Family.message`) or a
+    linear child's."""
+    c = plan.sites[child]
+    own = lookup(c.family).message(plan, q, c, role, to)
+    return own if own is not None else conjugate_children.message(plan, q, c, role, to)
 
 
 def update(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:

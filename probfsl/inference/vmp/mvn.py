@@ -67,6 +67,12 @@ def ops(plan, q, s):
     return o
 
 
+def site_loglik(plan: Plan, q: dict, s: Site, out: tuple):
+    """E ln N(x | m, c Λ) of site ``s`` summed into ``out`` (the bound's term)."""
+    o = ops(plan, q, s)
+    return loglik(plan, o, out, o["W"])
+
+
 def loglik(plan, o, out, weights):
     mw = o["M"] + weights
 

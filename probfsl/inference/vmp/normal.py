@@ -25,6 +25,43 @@ from probfsl.inference.vmp.moments import (
 )
 
 
+def fixed_prior(s: Site) -> bool:
+    """A latent Normal site whose location and precision are both fixed (no parent, map,
+    selection or mask): its prior is a block like a Gamma's, whose natural parameters and
+    log-normaliser :func:`~probfsl.inference.vmp.messages.prior` computes once per plan
+    instead of at every sweep."""
+    return (
+        not s.observed
+        and not s.joint
+        and not s.point
+        and s.chain is None
+        and s.mask is None
+        and all(
+            p.parent is None
+            and not p.terms
+            and p.bilinear is None
+            and p.comp is None
+            and not p.factors
+            and p.const is not None
+            for p in s.params.values()
+        )
+    )
+
+
+def site_loglik(plan: Plan, q: dict, s: Site, out: tuple) -> torch.Tensor:
+    """E ln N(x | m, c τ) of site ``s`` summed into ``out``, the bound's term: read off the
+    message last sent to its selector where no factor it reads has changed since."""
+    hit = plan.cache.get(("loglik", s.name))
+    if hit is not None and all(a is q[n] for n, a in zip(hit[0], hit[1], strict=True)):
+        # Σ_k r_nk E ln N(x_n | θ_k), from the message just sent to the selector
+        _, _, per_component, dims, selector = hit
+        weighted = [(q[selector][0], dims), (per_component, dims)]
+        return ein(out, weighted, dims, plan.sizes, plan.ref)
+    o = ops(plan, q, s)
+    o["over"] = s.dims + ((o["comp"],) if o["comp"] else ())
+    return loglik(plan, o, out, o["W"])
+
+
 def natural(plan: Plan, q: dict, s: Site) -> list:
     """E[η] of a latent Normal given its parents: (c⟨τ⟩⟨m⟩, −½ c⟨τ⟩)."""
     o = ops(plan, q, s)

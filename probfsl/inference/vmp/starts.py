@@ -19,6 +19,10 @@ to the data's device (the same numbers on every device).
 
 A site given a start keeps it through ``init``: the other factors start as without one
 (their prior, then one update from their children), reading the given ones.
+
+How a family's factor takes a mean, and which families' means ``"prior"`` draws, is the
+family record's (:meth:`~probfsl.inference.vmp.family.Family.start_at_mean`,
+:meth:`~probfsl.inference.vmp.family.Family.start_drawn`).
 """
 
 from __future__ import annotations
@@ -29,19 +33,14 @@ from typing import Any
 import torch
 
 from probfsl.inference.vmp import layout
-from probfsl.inference.vmp.family import lookup
+from probfsl.inference.vmp.family import REGISTRY, lookup
 from probfsl.inference.vmp.layout import Plan, Site
-
-#: the families whose factor's mean a start may give (and how: :func:`with_mean`)
-MEAN_FAMILIES = ("Normal", "MultivariateNormal", "Gamma", "Beta", "Dirichlet", "Wishart")
-
-#: the families whose factor's mean ``"prior"`` draws
-DRAWN_FAMILIES = ("Normal", "MultivariateNormal")
 
 
 def normalise(plan: Plan, init: Any) -> dict:
     """``init`` as a dict site name -> tensor or ``"prior"`` (``"prior"`` alone: every
-    latent Normal and MultivariateNormal site), checked against the plan: ``ValueError``
+    latent site whose mean it draws: Normal and MultivariateNormal), checked against the
+    plan: ``ValueError``
     (one sentence naming the site) for a name that is no latent site, a value of another
     shape, or a start the site's factor cannot take."""
     if init is None:
@@ -64,16 +63,17 @@ def normalise(plan: Plan, init: Any) -> dict:
         if s.chain is not None or s.at_prior:
             kind = "a Gaussian Markov chain" if s.chain is not None else "kept at its prior"
             raise ValueError(f"init cannot start site {name!r}: its factor is {kind}")
-        labels = lookup(s.family).labels
+        record = lookup(s.family)
+        labels = record.labels
         if isinstance(value, str):
             if value != "prior" or not _drawable(s):
                 raise ValueError(
-                    f'init[{name!r}] may be "prior" only for a latent Normal or '
-                    f"MultivariateNormal site; {name!r} is {s.fn_name}, give its mean"
+                    f'init[{name!r}] may be "prior" only for a latent {_drawn_families()} '
+                    f"site; {name!r} is {s.fn_name}, give its mean"
                 )
             out[name] = value
             continue
-        if not (s.point or labels or s.family in MEAN_FAMILIES):
+        if not (s.point or labels or record.takes_mean()):
             raise ValueError(f"init cannot start site {name!r}: a {s.fn_name} factor")
         v = torch.as_tensor(value, device=plan.ref.device).to(plan.ref)
         shape = tuple(s.batch_shape) + tuple(s.event_shape) + ((s.n_cat,) if labels else ())
@@ -97,7 +97,14 @@ def normalise(plan: Plan, init: Any) -> dict:
 
 
 def _drawable(s: Site) -> bool:
-    return s.family in DRAWN_FAMILIES and not s.point and s.chain is None
+    return lookup(s.family).draws_start() and not s.point and s.chain is None
+
+
+def _drawn_families() -> str:
+    """The families whose mean ``"prior"`` draws, in words (scalar ones first)."""
+    drawn = sorted((r for r in REGISTRY.values() if r.draws_start()), key=lambda r: r.event_rank)
+    names = [r.name for r in drawn]
+    return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
 def generator(seed: int, name: str) -> torch.Generator:
@@ -108,11 +115,17 @@ def generator(seed: int, name: str) -> torch.Generator:
 
 def draw(s: Site, factor: tuple, seed: int) -> tuple:
     """``factor`` (a Normal or MultivariateNormal factor from the prior) with its mean drawn
-    from it: loc + L ε, L L^T its covariance, ε standard normal over the non-task axes."""
+    from it by site ``s``'s generator (:func:`generator`; the family's
+    :meth:`~probfsl.inference.vmp.family.Family.start_drawn`)."""
+    return lookup(s.family).start_drawn(s, factor, generator(seed, s.name))
+
+
+def gaussian_draw(factor: tuple, joint: bool, g: torch.Generator) -> tuple:
+    """A Gaussian ``factor`` (loc, precision; a precision matrix where ``joint``) with its
+    mean drawn from it: loc + L ε, L L^T its covariance, ε standard normal from ``g`` over
+    the non-task axes (shared by the tasks)."""
     loc, precision = factor
-    joint = s.joint or s.family == "MultivariateNormal"
     shape = torch.broadcast_shapes(loc.shape, precision.shape[:-1] if joint else precision.shape)
-    g = generator(seed, s.name)
     eps = torch.randn(shape[1:], generator=g, dtype=torch.float64).to(loc).expand(shape)
     if joint:
         chol = torch.linalg.cholesky(precision)  # P = C C^T, so C^-T ε has covariance P^-1
@@ -125,30 +138,11 @@ def draw(s: Site, factor: tuple, seed: int) -> tuple:
 
 
 def with_mean(s: Site, factor: tuple, value: torch.Tensor) -> tuple:
-    """``factor`` (the prior's, canonical layout) moved to the mean ``value`` (canonical):
+    """``factor`` (the prior's, canonical layout) moved to the mean ``value`` (canonical),
+    as the family moves it (:meth:`~probfsl.inference.vmp.family.Family.start_at_mean`):
     a Normal's location; a Gamma's rate (its shape kept); a Beta's or Dirichlet's
     concentrations (their sum kept); a Wishart's scale (its degrees of freedom kept)."""
-    if s.family in ("Normal", "MultivariateNormal"):
-        return (value, factor[1])
-    if s.family == "Gamma":
-        if not bool((value > 0).all()):
-            raise ValueError(f"init[{s.name!r}] must be positive (a Gamma site's mean)")
-        return (factor[0], factor[0] / value)
-    if s.family == "Beta":
-        if not bool(((value > 0) & (value < 1)).all()):
-            raise ValueError(f"init[{s.name!r}] must be in (0, 1) (a Beta site's mean)")
-        total = factor[0] + factor[1]
-        return (value * total, (1 - value) * total)
-    if s.family == "Dirichlet":
-        if not bool((value > 0).all()):
-            raise ValueError(f"init[{s.name!r}] must be positive (a Dirichlet site's mean)")
-        value = value / value.sum(-1, keepdim=True)
-        return (value * factor[0].sum(-1, keepdim=True),)
-    if s.family == "Wishart":
-        if not bool((torch.linalg.cholesky_ex(value).info == 0).all()):
-            raise ValueError(f"init[{s.name!r}] must be positive definite (a Wishart's mean)")
-        return (factor[0], value / factor[0][..., None, None])
-    raise ValueError(f"init cannot start site {s.name!r}: a {s.fn_name} factor")
+    return lookup(s.family).start_at_mean(s, factor, value)
 
 
 def canonical(s: Site, value: torch.Tensor) -> torch.Tensor:

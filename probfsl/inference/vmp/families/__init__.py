@@ -10,6 +10,7 @@ from probfsl.inference.vmp.families import (  # noqa: F401  (each registers its 
     discrete_hmm,
     exponential,
     gamma,
+    multinomial,
     multivariate_normal,
     normal,
     poisson,

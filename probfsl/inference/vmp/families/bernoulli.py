@@ -6,6 +6,7 @@ from __future__ import annotations
 import pyro.distributions as dist
 import torch
 
+from probfsl.inference.vmp import polya_gamma
 from probfsl.inference.vmp.conjugate_children import cached
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.family import Family, register
@@ -28,6 +29,10 @@ class Bernoulli(Family):
     whole_numbers = True
     logistic = True
     linear_parameter = "probs"
+    forms = (
+        "observed Bernoulli and Binomial(probs <- Beta site, or logits affine in Normal/"
+        "MultivariateNormal sites), each optionally indexed by a Categorical site",
+    )
 
     def data_limit(self, base, site):
         return 1, "its data must be 0 or 1"
@@ -46,6 +51,14 @@ class Bernoulli(Family):
         """u(p) = (ln p, ln(1 − p)): coefficients (y, 1 − y)."""
         y = [(site.stats[0], site.dims)]
         return [[(1, y)], [(1, []), (-1, y)]], []
+
+    # logits affine in Gaussian sites: :mod:`probfsl.inference.vmp.polya_gamma`; a Beta
+    # probability: a linear child's
+    def message(self, plan, q, site, role, to):
+        return polya_gamma.message(plan, q, site, to) if "logits" in site.params else None
+
+    def loglik(self, plan, q, site, out):
+        return polya_gamma.loglik(plan, q, site, out) if "logits" in site.params else None
 
 
 @register

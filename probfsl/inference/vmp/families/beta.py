@@ -53,3 +53,10 @@ class Beta(Family):
 
     def posterior(self, params):
         return dist.Beta(params[0], params[1])
+
+    def start_at_mean(self, site, factor, value):
+        """Concentrations with the mean ``value``, their sum the prior's."""
+        if not bool(((value > 0) & (value < 1)).all()):
+            raise ValueError(f"init[{site.name!r}] must be in (0, 1) (a Beta site's mean)")
+        total = factor[0] + factor[1]
+        return (value * total, (1 - value) * total)

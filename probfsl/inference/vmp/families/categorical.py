@@ -6,8 +6,11 @@ import pyro.distributions as dist
 import torch
 
 from probfsl.inference import expfam
+from probfsl.inference.vmp import messages, normal
+from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.family import Family, register
-from probfsl.inference.vmp.layout import canon
+from probfsl.inference.vmp.layout import Plan, Site, canon, derived
+from probfsl.inference.vmp.moments import expected_stats, parent_ops, weights
 
 
 @register
@@ -29,6 +32,11 @@ class Categorical(Family):
     block = expfam.Categorical
     fields = ("probs",)
     linear_parameter = "probs"
+    forms = (
+        "Categorical(probs <- Dirichlet site, indexed by a Categorical site when observed, or "
+        "an observed one's fixed table indexed by a latent Categorical site; a latent one may "
+        "be tempered by poutine.scale)",
+    )
 
     def categories(self, base):
         return base.probs.shape[-1]
@@ -73,3 +81,54 @@ class Categorical(Family):
 
     def posterior(self, params):
         return dist.Categorical(probs=params[0])
+
+    def natural(self, plan, q, site, kids):
+        """E ln π, weighed by the mask (or a tempering scale); where its children are
+        Normal sites it selects (:func:`~probfsl.inference.vmp.messages.lse_applies`), the
+        first one's E ln N per component is formed with it: one full-size pass, not two."""
+        cd = site.dims + (f"{site.name}#cat",)
+        M = [] if site.mask is None else [(site.mask, site.mask_dims)]
+        eta = ein(cd, M + [log_probs(plan, q, site)], cd, plan.sizes, plan.ref, expand=False)
+        if kids and messages.lse_applies(plan, site):
+            (child, role), rest = kids[0], kids[1:]
+            return normal.message(plan, q, plan.sites[child], role, site, offset=eta), rest
+        return [eta.expand([plan.sizes[d] for d in cd])], kids
+
+    def message(self, plan, q, site, role, to):
+        """To a Dirichlet: the counts Σ_n x_n; to the label choosing a fixed table:
+        Σ_c x_nc ln table_kc. A selected Dirichlet table's: a linear child's."""
+        if self.linear_child(site) is not None:
+            return None
+        p = site.params["probs"]
+        cd = site.dims + (f"{site.name}#cat",)
+        M = [] if site.mask is None else [(site.mask, site.mask_dims)]
+        R = expected_stats(plan, q, site.name)[0]
+        sizes, ref = plan.sizes, plan.ref
+        if role == "select":
+            ops = M + [(R, cd), log_probs(plan, q, site)]
+            return [ein(to.dims + (p.comp,), ops, cd, sizes, ref)]
+        out = tuple(p.rename[d] for d in to.dims)
+        return [ein(out, M + [(R, cd)], cd, sizes, ref)]
+
+    def loglik(self, plan, q, site, out):
+        """Σ ⟨x⟩ ⟨ln π⟩, a table chosen by a selector weighted by its q. A selected
+        Dirichlet table's: a linear child's."""
+        if self.linear_child(site) is not None:
+            return None
+        R = expected_stats(plan, q, site.name)[0]
+        cd = site.dims + (f"{site.name}#cat",)
+        M = [] if site.mask is None else [(site.mask, site.mask_dims)]
+        W, comp = weights(plan, q, site)
+        over = cd + ((comp,) if comp else ())
+        ops = M + W + [(R, cd), log_probs(plan, q, site)]
+        return ein(out, ops, over, plan.sizes, plan.ref)
+
+
+def log_probs(plan: Plan, q: dict, s: Site) -> tuple:
+    """⟨ln π⟩ of a Categorical site's probabilities (a Dirichlet parent's, or the fixed
+    ones' logarithm) as (tensor, axes)."""
+    pi = parent_ops(plan, q, s, "probs")
+    if pi is not None:
+        return pi[0]
+    p = s.params["probs"]
+    return derived(p, "log_probs"), p.const_dims

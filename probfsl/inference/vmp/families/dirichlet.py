@@ -7,6 +7,7 @@ import torch
 from pyro.distributions import constraints
 
 from probfsl.inference import expfam
+from probfsl.inference.vmp import dirichlet_points
 from probfsl.inference.vmp.checks import position, refuse, simplex_tolerance
 from probfsl.inference.vmp.family import Family, floored, register
 
@@ -26,6 +27,10 @@ class Dirichlet(Family):
     fields = ("concentration",)
     event_rank = 1
     point_constraint = constraints.simplex
+    forms = (
+        "observed Dirichlet(concentration <- a positive pyro.param (a point estimate in place "
+        "of a Gamma site), optionally indexed by a Categorical site)",
+    )
 
     def data_stats(self, value):
         return (value.log(),)
@@ -75,3 +80,22 @@ class Dirichlet(Family):
 
     def posterior(self, params):
         return dist.Dirichlet(params[0])
+
+    def start_at_mean(self, site, factor, value):
+        """Concentrations with the mean ``value`` (normalised), their sum the prior's."""
+        if not bool((value > 0).all()):
+            raise ValueError(f"init[{site.name!r}] must be positive (a Dirichlet site's mean)")
+        value = value / value.sum(-1, keepdim=True)
+        return (value * factor[0].sum(-1, keepdim=True),)
+
+    # an observed one whose concentration is a point estimate: its messages and bound term
+    # are :mod:`probfsl.inference.vmp.dirichlet_points`'; otherwise it has no parent
+    def message(self, plan, q, site, role, to):
+        if not dirichlet_points.is_child(site):
+            return None
+        return dirichlet_points.message(plan, q, site, role, to)
+
+    def loglik(self, plan, q, site, out):
+        if not dirichlet_points.is_child(site):
+            return None
+        return dirichlet_points.loglik(plan, q, site, out, with_weights=True)

@@ -23,6 +23,10 @@ class Exponential(Family):
     observed_only = True
     needs_latent_parent = True
     linear_parameter = "rate"
+    forms = (
+        "observed Exponential(rate = c * lambda <- Gamma site), optionally indexed by a "
+        "Categorical site",
+    )
 
     def data_stats(self, value):
         return (value,)

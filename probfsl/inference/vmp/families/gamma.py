@@ -8,9 +8,10 @@ from pyro.distributions import constraints
 
 from probfsl.inference import expfam
 from probfsl.inference.vmp.conjugate_children import cached
+from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.family import Family, register
 from probfsl.inference.vmp.layout import derived
-from probfsl.inference.vmp.moments import expected_stats
+from probfsl.inference.vmp.moments import expected_stats, parent_ops, weights
 
 
 @register
@@ -30,6 +31,7 @@ class Gamma(Family):
     fields = ("shape", "rate")
     point_constraint = constraints.positive
     linear_parameter = "rate"
+    forms = ("Gamma(rate = c * b <- Gamma site, optionally indexed by a Categorical site)",)
 
     def data_stats(self, value):
         return (value, value.log())
@@ -57,6 +59,25 @@ class Gamma(Family):
 
     def posterior(self, params):
         return dist.Gamma(params[0], params[1])
+
+    def start_at_mean(self, site, factor, value):
+        """The rate a / mean, the prior's shape a kept."""
+        if not bool((value > 0).all()):
+            raise ValueError(f"init[{site.name!r}] must be positive (a Gamma site's mean)")
+        return (factor[0], factor[0] / value)
+
+    def natural(self, plan, q, site, kids):
+        """A rate c · b with b a Gamma site: E[η] = (−c⟨b⟩, a − 1), b selected where it is
+        indexed (design §1); a fixed rate: the fixed prior's."""
+        if self.linear_child(site) is None:
+            return None
+        p, a = site.params["rate"], site.params["concentration"]
+        W, comp = weights(plan, q, site)
+        over = site.dims + ((comp,) if comp else ())
+        b = parent_ops(plan, q, site, "rate")[0]
+        eta1 = -ein(site.dims, W + [(p.coef, p.coef_dims), b], over, plan.sizes, plan.ref)
+        eta2 = ein(site.dims, [(a.const - 1, a.const_dims)], site.dims, plan.sizes, plan.ref)
+        return [eta1, eta2], kids
 
     def linear_terms(self, plan, q, site):
         """Gamma(τ | a, c b), u(b) = (b, ln b): coefficients (−c⟨τ⟩, a), const

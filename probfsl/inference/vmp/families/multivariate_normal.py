@@ -6,9 +6,11 @@ import pyro.distributions as dist
 import torch
 
 from probfsl.inference import expfam
+from probfsl.inference.vmp import mvn
 from probfsl.inference.vmp.family import Family, register
 from probfsl.inference.vmp.layout import canon
 from probfsl.inference.vmp.monomials import same_form
+from probfsl.inference.vmp.starts import gaussian_draw
 
 
 @register
@@ -34,6 +36,10 @@ class MultivariateNormal(Family):
     block = expfam.MultivariateNormal
     fields = ("loc", "precision")
     event_rank = 1
+    forms = (
+        "MultivariateNormal(loc <- MultivariateNormal site, precision_matrix = c * Lambda <- "
+        "Wishart site), optionally indexed by a Categorical site or a fixed index",
+    )
 
     def read_params(self, base, site):
         full = site.batch_shape + site.event_shape
@@ -70,3 +76,19 @@ class MultivariateNormal(Family):
 
     def posterior(self, params):
         return dist.MultivariateNormal(params[0], precision_matrix=params[1])
+
+    def start_at_mean(self, site, factor, value):
+        return (value, factor[1])
+
+    def start_drawn(self, site, factor, generator):
+        return gaussian_draw(factor, True, generator)
+
+    # the algebra: :mod:`probfsl.inference.vmp.mvn`
+    def natural(self, plan, q, site, kids):
+        return mvn.natural(plan, q, site), kids
+
+    def message(self, plan, q, site, role, to):
+        return mvn.message(plan, q, site, role, to)
+
+    def loglik(self, plan, q, site, out):
+        return mvn.site_loglik(plan, q, site, out)

@@ -7,8 +7,10 @@ import torch
 from pyro.distributions import constraints
 
 from probfsl.inference import expfam
+from probfsl.inference.vmp import normal as gaussian
 from probfsl.inference.vmp.family import Family, register
 from probfsl.inference.vmp.layout import normal_data
+from probfsl.inference.vmp.starts import gaussian_draw
 
 
 @register
@@ -38,6 +40,13 @@ class Normal(Family):
     block = expfam.Normal
     fields = ("loc", "precision")
     point_constraint = constraints.real
+    forms = (
+        "Normal(loc <- Normal site, an affine map of Normal/MultivariateNormal sites with "
+        "observed coefficients or a product of two of them, scale = (c * tau)^-1/2 <- Gamma "
+        "site or a product of Gamma sites), each optionally indexed by a Categorical site or "
+        "a fixed index",
+        "latent Normal sites each the mean of the next form one Gaussian Markov chain factor",
+    )
 
     def read_params(self, base, site):
         return {"loc": base.loc, "precision": base.scale.pow(-2)}, False
@@ -69,3 +78,19 @@ class Normal(Family):
 
     def posterior(self, params):
         return dist.Normal(params[0], params[1].rsqrt())
+
+    def start_at_mean(self, site, factor, value):
+        return (value, factor[1])
+
+    def start_drawn(self, site, factor, generator):
+        return gaussian_draw(factor, site.joint, generator)
+
+    # the algebra: :mod:`probfsl.inference.vmp.normal`
+    def natural(self, plan, q, site, kids):
+        return None if gaussian.fixed_prior(site) else (gaussian.natural(plan, q, site), kids)
+
+    def message(self, plan, q, site, role, to):
+        return gaussian.message(plan, q, site, role, to)
+
+    def loglik(self, plan, q, site, out):
+        return None if gaussian.fixed_prior(site) else gaussian.site_loglik(plan, q, site, out)

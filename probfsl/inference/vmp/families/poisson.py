@@ -26,6 +26,10 @@ class Poisson(Family):
     positive_exposure = True
     whole_numbers = True
     linear_parameter = "rate"
+    forms = (
+        "observed Poisson(rate = c * lambda <- Gamma site), optionally indexed by a "
+        "Categorical site",
+    )
 
     def data_stats(self, value):
         return (value,)

@@ -48,3 +48,9 @@ class Wishart(Family):
 
     def posterior(self, params):
         return dist.Wishart(params[0], covariance_matrix=params[1])
+
+    def start_at_mean(self, site, factor, value):
+        """The scale mean / ν, the prior's degrees of freedom ν kept."""
+        if not bool((torch.linalg.cholesky_ex(value).info == 0).all()):
+            raise ValueError(f"init[{site.name!r}] must be positive definite (a Wishart's mean)")
+        return (factor[0], value / factor[0][..., None, None])

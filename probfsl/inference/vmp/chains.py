@@ -1,0 +1,61 @@
+"""Chain detection: Gaussian Markov chains among the latent Normal sites
+(docs/design/vmp.md §6.7).
+
+Reads the plan once every parameter map is read (the locations and their parents);
+marks each chain in the plan (``Plan.chains``, and each member's ``Site.chain``) so that
+it gets one joint factor (:mod:`~probfsl.inference.vmp.gaussian_chain`).
+"""
+
+from __future__ import annotations
+
+from probfsl.inference.vmp.family import lookup
+from probfsl.inference.vmp.layout import Plan, Site
+
+
+def _predecessor(sites: dict[str, Site], site: Site) -> str | None:
+    """The chain step before ``site``: the latent Normal its location copies (or maps
+    elementwise, a s + d), with the same axes and no selection; ``None`` where ``site``
+    is no chain step."""
+    scalar = lookup(site.family).gaussian and lookup(site.family).elementwise
+    if not scalar or site.observed or site.point or site.joint or site.mask is not None:
+        return None
+    loc = site.params.get("loc")
+    if loc is None or loc.comp is not None or loc.bilinear is not None:
+        return None
+    if loc.parent is not None and not loc.terms:  # a copy of the step before
+        pred = sites[loc.parent]
+        renamed = all(loc.rename[d] == d for d in pred.dims)
+    elif loc.parent is None and len(loc.terms) == 1 and loc.terms[0].axis is None:
+        pred, renamed = sites[loc.terms[0].parent], True  # a s + d, elementwise
+    else:
+        return None
+    same = pred.dims == site.dims and renamed
+    special = pred.point or pred.joint or pred.mask is not None
+    record = lookup(pred.family)
+    plain = record.gaussian and record.elementwise and not special
+    if not (same and plain and site.params["precision"].comp is None):
+        return None
+    return pred.name
+
+
+def find_chains(plan: Plan) -> None:
+    """Gaussian Markov chains: latent Normal sites s_1, s_2, ... each of whose mean is
+    the one before it, or an elementwise affine map of it (a s + d with fixed a and d:
+    a drift, a scaled step), with the same axes and no selection, the first with any
+    prior. A fork ends a chain. Each chain gets one joint factor
+    (:mod:`~probfsl.inference.vmp.gaussian_chain`)."""
+    sites = plan.sites
+    successor: dict[str, str | None] = {}
+    for name in plan.latent:
+        pred = _predecessor(sites, sites[name])
+        if pred is not None:
+            successor[pred] = None if pred in successor else name  # a fork: no chain
+    heads = [n for n, nxt in successor.items() if nxt and n not in successor.values()]
+    for head in heads:
+        members = [head]
+        while successor.get(members[-1]):
+            members.append(successor[members[-1]])
+        name = f"chain:{head}"
+        plan.chains[name] = members
+        for position, member in enumerate(members):
+            sites[member].chain = (name, position)
