@@ -77,10 +77,10 @@ def compare(method: str, fs, tasks, rounds: int) -> dict:
 
 
 def compare_gp_tree(fs, n_classes: int, per_class: int, rounds: int) -> dict:
-    """GP-Tree's VI nodes (the class-incremental :class:`~probfsl.models.gptree.GPTree`,
+    """GP-Tree's VI nodes (the class-incremental :class:`~probfsl.models.gp_tree.GPTree`,
     ``inference="vi"``): both engines fit the same ``n_classes`` novel classes of ``fs``
     (``per_class`` training images each, the rest as test points) and label the rest."""
-    from probfsl.models.gptree import GPTree
+    from probfsl.models.gp_tree import GPTree
 
     x, y = fs.novel(torch.float64)
     keep = y < y.unique()[n_classes] if n_classes < len(y.unique()) else y >= 0

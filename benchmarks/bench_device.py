@@ -36,7 +36,7 @@ from probfsl.data.simplex import zero_shot_probabilities
 from probfsl.host_syncs import HostSyncCounter
 from probfsl.methods import METHODS
 from probfsl.models.em_dirichlet import EMDirichlet
-from probfsl.models.gptree import GPTree
+from probfsl.models.gp_tree import GPTree
 
 HERE = Path(__file__).resolve().parent
 #: methods that fit per-task samplers or long MM loops run on fewer tasks

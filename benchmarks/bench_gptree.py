@@ -68,7 +68,7 @@ def _norm(x):
 
 class GPTreeMethod:
     def __init__(self, inference, args):
-        from probfsl.models.gptree import GPTree
+        from probfsl.models.gp_tree import GPTree
 
         self.model = GPTree(
             inference=inference,
@@ -218,7 +218,7 @@ def worker(name, args, queue):
         import sklearn.gaussian_process  # noqa: F401
         import sklearn.linear_model  # noqa: F401
 
-        import probfsl.models.gptree  # noqa: F401
+        import probfsl.models.gp_tree  # noqa: F401
     X, y, stages, test, _ = load_split(args.data_dir, args.seed, args.stages, 10, 5)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     method = make(name, args)

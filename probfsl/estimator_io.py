@@ -57,6 +57,7 @@ from probfsl.fileio import atomic_path
 from probfsl.schema import (
     ESTIMATOR_SURFACE,
     check_saved_estimator,
+    current_module,
     declared_schema,
     saveable_class,
 )
@@ -124,7 +125,7 @@ def decode(value: Any) -> Any:
         module, _, qualname = value["class"].partition(":")
         if not module.startswith("probfsl."):
             raise ValueError(f"refusing to rebuild {value['class']!r}: not a probfsl class")
-        cls = getattr(import_module(module), qualname, None)
+        cls = getattr(import_module(current_module(module)), qualname, None)
         if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
             raise ValueError(f"{value['class']!r} is not a probfsl dataclass")
         fields = {k: decode(v) for k, v in value.items() if k not in (_TAG, "class")}

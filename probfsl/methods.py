@@ -86,7 +86,7 @@ METHODS: dict[str, MethodInfo] = {
         ),
         MethodInfo(
             "gp-tree",
-            "probfsl.models.gptree.few_shot:GPTreeFewShot",
+            "probfsl.models.gp_tree.few_shot:GPTreeFewShot",
             "Pólya-Gamma GP classifiers in a class tree (Achituve et al., ICML 2021)",
             demo_tasks=30,
             cpu_batch=100,

@@ -729,12 +729,27 @@ ESTIMATOR_SURFACE = ("get_params", "fitted_state", "fit_base", "predict_proba")
 OTHER_ESTIMATORS = frozenset({"probfsl.tuning:AutoPreset"})
 
 
+#: modules renamed since files were saved under their old names (old prefix -> new)
+RENAMED_MODULES = {"probfsl.models.gptree": "probfsl.models.gp_tree"}
+
+
+def current_module(module: str) -> str:
+    """``module`` under its current name (:data:`RENAMED_MODULES`), so that files saved
+    before a rename still load."""
+    for old, new in RENAMED_MODULES.items():
+        if module == old or module.startswith(old + "."):
+            return new + module[len(old) :]
+    return module
+
+
 def saveable_class(target: str) -> type:
     """The estimator class named ``"module:Class"``, if it is one of :mod:`probfsl.models`
     (or :data:`OTHER_ESTIMATORS`); ``ValueError`` otherwise. The check reads the class
     (its module and its estimator surface), not the registry, so that a saved file cannot
     make the loader import or build anything else."""
     module, _, name = target.partition(":")
+    module = current_module(module)
+    target = f"{module}:{name}"
     if (
         not (module.startswith("probfsl.models.") or target in OTHER_ESTIMATORS)
         or not name.isidentifier()

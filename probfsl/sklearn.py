@@ -380,7 +380,7 @@ class FewShotGPTree(FewShotTaskClassifier):
     Navon, Yemini, Chechik & Fetaya, "GP-Tree", ICML 2021); inductive, Gibbs sampling
     with the random streams seeded by ``seed``.
 
-    Hyperparameters: those of :class:`~probfsl.models.gptree.few_shot.GPTreeFewShot`,
+    Hyperparameters: those of :class:`~probfsl.models.gp_tree.few_shot.GPTreeFewShot`,
     plus ``base_features``/``base_labels`` (see :class:`FewShotTaskClassifier`).
     """
 

@@ -464,8 +464,8 @@ def test_degenerate_but_valid_tasks_give_probabilities(method, case):
 
 
 # ---------------------------------------------------------------------- method-specific cases
-def test_gptree_tree_building_terminates_when_class_means_coincide():
-    from probfsl.models.gptree import build_tree
+def test_gp_tree_tree_building_terminates_when_class_means_coincide():
+    from probfsl.models.gp_tree import build_tree
 
     for k in (2, 11, 30):
         tree = build_tree(np.ones((k, 4)), list(range(k)))
@@ -474,13 +474,13 @@ def test_gptree_tree_building_terminates_when_class_means_coincide():
 
 
 @pytest.mark.parametrize("method", ["gp-tree"])
-def test_gptree_respects_center_false(method):
+def test_gp_tree_respects_center_false(method):
     est = make_estimator(method, center=False, **QUICK[method])
     ep = make_tasks(2, way=3, shot=1, n_query=6, dim=4)
     assert_probabilities(est.predict_proba(ep), ep, "gp-tree center=False without fit_base")
 
 
-def test_gptree_labels_do_not_depend_on_the_batch():
+def test_gp_tree_labels_do_not_depend_on_the_batch():
     est = fitted("gp-tree", dim=8)
     ep = make_tasks(12, way=5, shot=1, n_query=10, dim=8, seed=3)
     alone = est.predict_proba(ep[:4]).argmax(-1)

@@ -1,6 +1,6 @@
 """GP-Tree's VI nodes with ``engine="derived"``: q(f̄) and the Pólya-Gamma factors derived
 by VMP from the node's declaration (:mod:`probfsl.derived.gp_tree`) equal the hand-written
-:class:`~probfsl.inference.gp_nodes.VINodes` (Achituve et al., ICML 2021, §3.3; design:
+:class:`~probfsl.inference.gp_tree_nodes.VINodes` (Achituve et al., ICML 2021, §3.3; design:
 docs/design/gp-tree.md §3.3), and the estimator's labels are unchanged."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import torch
 from probfsl.derived import gp_tree
 from probfsl.derived.gp_tree import DerivedVINodes
 from probfsl.inference import VMP
-from probfsl.inference import gp_nodes as gpn
+from probfsl.inference import gp_tree_nodes as gpn
 from probfsl.inference.base import run
 from probfsl.inference.vmp import at_prior
-from probfsl.models.gptree import GPTree, GPTreeFewShot, gptree_model
+from probfsl.models.gp_tree import GPTree, GPTreeFewShot, gp_tree_model
 from probfsl.testing import ConformanceCase, assert_monotone, assert_no_host_syncs
 
 warnings.filterwarnings("ignore", message=".*torch.jit.*")
@@ -76,7 +76,7 @@ def test_a_sweep_raises_the_bound_without_host_synchronisation():
     """The engine contract: a monotone bound; a step on compiled kernel terms (one VMP
     sweep) makes no host synchronisation."""
     case = ConformanceCase(
-        make_engine=DerivedVINodes, model=gptree_model, data=_nodes(), n_steps=6, step_syncs=0
+        make_engine=DerivedVINodes, model=gp_tree_model, data=_nodes(), n_steps=6, step_syncs=0
     )
     assert_monotone(case)
     assert_no_host_syncs(case)

@@ -24,7 +24,7 @@ from probfsl import make_estimator
 from probfsl.estimator_io import checksum, encode
 from probfsl.methods import METHODS, method_info
 from probfsl.models.base import FewShotClassifier, episodes_from_arrays
-from probfsl.models.gptree.estimator import GPTree
+from probfsl.models.gp_tree.estimator import GPTree
 from probfsl.schema import TAG, EstimatorSchema, Items, Maybe, Record
 
 NAMES = sorted(METHODS)
@@ -512,3 +512,16 @@ def test_declarations_cover_exactly_what_fitting_produces(name, data, tmp_path):
         assert back.fitted_state().keys() == est.fitted_state().keys()
         produced |= set(est.fitted_state())
     assert produced == set(_schema(name).attributes())
+
+
+def test_a_file_saved_under_a_renamed_module_still_loads(tmp_path):
+    """GP-Tree's package was ``probfsl.models.gptree``; files naming it still load."""
+    import json
+
+    from probfsl.models.gp_tree.few_shot import GPTreeFewShot
+    from probfsl.schema import current_module, saveable_class
+
+    assert current_module("probfsl.models.gptree.few_shot") == "probfsl.models.gp_tree.few_shot"
+    assert current_module("probfsl.models.gptreex") == "probfsl.models.gptreex"
+    assert saveable_class("probfsl.models.gptree.few_shot:GPTreeFewShot") is GPTreeFewShot
+    assert json.dumps(current_module("probfsl.models.slem")) == '"probfsl.models.slem"'

@@ -42,7 +42,7 @@ import torch
 
 from probfsl.data import load_dataset
 from probfsl.diagnostics import summary
-from probfsl.models.gptree import GPTree
+from probfsl.models.gp_tree import GPTree
 
 torch.set_num_threads(1)  # these small batched operations are faster on one thread
 

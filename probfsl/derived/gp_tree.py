@@ -6,7 +6,7 @@ Few-Shot Incremental Learning", ICML 2021, §3.3 and App. A; docs/design/gp-tree
 The declaration is :func:`gp_tree_node`: each internal node of the class tree is a
 Pólya-Gamma augmented GP classifier of its two class groups with inducing values u at the
 inducing inputs X̄ (one row of a batch of nodes, padded and masked as in
-:class:`~probfsl.inference.gp_nodes.VINodes`). The node's latent values are
+:class:`~probfsl.inference.gp_tree_nodes.VINodes`). The node's latent values are
 f_i = A_i u + ε_i, A = K_nm K_mm⁻¹, with ε_i ~ N(0, K̃_ii), K̃_ii = K_ii − K_im K_mm⁻¹ K_mi,
 kept at its prior (``infer={"q": "prior"}``, :mod:`probfsl.inference.vmp.at_prior`): that
 is the paper's q(f | u) = p(f | u), so the Pólya-Gamma tilt sees
@@ -17,12 +17,12 @@ on the test nodes of ``tests/test_derived_gp_tree.py``, μ̃ and Σ̃ move by up
 Variational message passing (:class:`probfsl.inference.VMP`) derives from it the two
 coordinate updates of §3.3: q(ω_i) = PG(1, c_i) from the current q(u), then
 q(u) = N(μ̃, Σ̃) with Σ̃⁻¹ = K_mm⁻¹ + AᵀΘA and Σ̃⁻¹μ̃ = Aᵀκ. :class:`DerivedVINodes` is
-:class:`~probfsl.inference.gp_nodes.VINodes` with its ``step`` replaced by one VMP sweep
+:class:`~probfsl.inference.gp_tree_nodes.VINodes` with its ``step`` replaced by one VMP sweep
 on that declaration: it starts from q(u) = N(0, I) of design §3.3, damps the derived natural
 parameters by ``natural_lr`` (ρ = 1: the exact coordinate optimum) and returns the
-hand-written :class:`~probfsl.inference.gp_nodes.VIState`, so the kernel
+hand-written :class:`~probfsl.inference.gp_tree_nodes.VIState`, so the kernel
 hyper-parameters' gradient steps and the predictive of
-:class:`~probfsl.models.gptree.GPTree` read it unchanged. The one difference is the
+:class:`~probfsl.models.gp_tree.GPTree` read it unchanged. The one difference is the
 bound the state reports: VMP's, at the Pólya-Gamma factors of the new q(u) (the tighter
 bound the next step's c-update reaches), where ``VINodes`` reports it at the factors
 that produced q(u).
@@ -38,7 +38,7 @@ import pyro
 import pyro.distributions as dist
 import torch
 
-from probfsl.inference import gp_nodes as gpn
+from probfsl.inference import gp_tree_nodes as gpn
 from probfsl.inference.base import Info
 from probfsl.inference.vmp import VMP, VMPState, polya_gamma
 
@@ -81,7 +81,7 @@ def node_data(data: tuple, t: gpn.VITerms) -> tuple:
 
 
 class DerivedVINodes(gpn.VINodes):
-    """:class:`~probfsl.inference.gp_nodes.VINodes` whose q(u) and Pólya-Gamma factors come
+    """:class:`~probfsl.inference.gp_tree_nodes.VINodes` whose q(u) and Pólya-Gamma factors come
     from VMP on :func:`gp_tree_node` (module docstring).
 
     ``init``/``init_from_terms`` start from q(u) = N(0, I) (design §3.3: η = 0, H = −½I);
@@ -93,7 +93,7 @@ class DerivedVINodes(gpn.VINodes):
 
     def __init__(self, jitter: float = 1e-2, natural_lr: float = 1.0, code_elbo: bool = False):
         super().__init__(jitter, natural_lr, code_elbo)
-        self.vmp = VMP(gp_tree_node)
+        self.vmp = VMP(gp_tree_node, warn_mean_field=False)  # q(u) p(eps) by design
         self._plan: tuple | None = None  # (terms, the VMP state of their compilation)
 
     def _vmp_state(
@@ -198,7 +198,7 @@ NodeProbs = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 class FewShotSettings(Protocol):
-    """The hyperparameters of :class:`~probfsl.models.gptree.GPTreeFewShot` its node
+    """The hyperparameters of :class:`~probfsl.models.gp_tree.GPTreeFewShot` its node
     engines read."""
 
     n_chains: int
@@ -210,7 +210,7 @@ class FewShotSettings(Protocol):
 
 
 def gibbs_node_probs(hp: FewShotSettings) -> NodeProbs:
-    """The hand-written few-shot nodes: one :class:`~probfsl.inference.gp_nodes.GibbsNodes`
+    """The hand-written few-shot nodes: one :class:`~probfsl.inference.gp_tree_nodes.GibbsNodes`
     for the whole prediction (its generator runs on across node batches), block Gibbs
     sampling on the exact kernel and its Monte Carlo predictive."""
     engine = gpn.GibbsNodes(

@@ -1,8 +1,8 @@
 """GP-Tree on few-shot tasks: the FewShotClassifier behind ``probfsl run --method gp-tree``.
 
 Achituve et al., "GP-Tree", ICML 2021, §3.2 and §3.5–3.6. Per task: the class tree
-(:func:`~probfsl.models.gptree.tree.build_tree` on the support means), a Gibbs PG-GP at
-each internal node (:class:`~probfsl.inference.gp_nodes.GibbsNodes`, driven by
+(:func:`~probfsl.models.gp_tree.tree.build_tree` on the support means), a Gibbs PG-GP at
+each internal node (:class:`~probfsl.inference.gp_tree_nodes.GibbsNodes`, driven by
 :func:`~probfsl.inference.base.run`), and the path products of the node probabilities.
 All nodes of all tasks are sampled in one batch.
 """
@@ -27,7 +27,7 @@ from probfsl.models.base import (
     FewShotClassifier,
     OpenSetBackground,
 )
-from probfsl.models.gptree.tree import build_tree
+from probfsl.models.gp_tree.tree import build_tree
 from probfsl.schema import Choice, EstimatorSchema, Flag, Int, Real
 from probfsl.validation import check_base, check_episodes
 

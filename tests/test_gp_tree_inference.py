@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from probfsl.inference import gp_nodes as gpn
+from probfsl.inference import gp_tree_nodes as gpn
 from probfsl.inference.base import run
 from probfsl.inference.polya_gamma import (
     PolyaGamma,
@@ -20,7 +20,7 @@ from probfsl.inference.polya_gamma import (
     sample_pg_exact,
     sample_pg_torch,
 )
-from probfsl.models.gptree.model import gptree_exact_model, gptree_model
+from probfsl.models.gp_tree.model import gp_tree_exact_model, gp_tree_model
 from probfsl.testing import (
     ConformanceCase,
     assert_batch_invariant,
@@ -308,7 +308,7 @@ def test_vi_engine_conformance():
     device follows the data; one documented host sync per step (safe_cholesky's check)."""
     case = ConformanceCase(
         make_engine=gpn.VINodes,
-        model=gptree_model,
+        model=gp_tree_model,
         step_syncs=1,
         data=_vi_data(),
         n_steps=8,
@@ -450,7 +450,7 @@ def test_gibbs_engine_contract(track):
     """
     case = ConformanceCase(
         make_engine=lambda: gpn.GibbsNodes(n_chains=20, track_objective=track),
-        model=gptree_exact_model,
+        model=gp_tree_exact_model,
         data=_gibbs_data(),
         n_steps=5,
         outputs=lambda st: torch.cat([st.omega, st.f], -1),
@@ -487,7 +487,7 @@ def test_gibbs_sweep_without_keys_has_no_host_sync():
         make_engine=lambda: gpn.GibbsNodes(
             n_chains=30, outputscale=64.0, generator=torch.Generator().manual_seed(0)
         ),
-        model=gptree_exact_model,
+        model=gp_tree_exact_model,
         data=(x, y, mask),
         n_steps=4,
     )
@@ -525,7 +525,7 @@ def test_gibbs_guide_draws_chain_states():
     assert f.shape == (3, 1, 6) and w.shape == (3, 6)
     for v in range(3):
         assert (st.omega[v] == w[v]).all(-1).any()
-    model_tr = pyro.poutine.trace(pyro.poutine.replay(gptree_exact_model, trace=tr)).get_trace(
+    model_tr = pyro.poutine.trace(pyro.poutine.replay(gp_tree_exact_model, trace=tr)).get_trace(
         *data
     )
     assert torch.isfinite(model_tr.log_prob_sum())

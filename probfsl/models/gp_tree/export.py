@@ -1,4 +1,4 @@
-"""ArviZ export of a fitted :class:`~probfsl.models.gptree.estimator.GPTree`'s Gibbs chains.
+"""ArviZ export of a fitted :class:`~probfsl.models.gp_tree.estimator.GPTree`'s Gibbs chains.
 
 The latest stage's recorded Gibbs sweeps (``record=True``) become an ``xarray.DataTree``
 (:func:`probfsl.diagnostics.arviz.to_datatree`) with the nodes' latent f, the predictive
@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from probfsl.inference import gp_nodes as gpn
-from probfsl.models.gptree.tree import path_probabilities
+from probfsl.inference import gp_tree_nodes as gpn
+from probfsl.models.gp_tree.tree import path_probabilities
 
-#: a fitted :class:`~probfsl.models.gptree.estimator.GPTree` (typed loosely: the
+#: a fitted :class:`~probfsl.models.gp_tree.estimator.GPTree` (typed loosely: the
 #: estimator imports this module, so this one must not import it back)
 FittedGPTree = Any
 

@@ -4,21 +4,21 @@ Achituve, Navon, Yemini, Chechik, Fetaya, "GP-Tree: A Gaussian Process Classifie
 Few-Shot Incremental Learning", ICML 2021 (PMLR 139, pp. 54–65), arXiv 2102.07868;
 design: docs/design/gp-tree.md.
 
-:class:`GPTree`: ``fit`` (base stage: the class tree of :mod:`~probfsl.models.gptree.tree`
+:class:`GPTree`: ``fit`` (base stage: the class tree of :mod:`~probfsl.models.gp_tree.tree`
 and VI or Gibbs nodes), ``partial_fit`` (a novel stage, §3.7: a new Gibbs subtree over all
 novel classes so far and a new Gibbs root whose left data are the base classes' inducing
 points; the base subtree is frozen), ``predict_proba``, ``predict``, ``to_datatree``
-(ArviZ, :mod:`~probfsl.models.gptree.export`). Nodes of similar size are batched
-(:func:`group_by_size`, :func:`~probfsl.models.gptree.model.node_batch`).
+(ArviZ, :mod:`~probfsl.models.gp_tree.export`). Nodes of similar size are batched
+(:func:`group_by_size`, :func:`~probfsl.models.gp_tree.model.node_batch`).
 
 Outside the engine contract of :mod:`probfsl.inference.base`: the VI base stage's loop
 over ``vi_iter`` iterations in :meth:`GPTree._fit_vi`. It is a gradient optimiser (Adam)
 of the kernel hyper-parameters and inducing inputs, whose objective changes with the
 parameters at every step, not a sequence of closed-form updates of one fixed
 objective; each iteration's closed-form part (c, then q(f̄)) is a
-:class:`~probfsl.inference.gp_nodes.VINodes` step driven by
+:class:`~probfsl.inference.gp_tree_nodes.VINodes` step driven by
 :func:`~probfsl.inference.base.run`. The Gibbs nodes are driven by ``run`` inside
-:meth:`GibbsNodes.fit <probfsl.inference.gp_nodes.GibbsNodes.fit>`.
+:meth:`GibbsNodes.fit <probfsl.inference.gp_tree_nodes.GibbsNodes.fit>`.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ import numpy as np
 import torch
 
 from probfsl.derived.gp_tree import ENGINES
-from probfsl.inference import gp_nodes as gpn
+from probfsl.inference import gp_tree_nodes as gpn
 from probfsl.inference.base import run
 from probfsl.models.base import ENGINE, Hyperparameters
-from probfsl.models.gptree.model import inducing_slots, node_batch
-from probfsl.models.gptree.tree import Tree, build_tree, hard_kmeans, path_probabilities
+from probfsl.models.gp_tree.model import inducing_slots, node_batch
+from probfsl.models.gp_tree.tree import Tree, build_tree, hard_kmeans, path_probabilities
 from probfsl.schema import Choice, EstimatorSchema, Flag, FloatDType, Int, Real
 from probfsl.validation import as_float_tensor, as_label_tensor
 
@@ -165,7 +165,7 @@ class GPTree(Hyperparameters):
             computes in the dtype of the base stage's ``X``. :meth:`predict_proba` returns
             probabilities in the dtype of its own ``X``.
         record: keep every Gibbs sweep of the latest stage, for :meth:`to_datatree`.
-        engine: ``"handwritten"`` (:class:`~probfsl.inference.gp_nodes.VINodes`) or
+        engine: ``"handwritten"`` (:class:`~probfsl.inference.gp_tree_nodes.VINodes`) or
             ``"derived"``: the VI base nodes' q(f̄) and Pólya-Gamma factors from
             variational message passing on their Pyro declaration
             (:class:`~probfsl.derived.gp_tree.DerivedVINodes`; the same posteriors, the
@@ -336,7 +336,7 @@ class GPTree(Hyperparameters):
 
     def _fit_vi(self, feats: dict[int, torch.Tensor]) -> tuple[list[VIGroup], np.ndarray]:
         """Joint VI of all base nodes (§3.3–3.4): per iteration, one closed-form step of
-        :class:`~probfsl.inference.gp_nodes.VINodes` (c, then q(f̄); derived by
+        :class:`~probfsl.inference.gp_tree_nodes.VINodes` (c, then q(f̄); derived by
         :class:`~probfsl.derived.gp_tree.DerivedVINodes` with ``engine="derived"``) driven by
         :func:`~probfsl.inference.base.run`, then one Adam step on per-node (outputscale,
         lengthscale) of a batched gpytorch ScaleKernel(RBF) and on X̄ (the gradient loop
@@ -513,19 +513,19 @@ class GPTree(Hyperparameters):
     # ------------------------------------------------------------------ diagnostics
     def to_datatree(self, X, rhat_threshold: float = 1.01, burn_in: int = 1):
         """ArviZ export of the latest Gibbs stage (needs ``record=True``): see
-        :func:`probfsl.models.gptree.export.to_datatree`."""
-        from probfsl.models.gptree.export import to_datatree
+        :func:`probfsl.models.gp_tree.export.to_datatree`."""
+        from probfsl.models.gp_tree.export import to_datatree
 
         return to_datatree(self, X, rhat_threshold, burn_in)
 
     @staticmethod
     def diagnostics(datatree):
         """R-hat and bulk ESS (arviz_stats) of every posterior variable."""
-        from probfsl.models.gptree.export import diagnostics
+        from probfsl.models.gp_tree.export import diagnostics
 
         return diagnostics(datatree)
 
     def _warn_rhat(self, dt, threshold: float) -> None:
-        from probfsl.models.gptree.export import warn_rhat
+        from probfsl.models.gp_tree.export import warn_rhat
 
         warn_rhat(dt, threshold)

@@ -9,28 +9,28 @@ is the product of the node probabilities along its root-to-leaf path (§3.5).
 
 Modules:
 
-* :mod:`~probfsl.models.gptree.tree` — the tree type, hard k-means, 2-means splits,
+* :mod:`~probfsl.models.gp_tree.tree` — the tree type, hard k-means, 2-means splits,
   :func:`build_tree`, :func:`path_probabilities`;
-* :mod:`~probfsl.models.gptree.model` — the Pyro model of the tree's node GPs
-  (:func:`gptree_model`, :func:`gptree_exact_model`) and the padded node batches;
-* :mod:`~probfsl.models.gptree.estimator` — :class:`GPTree`, the class-incremental
+* :mod:`~probfsl.models.gp_tree.model` — the Pyro model of the tree's node GPs
+  (:func:`gp_tree_model`, :func:`gp_tree_exact_model`) and the padded node batches;
+* :mod:`~probfsl.models.gp_tree.estimator` — :class:`GPTree`, the class-incremental
   classifier on features (VI or Gibbs base nodes, Gibbs novel stages);
-* :mod:`~probfsl.models.gptree.few_shot` — :class:`GPTreeFewShot`, the
+* :mod:`~probfsl.models.gp_tree.few_shot` — :class:`GPTreeFewShot`, the
   :class:`~probfsl.models.base.FewShotClassifier` for ``probfsl run --method gp-tree``;
-* :mod:`~probfsl.models.gptree.export` — ArviZ export and R-hat/ESS of the Gibbs chains.
+* :mod:`~probfsl.models.gp_tree.export` — ArviZ export and R-hat/ESS of the Gibbs chains.
 
-Inference lives in :mod:`probfsl.inference.gp_nodes` and :mod:`probfsl.inference.polya_gamma`.
+Inference lives in :mod:`probfsl.inference.gp_tree_nodes` and :mod:`probfsl.inference.polya_gamma`.
 """
 
-from probfsl.models.gptree.estimator import GPTree, group_by_size
-from probfsl.models.gptree.few_shot import GPTreeFewShot
-from probfsl.models.gptree.model import (
-    gptree_exact_model,
-    gptree_model,
+from probfsl.models.gp_tree.estimator import GPTree, group_by_size
+from probfsl.models.gp_tree.few_shot import GPTreeFewShot
+from probfsl.models.gp_tree.model import (
+    gp_tree_exact_model,
+    gp_tree_model,
     inducing_slots,
     node_batch,
 )
-from probfsl.models.gptree.tree import (
+from probfsl.models.gp_tree.tree import (
     Node,
     Tree,
     build_tree,
@@ -45,8 +45,8 @@ __all__ = [
     "Node",
     "Tree",
     "build_tree",
-    "gptree_exact_model",
-    "gptree_model",
+    "gp_tree_exact_model",
+    "gp_tree_model",
     "group_by_size",
     "hard_kmeans",
     "inducing_slots",

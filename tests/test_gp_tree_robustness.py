@@ -21,9 +21,9 @@ from torch.overrides import TorchFunctionMode
 import probfsl
 from probfsl.data.builtin import load_dataset
 from probfsl.data.tasks import Episodes, sample_episodes
-from probfsl.inference import gp_nodes as gpn
+from probfsl.inference import gp_tree_nodes as gpn
 from probfsl.inference.polya_gamma import CounterRNG, pg_mean, pg_var, sample_pg_torch
-from probfsl.models.gptree import GPTree, GPTreeFewShot, build_tree, two_means_split
+from probfsl.models.gp_tree import GPTree, GPTreeFewShot, build_tree, two_means_split
 from probfsl.testing import audit_devices
 from tests.synthetic import episodes_from_tensors
 
@@ -252,7 +252,7 @@ def test_few_shot_degenerate_tasks_give_probabilities(case, dtype):
 
 @pytest.mark.parametrize("inference", ["gibbs", "vi"])
 @pytest.mark.parametrize("case", CASES)
-def test_gptree_degenerate_data_give_probabilities(case, inference):
+def test_gp_tree_degenerate_data_give_probabilities(case, inference):
     support, labels, query = _degenerate_support(case, D64)
     X, y, Xq = support[0].numpy(), labels[0].numpy(), query[0].numpy()
     model = GPTree(inference=inference, n_chains=3, n_sweeps=3, vi_iter=2, n_inducing=2)
@@ -285,7 +285,7 @@ def test_dtypes_of_the_results():
 # ------------------------------------------------------------------------ 5. bad input
 
 
-def test_gptree_rejects_bad_data():
+def test_gp_tree_rejects_bad_data():
     X, y = _blobs()
     model = GPTree(inference="gibbs", n_chains=2, n_sweeps=1, n_inducing=2)
     bad = [
@@ -343,7 +343,7 @@ def test_gptree_rejects_bad_data():
         (dict(inference="ep"), ValueError, "inference"),
     ],
 )
-def test_gptree_rejects_bad_hyperparameters(kwargs, err, name):
+def test_gp_tree_rejects_bad_hyperparameters(kwargs, err, name):
     model = GPTree(**kwargs)  # __init__ only stores (scikit-learn's convention)
     assert model.get_params()[name] is kwargs[name]
     with pytest.raises(err, match=name):
@@ -475,7 +475,7 @@ def test_few_shot_creates_every_tensor_on_the_data_device(omniglot):
 
 
 @pytest.mark.parametrize("inference", ["gibbs", "vi"])
-def test_gptree_creates_every_tensor_on_the_data_device(inference):
+def test_gp_tree_creates_every_tensor_on_the_data_device(inference):
     X, y = _blobs(n_classes=4, n_per=4)
     X, y = torch.as_tensor(X), torch.as_tensor(y)
     model = GPTree(inference=inference, n_chains=2, n_sweeps=2, vi_iter=2, n_inducing=2)
@@ -508,7 +508,7 @@ def test_few_shot_node_batches_change_neither_results_nor_host_syncs(omniglot):
     assert counts[0] == counts[1] <= 50, counts
 
 
-def test_gptree_clone_and_set_params():
+def test_gp_tree_clone_and_set_params():
     from sklearn.base import clone
 
     model = GPTree(n_chains=3, vi_iter=1)

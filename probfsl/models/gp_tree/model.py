@@ -1,7 +1,7 @@
 """GP-Tree's generative model given the tree: one GP per internal node (docs/design/gp-tree.md §2).
 
 Achituve et al., "GP-Tree", ICML 2021, §3.1–3.3. Each internal node v of the class tree
-(:mod:`probfsl.models.gptree.tree`) holds an independent GP f_v ~ GP(0, s_v·RBF(l_v)) on
+(:mod:`probfsl.models.gp_tree.tree`) holds an independent GP f_v ~ GP(0, s_v·RBF(l_v)) on
 L2-normalised features. Every training point routed through v (its class is below v)
 has a node label y_v = 1 iff its class is in the right subtree, with a logistic
 likelihood made conjugate by ω ~ PG(1, 0):
@@ -10,14 +10,14 @@ likelihood made conjugate by ω ~ PG(1, 0):
 The model is written over a batch of nodes, one row per internal node of a tree, padded
 to a common number of points and masked (:func:`node_batch`; padded points carry no
 information, so a padded row equals its node alone). Two parametrisations, each the
-declared model of one engine of :mod:`probfsl.inference.gp_nodes`:
+declared model of one engine of :mod:`probfsl.inference.gp_tree_nodes`:
 
-* :func:`gptree_model` — with inducing values f̄_v at inputs X̄_v (the m_c exemplars of
+* :func:`gp_tree_model` — with inducing values f̄_v at inputs X̄_v (the m_c exemplars of
   each class below v, :func:`inducing_slots`): f̄_v ~ N(0, K_mm), f_v | f̄_v the SVGP
-  conditional; :class:`~probfsl.inference.gp_nodes.VINodes` gives its guide
+  conditional; :class:`~probfsl.inference.gp_tree_nodes.VINodes` gives its guide
   q(f̄_v) = N(μ̃_v, Σ̃_v), q(ω_vi) = PG(1, c_vi).
-* :func:`gptree_exact_model` — the exact kernel f_v ~ N(0, K_v) at the node's points,
-  sampled by :class:`~probfsl.inference.gp_nodes.GibbsNodes`.
+* :func:`gp_tree_exact_model` — the exact kernel f_v ~ N(0, K_v) at the node's points,
+  sampled by :class:`~probfsl.inference.gp_tree_nodes.GibbsNodes`.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ import pyro
 import pyro.distributions as dist
 import torch
 
-from probfsl.inference import gp_nodes as gpn
+from probfsl.inference import gp_tree_nodes as gpn
 from probfsl.inference.polya_gamma import PolyaGamma
-from probfsl.models.gptree.tree import Tree
+from probfsl.models.gp_tree.tree import Tree
 
 
-def gptree_model(
+def gp_tree_model(
     x: torch.Tensor,
     y: torch.Tensor,
     mask: torch.Tensor,
@@ -52,7 +52,7 @@ def gptree_model(
     f_vi has the GP's marginal N(0, K_ii) up to the jitter); ω_vi ~ PG(1, 0); y_vi enters
     through the augmented factor ½ exp(κf − ωf²/2), whose ω-marginal is
     σ(f)^{y}(1 − σ(f))^{1−y}. :meth:`VINodes.guide
-    <probfsl.inference.gp_nodes.VINodes.guide>` is its guide, whose ``Trace_ELBO`` is the
+    <probfsl.inference.gp_tree_nodes.VINodes.guide>` is its guide, whose ``Trace_ELBO`` is the
     engine's analytic ELBO.
     """
     t = gpn.vi_terms(x, y, mask, z, zmask, outputscale, lengthscale, jitter)
@@ -62,7 +62,7 @@ def gptree_model(
         gpn.node_sites(t, fbar, None)
 
 
-def gptree_exact_model(
+def gp_tree_exact_model(
     x: torch.Tensor,
     y: torch.Tensor,
     mask: torch.Tensor,
@@ -73,10 +73,10 @@ def gptree_exact_model(
 ) -> None:
     """The tree's node GPs with the exact kernel (sites ``f``, ``omega``, ``y``).
 
-    Row v is internal node v (as in :func:`gptree_model`): f_v ~ N(0, K_v + jitter·I) at
+    Row v is internal node v (as in :func:`gp_tree_model`): f_v ~ N(0, K_v + jitter·I) at
     its points (padded points: independent N(0, 1), no likelihood), ω_vi ~ PG(1, 0), and
     the augmented factor ½ exp(κf − ωf²/2). ``keys`` (the per-node random streams of
-    :meth:`GibbsNodes.init <probfsl.inference.gp_nodes.GibbsNodes.init>`) are not part
+    :meth:`GibbsNodes.init <probfsl.inference.gp_tree_nodes.GibbsNodes.init>`) are not part
     of the model; they are accepted so that the model has the engine's data signature.
     """
     xn = gpn.normalize(x)

@@ -11,14 +11,14 @@ import torch
 
 from probfsl.data.builtin import load_dataset
 from probfsl.data.tasks import sample_episodes
-from probfsl.inference import gp_nodes as gpn
-from probfsl.models.gptree import (
+from probfsl.inference import gp_tree_nodes as gpn
+from probfsl.models.gp_tree import (
     GPTree,
     GPTreeFewShot,
     Node,
     Tree,
     build_tree,
-    gptree_model,
+    gp_tree_model,
     hard_kmeans,
     inducing_slots,
     node_batch,
@@ -230,13 +230,13 @@ def test_tree_model_and_vi_engine_conform_in_production_configuration():
     """The tree-level Pyro model (every internal node a row) with VINodes in GPTree's default
     configuration: check_engine (monotone ELBO, batch = one node at a time, float32 ≈
     float64, device follows the data, one documented host sync per step, and Pyro's
-    Trace_ELBO of (gptree_model, VINodes.guide) = the analytic ELBO, with q(ω) scored by
+    Trace_ELBO of (gp_tree_model, VINodes.guide) = the analytic ELBO, with q(ω) scored by
     the tilted Pólya-Gamma density)."""
     model, data = _tree_nodes_of_builtin_classes()
     assert data[0].shape[0] == 4 and not data[2].all()  # 4 nodes, padded to the root's size
     case = ConformanceCase(
         make_engine=lambda: gpn.VINodes(natural_lr=model.natural_lr, code_elbo=model.code_elbo),
-        model=gptree_model,
+        model=gp_tree_model,
         data=data,
         n_steps=6,
         particles=1000,

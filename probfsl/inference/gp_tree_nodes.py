@@ -9,7 +9,7 @@ points get ω = 0 and κ = 0 (no information), padded inducing points an identit
 block, so a padded node equals the unpadded one exactly. Both engines honour the
 :class:`probfsl.inference.base.Engine` contract (tasks = nodes) and are driven by
 :func:`probfsl.inference.base.run`; their Pyro models (one row of the batch per internal
-node of a tree) are in :mod:`probfsl.models.gptree.model`.
+node of a tree) are in :mod:`probfsl.models.gp_tree.model`.
 
 * :class:`GibbsNodes` — block Gibbs over (f, ω) for exact-kernel nodes, ``n_chains``
   chains per node at once (§3.2), without any K⁻¹: with B = I + Ω^½KΩ^½,
@@ -193,7 +193,7 @@ class GibbsNodes(Engine):
     An :class:`~probfsl.inference.base.Engine` whose ``step`` is one sweep (f | ω, then
     ω | f); :meth:`fit` drives it with :func:`~probfsl.inference.base.run` (a fixed number
     of sweeps, no tolerance: a sampler does not converge to a point). Its Pyro model is
-    :func:`probfsl.models.gptree.model.gptree_exact_model`.
+    :func:`probfsl.models.gp_tree.model.gp_tree_exact_model`.
 
     Args:
         n_chains: independent chains per node (code default 30).
@@ -609,7 +609,7 @@ class VINodes(Engine):
     η ← (1−ρ)η + ρAᵀκ, Λ ← (1−ρ)Λ + ρ(K_mm⁻¹ + AᵀΘA) (full batch, so n/|B| = 1). With
     ρ = ``natural_lr`` = 1 each update is the exact coordinate optimum, so the ELBO never
     decreases. The code's default ρ = 0.1 (paper 0.05) is for mini-batch SGD with DKL.
-    Its Pyro model is :func:`probfsl.models.gptree.model.gptree_model` (one row per node).
+    Its Pyro model is :func:`probfsl.models.gp_tree.model.gp_tree_model` (one row per node).
 
     A step makes one host synchronisation: :func:`safe_cholesky`'s check of the
     factorisation of Λ (the jitter retry must know whether it failed).
@@ -684,7 +684,7 @@ class VINodes(Engine):
         return new, Info(elbo)
 
     def guide(self, state: VIState) -> Callable[..., None]:
-        """Pyro guide of :func:`~probfsl.models.gptree.model.gptree_model`: f̄_v ~ q(f̄_v)
+        """Pyro guide of :func:`~probfsl.models.gp_tree.model.gp_tree_model`: f̄_v ~ q(f̄_v)
         = N(μ̃_v, Σ̃_v), f_v | f̄_v ~ p(f_v | f̄_v), ω_vi ~ q(ω_vi) = PG(1, c_vi).
 
         Pyro has no Pólya-Gamma distribution: q(ω) is
