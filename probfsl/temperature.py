@@ -190,7 +190,8 @@ class TemperatureScaled(FewShotClassifier):
         fitted_on = base_episode_shape(self.base_, way, shot, n_query, self.balance, self.seed)
         if fitted_on is not None and fitted_on[0] == way:
             where = None if fitted_on == shape else f"{fitted_on} (way, shot, queries)"
-            parts = self._split_parts(fitted_on, dtype, device)
+            split = [base_episode_split(self.base_, self.seed)]  # half the classes each
+            parts = self._view_parts(split, fitted_on, dtype, device)
         else:
             fitted_on = self._way_shape(shape)
             views = self._way_views(way)
@@ -247,23 +248,9 @@ class TemperatureScaled(FewShotClassifier):
                 log.debug("temperature scaling: %d base classes too few: %s", min_base, err)
         return []
 
-    def _split_parts(self, shape, dtype, device):
-        """The estimator fitted on half of the base classes, with episodes of the others."""
-        view = base_episode_split(self.base_, self.seed)
-        episodes = sample_episodes(
-            view,
-            self.n_episodes,
-            *shape,
-            balance=self.balance,
-            alpha=self.alpha,
-            seed=self.seed,
-            dtype=dtype,
-            device=device,
-        )
-        yield copy.deepcopy(self.estimator).fit_featureset(view, dtype, device), episodes
-
     def _view_parts(self, views, shape, dtype, device):
-        """The estimator fitted on each view's base classes, with episodes of its others."""
+        """The estimator fitted on each view's base classes, with episodes of its novel
+        ones (:attr:`n_episodes` shared out over the views)."""
         per_view = max(1, -(-self.n_episodes // len(views)))
         for view in views:
             episodes = sample_episodes(

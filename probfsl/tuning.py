@@ -598,15 +598,12 @@ def _accuracy(
     return _pool_row(method, preset, params, pool, dtype, device)["accuracy"]
 
 
-def _harder_pool(fs, shot, balance, alpha, seed, n_episodes, dtype, device) -> _Pool | None:
-    """Episodes as hard as the base classes allow: as many ways as leave two base classes
-    for the statistics, the most queries the smallest class allows, over
-    :data:`HARDER_DRAWS` draws of classes (:func:`class_subset_views`); ``None`` when
-    they cannot be formed."""
-    shape = hardest_episode_shape(fs, shot)
-    if shape is None:
-        return None
-    views = class_subset_views(fs, shape[0], HARDER_DRAWS, seed)
+def _view_episodes(
+    views, n_episodes, shape, balance, alpha, seed, dtype, device
+) -> list[tuple[FeatureSet, Episodes]]:
+    """About ``n_episodes`` episodes of ``shape`` shared out over ``views`` (class draws
+    of :func:`class_subset_views`), each with its view; a view that cannot form them is
+    left out."""
     per_view = max(1, -(-n_episodes // max(len(views), 1)))
     parts = []
     for view in views:
@@ -617,6 +614,19 @@ def _harder_pool(fs, shot, balance, alpha, seed, n_episodes, dtype, device) -> _
         except ValueError:
             continue
         parts.append((view, episodes))
+    return parts
+
+
+def _harder_pool(fs, shot, balance, alpha, seed, n_episodes, dtype, device) -> _Pool | None:
+    """Episodes as hard as the base classes allow: as many ways as leave two base classes
+    for the statistics, the most queries the smallest class allows, over
+    :data:`HARDER_DRAWS` draws of classes (:func:`class_subset_views`); ``None`` when
+    they cannot be formed."""
+    shape = hardest_episode_shape(fs, shot)
+    if shape is None:
+        return None
+    views = class_subset_views(fs, shape[0], HARDER_DRAWS, seed)
+    parts = _view_episodes(views, n_episodes, shape, balance, alpha, seed, dtype, device)
     if not parts:
         return None
     w, s, q = shape
@@ -954,16 +964,7 @@ def _full_way_comparison(
                 f"{way}-way {s}-shot episodes of {len(views)} draws of the {n_base} base "
                 f"classes ({left} left for the base statistics)"
             )
-        per_view = max(1, -(-n_episodes // len(views)))
-        parts = []
-        for view in views:
-            try:
-                episodes = sample_episodes(
-                    view, per_view, *shape, balance, alpha, seed, dtype=dtype, device=device
-                )
-            except ValueError:
-                continue
-            parts.append((view, episodes))
+        parts = _view_episodes(views, n_episodes, shape, balance, alpha, seed, dtype, device)
         if not parts:
             continue
         pool = _Pool(parts, shape, where)
