@@ -211,7 +211,7 @@ def bayespy_fit(x, resp, way, alpha0=1.0, lam0=1.0, a0=2.0, b0=0.05, max_iter=20
     obs.observe(x)
     z.initialize_from_parameters(resp)
     q = VB(obs, pi, mu, tau, z)
-    q.update(pi, tau, mu, repeat=1, verbose=False)
+    q.update(pi, mu, tau, repeat=1, verbose=False)  # probfsl starts in declaration order
     q.update(pi, tau, mu, z, repeat=max_iter, tol=tol, verbose=False)
     return q.compute_lowerbound(), z.get_moments()[0]
 

@@ -95,11 +95,11 @@ ELBO terms and its children's are its normaliser Σ_n ln Σ_k e^η_nk.
 """
 
 from probfsl.inference.vmp import families  # noqa: F401  (registers the families)
-from probfsl.inference.vmp.engine import VMP, ConvergenceWarning, VMPState
+from probfsl.inference.vmp.engine import VMP, ConvergenceWarning, MeanFieldWarning, VMPState
 from probfsl.inference.vmp.family import REGISTRY
 from probfsl.inference.vmp.supported import SUPPORTED
 
 #: family name -> its Pyro distribution class (the families VMP knows)
 FAMILIES = {name: record.pyro_class for name, record in REGISTRY.items()}
 
-__all__ = ["FAMILIES", "SUPPORTED", "VMP", "ConvergenceWarning", "VMPState"]
+__all__ = ["FAMILIES", "SUPPORTED", "VMP", "ConvergenceWarning", "MeanFieldWarning", "VMPState"]

@@ -1,5 +1,7 @@
 """Chain detection: Gaussian Markov chains among the latent Normal sites
-(docs/design/vmp.md §6.7).
+(docs/design/vmp.md §6.7): scalar chains (each step a copy or an elementwise map of the one
+before) and vector chains, the latent states of a linear-Gaussian state-space model (each
+step a fixed matrix map of the one before, x_t ~ N(A_t x_{t−1} + b_t, diag(λ_t)⁻¹)).
 
 Reads the plan once every parameter map is read (the locations and their parents);
 marks each chain in the plan (``Plan.chains``, and each member's ``Site.chain``) so that
@@ -38,22 +40,54 @@ def _predecessor(sites: dict[str, Site], site: Site) -> str | None:
     return pred.name
 
 
+def vector_predecessor(sites: dict[str, Site], site: Site, sizes: dict) -> str | None:
+    """The vector chain step before ``site``: the latent Gaussian x_{t−1} whose last event
+    axis the location of ``site`` contracts with a fixed matrix, x_t ~ N(A x_{t−1} + b,
+    diag(λ)⁻¹) (a Normal with one event axis, ``.to_event(1)``), with the same other axes
+    and the same number of states, and no selection; ``None`` where ``site`` is no such
+    step."""
+    record = lookup(site.family)
+    if not (record.gaussian and record.elementwise) or site.event_dim != 1:
+        return None
+    if site.observed or site.point or site.mask is not None:
+        return None
+    loc, prec = site.params.get("loc"), site.params.get("precision")
+    if loc is None or prec is None or loc.comp is not None or loc.bilinear is not None:
+        return None
+    if loc.parent is not None or len(loc.terms) != 1 or loc.terms[0].axis is None:
+        return None
+    if prec.comp is not None:
+        return None
+    pred = sites[loc.terms[0].parent]
+    special = pred.observed or pred.point or pred.mask is not None or pred.event_dim != 1
+    if special or not lookup(pred.family).gaussian or pred.dims[-1] != loc.terms[0].axis:
+        return None
+    if pred.dims[:-1] != site.dims[:-1] or sizes[pred.dims[-1]] != sizes[site.dims[-1]]:
+        return None
+    return pred.name
+
+
 def find_chains(plan: Plan) -> None:
     """Gaussian Markov chains: latent Normal sites s_1, s_2, ... each of whose mean is
     the one before it, or an elementwise affine map of it (a s + d with fixed a and d:
     a drift, a scaled step), with the same axes and no selection, the first with any
-    prior. A fork ends a chain. Each chain gets one joint factor
-    (:mod:`~probfsl.inference.vmp.gaussian_chain`)."""
+    prior. Vector chains likewise: each state a Normal with one event axis whose mean is a
+    fixed matrix map of the state before (:func:`vector_predecessor`), the first a Normal
+    or MultivariateNormal with any prior. A fork ends a chain. Each chain gets one joint
+    factor (:mod:`~probfsl.inference.vmp.gaussian_chain`)."""
     sites = plan.sites
     successor: dict[str, str | None] = {}
+    kind: dict[str, str] = {}  # a step's kind: a chain is all scalar or all vector steps
     for name in plan.latent:
-        pred = _predecessor(sites, sites[name])
+        pred, kind[name] = _predecessor(sites, sites[name]), "scalar"
+        if pred is None:
+            pred, kind[name] = vector_predecessor(sites, sites[name], plan.sizes), "vector"
         if pred is not None:
             successor[pred] = None if pred in successor else name  # a fork: no chain
     heads = [n for n, nxt in successor.items() if nxt and n not in successor.values()]
     for head in heads:
-        members = [head]
-        while successor.get(members[-1]):
+        members = [head, successor[head]]
+        while successor.get(members[-1]) and kind[successor[members[-1]]] == kind[members[1]]:
             members.append(successor[members[-1]])
         name = f"chain:{head}"
         plan.chains[name] = members

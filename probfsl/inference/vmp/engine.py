@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,6 +70,22 @@ class ConvergenceWarning(UserWarning):
     ``tol`` (``RunInfo.converged`` says which)."""
 
 
+class MeanFieldWarning(UserWarning):
+    """:meth:`VMP.compile` derived a plan that fits latent Gaussian sites coupled in the
+    likelihood (combined in one site's location) with separate factors, mean-field
+    between them (:meth:`~probfsl.inference.vmp.layout.Plan.mean_field_pairs`;
+    :meth:`VMP.describe` lists every factor)."""
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of :func:`warnings.warn` that names the first frame outside this
+    package (the user's call of ``fit``, ``init``, ``compile`` or ``describe``)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(__package__):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 class VMP(Engine):
     """Batched variational message passing for a Pyro model (module docstring).
 
@@ -108,6 +125,11 @@ class VMP(Engine):
         warn: whether :meth:`fit` warns (:class:`ConvergenceWarning`) when it stops some
             task at ``max_iter``; an estimator that runs a fixed budget of sweeps by design
             turns it off (``RunInfo.converged`` still says which tasks met ``tol``).
+        warn_mean_field: whether :meth:`compile` warns (:class:`MeanFieldWarning`, once
+            per plan, naming the sites) when the plan fits latent Gaussian sites that the
+            likelihood couples with separate factors (a product of two latent Gaussian
+            sites, an affine map of several); an estimator whose model is mean-field by
+            design turns it off (:meth:`describe` still lists the pairs).
     """
 
     maximize = True
@@ -123,6 +145,7 @@ class VMP(Engine):
         check_growth: float | None = None,
         init: Any = None,
         warn: bool = True,
+        warn_mean_field: bool = True,
     ) -> None:
         if not callable(model):
             raise TypeError(f"model must be callable, got {type(model).__name__}")
@@ -140,6 +163,7 @@ class VMP(Engine):
         self.order, self.seed = order, seed
         self.init_values = init  # (``init`` is the method)
         self.warn = check_flag("warn", warn)
+        self.warn_mean_field = check_flag("warn_mean_field", warn_mean_field)
 
     def schedule(self, device: torch.device) -> tuple[int, float]:
         """``(check_every, check_growth)`` of :meth:`fit` on ``device``: the ones given,
@@ -166,8 +190,27 @@ class VMP(Engine):
 
     def compile(self, *args: Any, **kwargs: Any) -> Plan:
         """Read the model's sites, parents and parameter maps for these data
-        (:mod:`~probfsl.inference.vmp.compiler`)."""
-        return Compiler(self.model, self.order).compile(*args, **kwargs)
+        (:mod:`~probfsl.inference.vmp.compiler`). With ``warn_mean_field``, a
+        :class:`MeanFieldWarning` names the coupled latent sites the plan fits with
+        separate factors."""
+        plan = Compiler(self.model, self.order).compile(*args, **kwargs)
+        pairs = plan.mean_field_pairs() if self.warn_mean_field else []
+        if pairs:
+            coupled = "; ".join(f"{a} and {b} (through site {c})" for a, b, c in pairs)
+            warnings.warn(
+                f"VMP fits coupled latent sites with separate factors, mean-field between "
+                f"them: {coupled}. VMP.describe(*data) or Plan.describe() lists every "
+                f"factor; VMP(..., warn_mean_field=False) silences this",
+                MeanFieldWarning,
+                stacklevel=_caller_stacklevel(),
+            )
+        return plan
+
+    def describe(self, *args: Any, **kwargs: Any) -> str:
+        """The plan of these data (:meth:`compile`, without its :class:`MeanFieldWarning`)
+        described: every factor, its shape and structure, and the mean-field pairs
+        (:meth:`~probfsl.inference.vmp.layout.Plan.describe`)."""
+        return Compiler(self.model, self.order).compile(*args, **kwargs).describe()
 
     def elbo(self, state: VMPState) -> torch.Tensor:
         """The analytic ELBO [T]: Σ_sites E ln p(x | pa) + Σ_latent H[q] (Winn & Bishop §3.3)."""

@@ -143,6 +143,13 @@ class Family:
         of x xᵀ); a refusal's reason where the distribution is outside what VMP follows."""
         return None
 
+    def takes_integer_data(self, base: Any) -> bool:
+        """Whether an observed site's data may be integer (or bool) tensors, read as the
+        model's floating dtype with the same checks as float data (``base``: the site's
+        Pyro distribution): the data of a family of whole numbers or labels (counts,
+        Bernoulli outcomes, labels)."""
+        return self.whole_numbers or self.labels
+
     def data_limit(self, base: Any, site: Site) -> tuple[Any, str] | None:
         """(the largest value the data may take, the refusal's reason) for bounded counts."""
         return None

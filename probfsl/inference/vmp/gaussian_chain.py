@@ -15,6 +15,28 @@ exactly (a batched Cholesky, the smoother's answer); the sites keep their margin
 (mean, precision) and the chain its lag-one covariances and log-determinant, from which
 the pairwise terms ⟨s_t s_{t−1}⟩ and the joint entropy ½ N ln(2πe) + ½ ln|Σ| follow.
 Mean-field over the steps would lose the covariances between neighbours.
+
+A vector chain, the latent states of a linear-Gaussian state-space model (Kalman 1960),
+x_t ~ N(A_t x_{t−1} + b_t, diag(λ_t)⁻¹) with A_t and b_t fixed (known, possibly per task)
+and λ_t = ⟨c_t τ_t⟩, has a block-tridiagonal joint precision with D × D blocks
+
+    Λ_tt = −2 H_t + diag(λ_t) + A_{t+1}ᵀ diag(λ_{t+1}) A_{t+1},
+    Λ_{t,t−1} = −diag(λ_t) A_t,
+    h_t = η₁(t) + λ_t ∘ b_t − A_{t+1}ᵀ (λ_{t+1} ∘ b_{t+1}),
+
+(η₁(t), H_t the first state's prior and the messages of the children outside the chain:
+observations y_t ~ N(C x_t, ...), a precision's children). It is solved by the
+information-form Kalman filter and the Rauch-Tung-Striebel (1965) smoother, a block
+Cholesky factorisation of Λ batched over tasks: forward, the filtered precisions
+S_1 = Λ_11, S_t = Λ_tt − Λ_{t,t−1} S_{t−1}⁻¹ Λ_{t−1,t} and g_t = h_t − Λ_{t,t−1} S_{t−1}⁻¹ g_{t−1};
+backward, μ_N = S_N⁻¹ g_N, μ_t = S_t⁻¹ (g_t − Λ_{t,t+1} μ_{t+1}), and with
+G_t = S_t⁻¹ Λ_{t,t+1}, Σ_t = S_t⁻¹ + G_t Σ_{t+1} G_tᵀ and Cov(x_t, x_{t+1}) = −G_t Σ_{t+1};
+ln|Λ| = Σ_t ln|S_t|. Each Cholesky is of a D × D block, so a sweep costs O(N D³) per
+task (BayesPy's ``GaussianMarkovChain``; Beal 2003, ch. 5). The factor keeps each
+state's marginal (mean, precision) and the chain's lag-one covariances
+Cov(x_t, x_{t−1}) [..., N−1, D, D] and ln|Σ|; ⟨x_t (A_t x_{t−1})ᵀ⟩ and the joint entropy
+½ N D ln(2πe) + ½ ln|Σ| follow. With everything else fixed the factor is the exact
+posterior and the bound the exact log evidence.
 """
 
 from __future__ import annotations
@@ -39,11 +61,34 @@ def step_map(plan: Plan, s: Site) -> tuple:
     return a, ein(s.dims, [(p.const, p.const_dims)], s.dims, sizes, ref)
 
 
+def vector(plan: Plan, name: str) -> bool:
+    """Whether chain ``name`` is a vector chain (each step a matrix map of the last)."""
+    second = plan.sites[plan.chains[name][1]].params["loc"]
+    return bool(second.terms) and second.terms[0].axis is not None
+
+
+def matrix_map(plan: Plan, s: Site) -> tuple:
+    """(A [..., D, D'], b [..., D]) of a vector chain step's mean A x_{t−1} + b, in its
+    axes (the state's axis, then the one before's)."""
+    p = s.params["loc"]
+    term = p.terms[0]
+    dims = s.dims + (term.axis,)
+    a = ein(dims, [(term.jac, term.jac_dims)], dims, plan.sizes, plan.ref)
+    return a, ein(s.dims, [(p.const, p.const_dims)], s.dims, plan.sizes, plan.ref)
+
+
 def cross_moment(plan: Plan, q: dict, s: Site) -> torch.Tensor:
     """⟨s_t m_t⟩ of a chain member (t ≥ 1) and its mean m_t = a s_{t−1} + d:
-    a (Cov(s_t, s_{t−1}) + ⟨s_t⟩⟨s_{t−1}⟩) + d ⟨s_t⟩ (a = 1, d = 0 for a copy)."""
+    a (Cov(s_t, s_{t−1}) + ⟨s_t⟩⟨s_{t−1}⟩) + d ⟨s_t⟩ (a = 1, d = 0 for a copy); in a vector
+    chain, per state entry i,
+    Σ_j A_ij (Cov(x_t, x_{t−1})_ij + ⟨x_t⟩_i ⟨x_{t−1}⟩_j) + b_i ⟨x_t⟩_i."""
     name, t = s.chain
     pred = plan.chains[name][t - 1]
+    if vector(plan, name):
+        mean, mean_pred = q[s.name][0], q[pred][0]
+        pair = q[name][0][..., t - 1, :, :] + mean.unsqueeze(-1) * mean_pred.unsqueeze(-2)
+        a, b = matrix_map(plan, s)
+        return (a * pair).sum(-1) + b * mean
     pair = q[name][0][..., t - 1] + q[s.name][0] * q[pred][0]
     a, d = step_map(plan, s)
     return pair if a is None else a * pair + d * q[s.name][0]
@@ -54,9 +99,17 @@ def conditionals(plan: Plan, q: dict) -> dict:
     joint q, s_t | s_{t−1} ~ N(a + b s_{t−1}, v) with b = C_{t,t−1} / V_{t−1},
     a = ⟨s_t⟩ − b ⟨s_{t−1}⟩ and v = V_t − b C_{t,t−1} (the Gaussian conditional; canonical
     layout). Sampling the members in order from these draws from the joint factor, as a
-    guide must for its Monte Carlo ELBO to match the analytic one."""
+    guide must for its Monte Carlo ELBO to match the analytic one. ``ValueError`` for a
+    vector chain (its conditionals x_t | x_{t−1} are matrix maps, which the guide does
+    not draw yet)."""
     out = {}
     for name, members in plan.chains.items():
+        if vector(plan, name):
+            raise ValueError(
+                f"the guide cannot draw the vector Gaussian chain {name!r} (a state-space "
+                "model): its steps' conditionals are matrix maps; posterior() gives each "
+                "state's marginal"
+            )
         lag = q[name][0]
         for t in range(1, len(members)):
             member, pred = members[t], members[t - 1]
@@ -70,6 +123,11 @@ def conditionals(plan: Plan, q: dict) -> dict:
 def entropy(plan: Plan, q: dict, s: Site) -> torch.Tensor:
     """The chain's joint entropy, counted on its first site (zero on the others)."""
     name, t = s.chain
+    if vector(plan, name):
+        if t:
+            return torch.zeros_like(q[name][1])
+        n = sum(plan.sizes[plan.sites[m].dims[-1]] for m in plan.chains[name])
+        return 0.5 * n * (1 + math.log(2 * math.pi)) + 0.5 * q[name][1]
     if t:
         return torch.zeros_like(q[s.name][0])
     n = len(plan.chains[name])
@@ -80,6 +138,8 @@ def update(plan: Plan, q: dict, name: str, natural, message, children: bool = Tr
     """The joint factor of chain ``name``: new (mean, precision) of every member and the
     chain's (lag-one covariances [..., N−1], ln|Σ|). ``natural`` and ``message`` are the
     engine's (the first member's prior, the external children's messages)."""
+    if vector(plan, name):
+        return _vector_update(plan, q, name, natural, message, children)
     members = plan.chains[name]
     sites = [plan.sites[m] for m in members]
     h, diag = [], []
@@ -132,3 +192,83 @@ def _precision(plan: Plan, q: dict, s: Site) -> torch.Tensor:
     else:
         ops = [(p.const, p.const_dims)]
     return ein(s.dims, ops, s.dims, plan.sizes, plan.ref)
+
+
+def _vector_update(plan: Plan, q: dict, name: str, natural, message, children: bool) -> dict:
+    """:func:`update` of a vector chain: the block-tridiagonal precision (module
+    docstring) from the messages, then the Kalman filter and RTS smoother."""
+    members = plan.chains[name]
+    sites = [plan.sites[m] for m in members]
+    batch = [plan.sizes[d] for d in sites[0].dims[:-1]]
+    size = plan.sizes[sites[0].dims[-1]]
+    ref = plan.ref
+    h, prec = [], []
+    for t, (m, s) in enumerate(zip(members, sites, strict=True)):
+        if t == 0:
+            eta1, eta2 = natural(plan, q, m, children=False)
+            eta1 = eta1.expand(*batch, size)
+            eta2 = (eta2 if eta2.dim() > eta1.dim() else torch.diag_embed(eta2)).expand(
+                *batch, size, size
+            )
+        else:
+            eta1, eta2 = ref.new_zeros(*batch, size), ref.new_zeros(*batch, size, size)
+        for child, role in plan.children[m] if children else ():
+            if role == "loc" and plan.sites[child].chain and plan.sites[child].chain[0] == name:
+                continue  # the next step: inside the joint factor
+            m1, m2 = message(plan, q, child, role, s)
+            if m2.dim() < eta2.dim():  # an elementwise message: a diagonal block
+                m2 = torch.diag_embed(m2.expand(*batch, size))
+            eta1, eta2 = eta1 + m1, eta2 + m2
+        h.append(eta1)
+        prec.append(-2 * eta2)
+    lower = [None]  # Λ_{t,t−1}
+    for t in range(1, len(members)):  # −½ (x_t − A x_{t−1} − b)ᵀ diag(λ) (x_t − A x_{t−1} − b)
+        lam = _precision(plan, q, sites[t]).expand(*batch, size)
+        a, b = matrix_map(plan, sites[t])
+        la = lam.unsqueeze(-1) * a  # diag(λ) A
+        prec[t] = prec[t] + torch.diag_embed(lam)
+        prec[t - 1] = prec[t - 1] + a.transpose(-1, -2) @ la
+        lower.append(-la)
+        lb = lam * b
+        h[t] = h[t] + lb
+        h[t - 1] = h[t - 1] - (a.transpose(-1, -2) @ lb.unsqueeze(-1)).squeeze(-1)
+    return _kalman_smoother(members, name, h, prec, lower, [s.joint for s in sites])
+
+
+def _kalman_smoother(members, name, h, prec, lower, joint) -> dict:
+    """Mean, covariances and ln|Σ| of the Gaussian with block-tridiagonal precision
+    (diagonal blocks ``prec``, lower blocks ``lower``) and linear term ``h``: the
+    information filter forward, the RTS smoother backward (module docstring)."""
+    n = len(members)
+    chol, g = [], []
+    log_det = 0
+    for t in range(n):
+        s_t, g_t = prec[t], h[t]
+        if t:  # S_t = Λ_tt − L S⁻¹ Lᵀ, g_t = h_t − L S⁻¹ g_{t−1}
+            k = torch.cholesky_solve(lower[t].transpose(-1, -2), chol[-1])  # S⁻¹ Lᵀ
+            s_t = s_t - lower[t] @ k
+            s_t = 0.5 * (s_t + s_t.transpose(-1, -2))
+            g_t = g_t - (k.transpose(-1, -2) @ g[-1].unsqueeze(-1)).squeeze(-1)
+        c = torch.linalg.cholesky(s_t)
+        chol.append(c)
+        g.append(g_t)
+        log_det = log_det - 2 * c.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+    mean, cov, lag = [None] * n, [None] * n, [None] * (n - 1)
+    mean[-1] = torch.cholesky_solve(g[-1].unsqueeze(-1), chol[-1]).squeeze(-1)
+    cov[-1] = torch.cholesky_inverse(chol[-1])
+    for t in range(n - 2, -1, -1):  # G_t = S_t⁻¹ Λ_{t,t+1}
+        gain = torch.cholesky_solve(lower[t + 1].transpose(-1, -2), chol[t])
+        rhs = g[t] - (lower[t + 1].transpose(-1, -2) @ mean[t + 1].unsqueeze(-1)).squeeze(-1)
+        mean[t] = torch.cholesky_solve(rhs.unsqueeze(-1), chol[t]).squeeze(-1)
+        cross = -gain @ cov[t + 1]  # Cov(x_t, x_{t+1})
+        cov[t] = torch.cholesky_inverse(chol[t]) - cross @ gain.transpose(-1, -2)
+        cov[t] = 0.5 * (cov[t] + cov[t].transpose(-1, -2))
+        lag[t] = cross.transpose(-1, -2)  # Cov(x_{t+1}, x_t)
+    out = {}
+    for t, m in enumerate(members):
+        if joint[t] or t == 0:
+            out[m] = (mean[t], torch.cholesky_inverse(torch.linalg.cholesky(cov[t])))
+        else:  # an elementwise factor: the marginal variances
+            out[m] = (mean[t], cov[t].diagonal(dim1=-2, dim2=-1).reciprocal())
+    out[name] = (torch.stack(lag, -3), log_det)
+    return out

@@ -168,6 +168,118 @@ class Plan:
             sites[name] = replace(s, **normal_data(v))
         return Plan(sites, self.latent, self.sizes, self.children, self.ref, chains=self.chains)
 
+    def mean_field_pairs(self) -> list[tuple[str, str, str]]:
+        """``(a, b, c)`` for each pair of latent Gaussian sites ``a``, ``b`` that the
+        location of site ``c`` combines (an affine map of several latent Gaussian sites,
+        ``x @ w + b``, or a product of two, ``c * mu``, ``(W * x).sum(-1)``) but that the plan
+        fits with factors of their own: the likelihood couples them, the factors q(a) q(b)
+        do not (Winn & Bishop's mean field). Point estimates and the members of one
+        Gaussian Markov chain (one joint factor) pair with nothing. Each pair is named
+        once, at the first site that couples it, in model order."""
+
+        def fitted(name: str) -> bool:
+            s = self.sites.get(name)
+            return s is not None and not s.observed and not s.point
+
+        def factor(name: str) -> str:
+            chain = self.sites[name].chain
+            return name if chain is None else chain[0]
+
+        out, seen = [], set()
+        for child in self.sites.values():
+            for p in child.params.values():
+                names = [t.parent for t in p.terms]
+                if p.bilinear is not None:
+                    names += [p.bilinear.u, p.bilinear.v]
+                names = [n for n in dict.fromkeys(names) if fitted(n)]
+                for i, a in enumerate(names):
+                    for b in names[i + 1 :]:
+                        key = frozenset((a, b))
+                        if factor(a) != factor(b) and key not in seen:
+                            seen.add(key)
+                            out.append((a, b, child.name))
+        return out
+
+    def describe(self) -> str:
+        """A readable account of the variational family this plan fits: one line per
+        factor (its site, family, shape with the named axes and its structure: ``joint
+        over axis ...`` for a Normal whose event axis a linear map sums, ``Gaussian Markov
+        chain over ...``, ``elementwise`` for a product over entries, ``point estimate``,
+        ``kept at its prior``), the structured factors of observed sites (a
+        ``DiscreteHMM``'s hidden chain by forward-backward, a logistic site's Pólya-Gamma
+        augmentation), then one line ``mean-field between A and B (coupled through site
+        C)`` for each pair of :meth:`mean_field_pairs`. The factors are independent of one
+        another (q is their product); only the structure within a factor is joint."""
+
+        def shape(s: Site) -> str:
+            return "[" + ", ".join(f"{d}={self.sizes[d]}" for d in s.dims) + "]"
+
+        def structure(s: Site) -> str:
+            record = lookup(s.family)
+            if s.point:
+                return "point estimate"
+            if s.at_prior:
+                return "kept at its prior (q = p, never updated)"
+            if s.joint:
+                return f"joint over axis {s.dims[-1]}"
+            if record.event_rank:
+                axes = s.dims[-record.event_rank :]
+                return f"joint over axis{'es' if len(axes) > 1 else ''} " + ", ".join(axes)
+            return "elementwise"
+
+        rows, done = [], set()
+        for name in self.latent:
+            s = self.sites[name]
+            if s.chain is not None:
+                chain = s.chain[0]
+                if chain in done:
+                    continue
+                done.add(chain)
+                members = self.chains[chain]
+                rows.append(
+                    (
+                        chain,
+                        s.family,
+                        shape(s) + f" x {len(members)} steps",
+                        "Gaussian Markov chain over " + " -> ".join(members),
+                    )
+                )
+                continue
+            rows.append((name, s.family, shape(s), structure(s)))
+        for s in self.sites.values():
+            if not s.observed:
+                continue
+            record = lookup(s.family)
+            if record.structured:
+                states = f"{s.name}#s"
+                rows.append(
+                    (
+                        f"{s.name} (hidden chain)",
+                        "Categorical",
+                        shape(s)[:-1] + f", {states}={self.sizes[states]}]",
+                        f"forward-backward chain over axis {s.dims[-1]}",
+                    )
+                )
+            elif record.logistic and any(p.terms or p.bilinear for p in s.params.values()):
+                rows.append((f"{s.name} (Pólya-Gamma)", "PolyaGamma", shape(s), "elementwise"))
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines = [f"VMP plan: q is the product of {len(rows)} factor{'s' * (len(rows) > 1)}"]
+        for r in rows:
+            lines.append(
+                "  "
+                + "  ".join(c.ljust(w) for c, w in zip(r[:3], widths, strict=True))
+                + "  "
+                + r[3]
+            )
+        observed = [s for s in self.sites.values() if s.observed]
+        if observed:
+            lines.append(
+                "observed: " + ", ".join(f"{s.name} ({s.family} {shape(s)})" for s in observed)
+            )
+        for a, b, c in self.mean_field_pairs():
+            lines.append(f"mean-field between {a} and {b} (coupled through site {c})")
+        return "\n".join(lines)
+
 
 def normal_data(v: torch.Tensor) -> dict:
     """The data fields of an observed Normal site with canonical values ``v``: (x, x²)

@@ -340,8 +340,14 @@ def read_data(
     site: Site, record: Family, base: Any, value: torch.Tensor, dtype: torch.dtype
 ) -> None:
     """An observed site's data, checked (whole numbers where the family counts, in
-    their support, with finite statistics) and stored with their statistics."""
+    their support, with finite statistics) and stored with their statistics. Integer or
+    bool data are taken where the family's data are whole numbers or labels
+    (:meth:`~probfsl.inference.vmp.family.Family.takes_integer_data`): counts in the
+    model's floating ``dtype`` (after the checks), a Categorical site's labels as given,
+    a hidden Markov chain's labels in ``dtype`` before its record checks them."""
     name, fname = site.name, site.fn_name
+    if not value.is_floating_point() and not record.takes_integer_data(base):
+        raise refuse(name, fname, "-", f"its data are {value.dtype}; give float32 or float64")
     if record.whole_numbers:  # counts, labels
         if value.dtype == torch.bool:
             value = value.to(dtype)
@@ -355,8 +361,8 @@ def read_data(
             raise refuse(name, fname, "-", limit[1])
         if not record.labels:  # counts are taken in the data's dtype
             value = value.to(dtype)
-    if not record.labels and not value.is_floating_point():
-        raise refuse(name, fname, "-", f"its data are {value.dtype}; give float32 or float64")
+    elif not value.is_floating_point():  # labels its record checks (a chain's emissions)
+        value = value.to(dtype)
     laid_out = canon(site, value.expand(site.batch_shape + site.event_shape))
     record.observe(site, laid_out, dtype)
     if record.labels:

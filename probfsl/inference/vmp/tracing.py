@@ -79,15 +79,35 @@ class DrawLatent(Messenger):
         self.dtype, self.symbolic, self.pattern = dtype, symbolic, pattern
 
     def _pyro_sample(self, msg: dict) -> None:
-        if msg["is_observed"]:
-            return
         base, _ = unwrap(msg["fn"])
         record = of_distribution(base)
+        if msg["is_observed"]:
+            self._float_counts(msg, base, record)
+            return
         if msg["value"] is None:
             self._draw(msg, base, record)
         value = msg["value"]
         if self.symbolic and record is not None and record.symbolic and torch.is_tensor(value):
             msg["value"] = Monomial.of(value, msg["name"])
+
+    def _float_counts(self, msg: dict, base: Any, record: Family | None) -> None:
+        """Integer or bool data of a family that takes them (counts, 0/1 outcomes) in the
+        model's floating dtype, so that its density can be evaluated as for float data
+        (labels keep their integer dtype: they index)."""
+        value = msg["value"]
+        if (
+            record is None
+            or record.labels
+            or not torch.is_tensor(value)
+            or value.is_floating_point()
+            or not record.takes_integer_data(base)
+        ):
+            return
+        like = record.reference(base)
+        floating = like is not None and like.is_floating_point()
+        dtype = self.dtype or (like.dtype if floating else None)
+        if dtype is not None:
+            msg["value"] = value.to(dtype)
 
     def _draw(self, msg: dict, base: Any, record: Family | None) -> None:
         if record is None or record.observed_only:

@@ -58,6 +58,10 @@ class DiscreteHMM(Family):
             site.n_cat = sizes[f"{site.name}#cat"] = obs.probs.shape[-1]
         return None
 
+    def takes_integer_data(self, base):
+        # labels under a Categorical observation law; a Normal one's data are real numbers
+        return type(unwrap(base.observation_dist)[0]) is dist.Categorical
+
     def read_params(self, base, site):
         # the time axis (size 1: homogeneous) dropped
         obs, _ = unwrap(base.observation_dist)
