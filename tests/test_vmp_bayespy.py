@@ -23,6 +23,9 @@ from tests.test_vmp_linear import regression_with_hyperpriors
 bn = pytest.importorskip("bayespy.nodes")
 from bayespy.inference import VB  # noqa: E402
 
+# these models couple latent Gaussian sites that VMP fits mean-field on purpose
+pytestmark = pytest.mark.filterwarnings("ignore::probfsl.inference.vmp.MeanFieldWarning")
+
 F64 = torch.float64
 TASKS = 4
 

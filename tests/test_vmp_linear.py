@@ -27,6 +27,9 @@ from probfsl.testing import (
     check_engine,
 )
 
+# these models couple latent Gaussian sites that VMP fits mean-field on purpose
+pytestmark = pytest.mark.filterwarnings("ignore::probfsl.inference.vmp.MeanFieldWarning")
+
 F64 = torch.float64
 
 

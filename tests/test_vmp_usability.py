@@ -14,6 +14,9 @@ from probfsl.inference.vmp import ConvergenceWarning
 from probfsl.inference.vmp.checks import DOCS
 from probfsl.inference.vmp.supported import SUPPORTED
 
+# these models couple latent Gaussian sites that VMP fits mean-field on purpose
+pytestmark = pytest.mark.filterwarnings("ignore::probfsl.inference.vmp.MeanFieldWarning")
+
 F64 = torch.float64
 SITES = ["alpha", "tau", "W", "x"]
 
