@@ -473,9 +473,13 @@ class VMP(Engine):
             m: (pred, *(_pyro_shaped(plan.sites[m], t) for t in abv))
             for m, (pred, *abv) in gaussian_chain.conditionals(plan, state.q).items()
         }
-        # every chain member after its predecessor
+        vectors = {m for m in steps if gaussian_chain.vector(plan, plan.sites[m].chain[0])}
+        for m in vectors:  # x_t | x_{t−1} ~ MVN(a + B x_{t−1}, V): V's Cholesky, once
+            pred, a, b, v = steps[m]
+            steps[m] = (pred, a, b, torch.linalg.cholesky(v))
+        # every chain member after its predecessor (each once)
         order = [n for n in post if n not in steps]
-        order += [m for members in plan.chains.values() for m in members[1:]]
+        order += [m for members in plan.chains.values() for m in members[1:] if m in steps]
 
         def guide(*args, **kwargs) -> None:
             frames = {f.name: f for n in plan.latent for f in plan.sites[n].frames}
@@ -486,8 +490,14 @@ class VMP(Engine):
                 d = post[name]
                 if name in steps:
                     pred, a, b, v = steps[name]
-                    step = dist.Normal(a + b * values[pred], v.sqrt())
-                    d = step.to_event(len(d.event_shape)) if d.event_shape else step
+                    if name in vectors:  # v: the Cholesky factor of V
+                        loc = a + (b @ values[pred].unsqueeze(-1)).squeeze(-1)
+                        step = dist.MultivariateNormal(loc, scale_tril=v)
+                        ev = s.event_dim - 1
+                        d = step.to_event(ev) if ev else step
+                    else:
+                        step = dist.Normal(a + b * values[pred], v.sqrt())
+                        d = step.to_event(len(d.event_shape)) if d.event_shape else step
                 if s.fixed_mask is not None:
                     d = d.mask(layout.uncanon(s, ~s.fixed_mask).expand(s.batch_shape))
                 with contextlib.ExitStack() as stack:

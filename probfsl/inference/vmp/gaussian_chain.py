@@ -99,17 +99,14 @@ def conditionals(plan: Plan, q: dict) -> dict:
     joint q, s_t | s_{t−1} ~ N(a + b s_{t−1}, v) with b = C_{t,t−1} / V_{t−1},
     a = ⟨s_t⟩ − b ⟨s_{t−1}⟩ and v = V_t − b C_{t,t−1} (the Gaussian conditional; canonical
     layout). Sampling the members in order from these draws from the joint factor, as a
-    guide must for its Monte Carlo ELBO to match the analytic one. ``ValueError`` for a
-    vector chain (its conditionals x_t | x_{t−1} are matrix maps, which the guide does
-    not draw yet)."""
+    guide must for its Monte Carlo ELBO to match the analytic one. In a vector chain,
+    x_t | x_{t−1} ~ MVN(a + B x_{t−1}, V) with B = C_{t,t−1} Σ_{t−1}⁻¹ [..., D, D],
+    a = ⟨x_t⟩ − B ⟨x_{t−1}⟩ and V = Σ_t − B C_{t,t−1}ᵀ (:func:`_vector_conditionals`)."""
     out = {}
     for name, members in plan.chains.items():
         if vector(plan, name):
-            raise ValueError(
-                f"the guide cannot draw the vector Gaussian chain {name!r} (a state-space "
-                "model): its steps' conditionals are matrix maps; posterior() gives each "
-                "state's marginal"
-            )
+            out.update(_vector_conditionals(q, name, members))
+            continue
         lag = q[name][0]
         for t in range(1, len(members)):
             member, pred = members[t], members[t - 1]
@@ -117,6 +114,34 @@ def conditionals(plan: Plan, q: dict) -> dict:
             cov = lag[..., t - 1]
             b = cov * prec_pred
             out[member] = (pred, mean - b * mean_pred, b, prec.reciprocal() - b * cov)
+    return out
+
+
+def _vector_conditionals(q: dict, name: str, members: list) -> dict:
+    """:func:`conditionals` of a vector chain, batched over the leading axes. The factor
+    keeps Cov(x_t, x_{t−1}) = C_{t,t−1} [..., N−1, D, D] and each state's precision
+    Σ_t⁻¹, so B = C_{t,t−1} Σ_{t−1}⁻¹ is a product, and Σ_t a Cholesky inverse of the
+    precision. A state whose factor keeps only its marginal variances (no linear map
+    contracts its axis: the last, with elementwise children) has a diagonal precision
+    block Λ_tt in the joint, and x_t | x_{t−1} = x_t | rest has covariance Λ_tt⁻¹: V is
+    diagonal, diag(V) = diag(Σ_t) − diag(B C_{t,t−1}ᵀ)."""
+    lag = q[name][0]
+    out = {}
+    for t in range(1, len(members)):
+        member, pred = members[t], members[t - 1]
+        (mean, prec), (mean_pred, prec_pred) = q[member], q[pred]
+        if prec_pred.dim() == mean_pred.dim():  # marginal variances only (not expected)
+            prec_pred = torch.diag_embed(prec_pred)
+        cross = lag[..., t - 1, :, :]  # Cov(x_t, x_{t−1})
+        b = cross @ prec_pred
+        a = mean - (b @ mean_pred.unsqueeze(-1)).squeeze(-1)
+        explained = b @ cross.transpose(-1, -2)  # B C_{t,t−1}ᵀ = C Σ_{t−1}⁻¹ Cᵀ
+        if prec.dim() == mean.dim():  # an elementwise factor: V diagonal
+            v = torch.diag_embed(prec.reciprocal() - explained.diagonal(dim1=-2, dim2=-1))
+        else:
+            v = torch.cholesky_inverse(torch.linalg.cholesky(prec)) - explained
+        v = 0.5 * (v + v.transpose(-1, -2))
+        out[member] = (pred, a, b, v)
     return out
 
 
