@@ -13,6 +13,7 @@ import torch
 from pyro.ops.indexing import Vindex
 
 from probfsl.inference.vmp import VMP, MeanFieldWarning
+from tests.synthetic import bayesian_pca
 
 F64 = torch.float64
 
@@ -43,21 +44,6 @@ def regression(y, x):
         w = pyro.sample("w", dist.Normal(x.new_zeros(p), alpha.rsqrt().unsqueeze(-1)).to_event(1))
         with pyro.plate("n", n, dim=-1):
             pyro.sample("y", dist.Normal((x * w).sum(-1), beta.rsqrt()), obs=y)
-
-
-def bayesian_pca(y, k=2):
-    """Bayesian PCA (factor analysis with ARD): y_nd ~ N(W_d · x_n, 1/tau)."""
-    t, n, d = y.shape
-    with pyro.plate("tasks", t, dim=-3):
-        alpha = pyro.sample("alpha", dist.Gamma(y.new_full((k,), 1e-3), 1e-3).to_event(1))
-        tau = pyro.sample("tau", dist.Gamma(y.new_tensor(1e-3), 1e-3))
-        dims = pyro.plate("dims", d, dim=-1)
-        with dims:
-            w = pyro.sample("W", dist.Normal(y.new_zeros(k), alpha.rsqrt()).to_event(1))
-        with pyro.plate("points", n, dim=-2):
-            x = pyro.sample("x", dist.Normal(y.new_zeros(k), 1.0).to_event(1))
-            with dims:
-                pyro.sample("y", dist.Normal((w * x).sum(-1), tau.rsqrt()), obs=y)
 
 
 def random_walk(x):

@@ -13,28 +13,13 @@ from probfsl.inference import VMP
 from probfsl.inference.vmp import ConvergenceWarning
 from probfsl.inference.vmp.checks import DOCS
 from probfsl.inference.vmp.supported import SUPPORTED
+from tests.synthetic import bayesian_pca
 
 # these models couple latent Gaussian sites that VMP fits mean-field on purpose
 pytestmark = pytest.mark.filterwarnings("ignore::probfsl.inference.vmp.MeanFieldWarning")
 
 F64 = torch.float64
 SITES = ["alpha", "tau", "W", "x"]
-
-
-def bayesian_pca(y, k=2):
-    """x_n ~ N(0, I_k); W_d ~ N(0, diag(1/alpha)) with alpha_k ~ Gamma; y_nd ~ N(W_d · x_n,
-    1/tau) with tau ~ Gamma (Bishop, PRML §12.2.3)."""
-    t, n, d = y.shape
-    with pyro.plate("tasks", t, dim=-3):
-        alpha = pyro.sample("alpha", dist.Gamma(y.new_full((k,), 1e-3), 1e-3).to_event(1))
-        tau = pyro.sample("tau", dist.Gamma(y.new_tensor(1e-3), 1e-3))
-        dims = pyro.plate("dims", d, dim=-1)
-        with dims:
-            w = pyro.sample("W", dist.Normal(y.new_zeros(k), alpha.rsqrt()).to_event(1))
-        with pyro.plate("points", n, dim=-2):
-            x = pyro.sample("x", dist.Normal(y.new_zeros(k), 1.0).to_event(1))
-            with dims:
-                pyro.sample("y", dist.Normal((w * x).sum(-1), tau.rsqrt()), obs=y)
 
 
 def pca_data(t=2, n=20, d=4, k=2, noise=0.1, seed=0):

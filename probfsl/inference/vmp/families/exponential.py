@@ -4,35 +4,23 @@ from __future__ import annotations
 
 import pyro.distributions as dist
 
-from probfsl.inference.vmp.family import Family, register
+from probfsl.inference.vmp.families.gamma import ObservedRateChild
+from probfsl.inference.vmp.family import register
 from probfsl.inference.vmp.layout import derived
 
 
 @register
-class Exponential(Family):
+class Exponential(ObservedRateChild):
     """Observed x > 0 with rate c · λ, λ ~ Gamma: E ln p = ln c + ⟨ln λ⟩ − c x ⟨λ⟩, linear
     in u(λ) = (λ, ln λ), so the message to λ is (−Σ c x, Σ 1): the Gamma posterior
     (a + N, b + Σ c x)."""
 
     name = "Exponential"
     pyro_class = dist.Exponential
-    parameters = ("rate",)
-    roles = {"rate": ("Gamma", "Categorical")}
-    conjugate = {"rate": "Gamma"}
-    hints = {"rate": "c times a Gamma site"}
-    observed_only = True
-    needs_latent_parent = True
-    linear_parameter = "rate"
     forms = (
         "observed Exponential(rate = c * lambda <- Gamma site), optionally indexed by a "
         "Categorical site",
     )
-
-    def data_stats(self, value):
-        return (value,)
-
-    def stat_dims(self, site):
-        return (site.dims,)
 
     def support(self, value):
         return value.amin() > 0

@@ -96,3 +96,25 @@ class Gamma(Family):
             const.append((1, [(am1, a.const_dims), (log_tau, d)]))
         coef1 = [(-1, c + [(tau, d)])] if tau is not None else []
         return [coef1, [(1, a_ops)]], const
+
+
+class ObservedRateChild(Family):
+    """An observed family with one parameter, its rate c · λ with λ a Gamma site
+    (optionally selected by a Categorical): what Poisson and Exponential share. Its one
+    statistic is the data, and E ln p is linear in u(λ) = (λ, ln λ) (each subclass gives
+    the coefficients, :meth:`~probfsl.inference.vmp.family.Family.linear_terms`). Not a
+    family itself: it is not registered."""
+
+    parameters = ("rate",)
+    roles = {"rate": ("Gamma", "Categorical")}
+    conjugate = {"rate": "Gamma"}
+    hints = {"rate": "c times a Gamma site"}
+    observed_only = True
+    needs_latent_parent = True
+    linear_parameter = "rate"
+
+    def data_stats(self, value):
+        return (value,)
+
+    def stat_dims(self, site):
+        return (site.dims,)

@@ -7,35 +7,23 @@ import torch
 
 from probfsl.inference.vmp.conjugate_children import cached
 from probfsl.inference.vmp.einsum import ein
-from probfsl.inference.vmp.family import Family, register
+from probfsl.inference.vmp.families.gamma import ObservedRateChild
+from probfsl.inference.vmp.family import register
 from probfsl.inference.vmp.layout import derived
 
 
 @register
-class Poisson(Family):
+class Poisson(ObservedRateChild):
     """Observed k: E ln p = k⟨ln λ⟩ + k ln c − c⟨λ⟩ − ln k!."""
 
     name = "Poisson"
     pyro_class = dist.Poisson
-    parameters = ("rate",)
-    roles = {"rate": ("Gamma", "Categorical")}
-    conjugate = {"rate": "Gamma"}
-    hints = {"rate": "c times a Gamma site"}
-    observed_only = True
-    needs_latent_parent = True
     positive_exposure = True
     whole_numbers = True
-    linear_parameter = "rate"
     forms = (
         "observed Poisson(rate = c * lambda <- Gamma site), optionally indexed by a "
         "Categorical site",
     )
-
-    def data_stats(self, value):
-        return (value,)
-
-    def stat_dims(self, site):
-        return (site.dims,)
 
     def linear_terms(self, plan, q, site):
         """u(λ) = (λ, ln λ): coefficients (−c, k), const k ln c − ln k!."""
