@@ -527,6 +527,28 @@ def check_predict_proba_keeps_fitted_state(estimator: FewShotClassifier) -> None
     assert torch.equal(est.predict_proba(episodes), first)
 
 
+def check_relabelling_permutes_columns(estimator: FewShotClassifier) -> None:
+    """Relabelling the classes of every task (support label k becomes σ(k)) permutes the
+    columns of ``predict_proba`` and nothing else: a method may not depend on which class
+    is called 0. Exact to 1e-9 in float64 where ``relabelling_exact``; for a Monte Carlo
+    method whose random streams follow the labels, relabelling may move the probabilities
+    no more than twice as far (mean absolute change) as another ``seed`` does."""
+    _, episodes = estimator_check_data()
+    est = _fitted(estimator)
+    sigma = torch.tensor([2, 0, 1])  # the 3-way tasks of the check data
+    relabelled = dataclasses.replace(episodes, support_labels=sigma[episodes.support_labels])
+    before, after = est.predict_proba(episodes), est.predict_proba(relabelled)
+    if est.relabelling_exact:
+        torch.testing.assert_close(after[..., sigma], before, atol=1e-9, rtol=1e-9)
+    else:
+        seed = est.get_params()["seed"]  # a Monte Carlo estimator takes its seed
+        reseeded = _unfitted(estimator).set_params(seed=seed + 1)
+        other = reseeded.fit_base(*estimator_check_data()[0]).predict_proba(episodes)
+        noise = (other - before).abs().mean()
+        moved = (after[..., sigma] - before).abs().mean()
+        assert moved <= 2 * noise, f"relabelling moved {moved:.3g}, another seed {noise:.3g}"
+
+
 def check_save_load_roundtrip(estimator: FewShotClassifier) -> None:
     """``save`` then ``FewShotClassifier.load`` gives the same class, hyperparameters,
     fitted state and predictions (after a ``predict``: its per-call diagnostics are
@@ -562,6 +584,7 @@ def estimator_checks(estimator: FewShotClassifier) -> list[Callable[[Any], None]
         check_fit_predict_on_arrays,
         check_fit_predict_bad_input,
         check_predict_proba_keeps_fitted_state,
+        check_relabelling_permutes_columns,
         check_save_load_roundtrip,
     ]
 

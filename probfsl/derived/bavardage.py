@@ -115,12 +115,14 @@ def run_blocks(
     query: torch.Tensor,
     resp: torch.Tensor,
     n_iter: int = 5,
+    rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[VMPState, torch.Tensor, torch.Tensor]:
     """``n_iter`` blocks (map, every other latent site, the queries' ``z``; module
     docstring) of any mixture ``model(u_support, support_labels, u_query)`` whose rows are
     observed Normal sites named ``u_support`` and ``u_query`` and whose queries' classes
     are a latent Categorical ``z``, from the responsibilities ``resp`` [T, N, K]; the map
-    is ``engine``'s (:meth:`~probfsl.inference.vb_mixture.BavardageVB.rows`). The model
+    is ``engine``'s (:meth:`~probfsl.inference.vb_mixture.BavardageVB.rows`), or ``rows(x,
+    resp)`` where given. The model
     is derived once; each block starts its factors afresh on the new rows
     (:meth:`~probfsl.inference.vmp.layout.Plan.observe`, :meth:`VMP.start`).
 
@@ -136,11 +138,12 @@ def run_blocks(
     onehot = one_hot_support(support_labels, engine.way, x.dtype)
     resp = torch.cat([onehot, resp[:, n_s:].to(x)], 1)
     u, plan, trace = x, None, []
+    rows = engine.rows if rows is None else rows
     for block in range(n_iter):
         if engine.projection in ("adaptive", "adaptive_gram") or (
             engine.projection == "frozen" and block == 0
         ):
-            u = engine.rows(x, resp)
+            u = rows(x, resp)
         if plan is None:  # derived once; later blocks change the rows only
             plan = vmp.compile(u[:, :n_s], support_labels, u[:, n_s:])
         else:

@@ -465,6 +465,23 @@ def centroid_projection(
     return x @ g_diff.transpose(1, 2) @ coeff
 
 
+def principal_axes(u: torch.Tensor, resp: torch.Tensor, gamma: float = 10.0) -> torch.Tensor:
+    """``u`` [T, N, K-1] in the principal axes of its shrunk centroids about their mean.
+
+    :func:`centroid_projection` gives an orthonormal basis of the centroids' span that
+    depends on which class comes first (its differences are taken from c'_1). Hu, Pateux
+    & Gripon's isotropic mixture is invariant to the basis; a model with a precision per
+    axis is not. The eigenvectors V of Σ_k (c'_k - c̄)(c'_k - c̄)^T, c̄ the mean of the
+    K shrunk centroids of ``u`` (eq. 8), fix the basis by the data alone: relabelling the
+    classes permutes the centroids and leaves V as it was (up to the sign of each axis, a
+    symmetry of a zero-mean prior). Returns u V.
+    """
+    centroids = shrunk_centroids(u, resp, gamma)
+    centred = centroids - centroids.mean(1, keepdim=True)
+    _, axes = stable_eigh(centred.transpose(1, 2) @ centred)
+    return u @ axes
+
+
 def centroid_projection_gram(
     gram: torch.Tensor, resp: torch.Tensor, gamma: float = 10.0
 ) -> torch.Tensor:

@@ -202,6 +202,10 @@ class FewShotClassifier(Hyperparameters, ABC):
     transductive: bool = False
     #: whether ``fit_base`` must be called before ``predict_proba``
     needs_base: bool = False
+    #: whether relabelling a task's classes permutes the columns of ``predict_proba``
+    #: exactly (False for a Monte Carlo method whose random streams follow the labels:
+    #: its columns are then permuted in distribution only)
+    relabelling_exact: bool = True
 
     def setting_note(self, way: int, shot: int) -> str:
         """One line a user should read beside results at this task setting: where the

@@ -35,6 +35,7 @@ from probfsl.data.tasks import Episodes
 from probfsl.derived.bavardage import run_blocks
 from probfsl.inference.background import open_responsibility
 from probfsl.inference.class_stats import one_hot_support
+from probfsl.inference.plda import principal_axes
 from probfsl.inference.vb_mixture import BavardageVB
 from probfsl.inference.vmp import VMP, VMPState
 from probfsl.models.bavardage import Bavardage, _seeded_rng
@@ -99,13 +100,15 @@ def run_open_blocks(
     open_log_odds: torch.Tensor,
     open_prior: float,
     n_iter: int = 5,
+    rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[VMPState, torch.Tensor, torch.Tensor]:
     """:func:`~probfsl.derived.bavardage.run_blocks` with the background component of
     the nested open-set mixture (:mod:`probfsl.inference.vb_mixture_open`).
 
     ``resp`` [T, N, K + 1]: the starting responsibilities, the background last (a query's
     class columns sum to 1 - o_q0); ``open_log_odds`` [T, Q] the queries' full-space
-    ln p_0(x) - ln p_closed(x); ``open_prior`` the prior mean of π_0. Each block:
+    ln p_0(x) - ln p_closed(x); ``open_prior`` the prior mean of π_0; ``rows(x, resp)``
+    the projection (default ``engine.rows``). Each block:
 
     * the projection from the class responsibilities o_qk = (1 - o_q0) r_qk;
     * the factors of every other latent site (q(π), q(τ), q(μ)) started by VMP from r,
@@ -132,9 +135,10 @@ def run_open_blocks(
     closed = resp[:, n_s:, :way] + torch.finfo(x.dtype).tiny  # r: a uniform row if o_q0 = 1
     classes = closed / closed.sum(-1, keepdim=True)
     plan, trace = None, []
+    rows = engine.rows if rows is None else rows
     for _ in range(n_iter):
         weighted = classes * (1 - open_resp).unsqueeze(-1)
-        u = engine.rows(x, torch.cat([onehot, weighted], 1))
+        u = rows(x, torch.cat([onehot, weighted], 1))
         if plan is None:  # derived once; later blocks change the rows only
             plan = vmp.compile(u[:, :n_s], support_labels, u[:, n_s:])
         else:
@@ -251,6 +255,17 @@ class BavardageGamma(Bavardage):
             balanced=engine.balanced,
         )
 
+    @staticmethod
+    def rows(engine: BavardageVB) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """BAVARDAGE's projection (``engine.rows``) in the principal axes of the shrunk
+        centroids (:func:`~probfsl.inference.plda.principal_axes`): a precision per axis
+        needs a basis that does not depend on the order of the classes."""
+
+        def rows(x: torch.Tensor, resp: torch.Tensor) -> torch.Tensor:
+            return principal_axes(engine.rows(x, resp), resp, engine.gamma)
+
+        return rows
+
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
         """Query responsibilities [T, Q, K]: BAVARDAGE's preprocessing, then n_vb blocks
         (projection, q(π), q(τ), q(μ), q(z)) derived from :func:`bavardage_gamma_model`."""
@@ -260,7 +275,9 @@ class BavardageGamma(Bavardage):
         # the inputs are checked (vb_problem): no need to validate the arguments of every
         # distribution each time VMP traces the model (40 host synchronisations a block)
         with pyro.validation_enabled(False):
-            state, resp, trace = run_blocks(model, engine, *data, n_iter=int(self.n_vb))
+            state, resp, trace = run_blocks(
+                model, engine, *data, n_iter=int(self.n_vb), rows=self.rows(engine)
+            )
         self.state_, self.elbo_trace_ = state, trace
         return resp[:, episodes.support.shape[1] :]
 
@@ -285,6 +302,7 @@ class BavardageGamma(Bavardage):
                 problem.open_log_odds,
                 self.open_prior,
                 n_iter=int(self.n_vb),
+                rows=self.rows(problem.engine),
             )
         self.state_, self.elbo_trace_ = state, trace
         return resp[:, episodes.support.shape[1] :]

@@ -67,6 +67,9 @@ class GPTreeFewShot(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
             play no part).
     """
 
+    #: the Gibbs streams are keyed by the support's labels (class docstring)
+    relabelling_exact = False
+
     schema = EstimatorSchema(
         params={
             "n_chains": Int(low=1),
