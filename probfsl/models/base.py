@@ -77,14 +77,18 @@ BASE_MEAN = Group("fit_base", {"base_mean_": Tensor("D", bound=FEATURE_BOUND)})
 #: ``fit_base`` in the feature space the method classifies in: the base classes' mean of
 #: class means ``background_mean_ [D]``, pooled within-class covariance
 #: ``background_within_ [D, D]`` and between-class covariance ``background_between_ [D, D]``
-#: (:func:`probfsl.inference.background.fit_background`)
+#: (:func:`probfsl.inference.background.fit_background`), both shrunk by
+#: ``background_shrinkage_`` (:func:`probfsl.inference.background_shrinkage.select_shrinkage`;
+#: absent from files saved before it was chosen)
 BACKGROUND = Group(
     "fit_base",
     {
         "background_mean_": Tensor("D", bound=FEATURE_BOUND),
         "background_within_": Tensor("D", "D", bound=FEATURE_BOUND),
         "background_between_": Tensor("D", "D", bound=FEATURE_BOUND),
+        "background_shrinkage_": Real(nonnegative=True),
     },
+    optional=frozenset({"background_shrinkage_"}),
 )
 #: the declaration of the ``open_prior`` hyperparameter: the prior probability π_0 that a
 #: query belongs to none of the task's classes (inductive methods: fixed; transductive
@@ -387,11 +391,16 @@ class OpenSetBackground:
     open_prior: float = 0.5
 
     def fit_background(self, features: torch.Tensor, labels: torch.Tensor) -> None:
-        """Store the background statistics of preprocessed base ``features`` [N, D]."""
+        """Store the background statistics of preprocessed base ``features`` [N, D], their
+        covariances shrunk by the λ that held-out base classes prefer
+        (:func:`~probfsl.inference.background_shrinkage.select_shrinkage`), kept as
+        ``background_shrinkage_``."""
         from probfsl.inference.background import fit_background
+        from probfsl.inference.background_shrinkage import select_shrinkage
 
         labels = labels.to(features.device)
-        stats = fit_background(features, labels)
+        self.background_shrinkage_ = select_shrinkage(features, labels)
+        stats = fit_background(features, labels, self.background_shrinkage_)
         self.background_mean_, self.background_within_, self.background_between_ = stats
 
     def background_stats(self, reference: torch.Tensor):
