@@ -29,6 +29,8 @@ seed=SEED)``). Scored on them:
 Metrics (:mod:`probfsl.evaluation.open_set`): closed accuracy, AUROC, AUPR, precision at
 90% recall of the open queries, ECE-open (15 bins), each the mean over tasks ± 95% CI.
 Methods in :data:`SLOW` run on the first ``tasks / divisor`` of the same tasks.
+``--variant METHOD:KEY=VALUE[,KEY=VALUE]`` (repeatable) adds a row of a method with other
+parameters, e.g. ``--variant vmp-gmm:open_model=declared``.
 
     python benchmarks/bench_open_set.py --ostim-repo ~/few-shot-open-set [--quick] [--tasks 500]
 """
@@ -204,22 +206,45 @@ def run_cell(fs, data: str, shot: int, args, ostim) -> list[dict]:
         row.pop("ece_open", None), row.pop("ece_open_ci95", None)
         report(row)
 
-    for method in args.methods:
+    runs = [(method, method, {}) for method in args.methods]
+    runs += [(label, method, params) for label, (method, params) in args.variants.items()]
+    for label, method, params in runs:
         m = max(10, n // SLOW.get(method, 1))
         tic = time.perf_counter()
-        estimator = make_estimator(method).fit_featureset(fs)
+        estimator = make_estimator(method, **params).fit_featureset(fs)
         try:
             result = evaluate_open_set(estimator, open_tasks[:m], batch_size=args.batch)
         except (ValueError, NotImplementedError, AttributeError) as error:
-            report(dict(cell, method=method, kind="probfsl", skipped=str(error).split("\n")[0]))
+            report(dict(cell, method=label, kind="probfsl", skipped=str(error).split("\n")[0]))
             continue
-        row = row_of(result, **cell, method=method, kind="probfsl")
+        row = row_of(result, **cell, method=label, kind="probfsl")
         row["closed_only_accuracy"], row["closed_only_ci95"] = closed_accuracy(
             estimator, closed_tasks[:m], args.batch
         )
         row["seconds"] = time.perf_counter() - tic
         report(row)
     return rows
+
+
+def parse_variant(text: str) -> tuple[str, tuple[str, dict]]:
+    """``"METHOD:KEY=VALUE,..."`` as (row label, (METHOD, parameters)); each value is
+    read as a Python literal where it is one (numbers), else kept as a string."""
+    import ast
+
+    method, _, rest = text.partition(":")
+    if method not in METHODS or not rest:
+        raise SystemExit(f"--variant {text!r}: expected METHOD:KEY=VALUE[,KEY=VALUE]")
+    params = {}
+    for item in rest.split(","):
+        key, eq, value = item.partition("=")
+        if not (key and eq and value):
+            raise SystemExit(f"--variant {text!r}: {item!r} is not KEY=VALUE")
+        try:
+            params[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            params[key] = value
+    make_estimator(method, **params)  # a bad parameter fails here, before any run
+    return f"{method} ({rest})", (method, params)
 
 
 def main() -> None:
@@ -238,6 +263,14 @@ def main() -> None:
     parser.add_argument(
         "--ostim-divisor", type=int, default=1, help="OSTIM runs on the first tasks/divisor tasks"
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="METHOD:KEY=VALUE[,KEY=VALUE]",
+        help="one more row: METHOD with these parameters (repeatable), e.g. "
+        "vmp-gmm:open_model=declared",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch", type=int, default=100, help="tasks per predict call")
     parser.add_argument("--threads", type=int, default=1)
@@ -245,6 +278,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.tasks = 100
+    args.variants = dict(parse_variant(text) for text in args.variant)
     torch.set_num_threads(args.threads)
     import logging
 

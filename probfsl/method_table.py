@@ -86,6 +86,8 @@ METHOD_TABLE: dict[str, dict] = {
             "precision",
             "chunk",
             "open_prior",
+            "open_model",
+            "background_weight",
         ),
         "presets": (),
         "tunable": True,

@@ -369,6 +369,8 @@ class FewShotVMPGaussianMixture(FewShotTaskClassifier):
         precision: str = "diagonal",
         chunk: int = 50,
         open_prior: float = 0.5,
+        open_model: str = "nested",
+        background_weight: float = 10.0,
         base_features: Any = None,
         base_labels: Any = None,
     ) -> None:

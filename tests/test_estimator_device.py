@@ -53,10 +53,16 @@ CASES = [
 ]
 
 
+#: open-set cases with other parameters: vmp-gmm with the background declared in its model
+OPEN_VARIANTS = {"vmp-gmm/declared": ("vmp-gmm", {"open_model": "declared"})}
+
+
 def _built(case: str) -> FewShotClassifier:
-    """The estimator of a case of :data:`NAMES` at its small settings."""
+    """The estimator of a case of :data:`NAMES` (or :data:`OPEN_VARIANTS`) at its small
+    settings."""
+    case, extra = OPEN_VARIANTS.get(case, (case, {}))
     name, _, engine = case.partition("+")
-    params = dict(SMALL.get(name, {}), **({"engine": engine} if engine else {}))
+    params = dict(SMALL.get(name, {}), **({"engine": engine} if engine else {}), **extra)
     return make_estimator(name, **params)
 
 
@@ -171,7 +177,14 @@ def test_fit_featureset_fits_on_the_device_given(name, device, omniglot):
 # ------------------------------------------------------------------ open-set paths
 #: the methods whose ``predict_proba_open`` iterates (their mixture with the background
 #: component) and nearest centroid, whose open column is the background predictive alone
-OPEN_NAMES = ["bavardage", "bavardage-gamma", "nearest-centroid", "soft-kmeans", "vmp-gmm"]
+OPEN_NAMES = [
+    "bavardage",
+    "bavardage-gamma",
+    "nearest-centroid",
+    "soft-kmeans",
+    "vmp-gmm",
+    "vmp-gmm/declared",
+]
 #: open queries per task (3 open classes beside the 3 known ones)
 N_OPEN = 6
 

@@ -203,6 +203,75 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
+# ## The background as a declared mixture component
+#
+# vmp-gmm declares its mixture in Pyro (Dirichlet weights, a diagonal Gamma precision
+# and a Normal mean per class, the support's labels observed) and
+# `probfsl.inference.VMP` derives every update (Winn & Bishop 2005). Its model takes one
+# prior row per component, tensors with a class axis:
+#
+# ```python
+# def vmp_gmm_components_model(x, labels, observed, priors):
+#     t, n, d = x.shape
+#     with pyro.plate("tasks", t, dim=-2):
+#         pi = pyro.sample("pi", dist.Dirichlet(priors.concentration.to(x).unsqueeze(0)))
+#         with pyro.plate("classes", priors.concentration.shape[0], dim=-1):
+#             gamma = dist.Gamma(priors.shape.to(x), priors.rate.to(x))
+#             tau = pyro.sample("tau", gamma.to_event(1))
+#             scale = (priors.strength.to(x) * tau).rsqrt()
+#             mu = pyro.sample("mu", dist.Normal(priors.loc.to(x), scale).to_event(1))
+#         with pyro.plate("points", n, dim=-1):
+#             z = pyro.sample("z", dist.Categorical(pi), obs=labels, obs_mask=observed)
+#             loc = Vindex(mu.unsqueeze(-3))[..., z, :]
+#             precision = Vindex(tau.unsqueeze(-3))[..., z, :]
+#             pyro.sample("x", dist.Normal(loc, precision.rsqrt()).to_event(1), obs=x)
+# ```
+#
+# With the K class rows it is the closed-set model. With `open_model="declared"`, the
+# background is one more row: a new class's predictive under the base classes'
+# two-covariance model per feature (mean $m_b$, variance the diagonal of
+# $\Sigma_w + \Sigma_b$, with `background_weight` pseudo-observations), and a Dirichlet
+# concentration that gives the open fraction the prior mean `open_prior`. The support is
+# labelled in 0..K−1, the queries' $z$ ranges over K + 1 components, and
+# $q(z_q = K)$ is the posterior of "none of these classes". The one changed line:
+
+# %%
+declared = make_estimator("vmp-gmm", open_model="declared").fit_featureset(fs)
+closed_rows = declared.component_priors(5)
+open_rows = closed_rows.append(declared.background_prior(5))  # the background: one more row
+print("components:", closed_rows.concentration.shape[0], "->", open_rows.concentration.shape[0])
+print("Dirichlet concentration:", [round(a, 2) for a in open_rows.concentration.tolist()])
+data, start = declared.open_data(tasks[:2])
+print(declared.open_engine(5).describe(*data))
+
+# %% [markdown]
+# Its last column next to the default (`open_model="nested"`: hand-written updates whose
+# open decision is the full-space two-covariance contrast), on the same queries of the
+# first task, then over the 200 tasks:
+
+# %%
+nested = make_estimator("vmp-gmm").fit_featureset(fs)
+p_decl = declared.predict_proba_open(tasks)
+p_nest = nested.predict_proba_open(tasks)
+print("rows sum to 1:", torch.allclose(p_decl.sum(-1), torch.ones(())))
+print("query  open?  P(open) declared  P(open) nested")
+for q in rows.tolist():
+    print(
+        f"{q:5}  {'yes' if is_open[0, q] else 'no ':5}  {p_decl[0, q, -1].item():16.3f}"
+        f"  {p_nest[0, q, -1].item():14.3f}"
+    )
+for name, model in (("declared", declared), ("nested", nested)):
+    print(f"vmp-gmm {name:9} {evaluate_open_set(model, tasks)}")
+
+# %% [markdown]
+# The declared model keeps the closed accuracy but ranks the open queries worse: the
+# class densities it weighs against the background are fitted to the support *and* the
+# queries, and open queries that take some class mass pull them towards themselves,
+# where the nested model weighs the background against the class predictives given the
+# support. `docs/methods/open-set.md` has the measurements on Omniglot and WordNet; the
+# nested model stays vmp-gmm's default.
+
+# %% [markdown]
 # ## What the open queries cost
 #
 # The closed-set accuracy is measured on the closed queries only; the same tasks

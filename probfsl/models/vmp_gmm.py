@@ -11,12 +11,17 @@ centred on the base mean and L2-normalised (as soft k-means); the queries' respo
 start from soft k-means seeded by the support (BAVARDAGE's initialiser, in
 :meth:`SeededVMP.init`), and the sweeps run through the shared loop
 :func:`probfsl.inference.base.run` (``VMP.fit``).
+
+Open-set recognition (:meth:`VMPGaussianMixture.predict_proba_open`) can declare the
+background, a broad density of "some other class" learnt from the base classes, as one
+more component of the same Pyro mixture (:func:`vmp_gmm_components_model`, one prior
+row per component), so that VMP derives its inference too.
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Self
+from typing import Any, NamedTuple, Self
 
 import pyro
 import pyro.distributions as dist
@@ -25,7 +30,8 @@ from pyro.ops.indexing import Vindex
 
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
-from probfsl.inference.soft_kmeans import soft_kmeans_gram
+from probfsl.inference.background import TwoCovarianceReading, open_responsibility
+from probfsl.inference.soft_kmeans import soft_kmeans_gram, soft_kmeans_gram_open
 from probfsl.inference.vmp import VMP, VMPState
 from probfsl.models.base import BACKGROUND, OPEN_PRIOR, FewShotClassifier, OpenSetBackground
 from probfsl.schema import FEATURE_BOUND, Choice, EstimatorSchema, Group, Int, Real, Tensor
@@ -50,6 +56,52 @@ def vmp_gmm_model(
             rate = prior_rate.to(x)
             tau = pyro.sample("tau", dist.Gamma(x.new_full((d,), a0), rate).to_event(1))
             mu = pyro.sample("mu", dist.Normal(x.new_zeros(d), (beta0 * tau).rsqrt()).to_event(1))
+        with pyro.plate("points", n, dim=-1):
+            z = pyro.sample("z", dist.Categorical(pi), obs=labels, obs_mask=observed)
+            loc = Vindex(mu.unsqueeze(-3))[..., z, :]
+            precision = Vindex(tau.unsqueeze(-3))[..., z, :]
+            pyro.sample("x", dist.Normal(loc, precision.rsqrt()).to_event(1), obs=x)
+
+
+class ComponentPriors(NamedTuple):
+    """The prior hyperparameters of :func:`vmp_gmm_components_model`, one row per mixture
+    component (C rows): π ~ Dirichlet(``concentration`` [C]), τ_c ~ Π_d Gamma(``shape``
+    [C, D], ``rate`` [C, D]) and μ_c | τ_c ~ N(``loc`` [C, D], (``strength`` [C, D] τ_c)⁻¹)."""
+
+    concentration: torch.Tensor
+    shape: torch.Tensor
+    rate: torch.Tensor
+    loc: torch.Tensor
+    strength: torch.Tensor
+
+    def append(self, other: ComponentPriors) -> ComponentPriors:
+        """These components followed by ``other``'s (rows concatenated)."""
+        return ComponentPriors(*(torch.cat([a, b.to(a)]) for a, b in zip(self, other, strict=True)))
+
+
+def vmp_gmm_components_model(
+    x: torch.Tensor, labels: torch.Tensor, observed: torch.Tensor, priors: ComponentPriors
+) -> None:
+    """:func:`vmp_gmm_model` with one prior row per component (:class:`ComponentPriors`).
+
+    With the K class rows of :meth:`VMPGaussianMixture.component_priors` it is
+    :func:`vmp_gmm_model`; appending the background's row
+    (:meth:`VMPGaussianMixture.background_prior`: a broad Gaussian learnt from the base
+    classes, its Dirichlet weight from ``open_prior``) makes it the declared open-set
+    model of :meth:`VMPGaussianMixture.predict_proba_open`: the support is labelled in
+    0..K-1, the queries' z ranges over the K + 1 components, and q(z_q = K) is the
+    posterior probability of "none of these classes". Every update is derived by
+    :class:`~probfsl.inference.VMP` (Winn & Bishop 2005).
+    """
+    t, n, d = x.shape
+    with pyro.plate("tasks", t, dim=-2):
+        pi = pyro.sample("pi", dist.Dirichlet(priors.concentration.to(x).unsqueeze(0)))
+        with pyro.plate("classes", priors.concentration.shape[0], dim=-1):
+            strength = priors.strength.to(x)
+            tau = pyro.sample("tau", dist.Gamma(priors.shape.to(x), priors.rate.to(x)).to_event(1))
+            mu = pyro.sample(
+                "mu", dist.Normal(priors.loc.to(x), (strength * tau).rsqrt()).to_event(1)
+            )
         with pyro.plate("points", n, dim=-1):
             z = pyro.sample("z", dist.Categorical(pi), obs=labels, obs_mask=observed)
             loc = Vindex(mu.unsqueeze(-3))[..., z, :]
@@ -142,6 +194,14 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
             the full model's Pyro trace holds a D x D matrix per point, so tasks are
             processed ``chunk`` at a time.
         chunk: tasks per batch with ``precision="full"``.
+        open_prior: prior mean of the open fraction in :meth:`predict_proba_open`.
+        open_model: how :meth:`predict_proba_open` reads "none of these classes" with
+            ``precision="diagonal"``: ``"nested"`` (hand-written updates, the open
+            decision from the two-covariance contrast of the base classes) or
+            ``"declared"`` (the background as one more component of the Pyro model,
+            :func:`vmp_gmm_components_model`, every update derived by VMP).
+        background_weight: pseudo-observations of the declared background's prior
+            (:meth:`background_prior`).
     """
 
     transductive = True
@@ -159,6 +219,8 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
             "precision": Choice(("diagonal", "full")),
             "chunk": Int(low=1),
             "open_prior": OPEN_PRIOR,
+            "open_model": Choice(("nested", "declared")),
+            "background_weight": Real(positive=True),
         },
         # the base mean [D] and the average within-class variance of each normalised
         # feature [D] (floored at 1e-8)
@@ -186,12 +248,15 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
         precision: str = "diagonal",
         chunk: int = 50,
         open_prior: float = 0.5,
+        open_model: str = "nested",
+        background_weight: float = 10.0,
     ) -> None:
         self.alpha0, self.beta0, self.a0 = alpha0, beta0, a0
         self.temperature, self.n_kmeans = temperature, n_kmeans
         self.max_iter, self.tol = max_iter, tol
         self.precision, self.chunk = precision, chunk
-        self.open_prior = open_prior
+        self.open_prior, self.open_model = open_prior, open_model
+        self.background_weight = background_weight
 
     def fit_base(self, features: Any, labels: Any) -> Self:
         """Base mean and the average within-class variance of each normalised feature."""
@@ -243,6 +308,77 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
             warn=False,  # max_iter is this estimator's budget of sweeps
         )
 
+    def component_priors(self, way: int) -> ComponentPriors:
+        """The K class rows of :func:`vmp_gmm_model`'s priors: concentration α_0,
+        τ_k ~ Π_d Gamma(a_0, a_0 v_d), μ_k | τ_k ~ N(0, (β_0 τ_k)⁻¹)."""
+        if getattr(self, "within_var_", None) is None:
+            raise ValueError("vmp-gmm needs base features: call fit_base first")
+        v = self.within_var_
+        d = v.shape[0]
+        return ComponentPriors(
+            v.new_full((way,), self.alpha0),
+            v.new_full((way, d), self.a0),
+            (self.a0 * v).expand(way, d),
+            v.new_zeros(way, d),
+            v.new_full((way, d), self.beta0),
+        )
+
+    def background_prior(self, way: int) -> ComponentPriors:
+        """The background's prior row: a new class's predictive under the base classes'
+        two-covariance model, N(m, diag(v_tot)) per feature (m the mean of the base class
+        means, v_tot,d the within- plus between-class variance of feature d, in the
+        normalised space of the classes; :func:`~probfsl.inference.background.fit_background`),
+        with the weight of w = ``background_weight`` pseudo-observations: τ_K ~ Π_d Gamma(w,
+        w v_tot,d) and μ_K | τ_K ~ N(m, (w τ_K)⁻¹) (a large w holds it there; a small one
+        lets each task's open queries move it). Its Dirichlet concentration
+        K α_0 p / (1 - p) gives the open fraction π_K ~ Beta(K α_0 p / (1 - p), K α_0) the
+        prior mean p = ``open_prior`` and leaves the classes' proportions given "known"
+        their Dirichlet(α_0, ..., α_0) (the aggregation property)."""
+        stats = self.background_stats(self.within_var_)
+        total = torch.diagonal(stats.total).clamp_min(1e-8)
+        w = float(self.background_weight)
+        return ComponentPriors(
+            total.new_full((1,), way * self.alpha0 * self.open_prior / (1 - self.open_prior)),
+            torch.full_like(total, w).unsqueeze(0),
+            (w * total).unsqueeze(0),
+            stats.mean.unsqueeze(0),
+            torch.full_like(total, w).unsqueeze(0),
+        )
+
+    def open_priors(self, way: int) -> ComponentPriors:
+        """The declared open model's K + 1 prior rows: the closed model's
+        (:meth:`component_priors`) and the background's (:meth:`background_prior`)."""
+        return self.component_priors(way).append(self.background_prior(way))
+
+    def open_engine(self, way: int) -> VMP:
+        """The VMP engine of the declared open model, :func:`vmp_gmm_components_model`
+        with :meth:`open_priors`; its data and start are :meth:`open_data`'s."""
+        model = partial(vmp_gmm_components_model, priors=self.open_priors(way))
+        return VMP(model, max_iter=int(self.max_iter), tol=self.tol, warn=False)
+
+    def open_data(self, episodes: Episodes) -> tuple[tuple, dict]:
+        """The declared open model's data, :meth:`engine_data`'s (x, labels, observed),
+        and its start {"z": [T, N, K + 1]}: soft k-means seeded by the support with the
+        queries' background responsibility read from the two-covariance contrast of the
+        base classes (:func:`soft_kmeans_gram_open` with ``open_log_odds``, the start of
+        the nested model too)."""
+        x, labels, observed = self.engine_data(episodes)
+        n_s, way = episodes.support.shape[1], episodes.way
+        reading = TwoCovarianceReading(
+            x[:, :n_s], episodes.support_labels, x[:, n_s:], way, self.background_stats(x)
+        )
+        resp = soft_kmeans_gram_open(
+            x @ x.transpose(1, 2),
+            labels[:, :n_s],
+            way,
+            None,
+            self.open_prior,
+            self.temperature,
+            int(self.n_kmeans),
+            open_log_odds=reading.open_log_odds(),
+        )
+        return (x, labels, observed), {"z": resp}
+
     def engine_data(self, episodes: Episodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The model's data: normalised points x [T, N, D] (support first), labels [T, N]
         (zeros for the queries) and ``observed`` [T, N] (True on the support)."""
@@ -281,10 +417,15 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
     def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
         """``[T, Q, K+1]``: the mixture with a background component, the background last.
 
-        ``precision="diagonal"``: the same model (Dirichlet weights, per-class diagonal
-        Gamma precision, Normal centroids) with one more component, by hand-written
-        mean-field updates (the VMP compiler has no mixture component with a fixed
-        density): q(μ_k, τ_k) Normal-Gamma from the support and the queries weighted by
+        ``precision="diagonal"``, ``open_model="declared"``: the posterior q(z) of the
+        queries in :func:`vmp_gmm_components_model` with the K class rows and the
+        background's row (:meth:`open_priors`), fitted by the VMP engine derived from it
+        (:meth:`open_engine`) for ``max_iter`` sweeps from :meth:`open_data`'s start.
+
+        ``precision="diagonal"``, ``open_model="nested"`` (default): the same model
+        (Dirichlet weights, per-class diagonal Gamma precision, Normal centroids) with one
+        more component read in the nested form, by hand-written mean-field updates:
+        q(μ_k, τ_k) Normal-Gamma from the support and the queries weighted by
         their class responsibilities, q(π) Dirichlet, q(π_0) Beta (prior mean
         ``open_prior``); a query's background responsibility is σ(E ln π_0 - E ln(1 - π_0)
         + ln p_0(x) - ln p_closed(x)), the two-covariance contrast of the base classes in
@@ -292,7 +433,8 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
         mixture's among the classes. ``max_iter`` sweeps from soft k-means with the same
         background. ``precision="full"``: :meth:`predict_proba` times 1 - P(open) and
         P(open) last, the inductive two-covariance posterior
-        (:meth:`~probfsl.models.base.OpenSetBackground.inductive_open`).
+        (:meth:`~probfsl.models.base.OpenSetBackground.inductive_open`); ``open_model`` is
+        not read.
         """
         if self.precision != "diagonal":
             proba = self.predict_proba(episodes)
@@ -304,9 +446,11 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
         if getattr(self, "base_mean_", None) is None:
             raise ValueError("vmp-gmm needs base features: call fit_base first")
         check_episodes(episodes, dim=self.base_mean_.shape[0])
-        from probfsl.inference.background import TwoCovarianceReading, open_responsibility
-        from probfsl.inference.soft_kmeans import soft_kmeans_gram_open
-
+        if self.open_model == "declared":
+            data, start = self.open_data(episodes)
+            state, _ = self.open_engine(episodes.way).fit(*data, init_resp=start)
+            self.episode_objective_ = state.objective
+            return state.q["z"][0][:, episodes.support.shape[1] :]
         x, _, _ = self.engine_data(episodes)
         way, n_s = episodes.way, episodes.support.shape[1]
         reading = TwoCovarianceReading(
