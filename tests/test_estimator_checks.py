@@ -1,9 +1,9 @@
 """One estimator check suite for every registered method, after
 scikit-learn's ``check_estimator``: probfsl.testing's checks (fit == fit_base,
 get/set_params, fit_predict on plain arrays for one task or a batch, predict_proba leaves
-the fitted state alone, relabelling permutes the columns, save -> load), one test id per (estimator, check) pair through
-``parametrize_with_checks``; and here, save -> load in a fresh process predicts the same
-labels, and saved files are checked, not trusted."""
+the fitted state alone, relabelling permutes the columns, save -> load), one test id per
+(estimator, check) pair through ``parametrize_with_checks``; and here, save -> load in a
+fresh process predicts the same labels, and saved files are checked, not trusted."""
 
 from __future__ import annotations
 

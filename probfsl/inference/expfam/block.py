@@ -23,7 +23,12 @@ def sum_last(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def logdet(m: torch.Tensor) -> torch.Tensor:
     """ln|m| of symmetric positive-definite matrices, by Cholesky."""
-    return 2 * torch.linalg.cholesky(m).diagonal(dim1=-2, dim2=-1).log().sum(-1)
+    return chol_logdet(torch.linalg.cholesky(m))
+
+
+def chol_logdet(chol: torch.Tensor) -> torch.Tensor:
+    """ln|L Lᵀ| from the Cholesky factor L."""
+    return 2 * chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
 
 
 def spd_inverse(m: torch.Tensor) -> torch.Tensor:

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from probfsl.inference.expfam.block import LOG_2PI, Block, logdet, spd_inverse, sum_last
+from probfsl.inference.expfam.block import (
+    LOG_2PI,
+    Block,
+    chol_logdet,
+    logdet,
+    spd_inverse,
+    sum_last,
+)
 
 
 @dataclass
@@ -16,6 +23,9 @@ class MultivariateNormal(Block):
     loc: torch.Tensor
     precision: torch.Tensor
     event_dim: int = 0
+    #: the Cholesky factor of ``precision`` where known (:meth:`from_natural` computes it),
+    #: reused by :meth:`expected_stats` and :meth:`entropy` instead of factorising again
+    chol: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _stat_dims = (1, 2)
 
     @classmethod
@@ -23,15 +33,19 @@ class MultivariateNormal(Block):
         cls, eta1: torch.Tensor, eta2: torch.Tensor, event_dim: int = 0
     ) -> MultivariateNormal:
         precision = -2 * eta2
-        loc = torch.cholesky_solve(eta1.unsqueeze(-1), torch.linalg.cholesky(precision))
-        return cls(loc.squeeze(-1), precision, event_dim)
+        chol = torch.linalg.cholesky(precision)
+        loc = torch.cholesky_solve(eta1.unsqueeze(-1), chol)
+        return cls(loc.squeeze(-1), precision, event_dim, chol)
 
     def natural(self):
         return (self.precision @ self.loc.unsqueeze(-1)).squeeze(-1), -0.5 * self.precision
 
     def expected_stats(self):
         m = self.loc
-        return m, spd_inverse(self.precision) + m.unsqueeze(-1) * m.unsqueeze(-2)
+        cov = (
+            spd_inverse(self.precision) if self.chol is None else torch.cholesky_inverse(self.chol)
+        )
+        return m, cov + m.unsqueeze(-1) * m.unsqueeze(-2)
 
     def _log_normalizer(self):
         m, p = self.loc, self.precision
@@ -42,7 +56,8 @@ class MultivariateNormal(Block):
         """½ D (1 + ln 2π) − ½ ln|P|, in closed form (A − η·⟨u⟩ cancels mᵀPm against
         itself, which float32 cannot afford for large, precise means)."""
         d = self.loc.shape[-1]
-        return sum_last(0.5 * d * (1 + LOG_2PI) - 0.5 * logdet(self.precision), self.event_dim)
+        ldet = logdet(self.precision) if self.chol is None else chol_logdet(self.chol)
+        return sum_last(0.5 * d * (1 + LOG_2PI) - 0.5 * ldet, self.event_dim)
 
     def _law(self) -> torch.distributions.Distribution:
         return torch.distributions.MultivariateNormal(self.loc, precision_matrix=self.precision)

@@ -23,6 +23,7 @@ from probfsl.inference.vmp.checks import close, refuse
 from probfsl.inference.vmp.context import CompileContext
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.family import lookup
+from probfsl.inference.vmp.grouped_plates import plate_groups
 from probfsl.inference.vmp.layout import (
     BilinearTerm,
     LinearTerm,
@@ -124,8 +125,13 @@ def as_function(
 
 
 def contracted_axis(child: Site, parent: Site, dims: tuple, desc: str) -> str | None:
-    """The parent's axis that a linear map sums over: its last event axis (or none, for
-    an elementwise map); every other parent axis must be one of the child's (``dims``)."""
+    """The parent's axis that a linear map sums over (or none, for an elementwise map):
+    its last event axis, or the plate axis of a plate of independent Normal sites
+    (``with pyro.plate("coefs", D): w = pyro.sample("w", Normal(0, s))`` summed by
+    ``X @ w``), which is the same density as the ``.to_event(1)`` Normal and is grouped
+    the same way: one joint Gaussian factor over that axis
+    (:func:`~probfsl.inference.vmp.grouped_plates.plate_groups`). Every other parent
+    axis must be one of the child's (``dims``)."""
     if parent.event_dim > 1:
         raise refuse(
             child.name,
@@ -135,13 +141,18 @@ def contracted_axis(child: Site, parent: Site, dims: tuple, desc: str) -> str | 
         )
     axis = parent.dims[-1] if parent.event_dim == 1 and parent.dims[-1] not in dims else None
     extra = [d for d in parent.dims if d not in dims and d != axis]
+    if extra and axis is None and plate_groups(parent, extra):
+        return extra[0]
     if extra:
         raise refuse(
             child.name,
             child.fn_name,
             desc,
-            f"the map sums over the parent's plate axes {extra}; sum over an event axis "
-            "of the parent instead",
+            f"the map sums over the parent's plate axes {extra}, which cannot be grouped "
+            "into one joint Gaussian factor: a plate of Normal sites (without event axes) "
+            "is grouped over one plate axis, its rightmost plate in Pyro's batch shape "
+            "(tasks aside); sum over that plate alone, or over an event axis "
+            "(.to_event(1)) instead",
         )
     return axis
 
@@ -208,7 +219,8 @@ def _jacobian_columns(
 
 
 def _mark_joint(plan: Plan, parent: Site, axis: str | None) -> None:
-    """A Normal parent whose last event axis a map contracts: its factor is joint over
+    """A Normal parent whose last axis a map contracts (an event axis, or the plate axis of
+    a plate of Normals, :func:`~.grouped_plates.plate_groups`): its factor is joint over
     that axis (its second copy ``axis + "b"`` sized)."""
     if axis is not None and lookup(parent.family).elementwise:
         parent.joint = True

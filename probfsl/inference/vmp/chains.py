@@ -10,8 +10,10 @@ it gets one joint factor (:mod:`~probfsl.inference.vmp.gaussian_chain`).
 
 from __future__ import annotations
 
+from probfsl.inference.vmp.checks import refuse
 from probfsl.inference.vmp.family import lookup
 from probfsl.inference.vmp.layout import Plan, Site
+from probfsl.inference.vmp.matrix_maps import matrix_of
 
 
 def _predecessor(sites: dict[str, Site], site: Site) -> str | None:
@@ -43,24 +45,27 @@ def _predecessor(sites: dict[str, Site], site: Site) -> str | None:
 def vector_predecessor(sites: dict[str, Site], site: Site, sizes: dict) -> str | None:
     """The vector chain step before ``site``: the latent Gaussian x_{t−1} whose last event
     axis the location of ``site`` contracts with a fixed matrix, x_t ~ N(A x_{t−1} + b,
-    diag(λ)⁻¹) (a Normal with one event axis, ``.to_event(1)``), with the same other axes
-    and the same number of states, and no selection; ``None`` where ``site`` is no such
-    step."""
+    diag(λ)⁻¹) (a Normal with one event axis, ``.to_event(1)``), or with a latent matrix A
+    (a Normal site with two event axes, :mod:`~probfsl.inference.vmp.matrix_maps`), with
+    the same other axes and the same number of states, and no selection; ``None`` where
+    ``site`` is no such step."""
     record = lookup(site.family)
     if not (record.gaussian and record.elementwise) or site.event_dim != 1:
         return None
     if site.observed or site.point or site.mask is not None:
         return None
     loc, prec = site.params.get("loc"), site.params.get("precision")
-    if loc is None or prec is None or loc.comp is not None or loc.bilinear is not None:
+    if loc is None or prec is None or loc.comp is not None or prec.comp is not None:
         return None
-    if loc.parent is not None or len(loc.terms) != 1 or loc.terms[0].axis is None:
+    if matrix_of(sites, loc) is not None:  # A x_{t−1} + b with A a latent matrix
+        pred_name, axis = loc.bilinear.v, loc.bilinear.axis_v
+    elif loc.bilinear is None and loc.parent is None and len(loc.terms) == 1:
+        pred_name, axis = loc.terms[0].parent, loc.terms[0].axis
+    else:
         return None
-    if prec.comp is not None:
-        return None
-    pred = sites[loc.terms[0].parent]
+    pred = sites[pred_name]
     special = pred.observed or pred.point or pred.mask is not None or pred.event_dim != 1
-    if special or not lookup(pred.family).gaussian or pred.dims[-1] != loc.terms[0].axis:
+    if special or axis is None or not lookup(pred.family).gaussian or pred.dims[-1] != axis:
         return None
     if pred.dims[:-1] != site.dims[:-1] or sizes[pred.dims[-1]] != sizes[site.dims[-1]]:
         return None
@@ -72,9 +77,12 @@ def find_chains(plan: Plan) -> None:
     the one before it, or an elementwise affine map of it (a s + d with fixed a and d:
     a drift, a scaled step), with the same axes and no selection, the first with any
     prior. Vector chains likewise: each state a Normal with one event axis whose mean is a
-    fixed matrix map of the state before (:func:`vector_predecessor`), the first a Normal
-    or MultivariateNormal with any prior. A fork ends a chain. Each chain gets one joint
-    factor (:mod:`~probfsl.inference.vmp.gaussian_chain`)."""
+    fixed or latent matrix map of the state before (:func:`vector_predecessor`), the first
+    a Normal or MultivariateNormal with any prior. A fork ends a chain. Each chain gets one
+    joint factor (:mod:`~probfsl.inference.vmp.gaussian_chain`); a latent transition
+    matrix keeps a factor of its own (mean-field between it and the chain), declared
+    before the chain's first state (the chain's factor starts from its prior, which reads
+    it: ``ValueError`` otherwise)."""
     sites = plan.sites
     successor: dict[str, str | None] = {}
     kind: dict[str, str] = {}  # a step's kind: a chain is all scalar or all vector steps
@@ -90,6 +98,24 @@ def find_chains(plan: Plan) -> None:
         while successor.get(members[-1]) and kind[successor[members[-1]]] == kind[members[1]]:
             members.append(successor[members[-1]])
         name = f"chain:{head}"
+        _check_matrices_first(plan, members)
         plan.chains[name] = members
         for position, member in enumerate(members):
             sites[member].chain = (name, position)
+
+
+def _check_matrices_first(plan: Plan, members: list[str]) -> None:
+    """``ValueError`` for a latent transition matrix declared after the chain's first
+    state (the chain's factor, started from its prior at that state, reads it)."""
+    order = list(plan.sites)
+    for member in members[1:]:
+        s = plan.sites[member]
+        matrix = matrix_of(plan.sites, s.params["loc"])
+        if matrix is not None and order.index(matrix) > order.index(members[0]):
+            raise refuse(
+                member,
+                s.fn_name,
+                f"{matrix!r} ({plan.sites[matrix].fn_name})",
+                f"the latent transition matrix must be declared before the chain's first "
+                f"state {members[0]!r}",
+            )

@@ -20,7 +20,7 @@ import pyro.distributions as dist
 import torch
 
 from probfsl.inference.base import Engine, Info, RunInfo, run
-from probfsl.inference.vmp import gaussian_chain, layout, messages, starts
+from probfsl.inference.vmp import gaussian_chain, grouped_plates, layout, messages, starts
 from probfsl.inference.vmp.compiler import Compiler
 from probfsl.inference.vmp.einsum import sweeping
 from probfsl.inference.vmp.family import lookup
@@ -441,6 +441,9 @@ class VMP(Engine):
         for name in state.plan.latent:
             s = state.plan.sites[name]
             if s.point:
+                continue
+            if grouped_plates.grouped_plate(s) is not None:  # joint over a plate axis
+                out[name] = grouped_plates.posterior(s, *state.q[name])
                 continue
             p = [_pyro_shaped(s, t) for t in state.q[name]]
             record = lookup(s.family)

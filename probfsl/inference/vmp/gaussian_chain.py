@@ -47,7 +47,8 @@ import torch
 
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.layout import Plan, Site
-from probfsl.inference.vmp.moments import precision_factors
+from probfsl.inference.vmp.matrix_maps import matrix_of
+from probfsl.inference.vmp.moments import expected_stats, precision_factors, second_moment
 
 
 def step_map(plan: Plan, s: Site) -> tuple:
@@ -64,17 +65,71 @@ def step_map(plan: Plan, s: Site) -> tuple:
 def vector(plan: Plan, name: str) -> bool:
     """Whether chain ``name`` is a vector chain (each step a matrix map of the last)."""
     second = plan.sites[plan.chains[name][1]].params["loc"]
+    if matrix_of(plan.sites, second) is not None:
+        return True
     return bool(second.terms) and second.terms[0].axis is not None
 
 
-def matrix_map(plan: Plan, s: Site) -> tuple:
-    """(A [..., D, D'], b [..., D]) of a vector chain step's mean A x_{t−1} + b, in its
-    axes (the state's axis, then the one before's)."""
+def matrix_map(plan: Plan, q: dict, s: Site) -> tuple:
+    """(⟨A⟩ [..., D, D'], b [..., D]) of a vector chain step's mean A x_{t−1} + b, in its
+    axes (the state's axis, then the one before's): A itself where it is fixed, the mean
+    of its factor where it is a latent matrix (⟨A⟩_il = Σ_kj H_ikjl ⟨M_kj⟩,
+    :mod:`~probfsl.inference.vmp.matrix_maps`)."""
     p = s.params["loc"]
-    term = p.terms[0]
-    dims = s.dims + (term.axis,)
-    a = ein(dims, [(term.jac, term.jac_dims)], dims, plan.sizes, plan.ref)
-    return a, ein(s.dims, [(p.const, p.const_dims)], s.dims, plan.sizes, plan.ref)
+    sizes, ref = plan.sizes, plan.ref
+    b = ein(s.dims, [(p.const, p.const_dims)], s.dims, sizes, ref)
+    matrix = matrix_of(plan.sites, p)
+    if matrix is None:
+        term = p.terms[0]
+        dims = s.dims + (term.axis,)
+        return ein(dims, [(term.jac, term.jac_dims)], dims, sizes, ref), b
+    t = p.bilinear
+    dims = s.dims + (t.axis_v,)
+    mean = expected_stats(plan, q, matrix)[0]
+    return ein(dims, [(t.h, t.h_dims), (mean, plan.sites[matrix].dims)], dims, sizes, ref), b
+
+
+def _quadratic(plan: Plan, q: dict, s: Site, lam: torch.Tensor, a: torch.Tensor):
+    """⟨Aᵀ diag(λ) A⟩ [..., D', D'] of a vector chain step: Aᵀ diag(λ) A for a fixed A; for
+    a latent matrix, Σ_i λ_i ⟨A_i A_iᵀ⟩ over its rows, with each row's second moment
+    ⟨A_i A_iᵀ⟩ = ⟨A_i⟩⟨A_i⟩ᵀ + Cov(A_i) (rows independent under q(A); Beal 2003, §5.3)."""
+    p = s.params["loc"]
+    matrix = matrix_of(plan.sites, p)
+    if matrix is None:
+        return a.transpose(-1, -2) @ (lam.unsqueeze(-1) * a)
+    t, m = p.bilinear, plan.sites[matrix]
+    pair = {t.axis_u: t.axis_u + "b", t.axis_v: t.axis_v + "b"}
+    paired = tuple(pair.get(d, d) for d in t.h_dims)
+    rows = (second_moment(plan, q, matrix), m.dims + (t.axis_u + "b",))
+    out = s.dims[:-1] + (t.axis_v, t.axis_v + "b")
+    ops = [(lam, s.dims), (t.h, t.h_dims), (t.h, paired), rows]
+    return ein(out, ops, out, plan.sizes, plan.ref)
+
+
+def matrix_message(plan: Plan, q: dict, s: Site, precision: list) -> list:
+    """m_{x_t → M} of a chain step x_t ~ N(H·M x_{t−1} + b, diag(λ)⁻¹) to its latent matrix
+    M, with ``precision`` the step's precision operands (λ = ⟨c τ⟩): the coefficients of
+    (M, M Mᵀ per row) in E ln N, read off the chain's joint factor,
+    (Σ_il λ_i H_ikjl (⟨x_t,i x_{t−1,l}⟩ − b_i⟨x_{t−1,l}⟩),
+    −½ Σ_i λ_i H_ikjl H_ikj'l' ⟨x_{t−1,l} x_{t−1,l'}⟩): the expected sufficient statistics
+    E[x_t x_{t−1}ᵀ] (with the lag-one covariance) and E[x_{t−1} x_{t−1}ᵀ] of a VB linear
+    dynamical system (Beal 2003, §5.3.6; Winn & Bishop 2005)."""
+    name, step = s.chain
+    p = s.params["loc"]
+    t = p.bilinear
+    m, pred = plan.sites[t.u], plan.sites[t.v]
+    sizes, ref = plan.sizes, plan.ref
+    mean, mean_pred = q[s.name][0], q[t.v][0]
+    _, b = matrix_map(plan, q, s)
+    pair = q[name][0][..., step - 1, :, :] + mean.unsqueeze(-1) * mean_pred.unsqueeze(-2)
+    pair = pair - b.unsqueeze(-1) * mean_pred.unsqueeze(-2)  # ⟨(x_t − b) x_{t−1}ᵀ⟩
+    h = (t.h, t.h_dims)
+    eta1 = ein(m.dims, precision + [(pair, s.dims + (t.axis_v,)), h], (), sizes, ref)
+    pair_axes = {t.axis_u: t.axis_u + "b", t.axis_v: t.axis_v + "b"}
+    paired = (t.h, tuple(pair_axes.get(d, d) for d in t.h_dims))
+    second = (second_moment(plan, q, t.v), pred.dims + (t.axis_v + "b",))
+    out = m.dims + (t.axis_u + "b",)
+    return [eta1, -0.5 * ein(out, precision + [h, paired, second], (), sizes, ref)]
 
 
 def cross_moment(plan: Plan, q: dict, s: Site) -> torch.Tensor:
@@ -87,7 +142,7 @@ def cross_moment(plan: Plan, q: dict, s: Site) -> torch.Tensor:
     if vector(plan, name):
         mean, mean_pred = q[s.name][0], q[pred][0]
         pair = q[name][0][..., t - 1, :, :] + mean.unsqueeze(-1) * mean_pred.unsqueeze(-2)
-        a, b = matrix_map(plan, s)
+        a, b = matrix_map(plan, q, s)  # ⟨A⟩ of a latent matrix (independent of the chain)
         return (a * pair).sum(-1) + b * mean
     pair = q[name][0][..., t - 1] + q[s.name][0] * q[pred][0]
     a, d = step_map(plan, s)
@@ -249,10 +304,11 @@ def _vector_update(plan: Plan, q: dict, name: str, natural, message, children: b
     lower = [None]  # Λ_{t,t−1}
     for t in range(1, len(members)):  # −½ (x_t − A x_{t−1} − b)ᵀ diag(λ) (x_t − A x_{t−1} − b)
         lam = _precision(plan, q, sites[t]).expand(*batch, size)
-        a, b = matrix_map(plan, sites[t])
-        la = lam.unsqueeze(-1) * a  # diag(λ) A
+        a, b = matrix_map(plan, q, sites[t])  # ⟨A⟩ of a latent matrix
+        la = lam.unsqueeze(-1) * a  # diag(λ) ⟨A⟩
         prec[t] = prec[t] + torch.diag_embed(lam)
-        prec[t - 1] = prec[t - 1] + a.transpose(-1, -2) @ la
+        quad = _quadratic(plan, q, sites[t], lam, a)  # ⟨Aᵀ diag(λ) A⟩
+        prec[t - 1] = prec[t - 1] + quad.expand(*batch, size, size)
         lower.append(-la)
         lb = lam * b
         h[t] = h[t] + lb

@@ -115,8 +115,9 @@ class Site:
     keep: list = field(default_factory=list)  # Pyro batch axes that are plates ...
     perm: list = field(default_factory=list)  # ... and their order in the layout
     fn_name: str = ""  # the distribution's class name, for messages
-    #: a latent Normal whose last event axis a linear map contracts: its factor is one
-    #: MultivariateNormal over that axis (as BayesPy's GaussianARD), not a product
+    #: a latent Normal whose last event axis (or, for a plate of Normals, last plate axis:
+    #: :mod:`~probfsl.inference.vmp.grouped_plates`) a linear map contracts: its factor is
+    #: one MultivariateNormal over that axis (as BayesPy's GaussianARD), not a product
     joint: bool = False
     #: a ``pyro.param`` site: its factor is a point (the value), updated to the maximiser
     #: of its children's terms; ``init`` is its initial value in the canonical layout
@@ -174,8 +175,10 @@ class Plan:
         ``x @ w + b``, or a product of two, ``c * mu``, ``(W * x).sum(-1)``) but that the plan
         fits with factors of their own: the likelihood couples them, the factors q(a) q(b)
         do not (Winn & Bishop's mean field). Point estimates and the members of one
-        Gaussian Markov chain (one joint factor) pair with nothing. Each pair is named
-        once, at the first site that couples it, in model order."""
+        Gaussian Markov chain (one joint factor) pair with nothing; a member that pairs
+        with a site outside its chain (a latent transition or observation matrix) is named
+        as its chain, ``"the chain x0..x9"``. Each pair of factors is named once, at the
+        first site that couples it, in model order."""
 
         def fitted(name: str) -> bool:
             s = self.sites.get(name)
@@ -184,6 +187,13 @@ class Plan:
         def factor(name: str) -> str:
             chain = self.sites[name].chain
             return name if chain is None else chain[0]
+
+        def label(name: str) -> str:  # a chain member stands for its chain's factor
+            chain = self.sites[name].chain
+            if chain is None:
+                return name
+            members = self.chains[chain[0]]
+            return f"the chain {members[0]}..{members[-1]}"
 
         out, seen = [], set()
         for child in self.sites.values():
@@ -194,10 +204,10 @@ class Plan:
                 names = [n for n in dict.fromkeys(names) if fitted(n)]
                 for i, a in enumerate(names):
                     for b in names[i + 1 :]:
-                        key = frozenset((a, b))
+                        key = frozenset((factor(a), factor(b)))
                         if factor(a) != factor(b) and key not in seen:
                             seen.add(key)
-                            out.append((a, b, child.name))
+                            out.append((label(a), label(b), child.name))
         return out
 
     def describe(self) -> str:

@@ -117,14 +117,14 @@ def bilinear_message(
 def moments(plan: Plan, q: dict, p: Param) -> tuple[torch.Tensor, torch.Tensor]:
     """(⟨loc⟩, ⟨loc²⟩) of an affine parameter, each in the parameter's axes; kept with the
     factors they come from (a sweep asks for them once per message and bound term)."""
-    if p.bilinear is not None:
-        return bilinear_moments(plan, q, p)
-    deps = tuple(q[t.parent] for t in p.terms)
+    t = p.bilinear
+    deps = tuple(q[d.parent] for d in p.terms) if t is None else (q[t.u], q[t.v])
     hit = p.derived.get("moments")
     if hit is not None and all(a is b for a, b in zip(hit[0], deps, strict=True)):
         return hit[1]
-    p.derived["moments"] = (deps, _moments(plan, q, p))
-    return p.derived["moments"][1]
+    value = _moments(plan, q, p) if t is None else bilinear_moments(plan, q, p)
+    p.derived["moments"] = (deps, value)
+    return value
 
 
 def _moments(plan: Plan, q: dict, p: Param) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,6 +33,8 @@ from probfsl.inference.vmp.moments import (
     compact,
     compact_block,
     expected_stats,
+    factor_block,
+    keep_cholesky,
     point_mode,
 )
 
@@ -147,7 +149,7 @@ def entropy(plan: Plan, q: dict, name: str) -> torch.Tensor:
         a = compact(q[name][0])
         h = torch.lgamma(a) + a - a * torch.special.digamma(a)
         return (h + expected_stats(plan, q, name)[1]).expand(broadcast_shape(q[name]))
-    block = block_of(s, q[name])
+    block = factor_block(plan, q, name)
     if record.labels or record.gaussian:  # in closed form
         return block.entropy()
     return -block.expected_log_prob(expected_stats(plan, q, name))
@@ -217,11 +219,12 @@ def update(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
             return factor
         return (r,)
     if s.joint:
-        b = expfam.MultivariateNormal.from_natural(*eta)
-        return b.loc, b.precision
+        return keep_cholesky(plan, name, expfam.MultivariateNormal.from_natural(*eta))
     if record.compact_factor:  # elementwise: on the distinct values, broadcast back
         b = record.block.from_natural(*(compact(t) for t in eta))
         shape, rate = record.fields  # from η = (−b, a − 1)
         return getattr(b, shape).expand(eta[1].shape), getattr(b, rate).expand(eta[0].shape)
     b = record.block.from_natural(*eta)
+    if isinstance(b, expfam.MultivariateNormal):
+        return keep_cholesky(plan, name, b)
     return tuple(getattr(b, f) for f in record.fields)

@@ -33,7 +33,10 @@ def expected_stats(plan: Plan, q: dict, name: str) -> tuple:
         stats = compact_block(s, q[name]).expected_stats()
         stats = tuple(t.expand(shape) for t in stats)
     else:
-        stats = block_of(s, q[name]).expected_stats()
+        block = factor_block(plan, q, name)
+        stats = block.expected_stats()
+        if isinstance(block, expfam.MultivariateNormal):  # ⟨x xᵀ⟩, for second_moment
+            plan.cache[("second", name)] = (q[name], stats[1])
     if s.joint and not s.point:
         stats = (stats[0], stats[1].diagonal(dim1=-2, dim2=-1))
     plan.cache[name] = (q[name], stats)
@@ -49,8 +52,12 @@ def second_moment(plan: Plan, q: dict, name: str) -> torch.Tensor:
     if s.point:
         value = q[name][0]
         second = value.unsqueeze(-1) * value.unsqueeze(-2)
-    else:
-        second = block_of(s, q[name]).expected_stats()[1]
+    else:  # computed with the first moments (one inverse of the precision for both)
+        expected_stats(plan, q, name)
+        hit = plan.cache.get(("second", name))
+        if hit is not None and hit[0] is q[name]:
+            return hit[1]
+        second = factor_block(plan, q, name).expected_stats()[1]
     plan.cache[("second", name)] = (q[name], second)
     return second
 
@@ -106,6 +113,26 @@ def block_of(s: Site, params: tuple):
     """The factor of site ``s`` with parameters ``params`` as an exponential-family block
     (a joint Normal site's factor is a MultivariateNormal over its last event axis)."""
     return (expfam.MultivariateNormal if s.joint else lookup(s.family).block)(*params)
+
+
+def factor_block(plan: Plan, q: dict, name: str):
+    """:func:`block_of` the factor ``q[name]``; a MultivariateNormal one with the Cholesky
+    factor of its precision that its update computed (:func:`keep_cholesky`), where it is
+    still that factor, so that its moments and entropy do not factorise it again."""
+    block = block_of(plan.sites[name], q[name])
+    hit = plan.cache.get(("chol", name))
+    if hit is not None and hit[0] is q[name] and isinstance(block, expfam.MultivariateNormal):
+        block.chol = hit[1]
+    return block
+
+
+def keep_cholesky(plan: Plan, name: str, block) -> tuple:
+    """The factor (loc, precision) of a MultivariateNormal ``block`` from an update, its
+    Cholesky factor kept with it for :func:`factor_block`."""
+    factor = (block.loc, block.precision)
+    if block.chol is not None:
+        plan.cache[("chol", name)] = (factor, block.chol)
+    return factor
 
 
 def parent_ops(plan, q, s, key):

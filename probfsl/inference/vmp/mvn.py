@@ -47,11 +47,11 @@ def ops(plan, q, s):
     lam = parent_ops(plan, q, s, "precision")
     if lam is None:
         p = prec.const
-        o.update(
-            coef=[],
-            Lam=[(p, prec.const_dims)],
-            ldet=[[(logdet(p), prec.const_dims[:-2])]],
-        )
+        # ln|Λ| of the fixed precision: once per plan (a Cholesky per call otherwise)
+        ldet = plan.cache.get(("logdet", s.name))
+        if ldet is None or ldet[0] is not p:
+            ldet = plan.cache[("logdet", s.name)] = (p, logdet(p))
+        o.update(coef=[], Lam=[(p, prec.const_dims)], ldet=[[(ldet[1], prec.const_dims[:-2])]])
     else:
         d = plan.sizes[e]
         coef = [(prec.coef, prec.coef_dims)]

@@ -15,6 +15,7 @@ import torch
 from probfsl.inference.vmp import gaussian_chain, linear_maps
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.layout import LOG_2PI, Plan, Site, derived, power_axis
+from probfsl.inference.vmp.matrix_maps import matrix_of
 from probfsl.inference.vmp.moments import (
     broadcast_shape,
     compact,
@@ -234,6 +235,15 @@ def _weighted_message(plan, q, c: Site, o: dict, role: str, out: tuple, others: 
     return [-0.5 * quad, (0.5 * compact(s0)).expand(s0.shape)]
 
 
+def _chain_to_matrix(plan: Plan, q: dict, c: Site, to: Site) -> bool:
+    """Whether ``c`` is a step x_t ~ N(A x_{t−1} + b, ...) of a Gaussian Markov chain with
+    a latent transition matrix ``to`` = A: its message to A reads the chain's joint
+    ⟨x_t x_{t−1}ᵀ⟩, not the product of the two means."""
+    if c.chain is None or not c.chain[1] or c.chain[0] not in q:
+        return False
+    return matrix_of(plan.sites, c.params["loc"]) == to.name
+
+
 def message(plan: Plan, q: dict, c: Site, role: str, to: Site, offset=None) -> list:
     """m_{c → to} of a Normal child: to its mean (c⟨τ⟩⟨x⟩, −½ c⟨τ⟩), to a Gamma factor of
     its precision (−½ c Π_other⟨τ⟩ ⟨(x − m)²⟩, ½), to its selector E ln N per component
@@ -260,6 +270,8 @@ def message(plan: Plan, q: dict, c: Site, role: str, to: Site, offset=None) -> l
     p = c.params[role]
     if p.terms or p.bilinear is not None:  # an affine or bilinear loc
         pr = mw + o["c"] + o["T1"]
+        if role == "loc" and _chain_to_matrix(plan, q, c, to):  # x_t's lag-one moments
+            return gaussian_chain.matrix_message(plan, q, c, pr)
         return linear_maps.message(plan, q, p, to.name, pr, o["X1"][0][0])
     rename = p.rename if to.name == p.parent else dict(p.factors)[to.name]
     out = tuple(rename[d] for d in to.dims)

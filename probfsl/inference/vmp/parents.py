@@ -29,6 +29,7 @@ from probfsl.inference.vmp.checks import check_parameters, data_device, refuse
 from probfsl.inference.vmp.context import CompileContext
 from probfsl.inference.vmp.family import lookup
 from probfsl.inference.vmp.layout import TASKS, Param, Plan, Site, to_pyro
+from probfsl.inference.vmp.matrix_maps import is_matrix, matrix_vector_map
 from probfsl.inference.vmp.monomials import plain
 from probfsl.inference.vmp.parameter_maps import SCALED, described, nearby_hint, param_map
 from probfsl.inference.vmp.tracing import (
@@ -216,7 +217,8 @@ def _alone(ctx: CompileContext, name: str) -> Callable[[], dict[str, torch.Tenso
 def _parameter_map(ctx: CompileContext, site: Site, key: str, parents: list[str]) -> Param:
     """How ``parents`` enter parameter ``key`` of ``site``: a (selected, scaled) copy, a
     product or a selected table (:func:`~probfsl.inference.vmp.parameter_maps.param_map`),
-    else, for the family's affine parameter, an affine map of Gaussian sites, else a
+    else, for the family's affine parameter, a latent matrix times a latent vector
+    (:mod:`~probfsl.inference.vmp.matrix_maps`), an affine map of Gaussian sites, else a
     bilinear map of two."""
     try:
         return param_map(ctx, site, key, parents)
@@ -226,6 +228,8 @@ def _parameter_map(ctx: CompileContext, site: Site, key: str, parents: list[str]
             lookup(sites[p].family).labels for p in parents
         ):
             raise
+        if any(is_matrix(sites[p]) for p in parents):  # M x with M a latent matrix
+            return matrix_vector_map(ctx, site, key, parents)
         try:
             return linear_map(ctx, site, key, parents)
         except ValueError:
