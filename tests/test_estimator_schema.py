@@ -240,6 +240,7 @@ def test_the_methods_without_a_second_d_keep_only_the_base_mean(saved):
             "background_within_",
             "background_between_",
             "background_shrinkage_",
+            "background_odds_scale_",
         }, name
 
 

@@ -211,6 +211,7 @@ def test_evidence_lssvm_fit_learns_the_base_classes(task):
         "background_between_",
         "background_within_",
         "background_shrinkage_",
+        "background_odds_scale_",
     }
     torch.testing.assert_close(est.base_mean_, ref.base_mean_)
     assert not hasattr(est, "coef_")

@@ -269,8 +269,9 @@ def test_outlier_posterior_monotone_in_distance(name, fitted, omniglot):
 
 
 def test_inductive_open_column_is_the_formula(fitted, omniglot):
-    """nearest centroid's last column is the two-covariance enumeration, known columns its
-    own probabilities times 1 - P(open)."""
+    """nearest centroid's last column is the two-covariance posterior of "open", its
+    log-odds scaled by the temperature learnt on held-out base classes, the known
+    columns its own probabilities times 1 - P(open)."""
     est: NearestCentroid = fitted["nearest-centroid"]
     episodes = open_episodes(omniglot, 2).to(dtype=torch.float64)
     got = est.predict_proba_open(episodes)
@@ -280,9 +281,12 @@ def test_inductive_open_column_is_the_formula(fitted, omniglot):
     q = center_and_normalize(episodes.query, est.base_mean_)
     stats = est.background_stats(q)
     class_ll, bg_ll = two_covariance_log_liks(s, episodes.support_labels, q, WAY, stats)
+    scale = est.background_odds_scale_
+    assert 0 < scale < 1  # 64-d Gaussians are over-confident on held-out classes
     for t, i in itertools.product(range(2), range(3)):
-        ll = torch.cat([class_ll[t, i] + np.log(0.5 / WAY), bg_ll[t, i : i + 1] + np.log(0.5)])
-        want = torch.softmax(ll, -1)[-1]
+        closed = float(np.log(np.exp(class_ll[t, i].numpy()).mean()))
+        odds = scale * (float(bg_ll[t, i]) - closed)  # prior odds 0.5 / 0.5 = 1
+        want = torch.tensor(1 / (1 + np.exp(-odds)), dtype=torch.float64)
         torch.testing.assert_close(got[t, i, -1], want)
     proba = est.predict_proba(episodes)
     torch.testing.assert_close(got[..., :WAY], proba * (1 - got[..., -1:]))
@@ -390,6 +394,7 @@ def test_em_dirichlet_open_column_is_inductive(fitted, omniglot):
     class_ll, bg_ll = two_covariance_log_liks(
         s, episodes.support_labels, q, WAY, est.background_stats(q)
     )
-    torch.testing.assert_close(got[..., -1], open_posterior(class_ll, bg_ll, 0.5)[..., -1])
+    scale = est.background_odds_scale_
+    torch.testing.assert_close(got[..., -1], open_posterior(class_ll, bg_ll, 0.5, scale)[..., -1])
     proba = est.predict_proba(episodes)
     torch.testing.assert_close(got[..., :WAY], proba * (1 - got[..., -1:]))

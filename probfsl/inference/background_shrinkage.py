@@ -26,7 +26,7 @@ import math
 
 import torch
 
-__all__ = ["FOLDS", "GRID", "held_out_evidence", "select_shrinkage"]
+__all__ = ["FOLDS", "GRID", "class_folds", "held_out_evidence", "select_shrinkage"]
 
 #: the shrinkages tried, λ (a fraction of the mean variance added to every variance)
 GRID = (1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
@@ -44,6 +44,22 @@ def _class_scatter(features: torch.Tensor, inverse: torch.Tensor, n_classes: int
     return features - means[inverse], counts
 
 
+def class_folds(
+    labels: torch.Tensor, folds: int = FOLDS, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Each sample's class index ``inverse`` [N] (0..C-1, in the sorted order of the
+    labels), each class's fold ``fold_of`` [C] (a seeded permutation of the classes dealt
+    round-robin) and the number of folds, min(``folds``, C)."""
+    _, inverse = labels.unique(return_inverse=True)
+    n_classes = int(inverse.max()) + 1
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(n_classes, generator=generator, device="cpu").to(labels.device)
+    n_folds = min(folds, n_classes)
+    fold_of = torch.empty_like(order)
+    fold_of[order] = torch.arange(n_classes, device=labels.device) % n_folds
+    return inverse, fold_of, n_folds
+
+
 def held_out_evidence(
     features: torch.Tensor,
     labels: torch.Tensor,
@@ -54,20 +70,15 @@ def held_out_evidence(
     """The held-out classes' within-class log-likelihood per λ of ``grid`` ``[len(grid)]``,
     summed over ``folds`` folds of classes (a seeded split; module docstring). ``-inf``
     everywhere when fewer than two classes have two samples."""
-    _, inverse = labels.unique(return_inverse=True)
-    n_classes = int(inverse.max()) + 1
-    dev, counts = _class_scatter(features, inverse, n_classes)
+    inverse, fold_of, n_folds = class_folds(labels.to(features.device), folds, seed)
+    dev, counts = _class_scatter(features, inverse, fold_of.shape[0])
     lam = torch.tensor(grid, dtype=features.dtype, device=features.device)
     usable = counts >= 2
     if int(usable.sum()) < 2:
         return torch.full_like(lam, -math.inf)
-    generator = torch.Generator().manual_seed(seed)
-    order = torch.randperm(n_classes, generator=generator, device="cpu").to(features.device)
-    fold_of = torch.empty_like(order)
-    fold_of[order] = torch.arange(n_classes, device=features.device) % min(folds, n_classes)
     d = features.shape[1]
     total, scored = torch.zeros_like(lam), False
-    for fold in range(min(folds, n_classes)):
+    for fold in range(n_folds):
         held = (fold_of == fold) & usable
         train = (fold_of != fold)[inverse]
         if not (bool(held.any()) and bool((usable & (fold_of != fold)).any())):

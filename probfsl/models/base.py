@@ -78,8 +78,10 @@ BASE_MEAN = Group("fit_base", {"base_mean_": Tensor("D", bound=FEATURE_BOUND)})
 #: class means ``background_mean_ [D]``, pooled within-class covariance
 #: ``background_within_ [D, D]`` and between-class covariance ``background_between_ [D, D]``
 #: (:func:`probfsl.inference.background.fit_background`), both shrunk by
-#: ``background_shrinkage_`` (:func:`probfsl.inference.background_shrinkage.select_shrinkage`;
-#: absent from files saved before it was chosen)
+#: ``background_shrinkage_`` (:func:`probfsl.inference.background_shrinkage.select_shrinkage`),
+#: and the scale of the inductive open log-odds ``background_odds_scale_``
+#: (:func:`probfsl.inference.open_temperature.select_open_temperature`); these two are
+#: absent from files saved before they were chosen
 BACKGROUND = Group(
     "fit_base",
     {
@@ -87,8 +89,9 @@ BACKGROUND = Group(
         "background_within_": Tensor("D", "D", bound=FEATURE_BOUND),
         "background_between_": Tensor("D", "D", bound=FEATURE_BOUND),
         "background_shrinkage_": Real(nonnegative=True),
+        "background_odds_scale_": Real(positive=True),
     },
-    optional=frozenset({"background_shrinkage_"}),
+    optional=frozenset({"background_shrinkage_", "background_odds_scale_"}),
 )
 #: the declaration of the ``open_prior`` hyperparameter: the prior probability π_0 that a
 #: query belongs to none of the task's classes (inductive methods: fixed; transductive
@@ -383,7 +386,9 @@ class OpenSetBackground:
     The inductive posterior (:meth:`inductive_open`) reads the method's features through
     the two-covariance model of the base classes
     (:func:`~probfsl.inference.background.two_covariance_log_liks`): the last column is
-    P(z = 0 | x) with prior π_0 = ``open_prior``, and the known columns are the method's
+    P(z = 0 | x) with prior π_0 = ``open_prior``, its log-odds scaled by
+    ``background_odds_scale_`` (:mod:`probfsl.inference.open_temperature`), and the known
+    columns are the method's
     own closed-set probabilities times 1 - P(z = 0 | x), so their argmax is
     :meth:`predict_proba`'s.
     """
@@ -394,12 +399,19 @@ class OpenSetBackground:
         """Store the background statistics of preprocessed base ``features`` [N, D], their
         covariances shrunk by the λ that held-out base classes prefer
         (:func:`~probfsl.inference.background_shrinkage.select_shrinkage`), kept as
-        ``background_shrinkage_``."""
+        ``background_shrinkage_``, and the scale of the inductive open log-odds learnt on
+        episodes of held-out base classes
+        (:func:`~probfsl.inference.open_temperature.select_open_temperature`), kept as
+        ``background_odds_scale_``."""
         from probfsl.inference.background import fit_background
         from probfsl.inference.background_shrinkage import select_shrinkage
+        from probfsl.inference.open_temperature import select_open_temperature
 
         labels = labels.to(features.device)
         self.background_shrinkage_ = select_shrinkage(features, labels)
+        self.background_odds_scale_ = select_open_temperature(
+            features, labels, self.background_shrinkage_
+        )
         stats = fit_background(features, labels, self.background_shrinkage_)
         self.background_mean_, self.background_within_, self.background_between_ = stats
 
@@ -432,7 +444,8 @@ class OpenSetBackground:
         class_ll, background_ll = two_covariance_log_liks(
             support, episodes.support_labels, query, episodes.way, stats
         )
-        p_open = open_posterior(class_ll, background_ll, self.open_prior)[..., -1]
+        scale = getattr(self, "background_odds_scale_", 1.0)  # 1 for older saved files
+        p_open = open_posterior(class_ll, background_ll, self.open_prior, scale)[..., -1]
         return attach_open(proba, p_open.to(proba))
 
 

@@ -1,0 +1,103 @@
+"""The temperature of the inductive open log-odds: its fit recovers a known scale, it
+leaves the ranking of the queries alone, the held-out episodes are what they claim, and
+the fallbacks."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from probfsl import make_estimator
+from probfsl.evaluation.open_set import auroc
+from probfsl.inference.background import open_posterior
+from probfsl.inference.background_shrinkage import class_folds
+from probfsl.inference.open_temperature import (
+    GRID,
+    _episodes,
+    fit_scale,
+    held_out_open_log_odds,
+    select_open_temperature,
+)
+from probfsl.models.base import FewShotClassifier
+
+
+def _classes(n_classes, per_class, dim, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    means = 2 * torch.randn(n_classes, dim, generator=g, dtype=torch.float64)
+    labels = torch.arange(n_classes).repeat_interleave(per_class)
+    return means[labels] + torch.randn(len(labels), dim, generator=g, dtype=torch.float64), labels
+
+
+def test_the_fit_recovers_the_scale_that_made_the_labels():
+    g = torch.Generator().manual_seed(0)
+    odds = 8 * torch.randn(40000, generator=g, dtype=torch.float64)
+    for true in (0.1, 0.3, 1.0):
+        is_open = torch.rand(40000, generator=g, dtype=torch.float64) < torch.sigmoid(true * odds)
+        got = fit_scale(odds, is_open)
+        nearest = min(GRID, key=lambda a: abs(math.log(a / true)))
+        assert abs(math.log(got / nearest)) <= math.log(GRID[1] / GRID[0]) + 1e-9, (true, got)
+
+
+def test_scale_one_is_bayes_rule_and_any_scale_keeps_the_ranking():
+    g = torch.Generator().manual_seed(1)
+    class_ll = torch.randn(3, 7, 4, generator=g, dtype=torch.float64) * 5
+    background_ll = torch.randn(3, 7, generator=g, dtype=torch.float64) * 5
+    prior = 0.3
+    joint = torch.cat(
+        [
+            (class_ll + math.log((1 - prior) / 4)).exp(),
+            (background_ll + math.log(prior)).exp().unsqueeze(-1),
+        ],
+        -1,
+    )
+    torch.testing.assert_close(
+        open_posterior(class_ll, background_ll, prior), joint / joint.sum(-1, keepdim=True)
+    )
+    is_open = torch.rand(3, 7, generator=g) < 0.5
+    is_open[:, 0], is_open[:, 1] = True, False
+    tempered = open_posterior(class_ll, background_ll, prior, 0.2)
+    torch.testing.assert_close(tempered.sum(-1), torch.ones(3, 7, dtype=torch.float64))
+    plain = open_posterior(class_ll, background_ll, prior)
+    torch.testing.assert_close(auroc(tempered[..., -1], is_open), auroc(plain[..., -1], is_open))
+    # the known columns keep the classes' order
+    assert torch.equal(tempered[..., :-1].argmax(-1), class_ll.argmax(-1))
+
+
+def test_held_out_episodes_keep_known_and_open_classes_apart():
+    _, labels = _classes(12, 20, 3)
+    inverse, fold_of, _ = class_folds(labels)
+    fold_classes = (fold_of == 0).nonzero().squeeze(1)
+    support, query, support_labels, open_mask = _episodes(
+        fold_classes, inverse, 5, 1, torch.Generator().manual_seed(0)
+    )
+    way = int(support_labels.max()) + 1
+    assert way == min(5, len(fold_classes) - 1)
+    for t in range(support.shape[0]):
+        known = inverse[support[t]]
+        assert torch.isin(inverse[query[t]], fold_classes).all()
+        assert torch.isin(inverse[query[t][~open_mask[t]]], known).all()
+        assert not torch.isin(inverse[query[t][open_mask[t]]], known).any()
+        assert open_mask[t].sum() == (~open_mask[t]).sum()
+        assert len(torch.unique(known)) == way
+        for j in range(way):  # a support label names one class
+            assert inverse[support[t]][support_labels[t] == j].unique().numel() == 1
+
+
+def test_too_few_classes_leave_the_odds_alone():
+    x, labels = _classes(4, 6, 3)  # folds of one or two classes: no episode
+    odds, is_open = held_out_open_log_odds(x, labels, 1e-3)
+    assert odds.numel() == 0 and is_open.numel() == 0
+    assert select_open_temperature(x, labels, 1e-3) == 1.0
+
+
+def test_an_estimator_keeps_its_scale_and_older_files_read_the_odds_unscaled(tmp_path):
+    x, labels = _classes(30, 12, 8, seed=2)
+    est = make_estimator("nearest-centroid").fit_base(x.float(), labels)
+    assert est.background_odds_scale_ in GRID
+    path = tmp_path / "nc.pt"
+    est.save(path)
+    assert FewShotClassifier.load(path).background_odds_scale_ == est.background_odds_scale_
+    del est.background_odds_scale_  # as a file saved before the scale was learnt
+    est.save(path)
+    assert not hasattr(FewShotClassifier.load(path), "background_odds_scale_")
