@@ -157,16 +157,22 @@ def contracted_axis(child: Site, parent: Site, dims: tuple, desc: str) -> str | 
     return axis
 
 
-def _refuse_unless_affine(
-    value: torch.Tensor, leaf: torch.Tensor, child: Site, parent: Site, desc: str
+def refuse_unless_affine(
+    value: torch.Tensor,
+    leaf: torch.Tensor,
+    child: Site,
+    parent: Site,
+    desc: str,
+    supported: str = "linear maps of Normal sites are supported",
 ) -> None:
     """``ValueError`` unless ``value`` depends on ``leaf`` (the parent's value) and is
-    affine in it (its gradient does not depend on it)."""
+    affine in it (its gradient does not depend on it); the refusal says what is
+    ``supported`` and the operations the parent goes through."""
     with torch.enable_grad():
         ones = torch.ones_like(value)
         (grad,) = torch.autograd.grad(value, leaf, ones, create_graph=True, allow_unused=True)
         if grad is None:
-            raise refuse(child.name, child.fn_name, desc, "it does not depend on the parent")
+            raise refuse(child.name, child.fn_name, desc, f"it does not depend on {parent.name!r}")
         if grad.requires_grad:
             (second,) = torch.autograd.grad(grad.sum(), leaf, retain_graph=True, allow_unused=True)
             if second is not None:
@@ -174,9 +180,8 @@ def _refuse_unless_affine(
                     child.name,
                     child.fn_name,
                     repr(parent.name) + f" ({parent.fn_name})",
-                    "the parent enters non-linearly (linear maps of Normal sites are "
-                    "supported; this parent enters through "
-                    f"{non_affine_operations(value, leaf)})",
+                    f"the parent enters non-linearly ({supported}; this parent enters "
+                    f"through {non_affine_operations(value, leaf)})",
                 )
 
 
@@ -247,7 +252,7 @@ def linear_map(ctx: CompileContext, child: Site, key: str, parents: list[str]) -
     terms, offset = [], value.detach()
     for w in sites:
         axis = contracted_axis(child, w, dims, desc)
-        _refuse_unless_affine(value, leaves[w.name], child, w, desc)
+        refuse_unless_affine(value, leaves[w.name], child, w, desc)
         jac = _jacobian(value, leaves[w.name], axis)
         jac_dims = dims + ((axis,) if axis else ())
         over = dims + ((axis,) if axis else ())

@@ -27,7 +27,7 @@ import contextlib
 
 import torch
 
-from probfsl.inference.vmp.affine_maps import agrees, as_function
+from probfsl.inference.vmp.affine_maps import agrees, as_function, refuse_unless_affine
 from probfsl.inference.vmp.checks import refuse
 from probfsl.inference.vmp.context import CompileContext
 from probfsl.inference.vmp.einsum import ein
@@ -93,7 +93,14 @@ def matrix_vector_map(ctx: CompileContext, child: Site, key: str, parents: list[
         raise refuse(child.name, child.fn_name, desc, f"its {key} does not depend on them")
     with torch.enable_grad():
         for w in (m, x):
-            _refuse_unless_linear(value, leaves[w.name], child, w, desc)
+            refuse_unless_affine(
+                value,
+                leaves[w.name],
+                child,
+                w,
+                desc,
+                "a product M x of a latent matrix and a latent vector is supported",
+            )
         h = _mixed_derivative(value, leaves[m.name], leaves[x.name])
     # H per entry i of the location, row k and column j of M, entry l of x
     h_dims = dims + (rows, cols, axis_x)
@@ -129,28 +136,6 @@ def matrix_vector_map(ctx: CompileContext, child: Site, key: str, parents: list[
             w.joint = True
             sizes[axis + "b"] = sizes[axis]
     return Param(dims, const=const, const_dims=const_dims, bilinear=term)
-
-
-def _refuse_unless_linear(
-    value: torch.Tensor, leaf: torch.Tensor, child: Site, parent: Site, desc: str
-) -> None:
-    """``ValueError`` unless ``value`` depends on ``leaf`` and its gradient in ``leaf`` does
-    not (affine in that parent: a structural property of the graph)."""
-    (grad,) = torch.autograd.grad(
-        value, leaf, torch.ones_like(value), create_graph=True, allow_unused=True
-    )
-    if grad is None:
-        raise refuse(child.name, child.fn_name, desc, f"it does not depend on {parent.name!r}")
-    if grad.requires_grad:
-        (second,) = torch.autograd.grad(grad.sum(), leaf, retain_graph=True, allow_unused=True)
-        if second is not None:
-            raise refuse(
-                child.name,
-                child.fn_name,
-                desc,
-                f"{parent.name!r} enters non-linearly (a product M x of a latent matrix "
-                "and a latent vector is supported)",
-            )
 
 
 def _mixed_derivative(value: torch.Tensor, leaf_m: torch.Tensor, leaf_x: torch.Tensor):
