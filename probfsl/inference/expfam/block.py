@@ -21,6 +21,15 @@ def sum_last(x: torch.Tensor, n: int) -> torch.Tensor:
     return x.sum(tuple(range(-n, 0))) if n else x
 
 
+def sum_terms(terms) -> torch.Tensor | int:
+    """The sum of ``terms`` from left to right (0 for none), without adding the first
+    term to 0: each addition of a Python number is a tensor operation of its own."""
+    total = None
+    for t in terms:
+        total = t if total is None else total + t
+    return 0 if total is None else total
+
+
 def logdet(m: torch.Tensor) -> torch.Tensor:
     """ln|m| of symmetric positive-definite matrices, by Cholesky."""
     return chol_logdet(torch.linalg.cholesky(m))
@@ -28,7 +37,7 @@ def logdet(m: torch.Tensor) -> torch.Tensor:
 
 def chol_logdet(chol: torch.Tensor) -> torch.Tensor:
     """ln|L Lᵀ| from the Cholesky factor L."""
-    return 2 * chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+    return 2.0 * chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
 
 
 def spd_inverse(m: torch.Tensor) -> torch.Tensor:
@@ -74,9 +83,10 @@ class Block(ABC):
 
     def expected_log_prob(self, stats: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """E[ln self(x)] = η·⟨u(x)⟩ − A(η) for the expected statistics ``stats`` of x."""
-        total = 0
-        for eta, s, n in zip(self.natural(), stats, self._stat_dims, strict=True):
-            total = total + sum_last(eta * s, n)
+        total = sum_terms(
+            sum_last(eta * s, n)
+            for eta, s, n in zip(self.natural(), stats, self._stat_dims, strict=True)
+        )
         return sum_last(total - self._log_normalizer(), self.event_dim)
 
     def entropy(self) -> torch.Tensor:

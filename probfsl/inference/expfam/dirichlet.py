@@ -19,10 +19,10 @@ class Dirichlet(Block):
 
     @classmethod
     def from_natural(cls, eta: torch.Tensor, event_dim: int = 0) -> Dirichlet:
-        return cls(eta + 1, event_dim)
+        return cls(eta + 1.0, event_dim)
 
     def natural(self):
-        return (self.concentration - 1,)
+        return (self.concentration - 1.0,)
 
     def expected_stats(self):
         a = self.concentration

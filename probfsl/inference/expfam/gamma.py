@@ -20,10 +20,10 @@ class Gamma(Block):
 
     @classmethod
     def from_natural(cls, eta1: torch.Tensor, eta2: torch.Tensor, event_dim: int = 0) -> Gamma:
-        return cls(eta2 + 1, -eta1, event_dim)
+        return cls(eta2 + 1.0, -eta1, event_dim)
 
     def natural(self):
-        return -self.rate, self.shape - 1
+        return -self.rate, self.shape - 1.0
 
     def expected_stats(self):
         return self.shape / self.rate, torch.special.digamma(self.shape) - self.rate.log()

@@ -32,7 +32,7 @@ class MultivariateNormal(Block):
     def from_natural(
         cls, eta1: torch.Tensor, eta2: torch.Tensor, event_dim: int = 0
     ) -> MultivariateNormal:
-        precision = -2 * eta2
+        precision = -2.0 * eta2
         chol = torch.linalg.cholesky(precision)
         loc = torch.cholesky_solve(eta1.unsqueeze(-1), chol)
         return cls(loc.squeeze(-1), precision, event_dim, chol)

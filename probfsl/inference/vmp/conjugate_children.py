@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from probfsl.inference.expfam.block import sum_terms
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.family import lookup
 from probfsl.inference.vmp.layout import Plan, Site, stat_dims
@@ -49,10 +50,15 @@ def _data_dims(s: Site) -> tuple:
 
 def _linear_sum(plan: Plan, out: tuple, terms: list, extra: list, over: tuple) -> torch.Tensor:
     """Σ over ``over`` of Σ_j sign_j Π operands_j, each times the operands ``extra``."""
-    total = 0
-    for sign, ops in terms:
-        total = total + sign * ein(out, extra + ops, over, plan.sizes, plan.ref, expand=False)
-    return total
+    return sum_terms(
+        _signed(sign, ein(out, extra + ops, over, plan.sizes, plan.ref, expand=False))
+        for sign, ops in terms
+    )
+
+
+def _signed(sign: int, t: torch.Tensor) -> torch.Tensor:
+    """``sign · t`` (``t`` itself for a sign of 1)."""
+    return t if sign == 1 else sign * t
 
 
 def loglik(plan: Plan, q: dict, s: Site, out: tuple, with_weights: bool) -> torch.Tensor:
@@ -65,9 +71,9 @@ def loglik(plan: Plan, q: dict, s: Site, out: tuple, with_weights: bool) -> torc
     M = [] if s.mask is None else [(s.mask, s.mask_dims)]
     extra = M + (W if with_weights else [])
     over = _data_dims(s) + ((comp,) if comp else ())
-    total = _linear_sum(plan, out, const, extra, over)
-    for terms, stat in zip(coefs, u, strict=True):
-        total = total + _linear_sum(plan, out, terms, extra + [stat], over)
+    parts = [(const, extra)] if const else []
+    parts += [(terms, extra + [stat]) for terms, stat in zip(coefs, u, strict=True)]
+    total = sum_terms(_linear_sum(plan, out, terms, ops, over) for terms, ops in parts)
     return total.expand([plan.sizes[x] for x in out])
 
 

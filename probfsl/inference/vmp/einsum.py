@@ -51,35 +51,55 @@ def ein(
     multiplies the sum by its size; an axis of ``out`` that no operand has is broadcast (kept
     at size 1 with ``expand=False``). ``ref`` gives the dtype and device of an empty product.
     """
-    dims = tuple(tuple(d) for _, d in ops)
-    spec, extra, kept, identity, has = _spec(tuple(out), dims, tuple(over))
-    if identity:
-        res = ops[0][0]
-    elif ops:
-        res = _evaluate(spec, dims, kept, [t for t, _ in ops])
-    else:
-        res = torch.ones((), dtype=ref.dtype, device=ref.device)
-    n_extra = math.prod(sizes[d] for d in extra)
-    if n_extra != 1:
-        res = res * n_extra
-    if len(kept) < len(out):
-        shape = [sizes[d] if h else 1 for d, h in zip(out, has, strict=True)]
-        res = res.reshape(shape)
+    tensors = [t for t, _ in ops]
+    dims = tuple([tuple(d) for _, d in ops])
+    shapes = tuple([t.shape for t in tensors])
+    extra, kept, has, how, route = _recipe(tuple(out), dims, tuple(over), shapes)
+    if how == "identity":
+        res = tensors[0]
+    elif how == "product":
+        res = _product(tensors, *route)
+    elif how == "pairs":
+        res = _contract(tensors, *route)
+    elif how == "einsum":
+        res = torch.einsum(route, *tensors)
+    else:  # the empty product, 1, times the sizes of the summed axes
+        n_extra = math.prod(sizes[d] for d in extra)
+        res = torch.full((), n_extra, dtype=ref.dtype, device=ref.device)
+        extra = ()
+    if extra:
+        n_extra = math.prod(sizes[d] for d in extra)
+        if n_extra != 1:  # as a float where it can be: an int costs a conversion per call
+            res = res * (float(n_extra) if res.is_floating_point() else n_extra)
+    if has is not None:
+        res = res.reshape([sizes[d] if h else 1 for d, h in zip(out, has, strict=True)])
         if expand:
             res = res.expand([sizes[d] for d in out])
     return res
 
 
-def _shapes(tensors: list) -> tuple:
-    return tuple(tuple(t.shape) for t in tensors)
-
-
-def _evaluate(spec: str, dims: tuple, kept: tuple, tensors: list) -> torch.Tensor:
-    """The contraction ``spec`` of ``tensors`` (axes ``dims``) into the axes ``kept``: an
-    elementwise product where nothing is summed (:func:`_product_route`), else
-    :func:`contract`."""
-    route = _product_route(dims, kept, _shapes(tensors))
-    return contract(spec, tensors) if route is None else _product(tensors, *route)
+@lru_cache(maxsize=4096)
+def _recipe(out: tuple, dims: tuple, over: tuple, shapes: tuple) -> tuple:
+    """How :func:`ein` evaluates a named contraction on operands of these shapes, worked
+    out once: the summed axes no operand has, the output axes some operand has, which
+    output axes are present (``None``: all are), and the evaluation: ``"identity"`` (the
+    single operand unchanged), ``"product"`` (:func:`_product_route`), ``"pairs"``
+    (:func:`_order`), ``"einsum"`` (``torch.einsum`` on the specification) or ``"empty"``
+    (no operand)."""
+    spec, extra, kept, identity, has = _spec(out, dims, over)
+    has = None if len(kept) == len(out) else has
+    if identity:
+        return extra, kept, has, "identity", None
+    if not dims:
+        return extra, kept, has, "empty", None
+    shapes = tuple(tuple(s) for s in shapes)
+    route = _product_route(dims, kept, shapes)
+    if route is not None:
+        return extra, kept, has, "product", route
+    steps, last = _order(spec, shapes)
+    if last is None:
+        return extra, kept, has, "einsum", spec
+    return extra, kept, has, "pairs", (steps, last)
 
 
 @lru_cache(maxsize=4096)
@@ -248,9 +268,15 @@ def contract(spec: str, tensors: list) -> torch.Tensor:
     has no such route. A ``torch.einsum`` call costs 20 µs on small operands, mostly in
     parsing its equation, against 4 µs for a ``bmm`` of views. Run it inside
     :func:`sweeping`."""
-    steps, last = _order(spec, tuple(t.shape for t in tensors))
+    steps, last = _order(spec, tuple(tuple(t.shape) for t in tensors))
     if last is None:
         return torch.einsum(spec, *tensors)
+    return _contract(tensors, steps, last)
+
+
+def _contract(tensors: list, steps: tuple, last: tuple) -> torch.Tensor:
+    """:func:`contract` along the pairs ``steps`` and the final route ``last``
+    (:func:`_order`)."""
     tensors = list(tensors)
     for i, j, route in steps:
         y = tensors.pop(j)

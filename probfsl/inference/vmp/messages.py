@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from probfsl.inference import expfam
-from probfsl.inference.expfam.block import sum_last
+from probfsl.inference.expfam.block import sum_last, sum_terms
 from probfsl.inference.vmp import conjugate_children, dirichlet_points, gaussian_chain
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.family import lookup
@@ -51,9 +51,10 @@ def site_elbo(plan: Plan, q: dict, name: str) -> torch.Tensor:
         return conjugate_children.loglik(plan, q, s, out, with_weights=True)
     # E ln p = Σ_i η_i·⟨u_i⟩ − A(η) with η and Σ A fixed (computed once per plan)
     block, eta, a_total = prior(plan, s)
-    lp = 0
-    for t, u, n in zip(eta, expected_stats(plan, q, name), block._stat_dims, strict=True):
-        lp = lp + sum_last(t * u, n)
+    lp = sum_terms(
+        sum_last(t * u, n)
+        for t, u, n in zip(eta, expected_stats(plan, q, name), block._stat_dims, strict=True)
+    )
     return sum_tasks(sum_last(lp, block.event_dim)) - a_total
 
 
@@ -103,22 +104,22 @@ def sum_tasks(t: torch.Tensor) -> torch.Tensor:
 def elbo(plan: Plan, q: dict) -> torch.Tensor:
     """Σ_sites E ln p(x | pa) + Σ_latent H[q] per task (Winn & Bishop §3.3); with point
     estimates θ, the bound of p(data | θ) (variational EM)."""
-    total, no_site, no_entropy = 0, set(), set()
+    terms, no_site, no_entropy = [], set(), set()
     for name in plan.latent:  # Categorical factors just updated (see _lse_applies)
         hit = plan.cache.get(("lse", name))
         if hit is not None and hit[0] is q[name]:  # the very factor (tuple) it came from
             if all(q[n] is v for n, v in hit[2]):
-                total = total + hit[1]
+                terms.append(hit[1])
                 no_site.update([name] + [c for c, _ in plan.children[name]])
                 no_entropy.add(name)
     for name, s in plan.sites.items():
         if s.point:  # a point estimate has neither a prior term nor an entropy
             continue
         if name not in no_site:
-            total = total + site_elbo(plan, q, name)
+            terms.append(site_elbo(plan, q, name))
         if not s.observed and name not in no_entropy:
-            total = total + sum_tasks(entropy(plan, q, name))
-    return total
+            terms.append(sum_tasks(entropy(plan, q, name)))
+    return sum_terms(terms)
 
 
 def lse_applies(plan: Plan, s: Site) -> bool:

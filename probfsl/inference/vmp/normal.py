@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from probfsl.inference.expfam.block import sum_terms
 from probfsl.inference.vmp import gaussian_chain, linear_maps
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.layout import LOG_2PI, Plan, Site, derived, power_axis
@@ -145,7 +146,7 @@ def loglik(plan, o, out, weights, offset=None):
         small = small + 0.5 * e(mw + o["lnc"])
     for log_tau in o["T2"]:  # ⟨ln τ⟩ of each factor of the precision
         small = small + 0.5 * e(mw + log_tau)
-    small = small - 0.5 * sum(e(pr + t) for t in o["L2"])
+    small = small - 0.5 * sum_terms(e(pr + t) for t in o["L2"])
     if offset is not None:
         small = small + offset
     if o["observed"] and o["XL"] is not None and o["XL"][0] is o["X1"][0] and len(o["L1"]) == 1:
@@ -229,7 +230,7 @@ def _weighted_message(plan, q, c: Site, o: dict, role: str, out: tuple, others: 
     quad = (
         ein(out, cc + w(2), out, sizes, ref)
         - 2 * ein(out, cc + w(1) + o["L1"], out, sizes, ref)
-        + sum(ein(out, cc + w(0) + t, out, sizes, ref) for t in o["L2"])
+        + sum_terms(ein(out, cc + w(0) + t, out, sizes, ref) for t in o["L2"])
     )
     s0 = _weighted(plan, q, c, o, out, 0)  # ½ S0 stays broadcast where S0 is (Gamma update)
     return [-0.5 * quad, (0.5 * compact(s0)).expand(s0.shape)]
@@ -289,5 +290,5 @@ def message(plan: Plan, q: dict, c: Site, role: str, to: Site, offset=None) -> l
         pr = mw + o["c"] + o["T1"]
         return [e(pr + o["X1"]), -0.5 * e(pr)]
     cc = mw + o["c"] + others
-    quad = e(cc + o["X2"]) - 2 * e(cc + o["XL"]) + sum(e(cc + t) for t in o["L2"])
+    quad = e(cc + o["X2"]) - 2.0 * e(cc + o["XL"]) + sum_terms(e(cc + t) for t in o["L2"])
     return [-0.5 * quad, 0.5 * e(mw)]
