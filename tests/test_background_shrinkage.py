@@ -107,3 +107,10 @@ def test_an_estimator_keeps_the_chosen_shrinkage_and_loads_files_without_it(tmp_
     del est.background_shrinkage_  # a file saved before the shrinkage was chosen
     est.save(path)
     assert not hasattr(FewShotClassifier.load(path), "background_shrinkage_")
+
+
+def test_identical_samples_fall_back_to_the_default():
+    """Every class a single repeated point: no within-class spread to score."""
+    labels = torch.arange(6).repeat_interleave(4)
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))[labels]
+    assert select_shrinkage(x, labels) == DEFAULT

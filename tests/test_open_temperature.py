@@ -101,3 +101,10 @@ def test_an_estimator_keeps_its_scale_and_older_files_read_the_odds_unscaled(tmp
     del est.background_odds_scale_  # as a file saved before the scale was learnt
     est.save(path)
     assert not hasattr(FewShotClassifier.load(path), "background_odds_scale_")
+
+
+def test_infinite_odds_are_left_out_of_the_fit():
+    odds = torch.tensor([math.inf, -math.inf, math.nan, 2.0, -2.0], dtype=torch.float64)
+    is_open = torch.tensor([True, False, True, True, False])
+    assert fit_scale(odds, is_open) == fit_scale(odds[3:], is_open[3:])
+    assert fit_scale(odds[:3], is_open[:3]) == 1.0

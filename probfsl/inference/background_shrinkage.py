@@ -26,6 +26,8 @@ import math
 
 import torch
 
+from probfsl.inference.eigh import stable_eigh
+
 __all__ = ["FOLDS", "GRID", "class_folds", "held_out_evidence", "select_shrinkage"]
 
 #: the shrinkages tried, λ (a fraction of the mean variance added to every variance)
@@ -85,7 +87,7 @@ def held_out_evidence(
             continue  # no held-out class to score, or no within-class spread to fit
         scored = True
         within = dev[train].T @ dev[train] / train.sum()
-        eigenvalues, vectors = torch.linalg.eigh(within)
+        eigenvalues, vectors = stable_eigh(within)
         eigenvalues = eigenvalues.clamp_min(0)
         mean_variance = eigenvalues.mean()
         test = held[inverse]
@@ -105,7 +107,7 @@ def select_shrinkage(
     """The λ of ``grid`` with the largest :func:`held_out_evidence` of the base
     ``features`` [N, D] and ``labels`` [N]; :data:`DEFAULT` where the classes cannot be
     split."""
-    evidence = held_out_evidence(features, labels, grid)
-    if not bool(torch.isfinite(evidence).any()):
+    evidence = held_out_evidence(features, labels, grid).nan_to_num(nan=-math.inf)
+    if not bool(torch.isfinite(evidence).any()):  # degenerate spreads score nothing
         return DEFAULT
     return float(grid[int(evidence.argmax())])

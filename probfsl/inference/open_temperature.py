@@ -113,7 +113,9 @@ def held_out_open_log_odds(
 
 def fit_scale(odds: torch.Tensor, is_open: torch.Tensor, grid: tuple[float, ...] = GRID) -> float:
     """The a of ``grid`` with the smallest log loss of σ(a · odds + logit f) against
-    ``is_open``, f the open fraction of the episodes; 1 for no episodes."""
+    ``is_open``, f the open fraction of the episodes, over the finite odds; 1 for none."""
+    finite = torch.isfinite(odds)  # degenerate base classes can give infinite odds
+    odds, is_open = odds[finite], is_open[finite]
     if odds.numel() == 0:
         return 1.0
     scales = torch.tensor(grid, dtype=odds.dtype, device=odds.device)
