@@ -21,6 +21,7 @@ from probfsl.inference import VMP
 from probfsl.inference.vmp import MeanFieldWarning
 from probfsl.inference.vmp.grouped_plates import JointOverPlate
 from probfsl.testing import ConformanceCase, assert_elbo_matches_pyro, check_engine
+from tests.test_vmp_logistic import logistic as event_logistic
 
 F64 = torch.float64
 
@@ -104,14 +105,6 @@ def plate_logistic(y, x, prior_var=2.0):
             w = pyro.sample("w", dist.Normal(x.new_tensor(0.0), prior_var**0.5))
         with pyro.plate("n", n, dim=-1):
             pyro.sample("y", dist.Bernoulli(logits=(x * w.unsqueeze(-2)).sum(-1)), obs=y)
-
-
-def event_logistic(y, x, prior_var=2.0):
-    t, n, p = x.shape
-    with pyro.plate("tasks", t, dim=-2):
-        w = pyro.sample("w", dist.Normal(x.new_zeros(p), prior_var**0.5).to_event(1))
-        with pyro.plate("n", n, dim=-1):
-            pyro.sample("y", dist.Bernoulli(logits=(x * w).sum(-1)), obs=y)
 
 
 def plate_regression_also_observed(y, z, x):
