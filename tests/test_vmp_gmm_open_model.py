@@ -61,15 +61,10 @@ def test_identical_rows_are_the_closed_model(omniglot):
     est = build_estimator("vmp-gmm", max_iter=15).fit_featureset(omniglot)
     episodes = sample_episodes(omniglot, 2, WAY, 1, 10, seed=2, dtype=torch.float64)
     x, labels, observed = est.engine_data(episodes)
-    start = est.engine(WAY, episodes.support.shape[1]).init(x, labels, observed).q["z"][0]
-    closed = partial(
-        vmp_gmm_model,
-        way=WAY,
-        prior_rate=est.a0 * est.within_var_,
-        alpha0=est.alpha0,
-        beta0=est.beta0,
-        a0=est.a0,
-    )
+    engine = est.engine(WAY, episodes.support.shape[1])
+    start = engine.init(x, labels, observed).q["z"][0]
+    closed = engine.model  # vmp_gmm_model with the estimator's priors
+    assert closed.func is vmp_gmm_model
     rows = est.component_priors(WAY)
     assert all(p.shape[0] == WAY for p in rows)
     runs = []

@@ -176,15 +176,23 @@ def support_refusal(site: str, fn: str, family: str, value: torch.Tensor, dims: 
     if found is None:
         return None
     bad, need = found
-    if not bool(bad.any()):
+    at = first_offender(bad)
+    if at is None:
         return None
-    at = tuple(int(i) for i in bad.nonzero()[0])
     return refuse(
         site,
         fn,
         "-",
         f"its data must be {need}; the entry at {position(dims, at)} is {float(value[at]):.6g}",
     )
+
+
+def first_offender(bad: torch.Tensor) -> tuple[int, ...] | None:
+    """The index of the first True entry of ``bad`` in row-major order (None if none):
+    the entry a refusal of data names."""
+    if not bool(bad.any()):
+        return None
+    return tuple(int(i) for i in bad.nonzero()[0])
 
 
 def position(dims: tuple, index: tuple) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from probfsl.inference.vmp.checks import refuse
+from probfsl.inference.vmp.checks import first_offender, refuse
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.family import lookup
 from probfsl.inference.vmp.layout import TASKS, Param, Plan, Site
@@ -66,9 +66,9 @@ def check_exposures(plan: Plan, s: Site, p: Param) -> None:
     bad = (zero > 0) & (s.value > 0)
     if s.mask is not None:
         bad = bad & (ein(dims, [(s.mask, s.mask_dims)], dims, sizes, s.value) > 0)
-    if not bool(bad.any()):
+    at = first_offender(bad)
+    if at is None:
         return
-    at = tuple(int(i) for i in bad.nonzero()[0])
     where = ", ".join(f"{'task' if d == TASKS else d} {i}" for d, i in zip(dims, at, strict=True))
     raise refuse(
         s.name,

@@ -8,7 +8,7 @@ from pyro.distributions import constraints
 
 from probfsl.inference import expfam
 from probfsl.inference.vmp import dirichlet_points
-from probfsl.inference.vmp.checks import position, refuse, simplex_tolerance
+from probfsl.inference.vmp.checks import first_offender, position, refuse, simplex_tolerance
 from probfsl.inference.vmp.family import Family, floored, register
 
 
@@ -47,9 +47,9 @@ class Dirichlet(Family):
         tol = simplex_tolerance(value.dtype, value.shape[-1])
         sums = value.sum(-1)
         bad = (value <= 0).any(-1) | ((sums - 1).abs() > tol)
-        if not bool(bad.any()):
+        at = first_offender(bad)
+        if at is None:
             return None
-        at = tuple(int(i) for i in bad.nonzero()[0])
         row = value[at]
         return refuse(
             site,

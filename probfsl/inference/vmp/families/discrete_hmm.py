@@ -6,7 +6,7 @@ import pyro.distributions as dist
 import torch
 
 from probfsl.inference.vmp import hmm
-from probfsl.inference.vmp.checks import position, refuse, unwrap
+from probfsl.inference.vmp.checks import first_offender, position, refuse, unwrap
 from probfsl.inference.vmp.family import Family, register
 from probfsl.inference.vmp.layout import canon
 
@@ -95,8 +95,8 @@ class DiscreteHMM(Family):
             return
         bad = ~torch.isfinite(value) | (value < 0) | (value > site.n_cat - 1)
         bad = bad | (value != value.round())
-        if bool(bad.any()):
-            at = tuple(int(i) for i in bad.nonzero()[0])
+        at = first_offender(bad)
+        if at is not None:
             raise refuse(
                 site.name,
                 site.fn_name,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyro.distributions as dist
 import torch
 
-from probfsl.inference.vmp.checks import position, refuse
+from probfsl.inference.vmp.checks import first_offender, position, refuse
 from probfsl.inference.vmp.conjugate_children import cached
 from probfsl.inference.vmp.family import Family, register
 
@@ -44,8 +44,8 @@ class Multinomial(Family):
     def observe(self, site, value, dtype):
         sums = value.sum(-1)
         bad = sums != site.total_count
-        if bool(bad.any()):
-            at = tuple(int(i) for i in bad.nonzero()[0])
+        at = first_offender(bad)
+        if at is not None:
             raise refuse(
                 site.name,
                 site.fn_name,
