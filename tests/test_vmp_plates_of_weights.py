@@ -307,20 +307,315 @@ def test_posterior_draws_keep_the_plate_dimension_and_its_covariance():
     assert (empirical - cov).abs().max() < 6 * cov.diagonal(dim1=-2, dim2=-1).max() / 4000**0.5
 
 
-def test_a_map_over_a_plate_that_is_not_the_rightmost_is_refused():
-    """Grouping keeps the joint axis last in the factor's layout: a map summing over a
-    plate left of another plate of the site is refused with a message naming the axis."""
+# ---------------------------------------------------------------- weights of several outputs
+#
+# W [D, C] of C outputs declared in two plates, "coefs" (summed by X @ W) and "outputs", in
+# either nesting: joint over "coefs" wherever it sits in the batch shape, independent across
+# "outputs". The likelihood Π_{n,c} N(y_nc | x_nᵀ W_·c, β⁻¹) does not couple the columns, so
+# the fit is that of C separate regressions, each one's weights a ``.to_event(1)`` Normal.
 
-    def model(y, x):
-        t, n, p = x.shape
-        pair = pyro.plate("pair", 2, dim=-1)
+ORDERS = ["coefs-left", "coefs-right"]
+
+
+def multi_output(y, x, order="coefs-left", ard=False, alpha=None, beta=None):
+    """Multi-output Bayesian linear regression with W in the plates ``coefs`` x
+    ``outputs``: ``coefs-left`` puts ``coefs`` at dim -2 (W [D, C], y = X W), ``coefs-right``
+    at dim -1 (W [C, D], yᵀ = W Xᵀ). ``ard``: one precision per coefficient (shared by the
+    outputs); ``alpha``, ``beta`` given: known precisions."""
+    t, n, p = x.shape
+    c = y.shape[-1]
+    left = order == "coefs-left"
+    outputs = pyro.plate("outputs", c, dim=-1 if left else -2)
+    coefs = pyro.plate("coefs", p, dim=-2 if left else -1)
+    points = pyro.plate("n", n, dim=-2 if left else -1)
+    with pyro.plate("tasks", t, dim=-3):
+        if beta is None:
+            beta = pyro.sample("beta", dist.Gamma(x.new_tensor(2.0), 0.5))
+        if alpha is None and not ard:
+            alpha = pyro.sample("alpha", dist.Gamma(x.new_tensor(1.0), 1.0))
+        with coefs:
+            if ard:
+                alpha = pyro.sample("alpha", dist.Gamma(x.new_tensor(1.0), 1.0))
+            with outputs:
+                w = pyro.sample("w", dist.Normal(x.new_tensor(0.0), alpha**-0.5))
+        with points, outputs:
+            if left:  # w [T, D, C]
+                pyro.sample("y", dist.Normal(x @ w, beta**-0.5), obs=y)
+            else:  # w [T, C, D]
+                mean = w @ x.transpose(-1, -2)
+                pyro.sample("y", dist.Normal(mean, beta**-0.5), obs=y.transpose(-1, -2))
+
+
+def separate_outputs(y, x, ard=False, alpha=None, beta=None):
+    """The twin of :func:`multi_output`: C separate regressions in a plate of outputs, the
+    weights of each a ``.to_event(1)`` Normal (w [T, 1, C, D])."""
+    t, n, p = x.shape
+    c = y.shape[-1]
+    with pyro.plate("tasks", t, dim=-3):
+        if beta is None:
+            beta = pyro.sample("beta", dist.Gamma(x.new_tensor(2.0), 0.5))
+        if ard:
+            alpha = pyro.sample("alpha", dist.Gamma(x.new_ones(p), 1.0).to_event(1))
+            scale = alpha**-0.5
+        elif alpha is None:
+            alpha = pyro.sample("alpha", dist.Gamma(x.new_tensor(1.0), 1.0))
+            scale = (alpha**-0.5).unsqueeze(-1)
+        else:
+            scale = alpha**-0.5
+        with pyro.plate("outputs", c, dim=-1):
+            w = pyro.sample("w", dist.Normal(x.new_zeros(p), scale).to_event(1))
+            with pyro.plate("n", n, dim=-2):
+                mean = (x.unsqueeze(-2) * w).sum(-1)
+                pyro.sample("y", dist.Normal(mean, beta**-0.5), obs=y)
+
+
+def _multi_data(t=4, n=12, p=3, c=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, n, p, generator=g, dtype=F64)
+    w = torch.randn(t, p, c, generator=g, dtype=F64)
+    return x @ w + 0.5 * torch.randn(t, n, c, generator=g, dtype=F64), x
+
+
+def _columns(q, order):
+    """The posterior of W as one MultivariateNormal per (task, output) over the
+    coefficients, [T, C] x D, from the grouped factor of either nesting."""
+    assert isinstance(q, JointOverPlate)
+    assert q.dim == (-2 if order == "coefs-left" else -1)
+    return q.joint
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("ard", [False, True], ids=["shared-alpha", "ard"])
+def test_weights_of_several_outputs_equal_separate_regressions_at_every_sweep(order, ard):
+    """The bound at every sweep (1e-10 relative), the posterior means and covariances of
+    each output's weights: those of the separate ``.to_event(1)`` regressions."""
+    data = _multi_data()
+    got, s_plate, e_plate = _sweeps(lambda *a: multi_output(*a, order=order, ard=ard), data, 30)
+    want, s_event, e_event = _sweeps(lambda *a: separate_outputs(*a, ard=ard), data, 30)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    joint = _columns(e_plate.posterior(s_plate)["w"], order)
+    q_event = e_event.posterior(s_event)["w"]  # [T, 1, C] x D
+    torch.testing.assert_close(joint.mean, q_event.mean.squeeze(1), rtol=1e-10, atol=1e-12)
+    cov = q_event.covariance_matrix.squeeze(1)
+    torch.testing.assert_close(joint.covariance_matrix, cov, rtol=1e-10, atol=1e-12)
+    w = e_plate.posterior(s_plate)["w"].mean
+    expect = q_event.mean.squeeze(1)  # [T, C, D]
+    torch.testing.assert_close(w, expect.transpose(-1, -2) if order == "coefs-left" else expect)
+
+
+def observed_then_mapped(y, z, x):
+    """W [D, C] first the mean of observations of its own, entry by entry (read before the
+    map that sums over ``coefs``), then summed by X W."""
+    t, n, p = x.shape
+    outputs = pyro.plate("outputs", y.shape[-1], dim=-1)
+    with pyro.plate("tasks", t, dim=-3):
+        with pyro.plate("coefs", p, dim=-2), outputs:
+            w = pyro.sample("w", dist.Normal(x.new_tensor(0.0), 1.0))
+            pyro.sample("z", dist.Normal(w, 0.5), obs=z)
+        with pyro.plate("n", n, dim=-2), outputs:
+            pyro.sample("y", dist.Normal(x @ w, 0.5), obs=y)
+
+
+def observed_then_mapped_twin(y, z, x):
+    t, n, p = x.shape
+    with pyro.plate("tasks", t, dim=-3), pyro.plate("outputs", y.shape[-1], dim=-1):
+        w = pyro.sample("w", dist.Normal(x.new_zeros(p), 1.0).to_event(1))
+        pyro.sample("z", dist.Normal(w, 0.5).to_event(1), obs=z.transpose(-1, -2).unsqueeze(-3))
+        with pyro.plate("n", n, dim=-2):
+            pyro.sample("y", dist.Normal((x.unsqueeze(-2) * w).sum(-1), 0.5), obs=y)
+
+
+def test_an_elementwise_child_read_before_the_map_keeps_its_meaning():
+    """The summed plate is moved last in the factor's layout after the elementwise child
+    ``z`` was read: ``z``'s map (by axis names) still holds, and the fit is the twin's."""
+    y, x = _multi_data()
+    z = torch.randn(4, 3, 2, generator=torch.Generator().manual_seed(5), dtype=F64)
+    got, s_plate, e_plate = _sweeps(observed_then_mapped, (y, z, x), 10)
+    want, s_event, e_event = _sweeps(observed_then_mapped_twin, (y, z, x), 10)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    joint = _columns(e_plate.posterior(s_plate)["w"], "coefs-left")
+    q_event = e_event.posterior(s_event)["w"]
+    torch.testing.assert_close(joint.mean, q_event.mean.squeeze(1), rtol=1e-10, atol=1e-12)
+
+
+def _multi_log_evidence(y, x, alpha, beta):
+    """Σ_c ln N(y_·c | 0, X Xᵀ/α + I/β) per task (PRML eq. 3.86, one term per output)."""
+    return sum(_log_evidence(y[..., c], x, alpha, beta) for c in range(y.shape[-1]))
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_known_precisions_of_several_outputs_give_the_exact_log_evidence(order):
+    """With α, β known the posterior is Gaussian, joint over each output's coefficients:
+    one sweep reaches it and the bound is the exact log evidence; the conformance checks
+    (Pyro's ``Trace_ELBO`` of the guide, batched equals one task at a time, float32 close
+    to float64) hold."""
+    y, x = _multi_data()
+    exact = _multi_log_evidence(y, x, 2.0, 4.0)
+    model = lambda *a: multi_output(*a, order=order, alpha=2.0, beta=4.0)  # noqa: E731
+    bound, _, _ = _sweeps(model, (y, x), 2)
+    torch.testing.assert_close(bound[1:], exact.expand(2, -1), rtol=1e-12, atol=1e-10)
+    check_engine(
+        ConformanceCase(
+            make_engine=lambda: VMP(model),
+            model=model,
+            data=(y, x),
+            n_steps=2,
+            exact_log_evidence=exact,
+            max_plate_nesting=3,
+            name=f"several-outputs-{order}",
+        )
+    )
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_several_outputs_batched_equals_each_task_alone(order):
+    y, x = _multi_data(t=5)
+    model = lambda *a: multi_output(*a, order=order, ard=True)  # noqa: E731
+    batched, state, _ = _sweeps(model, (y, x), 10)
+    for t in range(5):
+        alone, s1, _ = _sweeps(model, (y[t : t + 1], x[t : t + 1]), 10)
+        torch.testing.assert_close(alone[:, 0], batched[:, t], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(s1.q["w"][1][0], state.q["w"][1][t])
+
+
+def multi_logistic(y, x, order="coefs-left", prior_var=2.0):
+    """Logistic regression of C outputs, W in the plates ``coefs`` x ``outputs``."""
+    t, n, p = x.shape
+    c = y.shape[-1]
+    left = order == "coefs-left"
+    outputs = pyro.plate("outputs", c, dim=-1 if left else -2)
+    with pyro.plate("tasks", t, dim=-3):
+        with pyro.plate("coefs", p, dim=-2 if left else -1), outputs:
+            w = pyro.sample("w", dist.Normal(x.new_tensor(0.0), prior_var**0.5))
+        with pyro.plate("n", n, dim=-2 if left else -1), outputs:
+            if left:
+                pyro.sample("y", dist.Bernoulli(logits=x @ w), obs=y)
+            else:
+                logits = w @ x.transpose(-1, -2)
+                pyro.sample("y", dist.Bernoulli(logits=logits), obs=y.transpose(-1, -2))
+
+
+def separate_logistic(y, x, prior_var=2.0):
+    t, n, p = x.shape
+    with pyro.plate("tasks", t, dim=-3), pyro.plate("outputs", y.shape[-1], dim=-1):
+        w = pyro.sample("w", dist.Normal(x.new_zeros(p), prior_var**0.5).to_event(1))
+        with pyro.plate("n", n, dim=-2):
+            logits = (x.unsqueeze(-2) * w).sum(-1)
+            pyro.sample("y", dist.Bernoulli(logits=logits), obs=y)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_logistic_weights_of_several_outputs_equal_separate_regressions(order):
+    """Bernoulli logits X W by Pólya-Gamma augmentation (Polson, Scott & Windle 2013): the
+    same Jaakkola–Jordan bound at every sweep and the same q of each output's weights."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 30, 3, generator=g, dtype=F64)
+    w = 1.5 * torch.randn(4, 3, 2, generator=g, dtype=F64)
+    y = torch.bernoulli(torch.sigmoid(x @ w), generator=g)
+    got, s_plate, e_plate = _sweeps(lambda *a: multi_logistic(*a, order=order), (y, x), 40)
+    want, s_event, e_event = _sweeps(separate_logistic, (y, x), 40)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    joint = _columns(e_plate.posterior(s_plate)["w"], order)
+    q_event = e_event.posterior(s_event)["w"]
+    torch.testing.assert_close(joint.mean, q_event.mean.squeeze(1), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_describe_of_several_outputs_shows_one_joint_factor_and_no_mean_field(order):
+    y, x = _multi_data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MeanFieldWarning)
+        plan = VMP(lambda *a: multi_output(*a, order=order, ard=True)).compile(y, x)
+    text = plan.describe()
+    line = next(r for r in text.splitlines() if r.strip().startswith("w "))
+    assert "[tasks=4, outputs=2, coefs=3]" in line and line.endswith("joint over axis coefs")
+    assert "mean-field" not in text
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_draws_of_several_outputs_keep_the_models_dims_and_each_columns_covariance(order):
+    """The guide's draws and ArviZ's are in the model's shape, named in the model's order
+    of plates; their covariance over ``coefs`` for each output is the factor's."""
+    y, x = _multi_data()
+    model = lambda *a: multi_output(*a, order=order, alpha=2.0, beta=4.0)  # noqa: E731
+    engine = VMP(model)
+    state = engine.init(y, x)
+    tree = vmp_datatree(engine, state, num_samples=4000, seed=3)
+    draws = tree["posterior"]["w"]
+    plates = ("coefs", "outputs") if order == "coefs-left" else ("outputs", "coefs")
+    assert draws.dims == ("chain", "draw", "tasks") + plates
+    sample = torch.as_tensor(draws.values[0], dtype=F64)  # [draws, tasks, *plates]
+    if order == "coefs-left":
+        sample = sample.transpose(-1, -2)  # [draws, tasks, outputs, coefs]
+    centred = sample - sample.mean(0)
+    empirical = torch.einsum("stcd,stce->tcde", centred, centred) / (len(sample) - 1)
+    cov = engine.posterior(state)["w"].joint.covariance_matrix  # [tasks, outputs, D, D]
+    assert (empirical - cov).abs().max() < 6 * cov.diagonal(dim1=-2, dim2=-1).max() / 4000**0.5
+    trace = pyro.poutine.trace(engine.guide(state)).get_trace(y, x)
+    shape = (4, 3, 2) if order == "coefs-left" else (4, 2, 3)
+    assert trace.nodes["w"]["value"].shape == shape
+
+
+def test_a_map_over_two_plates_is_refused_with_its_fix_which_is_grouped():
+    """W [A, B] summed over both plates would need a factor joint over both axes: refused,
+    naming the axes and the fix (one plate of A·B entries reshaped in the model), which
+    fits as the ``.to_event(1)`` regression over the A·B entries."""
+
+    def two_plates(y, x):  # x [T, N, A, B]
+        t, n, a, b = x.shape
         with pyro.plate("tasks", t, dim=-3):
-            with pyro.plate("coefs", p, dim=-2), pair:
+            with pyro.plate("a", a, dim=-2), pyro.plate("b", b, dim=-1):
                 w = pyro.sample("w", dist.Normal(x.new_tensor(0.0), 1.0))
-            with pyro.plate("n", n, dim=-2), pair:
-                mean = (x.unsqueeze(-1) * w.unsqueeze(-3)).sum(-2)
-                pyro.sample("y", dist.Normal(mean, 1.0), obs=y)
+            with pyro.plate("n", n, dim=-1):
+                mean = (x * w.unsqueeze(-3)).sum((-2, -1)).unsqueeze(-2)
+                pyro.sample("y", dist.Normal(mean, 0.5), obs=y.unsqueeze(-2))
 
-    y, x = _regression_data()
-    with pytest.raises(ValueError, match=r"plate axes \['coefs'\], which cannot be grouped"):
-        VMP(model).compile(y.unsqueeze(-1).expand(4, 12, 2), x)
+    def one_plate(y, x):
+        t, n, a, b = x.shape
+        with pyro.plate("tasks", t, dim=-2):
+            with pyro.plate("ab", a * b, dim=-1):
+                w = pyro.sample("w", dist.Normal(x.new_tensor(0.0), 1.0))
+            with pyro.plate("n", n, dim=-1):
+                mean = (x * w.reshape(t, 1, a, b)).sum((-2, -1))
+                pyro.sample("y", dist.Normal(mean, 0.5), obs=y)
+
+    def flat_twin(y, x):
+        t, n, a, b = x.shape
+        with pyro.plate("tasks", t, dim=-2):
+            w = pyro.sample("w", dist.Normal(x.new_zeros(a * b), 1.0).to_event(1))
+            with pyro.plate("n", n, dim=-1):
+                pyro.sample("y", dist.Normal((x.flatten(-2) * w).sum(-1), 0.5), obs=y)
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 10, 2, 3, generator=g, dtype=F64)
+    y = torch.randn(3, 10, generator=g, dtype=F64)
+    with pytest.raises(ValueError, match=r"plate axes \['a', 'b'\].*reshape them"):
+        VMP(two_plates).compile(y, x)
+    got, _, _ = _sweeps(one_plate, (y, x), 3)
+    want, _, _ = _sweeps(flat_twin, (y, x), 3)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_two_maps_summing_one_site_over_different_plates_are_refused():
+    """W [D, C] summed over ``coefs`` by one child and over ``outputs`` by another: one
+    factor joint over one axis cannot hold both; refused, naming both axes."""
+
+    def model(y, z, x, v):  # x [T, N, D], v [T, C]
+        t, n, p = x.shape
+        c = v.shape[-1]
+        outputs = pyro.plate("outputs", c, dim=-1)
+        coefs = pyro.plate("coefs", p, dim=-2)
+        with pyro.plate("tasks", t, dim=-3):
+            with coefs, outputs:
+                w = pyro.sample("w", dist.Normal(x.new_tensor(0.0), 1.0))
+            with pyro.plate("n", n, dim=-2), outputs:
+                pyro.sample("y", dist.Normal(x @ w, 0.5), obs=y)
+            with coefs:
+                mean = (w * v.unsqueeze(-2)).sum(-1, keepdim=True)
+                pyro.sample("z", dist.Normal(mean, 0.5), obs=z)
+
+    y, x = _multi_data()
+    z = torch.randn(4, 3, 1, dtype=F64)
+    v = torch.randn(4, 2, dtype=F64)
+    with pytest.raises(ValueError, match=r"axis 'outputs', and another map sums it over 'coefs'"):
+        VMP(model).compile(y, z, x, v)

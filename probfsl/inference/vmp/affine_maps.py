@@ -23,7 +23,7 @@ from probfsl.inference.vmp.checks import close, refuse
 from probfsl.inference.vmp.context import CompileContext
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.family import lookup
-from probfsl.inference.vmp.grouped_plates import plate_groups
+from probfsl.inference.vmp.grouped_plates import arrange, plate_groups, refusal
 from probfsl.inference.vmp.layout import (
     BilinearTerm,
     LinearTerm,
@@ -144,16 +144,7 @@ def contracted_axis(child: Site, parent: Site, dims: tuple, desc: str) -> str | 
     if extra and axis is None and plate_groups(parent, extra):
         return extra[0]
     if extra:
-        raise refuse(
-            child.name,
-            child.fn_name,
-            desc,
-            f"the map sums over the parent's plate axes {extra}, which cannot be grouped "
-            "into one joint Gaussian factor: a plate of Normal sites (without event axes) "
-            "is grouped over one plate axis, its rightmost plate in Pyro's batch shape "
-            "(tasks aside); sum over that plate alone, or over an event axis "
-            "(.to_event(1)) instead",
-        )
+        raise refuse(child.name, child.fn_name, desc, refusal(parent, dims))
     return axis
 
 
@@ -246,6 +237,8 @@ def linear_map(ctx: CompileContext, child: Site, key: str, parents: list[str]) -
     dims = param_dims(child, key)
     sites = [plan.sites[p] for p in parents]
     desc = ", ".join(f"{w.name!r} ({w.fn_name})" for w in sites)
+    for w in sites:  # a summed plate of Normals to the end of the layout (joint factor)
+        arrange(ctx, w, dims)
     value, leaves = as_function(ctx, child, key, sites)
     if not value.requires_grad:
         raise refuse(child.name, child.fn_name, desc, f"its {key} does not depend on them")
@@ -310,6 +303,8 @@ def bilinear_map(ctx: CompileContext, child: Site, key: str, parents: list[str])
     dims = param_dims(child, key)
     u, v = plan.sites[parents[0]], plan.sites[parents[1]]
     desc = f"{u.name!r} ({u.fn_name}), {v.name!r} ({v.fn_name})"
+    for w in (u, v):  # a summed plate of Normals to the end of the layout (joint factor)
+        arrange(ctx, w, dims)
     axis_u = contracted_axis(child, u, dims, desc)
     axis_v = contracted_axis(child, v, dims, desc)
     value, leaves = as_function(ctx, child, key, (u, v))

@@ -11,6 +11,23 @@ bound are the ``.to_event(1)`` Normal's (``Site.joint``), and the prior's messag
 parents declared inside the plate (ARD precisions, one per coefficient) stay per entry,
 since they read only the elementwise moments (⟨w_d⟩, ⟨w_d²⟩).
 
+The summed plate may sit anywhere in the site's batch shape: weights ``W`` [D, C] of C
+outputs, declared in a plate ``coefs`` (dim -2) and a plate ``outputs`` (dim -1) and used
+as ``X @ W``, are joint over ``coefs`` and independent across ``outputs``, q(W) =
+Π_c N(W_{·c} | m_c, Λ_c⁻¹) (the posterior of C separate regressions, which is exact
+here: the likelihood Π_{n,c} N(y_nc | x_nᵀ W_{·c}, β⁻¹) does not couple the columns).
+:func:`arrange` moves the summed axis to the end of the site's canonical layout (the
+factor's event position; :func:`~probfsl.inference.vmp.layout.canon` and
+:func:`~probfsl.inference.vmp.layout.uncanon` move it there and back), the other plates
+stay batch axes of the factor.
+
+One factor is joint over one axis: a map that sums over two plates of a site, or two maps
+that sum one site over different plates, would need a factor joint over both (a Gaussian
+over D₁ D₂ entries) and are refused (:func:`refusal`), with the fix: one plate of D₁ D₂
+entries, reshaped in the model, which is grouped. A product of factors over the entries
+would not be fitted by coordinate ascent here: the entries coupled by one sum are updated
+together, and a simultaneous (Jacobi) update of coupled coordinates may lower the bound.
+
 :func:`plate_groups` says which plates are grouped; :class:`JointOverPlate` is the factor
 as a distribution in the model's shape (for :meth:`VMP.posterior
 <probfsl.inference.vmp.VMP.posterior>` and :meth:`VMP.guide
@@ -25,8 +42,9 @@ import torch
 from pyro.distributions import MultivariateNormal, TorchDistribution
 from torch.distributions import constraints
 
+from probfsl.inference.vmp.context import CompileContext
 from probfsl.inference.vmp.family import lookup
-from probfsl.inference.vmp.layout import Site, uncanon
+from probfsl.inference.vmp.layout import TASKS, Site, uncanon
 
 _NO_SHAPE = torch.Size()
 
@@ -34,17 +52,85 @@ _NO_SHAPE = torch.Size()
 def plate_groups(parent: Site, axes: list) -> bool:
     """Whether a linear map that sums over the plate axes ``axes`` of ``parent`` groups
     them into one joint factor: one plate axis of a Normal site without event axes (a
-    plate of independent Normals), the last axis of the site's layout (its rightmost
-    plate in Pyro's shape, ``tasks`` aside), where the joint factor keeps the axis it is
-    joint over; never a member of a Gaussian Markov chain."""
+    plate of independent Normals), the last axis of the site's layout (where
+    :func:`arrange` has moved it), where the joint factor keeps the axis it is joint over;
+    never a member of a Gaussian Markov chain."""
+    return _groupable(parent, axes) and parent.dims[-1] == axes[0]
+
+
+def _groupable(parent: Site, axes: list) -> bool:
+    """One summed plate axis of a latent Normal site without event axes, outside chains."""
     record = lookup(parent.family)
     return (
         len(axes) == 1
+        and axes[0] != TASKS
         and record.elementwise
         and record.gaussian
         and parent.event_dim == 0
-        and parent.dims[-1] == axes[0]
         and parent.chain is None
+    )
+
+
+def summed_plates(parent: Site, dims: tuple) -> list:
+    """The plate axes of ``parent`` (without event axes) that a parameter with axes
+    ``dims`` sums over: those it does not have."""
+    n_plates = len(parent.dims) - parent.event_dim
+    return [d for d in parent.dims[:n_plates] if d not in dims]
+
+
+def arrange(ctx: CompileContext, parent: Site, dims: tuple) -> None:
+    """Before a linear map with axes ``dims`` is read: where it sums over one plate of a
+    plate of Normals (:func:`_groupable`) that is not yet the last axis of the site's
+    layout, move that axis last (the joint factor's event position), unless the factor is
+    already joint over another axis (:func:`refusal` then says why)."""
+    axes = summed_plates(parent, dims)
+    if not _groupable(parent, axes) or parent.dims[-1] == axes[0] or parent.joint:
+        return
+    move_last(parent, axes[0], ctx.probes)
+
+
+def move_last(s: Site, axis: str, probes: dict) -> None:
+    """Lay out site ``s`` with its plate ``axis`` last: its axes, how Pyro's tensors map
+    to them (``perm``), its parameters' axes, and the canonical tensors read so far (its
+    probe value, a point's initial value) follow. Every message contracts by axis names,
+    so the maps read before keep their meaning."""
+    at = s.dims.index(axis)
+    old = s.dims
+    s.dims = old[:at] + old[at + 1 :] + (axis,)
+    s.perm = s.perm[:at] + s.perm[at + 1 :] + [s.perm[at]]
+    for p in s.params.values():
+        if p.dims[: len(old)] == old:
+            p.dims = s.dims + p.dims[len(old) :]
+    if s.name in probes:
+        probes[s.name] = probes[s.name].movedim(at, -1)
+    if s.init is not None:
+        s.init = s.init.movedim(at, -1)
+
+
+def refusal(parent: Site, dims: tuple) -> str:
+    """Why a linear map with axes ``dims`` that sums over plates of ``parent`` is not
+    grouped, and the fix."""
+    axes = summed_plates(parent, dims)
+    one = (
+        "declare the weights in one plate of their entries' number and reshape them in the "
+        "model (that plate is grouped), or sum over an event axis (.to_event(1)) instead"
+    )
+    if parent.joint and len(axes) == 1 and _groupable(parent, axes):
+        return (
+            f"the map sums over the parent's plate axis {axes[0]!r}, and another map sums "
+            f"it over {parent.dims[-1]!r}: a factor joint over one axis cannot hold both "
+            f"(a Gaussian joint over both axes is not supported); {one}"
+        )
+    if len(axes) > 1:
+        return (
+            f"the map sums over the parent's plate axes {axes}, which cannot be grouped "
+            "into one joint Gaussian factor (a factor is joint over one axis); " + one
+        )
+    return (
+        f"the map sums over the parent's plate axes {axes}, which cannot be grouped into "
+        "one joint Gaussian factor: a plate of latent Normal sites without event axes is "
+        "grouped over one plate axis (not tasks); sum over an event axis (.to_event(1)) "
+        "instead"
     )
 
 

@@ -12,8 +12,9 @@ Normal algebra needs:
   ⟨loc²⟩ = ⟨loc⟩² + Σ_k (J_k⟨w_k w_kᵀ⟩J_kᵀ − (J_k⟨w_k⟩)²) (factors independent across k);
 * the message to each parent w_k, with the residual r = ⟨y⟩ − ⟨loc⟩ + J_k⟨w_k⟩:
   (Σ_n c⟨β⟩ r_n J_nk, −½ Σ_n c⟨β⟩ J_nk J_nkᵀ); a matrix second part when the map contracts
-  the parent's last event axis (its factor is then joint over that axis), elementwise
-  otherwise.
+  the parent's last event axis, or the summed plate of a plate of Normals (laid out last:
+  :mod:`~probfsl.inference.vmp.grouped_plates`), its factor then joint over that axis;
+  elementwise otherwise.
 """
 
 from __future__ import annotations
