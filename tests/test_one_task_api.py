@@ -212,6 +212,11 @@ def test_evidence_lssvm_fit_learns_the_base_classes(task):
         "background_within_",
         "background_shrinkage_",
         "background_odds_scale_",
+        "background_within_mix_",
+        "background_between_mix_",
+        "background_query_within_mix_",
+        "background_query_between_mix_",
+        "background_query_odds_scale_",
     }
     torch.testing.assert_close(est.base_mean_, ref.base_mean_)
     assert not hasattr(est, "coef_")

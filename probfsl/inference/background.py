@@ -14,8 +14,10 @@ This module holds what every method shares:
 
 * :func:`fit_background`: the base classes' pooled mean, within-class and between-class
   covariances (their sum is the total covariance), optionally shrunk towards a multiple
-  of the identity. A new class's predictive under the two-covariance model of the base
-  classes (class mean drawn from the between-class Gaussian, plus within-class noise) is
+  of the identity and blended with their isotropic parts (:meth:`BackgroundStats.blended`;
+  the blends are chosen on held-out base classes, :mod:`probfsl.inference.open_temperature`).
+  A new class's predictive under the two-covariance model of the base classes (class
+  mean drawn from the between-class Gaussian, plus within-class noise) is
   N(mean, within + between): the background Gaussian.
 * :func:`gaussian_log_density`: a batched Gaussian log-density through a Cholesky
   factor, for ``[T, Q, D]`` queries against one ``[D, D]`` factor or one per task
@@ -26,7 +28,9 @@ This module holds what every method shares:
 * :func:`two_covariance_log_liks`: the class and background predictive log-likelihoods
   of the two-covariance (PLDA) model of Ioffe ("Probabilistic Linear Discriminant
   Analysis", ECCV 2006) and Prince & Elder (ICCV 2007): the generative reading of the
-  inductive methods whose scores are discriminative.
+  inductive methods whose scores are discriminative; optionally (transductive) in the
+  task's own frame, support and queries re-centred on the queries' mean
+  (:func:`centre_on_queries`).
 * :func:`open_fraction_expectations`: E ln π_0 and E ln(1 - π_0) of the Beta posterior of
   the open fraction, the part of π that transductive methods infer per task. By the
   aggregation property, π ~ Dirichlet(α_0, α_1..α_K) is π_0 ~ Beta(α_0, Σ_k α_k) and
@@ -49,6 +53,7 @@ import torch
 __all__ = [
     "BackgroundStats",
     "attach_open",
+    "centre_on_queries",
     "fit_background",
     "gaussian_log_density",
     "open_fraction_expectations",
@@ -84,17 +89,51 @@ class BackgroundStats(NamedTuple):
         """The statistics in the dtype and on the device of ``reference``."""
         return BackgroundStats(*(t.to(reference) for t in self))
 
+    def blended(self, within_mix: float = 0.0, between_mix: float = 0.0) -> BackgroundStats:
+        """Each covariance S blended with its isotropic part, (1 - a) S + a (tr S / D) I
+        (Ledoit & Wolf, 2004), a = ``within_mix`` for ``within`` and ``between_mix`` for
+        ``between``, both in [0, 1] (0: unchanged, 1: isotropic with the same trace). As
+        the shrinkage of :func:`fit_background` adds a multiple of I that the blend keeps,
+        ``fit_background(x, y, λ).blended(a, b)`` is ``fit_background(x, y, λ, a, b)``."""
+        _check_mix("within_mix", within_mix)
+        _check_mix("between_mix", between_mix)
+        return BackgroundStats(
+            self.mean, _blend(self.within, within_mix), _blend(self.between, between_mix)
+        )
+
+
+def _check_mix(name: str, mix: float) -> None:
+    if not 0 <= mix <= 1:
+        raise ValueError(f"{name} must be in [0, 1], got {mix}")
+
+
+def _blend(cov: torch.Tensor, mix: float) -> torch.Tensor:
+    """(1 - a) S + a (tr S / D) I for a = ``mix``; S itself for a = 0."""
+    if mix == 0:
+        return cov
+    eye = torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)
+    return (1 - mix) * cov + mix * cov.trace() / cov.shape[-1] * eye
+
 
 def fit_background(
-    features: torch.Tensor, labels: torch.Tensor, shrinkage: float = 1e-3
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    shrinkage: float = 1e-3,
+    within_mix: float = 0.0,
+    between_mix: float = 0.0,
 ) -> BackgroundStats:
     """Pooled mean, within- and between-class covariances of base ``features`` [N, D].
 
     ``labels`` [N]: any integer labels. Every class counts once in the between-class
     covariance (the mean of the class means, and their covariance); the within-class
-    covariance pools every sample. Both are shrunk towards ``shrinkage`` times their mean
-    variance times the identity (so that they are positive definite when D exceeds the
-    number of samples or classes). Computed in the features' dtype and device.
+    covariance pools every sample. Each covariance S is first blended with its isotropic
+    part, S_a = (1 - a) S + a (tr S / D) I (Ledoit & Wolf, "A well-conditioned estimator
+    for large-dimensional covariance matrices", 2004), a = ``within_mix`` for the
+    within-class and ``between_mix`` for the between-class covariance (0: the sample
+    covariance, 1: isotropic with the same trace); then both are shrunk towards
+    ``shrinkage`` times their mean variance times the identity, S_a + λ (tr S / D) I (so
+    that they are positive definite when D exceeds the number of samples or classes).
+    Computed in the features' dtype and device.
     """
     if features.ndim != 2 or labels.shape != features.shape[:1]:
         raise ValueError(
@@ -103,6 +142,8 @@ def fit_background(
         )
     if not shrinkage >= 0:
         raise ValueError(f"shrinkage must be non-negative, got {shrinkage}")
+    _check_mix("within_mix", within_mix)
+    _check_mix("between_mix", between_mix)
     _, inverse = labels.unique(return_inverse=True)
     onehot = torch.nn.functional.one_hot(inverse).to(features)  # [N, C]
     counts = onehot.sum(0)
@@ -115,8 +156,9 @@ def fit_background(
     eye = torch.eye(features.shape[1], dtype=features.dtype, device=features.device)
     d = features.shape[1]
     floor = torch.finfo(features.dtype).eps
-    within = within + (shrinkage * within.trace() / d + floor) * eye
-    between = between + shrinkage * between.trace() / d * eye
+    w_mean, b_mean = within.trace() / d, between.trace() / d
+    within = (1 - within_mix) * within + (within_mix + shrinkage) * w_mean * eye + floor * eye
+    between = (1 - between_mix) * between + (between_mix + shrinkage) * b_mean * eye
     return BackgroundStats(centre, within, between)
 
 
@@ -220,6 +262,16 @@ def open_responsibility(
     return torch.sigmoid(open_log_odds.to(open_resp) + (e_open - e_closed).unsqueeze(-1))
 
 
+def centre_on_queries(
+    support: torch.Tensor, query: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``support`` [T, S, D] and ``query`` [T, Q, D] re-centred on each task's query mean
+    and L2-normalised: x' = (x - x̄_Q) / ||x - x̄_Q|| (:class:`TwoCovarianceReading`)."""
+    centre = query.mean(-2, keepdim=True)
+    normalize = torch.nn.functional.normalize
+    return normalize(support - centre, dim=-1), normalize(query - centre, dim=-1)
+
+
 def _diagonalise(stats: BackgroundStats) -> tuple[torch.Tensor, torch.Tensor]:
     """(W [D, D], λ [D]): W^T within W = I and W^T between W = diag(λ) (simultaneous
     diagonalisation through the Cholesky factor of ``within``)."""
@@ -243,6 +295,18 @@ class TwoCovarianceReading:
     ln p_0(x) - ln((1/K) Σ_k p_k(x)), with which a mixture's background responsibility is
     taken in the full feature space. ``stats`` is cast to the dtype and device of
     ``query``; every method is batched over tasks.
+
+    ``query_centring=True`` (transductive) reads the task in its own frame first: support
+    and queries are re-centred on the mean of the task's queries and L2-normalised again,
+    x' = (x - x̄_Q) / ||x - x̄_Q||, x̄_Q = (1/Q) Σ_q x_q, as the transductive methods of
+    Boudiaf, Bennequin et al. (2022) centre a task on its own features. The queries mix
+    the known and the open classes, so x̄_Q stands for the mean of the population the
+    task's classes come from, the place of the base mean in the inductive frame. It
+    expects features centred and L2-normalised as the base features of ``stats`` were;
+    a row equal to x̄_Q stays zero.
+
+    ``basis``: the ``basis`` attribute of a reading with the same ``stats`` (the D x D
+    factorisation, reused rather than recomputed).
     """
 
     def __init__(
@@ -252,9 +316,14 @@ class TwoCovarianceReading:
         query: torch.Tensor,
         way: int,
         stats: BackgroundStats,
+        query_centring: bool = False,
+        basis: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        if query_centring:
+            support, query = centre_on_queries(support, query)
         stats = stats.to(query)
-        w, lam = _diagonalise(stats)
+        w, lam = _diagonalise(stats) if basis is None else (t.to(query) for t in basis)
+        self.basis = w, lam
         self.way, self.lam = way, lam
         self.log_jac = torch.linalg.slogdet(w)[1]
         ys = (support - stats.mean) @ w  # [T, S, D]
@@ -305,6 +374,7 @@ def two_covariance_log_liks(
     query: torch.Tensor,
     way: int,
     stats: BackgroundStats,
+    query_centring: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Class and background predictive log-likelihoods of the queries, [T, Q, K] and [T, Q].
 
@@ -315,7 +385,7 @@ def two_covariance_log_liks(
     the basis that whitens ``within`` and diagonalises ``between`` (one D x D
     factorisation per call, shared by every task): every density is then diagonal
     (:class:`TwoCovarianceReading`). ``stats`` is cast to the dtype and device of
-    ``query``.
+    ``query``; ``query_centring`` as in :class:`TwoCovarianceReading` (transductive).
     """
-    reading = TwoCovarianceReading(support, support_labels, query, way, stats)
+    reading = TwoCovarianceReading(support, support_labels, query, way, stats, query_centring)
     return reading.class_log_lik(), reading.background_log_lik()

@@ -18,6 +18,9 @@ S_c the scatter of class c about its own mean. With W = U diag(w) Uᵀ once per 
 tr(W_λ⁻¹ S) = Σ_j (Uᵀ S U)_jj / (w_j + λ w̄), w̄ = tr W / D. The λ of the largest total
 is used for both covariances (the within-class term dominates the held-out classes'
 evidence; the between-class covariance of a few classes is the less reliable of the two).
+How much of each covariance's anisotropy carries over to new classes is then chosen on
+open-set episodes of held-out base classes
+(:func:`~probfsl.inference.open_temperature.select_open_reading`).
 """
 
 from __future__ import annotations

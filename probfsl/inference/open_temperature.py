@@ -16,23 +16,52 @@ fitted without the fold, and open-set episodes are drawn from the fold's classes
 them known, the rest open, as many open queries as closed; 1 and 5 shots); a minimises
 the log loss of their open/closed labels over a grid. Without enough held-out classes
 (three, each with the samples an episode needs) a stays 1.
+
+The same held-out log loss, the predictive likelihood of the open/closed labels of
+classes the background has not seen, chooses how far each background covariance is
+blended with its isotropic part (:meth:`~probfsl.inference.background.BackgroundStats.
+blended`, a_W and a_B on :data:`MIX_GRID`), jointly with a (:func:`select_open_reading`).
+The base classes' covariances carry over to new classes when there are many base
+classes in few dimensions (Omniglot: 136 classes, 64 dimensions: a_W = a_B = 0, the
+covariances as estimated); with 21 classes of text embeddings in 384 dimensions, the
+between-class covariance has rank 20 and the directions in which new classes differ are
+mostly outside it, and the held-out classes ask for nearly isotropic covariances
+(a_W = 1, a_B = 0.9). The restricted likelihood of the held-out classes' samples
+(:mod:`~probfsl.inference.background_shrinkage`) does not see this: it keeps the
+anisotropic within-class covariance that describes each class's samples best, not the
+one that tells a new class from the known ones. The transductive reading in the
+queries' frame (``query_centring``) has its own choice.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
-from probfsl.inference.background import TwoCovarianceReading, fit_background
+from probfsl.inference.background import BackgroundStats, TwoCovarianceReading, fit_background
 from probfsl.inference.background_shrinkage import FOLDS, class_folds
 
-__all__ = ["GRID", "held_out_open_log_odds", "fit_scale", "select_open_temperature"]
+__all__ = [
+    "GRID",
+    "MIX_GRID",
+    "OpenReading",
+    "fit_scale",
+    "held_out_open_log_odds",
+    "scale_and_log_loss",
+    "select_open_reading",
+    "select_open_temperature",
+]
 
 #: the scales tried (1 included: no change)
 GRID = tuple(10 ** (-2 + 0.1 * i) for i in range(26)) + (1.0,)
 #: episodes per fold and shot, known classes, shots and closed queries per class
 TASKS, WAY, SHOTS, QUERIES = 16, 5, (1, 5), 5
+#: the isotropic blends of the background covariances tried (:func:`select_open_reading`)
+MIX_GRID = (0.0, 0.3, 0.6, 0.9, 1.0)
+#: episodes per fold and shot when the blends are chosen
+SELECTION_TASKS = 32
 
 
 def _episodes(
@@ -41,8 +70,9 @@ def _episodes(
     way: int,
     shot: int,
     generator: torch.Generator,
+    tasks: int = TASKS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """:data:`TASKS` episodes of ``way`` classes drawn from ``fold_classes``: sample
+    """``tasks`` episodes of ``way`` classes drawn from ``fold_classes``: sample
     indices of the support [T, way * shot] and queries [T, 2 * way * QUERIES] (closed, then
     as many open ones from the fold's other classes), the support labels and the queries'
     open mask; None when the fold cannot hold them."""
@@ -58,11 +88,11 @@ def _episodes(
     way = min(way, n_ready - 1)
     per_class = shot + QUERIES
     order = torch.rand(
-        TASKS, n_ready, generator=generator, dtype=torch.float64, device="cpu"
+        tasks, n_ready, generator=generator, dtype=torch.float64, device="cpu"
     ).argsort(1)
     known = ready[order[:, :way].to(device)]  # [T, way]
     keys = torch.rand(
-        TASKS, pool.shape[0], generator=generator, dtype=torch.float64, device="cpu"
+        tasks, pool.shape[0], generator=generator, dtype=torch.float64, device="cpu"
     ).to(device)
     member = pool_class.view(1, 1, -1) == known.unsqueeze(-1)  # [T, way, P]
     chosen = torch.where(member, keys.unsqueeze(1), math.inf).topk(per_class, largest=False)
@@ -72,25 +102,32 @@ def _episodes(
     if int((~is_known).sum(1).min()) < n_open:
         return None
     opened = torch.where(is_known, math.inf, keys).topk(n_open, largest=False).indices
-    support = picked[:, :, :shot].reshape(TASKS, -1)
-    query = torch.cat([picked[:, :, shot:].reshape(TASKS, -1), pool[opened]], 1)
-    labels = torch.arange(way, device=device).repeat_interleave(shot).expand(TASKS, -1)
+    support = picked[:, :, :shot].reshape(tasks, -1)
+    query = torch.cat([picked[:, :, shot:].reshape(tasks, -1), pool[opened]], 1)
+    labels = torch.arange(way, device=device).repeat_interleave(shot).expand(tasks, -1)
     open_mask = torch.arange(query.shape[1], device=device) >= way * QUERIES
-    return support, query, labels, open_mask.expand(TASKS, -1)
+    return support, query, labels, open_mask.expand(tasks, -1)
 
 
-def held_out_open_log_odds(
-    features: torch.Tensor, labels: torch.Tensor, shrinkage: float, seed: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The log-odds ln p_0 - ln p̄ [M] of the queries of held-out-class episodes, and
-    whether each query is open [M] (module docstring); both empty where no fold can
-    form an episode."""
+class _HeldOutEpisodes(NamedTuple):
+    """One batch of held-out-class episodes and the background of the other folds."""
+
+    stats: BackgroundStats
+    support: torch.Tensor
+    support_labels: torch.Tensor
+    query: torch.Tensor
+    way: int
+    open_mask: torch.Tensor
+
+
+def _held_out_episodes(
+    features: torch.Tensor, labels: torch.Tensor, shrinkage: float, seed: int, tasks: int
+) -> list[_HeldOutEpisodes]:
+    """For every fold of classes and shot of :data:`SHOTS`: ``tasks`` episodes of the
+    fold's classes and the background fitted without them (shrinkage ``shrinkage``)."""
     inverse, fold_of, n_folds = class_folds(labels.to(features.device), FOLDS, seed)
     generator = torch.Generator().manual_seed(seed)
-    odds, is_open = (
-        [features.new_zeros(0)],
-        [torch.zeros(0, dtype=torch.bool, device=features.device)],
-    )
+    out = []
     for fold in range(n_folds):
         fold_classes = (fold_of == fold).nonzero().squeeze(1)
         train = (fold_of != fold)[inverse]
@@ -98,26 +135,80 @@ def held_out_open_log_odds(
             continue
         stats = fit_background(features[train], inverse[train], shrinkage)
         for shot in SHOTS:
-            drawn = _episodes(fold_classes, inverse, WAY, shot, generator)
+            drawn = _episodes(fold_classes, inverse, WAY, shot, generator, tasks)
             if drawn is None:
                 continue
             support, query, support_labels, open_mask = drawn
             way = int(support_labels.max()) + 1
-            reading = TwoCovarianceReading(
-                features[support], support_labels, features[query], way, stats
+            out.append(
+                _HeldOutEpisodes(
+                    stats, features[support], support_labels, features[query], way, open_mask
+                )
             )
-            odds.append(reading.open_log_odds().reshape(-1))
-            is_open.append(open_mask.reshape(-1))
+    return out
+
+
+def _open_log_odds(
+    episodes: list[_HeldOutEpisodes], within_mix: float, between_mix: float, query_centring: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-odds [M] and open labels [M] of ``episodes``, their backgrounds blended."""
+    if not episodes:
+        return torch.zeros(0), torch.zeros(0, dtype=torch.bool)
+    odds, is_open, bases = [], [], {}
+    for batch in episodes:
+        stats = batch.stats.blended(within_mix, between_mix)
+        reading = TwoCovarianceReading(
+            batch.support,
+            batch.support_labels,
+            batch.query,
+            batch.way,
+            stats,
+            query_centring,
+            bases.get(id(batch.stats)),  # one factorisation per fold, shared by the shots
+        )
+        bases[id(batch.stats)] = reading.basis
+        odds.append(reading.open_log_odds().reshape(-1))
+        is_open.append(batch.open_mask.reshape(-1))
     return torch.cat(odds), torch.cat(is_open)
+
+
+def held_out_open_log_odds(
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    shrinkage: float,
+    seed: int = 0,
+    within_mix: float = 0.0,
+    between_mix: float = 0.0,
+    tasks: int = TASKS,
+    query_centring: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-odds ln p_0 - ln p̄ [M] of the queries of held-out-class episodes, and
+    whether each query is open [M] (module docstring); both empty where no fold can
+    form an episode. The background of each fold is
+    ``fit_background(..., shrinkage, within_mix, between_mix)``; ``tasks`` episodes per
+    fold and shot (the same episodes for every background, given ``seed``);
+    ``query_centring`` reads each episode in its queries' frame (transductive;
+    :class:`~probfsl.inference.background.TwoCovarianceReading`)."""
+    episodes = _held_out_episodes(features, labels, shrinkage, seed, tasks)
+    odds, is_open = _open_log_odds(episodes, within_mix, between_mix, query_centring)
+    return odds.to(features), is_open.to(features.device)
 
 
 def fit_scale(odds: torch.Tensor, is_open: torch.Tensor, grid: tuple[float, ...] = GRID) -> float:
     """The a of ``grid`` with the smallest log loss of σ(a · odds + logit f) against
     ``is_open``, f the open fraction of the episodes, over the finite odds; 1 for none."""
+    return scale_and_log_loss(odds, is_open, grid)[0]
+
+
+def scale_and_log_loss(
+    odds: torch.Tensor, is_open: torch.Tensor, grid: tuple[float, ...] = GRID
+) -> tuple[float, float]:
+    """:func:`fit_scale`'s a and its mean log loss (nats per query; ``inf`` where no odds
+    are finite, with a = 1)."""
     finite = torch.isfinite(odds)  # degenerate base classes can give infinite odds
     odds, is_open = odds[finite], is_open[finite]
     if odds.numel() == 0:
-        return 1.0
+        return 1.0, math.inf
     scales = torch.tensor(grid, dtype=odds.dtype, device=odds.device)
     fraction = is_open.to(odds).mean().clamp(1e-3, 1 - 1e-3)
     logits = scales.unsqueeze(1) * odds.unsqueeze(0) + torch.logit(fraction)
@@ -125,7 +216,8 @@ def fit_scale(odds: torch.Tensor, is_open: torch.Tensor, grid: tuple[float, ...]
     loss = torch.nn.functional.binary_cross_entropy_with_logits(
         logits, target, reduction="none"
     ).mean(1)
-    return float(grid[int(loss.argmin())])
+    best = int(loss.argmin())
+    return float(grid[best]), float(loss[best])
 
 
 def select_open_temperature(
@@ -134,3 +226,43 @@ def select_open_temperature(
     """:func:`fit_scale` of :func:`held_out_open_log_odds`: the scale of the open log-odds
     that held-out base classes ask for (1 where they cannot be split)."""
     return fit_scale(*held_out_open_log_odds(features, labels, shrinkage))
+
+
+class OpenReading(NamedTuple):
+    """The background's isotropic blends (:func:`~probfsl.inference.background.
+    fit_background`'s ``within_mix`` and ``between_mix``), the scale of its open
+    log-odds, and the held-out log loss (nats per query) that chose them."""
+
+    within_mix: float
+    between_mix: float
+    odds_scale: float
+    log_loss: float
+
+
+def select_open_reading(
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    shrinkage: float,
+    query_centring: bool = False,
+    mix_grid: tuple[float, ...] = MIX_GRID,
+    tasks: int = SELECTION_TASKS,
+) -> OpenReading:
+    """The blends (a_W, a_B) of ``mix_grid`` x ``mix_grid`` and the scale a whose tempered
+    open posterior σ(a (ln p_0 - ln p̄) + logit f) has the smallest log loss on the
+    episodes of held-out base classes (``tasks`` per fold and shot, the same episodes for
+    every pair; ``query_centring`` reads them in their queries' frame): the predictive
+    likelihood of the open/closed labels of classes the background has not seen (module
+    docstring). The first pair of the grid wins ties; (0, 0, 1) with an infinite loss
+    where the base classes cannot be split."""
+    for mix in mix_grid:
+        if not 0 <= mix <= 1:
+            raise ValueError(f"mix_grid must lie in [0, 1], got {mix_grid}")
+    episodes = _held_out_episodes(features, labels, shrinkage, 0, tasks)
+    best = OpenReading(0.0, 0.0, 1.0, math.inf)
+    for within_mix in mix_grid:
+        for between_mix in mix_grid:
+            odds, is_open = _open_log_odds(episodes, within_mix, between_mix, query_centring)
+            scale, loss = scale_and_log_loss(odds, is_open)
+            if loss < best.log_loss:
+                best = OpenReading(within_mix, between_mix, scale, loss)
+    return best

@@ -79,9 +79,12 @@ BASE_MEAN = Group("fit_base", {"base_mean_": Tensor("D", bound=FEATURE_BOUND)})
 #: ``background_within_ [D, D]`` and between-class covariance ``background_between_ [D, D]``
 #: (:func:`probfsl.inference.background.fit_background`), both shrunk by
 #: ``background_shrinkage_`` (:func:`probfsl.inference.background_shrinkage.select_shrinkage`),
-#: and the scale of the inductive open log-odds ``background_odds_scale_``
-#: (:func:`probfsl.inference.open_temperature.select_open_temperature`); these two are
-#: absent from files saved before they were chosen
+#: and, chosen on episodes of held-out base classes
+#: (:func:`probfsl.inference.open_temperature.select_open_reading`), the isotropic blends
+#: of the two covariances ``background_within_mix_`` and ``background_between_mix_`` and
+#: the scale of the inductive open log-odds ``background_odds_scale_``, and the same three
+#: for the transductive reading in the queries' frame (``background_query_*``); all but
+#: the first three are absent from files saved before they were chosen (read as 0, 0, 1)
 BACKGROUND = Group(
     "fit_base",
     {
@@ -90,8 +93,23 @@ BACKGROUND = Group(
         "background_between_": Tensor("D", "D", bound=FEATURE_BOUND),
         "background_shrinkage_": Real(nonnegative=True),
         "background_odds_scale_": Real(positive=True),
+        "background_within_mix_": Real(low=0.0, high=1.0),
+        "background_between_mix_": Real(low=0.0, high=1.0),
+        "background_query_within_mix_": Real(low=0.0, high=1.0),
+        "background_query_between_mix_": Real(low=0.0, high=1.0),
+        "background_query_odds_scale_": Real(positive=True),
     },
-    optional=frozenset({"background_shrinkage_", "background_odds_scale_"}),
+    optional=frozenset(
+        {
+            "background_shrinkage_",
+            "background_odds_scale_",
+            "background_within_mix_",
+            "background_between_mix_",
+            "background_query_within_mix_",
+            "background_query_between_mix_",
+            "background_query_odds_scale_",
+        }
+    ),
 )
 #: the declaration of the ``open_prior`` hyperparameter: the prior probability π_0 that a
 #: query belongs to none of the task's classes (inductive methods: fixed; transductive
@@ -399,25 +417,34 @@ class OpenSetBackground:
         """Store the background statistics of preprocessed base ``features`` [N, D], their
         covariances shrunk by the λ that held-out base classes prefer
         (:func:`~probfsl.inference.background_shrinkage.select_shrinkage`), kept as
-        ``background_shrinkage_``, and the scale of the inductive open log-odds learnt on
-        episodes of held-out base classes
-        (:func:`~probfsl.inference.open_temperature.select_open_temperature`), kept as
-        ``background_odds_scale_``."""
+        ``background_shrinkage_``, and, learnt on episodes of held-out base classes
+        (:func:`~probfsl.inference.open_temperature.select_open_reading`), the isotropic
+        blends of the covariances and the scale of the open log-odds, inductive
+        (``background_within_mix_``, ``background_between_mix_``,
+        ``background_odds_scale_``) and in the queries' frame (``background_query_*``)."""
         from probfsl.inference.background import fit_background
         from probfsl.inference.background_shrinkage import select_shrinkage
-        from probfsl.inference.open_temperature import select_open_temperature
+        from probfsl.inference.open_temperature import select_open_reading
 
         labels = labels.to(features.device)
         self.background_shrinkage_ = select_shrinkage(features, labels)
-        self.background_odds_scale_ = select_open_temperature(
-            features, labels, self.background_shrinkage_
-        )
+        inductive = select_open_reading(features, labels, self.background_shrinkage_)
+        self.background_within_mix_ = inductive.within_mix
+        self.background_between_mix_ = inductive.between_mix
+        self.background_odds_scale_ = inductive.odds_scale
+        query = select_open_reading(features, labels, self.background_shrinkage_, True)
+        self.background_query_within_mix_ = query.within_mix
+        self.background_query_between_mix_ = query.between_mix
+        self.background_query_odds_scale_ = query.odds_scale
         stats = fit_background(features, labels, self.background_shrinkage_)
         self.background_mean_, self.background_within_, self.background_between_ = stats
 
-    def background_stats(self, reference: torch.Tensor):
-        """The fitted :class:`~probfsl.inference.background.BackgroundStats` in the dtype
-        and on the device of ``reference``; ``ValueError`` without base classes."""
+    def background_stats(self, reference: torch.Tensor, query_centring: bool = False):
+        """The fitted :class:`~probfsl.inference.background.BackgroundStats`, blended as
+        chosen for the inductive reading (``query_centring=True``: for the reading in the
+        queries' frame, :class:`~probfsl.inference.background.TwoCovarianceReading`), in
+        the dtype and on the device of ``reference``; ``ValueError`` without base
+        classes."""
         from probfsl.inference.background import BackgroundStats
 
         if getattr(self, "background_mean_", None) is None:
@@ -425,9 +452,14 @@ class OpenSetBackground:
                 f"{type(self).__name__}.predict_proba_open needs base classes: its "
                 "background density is learnt from them; call fit_base(features, labels) first"
             )
-        return BackgroundStats(
+        prefix = "background_query_" if query_centring else "background_"
+        stats = BackgroundStats(
             self.background_mean_, self.background_within_, self.background_between_
         ).to(reference)
+        return stats.blended(  # 0, 0 for files saved before the blends were chosen
+            getattr(self, prefix + "within_mix_", 0.0),
+            getattr(self, prefix + "between_mix_", 0.0),
+        )
 
     def inductive_open(
         self, episodes: Episodes, proba: torch.Tensor, support: torch.Tensor, query: torch.Tensor

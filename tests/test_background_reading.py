@@ -1,0 +1,281 @@
+"""The background reading's isotropic blends and its transductive frame: the blend against
+its dense formula, the isotropic limit against its closed form, the queries' frame
+against the reading of features centred by hand, batched against one task at a time,
+float32 against float64, the held-out choice of the blends against brute force, and the
+fallbacks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.distributions import MultivariateNormal
+
+from probfsl import make_estimator
+from probfsl.inference.background import (
+    BackgroundStats,
+    TwoCovarianceReading,
+    centre_on_queries,
+    fit_background,
+    two_covariance_log_liks,
+)
+from probfsl.inference.open_temperature import (
+    MIX_GRID,
+    TASKS,
+    fit_scale,
+    held_out_open_log_odds,
+    scale_and_log_loss,
+    select_open_reading,
+)
+from probfsl.models.base import FewShotClassifier
+
+
+def _base(n_classes=8, per_class=12, dim=4, seed=0, dtype=torch.float64):
+    """Gaussian classes with anisotropic within- and between-class covariances."""
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.linspace(0.3, 2.0, dim, dtype=dtype)
+    means = torch.randn(n_classes, dim, generator=g, dtype=dtype) * scales.flip(0) * 2
+    labels = torch.arange(n_classes).repeat_interleave(per_class)
+    x = means[labels] + torch.randn(len(labels), dim, generator=g, dtype=dtype) * scales
+    return x, labels
+
+
+def _task(n_tasks=3, dim=4, seed=1, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    support = torch.randn(n_tasks, 4, dim, generator=g, dtype=dtype)
+    labels = torch.tensor([0, 1, 0, 1]).expand(n_tasks, -1)
+    query = torch.randn(n_tasks, 5, dim, generator=g, dtype=dtype)
+    return support, labels, query
+
+
+# --------------------------------------------------------------------- the blends
+@pytest.mark.parametrize("mix", [0.0, 0.3, 1.0])
+def test_blend_is_the_dense_formula_and_keeps_the_trace(mix):
+    x, labels = _base()
+    stats = fit_background(x, labels, 1e-2)
+    blended = stats.blended(mix, 1 - mix)
+    d = x.shape[1]
+    for cov, got, a in (
+        (stats.within, blended.within, mix),
+        (stats.between, blended.between, 1 - mix),
+    ):
+        want = (1 - a) * cov + a * torch.trace(cov) / d * torch.eye(d, dtype=cov.dtype)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(torch.trace(got), torch.trace(cov))
+    torch.testing.assert_close(blended.mean, stats.mean)
+    if mix == 1.0:  # isotropic within-class covariance
+        torch.testing.assert_close(
+            blended.within, blended.within.diagonal().mean() * torch.eye(d, dtype=x.dtype)
+        )
+
+
+@pytest.mark.parametrize("shrinkage", [0.0, 1e-3, 0.3])
+def test_fit_background_blends_are_the_blend_of_the_shrunk_covariances(shrinkage):
+    x, labels = _base(seed=3)
+    direct = fit_background(x, labels, shrinkage, 0.6, 0.9)
+    later = fit_background(x, labels, shrinkage).blended(0.6, 0.9)
+    for got, want in zip(direct, later, strict=True):
+        torch.testing.assert_close(got, want)
+    for got, want in zip(
+        fit_background(x, labels, shrinkage, 0.0, 0.0),
+        fit_background(x, labels, shrinkage),
+        strict=True,
+    ):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_mixes_outside_the_unit_interval_are_refused():
+    x, labels = _base()
+    stats = fit_background(x, labels)
+    with pytest.raises(ValueError, match="within_mix"):
+        fit_background(x, labels, 1e-3, 1.5)
+    with pytest.raises(ValueError, match="between_mix"):
+        stats.blended(0.0, -0.1)
+    with pytest.raises(ValueError, match="mix_grid"):
+        select_open_reading(x, labels, 1e-3, mix_grid=(0.0, 2.0))
+
+
+def test_the_isotropic_limit_is_the_closed_form_of_distances():
+    """With W = w I and B = b I, class k's predictive is N(m + ρ_k (x̄_k - m), (w + ρ_k w / n_k) I),
+    ρ_k = n_k b / (w + n_k b), and the background N(m, (w + b) I)."""
+    x, labels = _base(seed=5)
+    stats = fit_background(x, labels, 1e-3).blended(1.0, 1.0)
+    w, b, m = stats.within[0, 0], stats.between[0, 0], stats.mean
+    support, support_labels, query = _task()
+    reading = TwoCovarianceReading(support, support_labels, query, 2, stats)
+    d = x.shape[1]
+    eye = torch.eye(d, dtype=x.dtype)
+    for t in range(support.shape[0]):
+        columns = []
+        for k in range(2):
+            rows = support[t, support_labels[t] == k]
+            n = rows.shape[0]
+            rho = n * b / (w + n * b)
+            mean = m + rho * (rows.mean(0) - m)
+            columns.append(MultivariateNormal(mean, (w + rho * w / n) * eye).log_prob(query[t]))
+        class_ll = torch.stack(columns, -1)
+        bg = MultivariateNormal(m, (w + b) * eye).log_prob(query[t])
+        torch.testing.assert_close(reading.class_log_lik()[t], class_ll)
+        want = bg - (torch.logsumexp(class_ll, -1) - math.log(2))
+        torch.testing.assert_close(reading.open_log_odds()[t], want)
+
+
+# ------------------------------------------------------------- the queries' frame
+def test_query_centring_is_the_reading_of_features_centred_by_hand():
+    x, labels = _base()
+    stats = fit_background(x, labels).blended(0.3, 0.6)
+    support, support_labels, query = _task()
+    centre = query.mean(1, keepdim=True)
+    s = (support - centre) / (support - centre).norm(dim=-1, keepdim=True)
+    q = (query - centre) / (query - centre).norm(dim=-1, keepdim=True)
+    want = two_covariance_log_liks(s, support_labels, q, 2, stats)
+    got = two_covariance_log_liks(support, support_labels, query, 2, stats, query_centring=True)
+    for g_, w_ in zip(got, want, strict=True):
+        torch.testing.assert_close(g_, w_)
+    # brute force: the dense Gaussian predictives of the two-covariance model
+    wc, bc, m = stats.within, stats.between, stats.mean
+    for t in range(support.shape[0]):
+        for k in range(2):
+            rows = s[t, support_labels[t] == k]
+            post_cov = torch.linalg.inv(torch.linalg.inv(bc) + rows.shape[0] * torch.linalg.inv(wc))
+            post_mean = m + post_cov @ torch.linalg.solve(wc, (rows - m).sum(0))
+            dense = MultivariateNormal(post_mean, wc + post_cov).log_prob(q[t])
+            torch.testing.assert_close(got[0][t, :, k], dense)
+        torch.testing.assert_close(got[1][t], MultivariateNormal(m, wc + bc).log_prob(q[t]))
+
+
+def test_the_queries_frame_forgets_where_the_task_lies():
+    """A shift of a task's every feature leaves its reading in the queries' frame alone."""
+    x, labels = _base()
+    stats = fit_background(x, labels)
+    support, support_labels, query = _task()
+    shift = torch.tensor([3.0, -1.0, 0.5, 2.0], dtype=x.dtype)
+    plain = TwoCovarianceReading(support, support_labels, query, 2, stats, query_centring=True)
+    moved = TwoCovarianceReading(
+        support + shift, support_labels, query + shift, 2, stats, query_centring=True
+    )
+    torch.testing.assert_close(moved.open_log_odds(), plain.open_log_odds())
+    assert not torch.allclose(
+        TwoCovarianceReading(
+            support + shift, support_labels, query + shift, 2, stats
+        ).open_log_odds(),
+        TwoCovarianceReading(support, support_labels, query, 2, stats).open_log_odds(),
+    )
+
+
+def test_batched_is_one_task_at_a_time_and_float32_is_float64():
+    x, labels = _base()
+    stats = fit_background(x, labels).blended(0.6, 0.3)
+    support, support_labels, query = _task(n_tasks=4)
+    batched = TwoCovarianceReading(support, support_labels, query, 2, stats, True).open_log_odds()
+    for t in range(4):
+        one = TwoCovarianceReading(
+            support[t : t + 1], support_labels[t : t + 1], query[t : t + 1], 2, stats, True
+        ).open_log_odds()
+        torch.testing.assert_close(batched[t : t + 1], one)
+    single = TwoCovarianceReading(
+        support.float(), support_labels, query.float(), 2, stats, True
+    ).open_log_odds()
+    assert single.dtype == torch.float32
+    torch.testing.assert_close(single.double(), batched, rtol=1e-4, atol=1e-3)
+
+
+def test_a_query_at_the_queries_mean_stays_finite():
+    """One query per task is its own mean: it becomes the zero row, read as any point."""
+    x, labels = _base()
+    stats = fit_background(x, labels)
+    support, support_labels, query = _task()
+    s, q = centre_on_queries(support, query[:, :1])
+    assert torch.equal(q, torch.zeros_like(q))
+    odds = TwoCovarianceReading(support, support_labels, query[:, :1], 2, stats, True)
+    assert torch.isfinite(odds.open_log_odds()).all()
+    torch.testing.assert_close(s.norm(dim=-1), torch.ones(s.shape[:2], dtype=s.dtype))
+
+
+def test_a_shared_basis_reads_as_a_fresh_one():
+    x, labels = _base()
+    stats = fit_background(x, labels).blended(0.3, 0.3)
+    support, support_labels, query = _task()
+    first = TwoCovarianceReading(support, support_labels, query, 2, stats)
+    again = TwoCovarianceReading(
+        support[:, :2], support_labels[:, :2], query, 2, stats, basis=first.basis
+    )
+    fresh = TwoCovarianceReading(support[:, :2], support_labels[:, :2], query, 2, stats)
+    torch.testing.assert_close(again.open_log_odds(), fresh.open_log_odds())
+
+
+# ------------------------------------------------------- the held-out choice of the blends
+def _many_classes(dtype=torch.float64):
+    return _base(n_classes=30, per_class=12, dim=6, seed=2, dtype=dtype)
+
+
+@pytest.mark.parametrize("query_centring", [False, True])
+def test_the_choice_is_the_smallest_held_out_log_loss_of_the_grid(query_centring):
+    x, labels = _many_classes()
+    grid = (0.0, 0.5, 1.0)
+    got = select_open_reading(x, labels, 1e-3, query_centring, grid, tasks=8)
+    losses = {}
+    for a in grid:
+        for b in grid:
+            odds, is_open = held_out_open_log_odds(x, labels, 1e-3, 0, a, b, 8, query_centring)
+            losses[a, b] = scale_and_log_loss(odds, is_open)
+    best = min(losses, key=lambda pair: losses[pair][1])
+    assert (got.within_mix, got.between_mix) == best
+    assert got.odds_scale == losses[best][0]
+    assert math.isclose(got.log_loss, losses[best][1], rel_tol=1e-12)
+
+
+def test_a_grid_of_zero_is_the_temperature_of_the_unblended_background():
+    x, labels = _many_classes()
+    got = select_open_reading(x, labels, 1e-3, mix_grid=(0.0,), tasks=TASKS)
+    assert (got.within_mix, got.between_mix) == (0.0, 0.0)
+    assert got.odds_scale == fit_scale(*held_out_open_log_odds(x, labels, 1e-3))
+
+
+def test_the_choice_in_float32_is_the_choice_in_float64():
+    x, labels = _many_classes()
+    high = select_open_reading(x, labels, 1e-3, tasks=8)
+    low = select_open_reading(x.float(), labels, 1e-3, tasks=8)
+    assert (low.within_mix, low.between_mix, low.odds_scale) == (
+        high.within_mix,
+        high.between_mix,
+        high.odds_scale,
+    )
+    assert high.within_mix in MIX_GRID and high.between_mix in MIX_GRID
+
+
+def test_classes_that_cannot_be_split_keep_the_background_as_it_was():
+    x, labels = _base(n_classes=4, per_class=6, dim=3)  # folds of one or two classes
+    got = select_open_reading(x, labels, 1e-3)
+    assert (got.within_mix, got.between_mix, got.odds_scale) == (0.0, 0.0, 1.0)
+    assert got.log_loss == math.inf
+
+
+# ------------------------------------------------------------------ the estimator
+def test_an_estimator_keeps_its_blends_and_older_files_read_them_as_none(tmp_path):
+    x, labels = _many_classes(torch.float32)
+    est = make_estimator("nearest-centroid").fit_base(x, labels)
+    for frame in ("background_", "background_query_"):
+        assert getattr(est, frame + "within_mix_") in MIX_GRID
+        assert getattr(est, frame + "between_mix_") in MIX_GRID
+    raw = BackgroundStats(est.background_mean_, est.background_within_, est.background_between_)
+    for query_centring, frame in ((False, "background_"), (True, "background_query_")):
+        want = raw.blended(
+            getattr(est, frame + "within_mix_"), getattr(est, frame + "between_mix_")
+        )
+        for got, w in zip(est.background_stats(x, query_centring), want, strict=True):
+            torch.testing.assert_close(got, w)
+    path = tmp_path / "nc.pt"
+    est.save(path)
+    loaded = FewShotClassifier.load(path)
+    for name in ("within_mix_", "between_mix_", "query_within_mix_", "query_between_mix_"):
+        assert getattr(loaded, "background_" + name) == getattr(est, "background_" + name)
+    assert loaded.background_query_odds_scale_ == est.background_query_odds_scale_
+    for name in ("within_mix_", "between_mix_", "query_within_mix_", "query_between_mix_"):
+        delattr(est, "background_" + name)  # as a file saved before the blends were chosen
+    del est.background_query_odds_scale_
+    est.save(path)
+    old = FewShotClassifier.load(path)
+    for got, w in zip(old.background_stats(x), raw, strict=True):
+        torch.testing.assert_close(got, w)
