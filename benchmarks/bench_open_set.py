@@ -20,11 +20,20 @@ seed=SEED)``). Scored on them:
 * **Nearest centroid + k-NN distance** and **nearest centroid + max softmax**
   (:func:`probfsl.evaluation.open_set.open_set_baselines`): outlier scores that are not
   probabilities (no ECE-open).
-* **Every probfsl method at its defaults** through ``predict_proba_open`` (the last
-  column: P(none of the K classes)); a method without an open-set posterior is listed
-  as skipped with its message. For each, the closed-set accuracy of ``predict_proba`` on
-  the same tasks *without* the open queries (``n_open=0``, same seed: the same support
-  and closed queries) shows what the open queries cost.
+* **Every probfsl method at the defaults a user gets from** ``probfsl run`` through
+  ``predict_proba_open`` (the last column: P(none of the K classes)); a method without
+  an open-set posterior is listed as skipped with its message. Where the method has a
+  search space and the data have base classes, that is ``--preset auto``: the choice of
+  :func:`probfsl.running.auto_choice` (the function ``probfsl run`` calls) on base-class
+  episodes of the cell's setting, with the open queries for the open-set row
+  (``probfsl run --open-queries 75``: base episodes with 75 open queries from other
+  base classes) and without them for the closed-only column (``probfsl run``); the
+  choice is named in the row's *defaults* column and may be nearest centroid where the
+  search found the method below it. Other methods run at their constructor defaults.
+  For each, the closed-set accuracy of ``predict_proba`` on the same tasks *without* the
+  open queries (``n_open=0``, same seed: the same support and closed queries) shows
+  what the open queries cost. ``--constructor-defaults`` adds a row per tuned method at
+  its raw constructor defaults (what ``make_estimator(method)`` builds).
 
 Metrics (:mod:`probfsl.evaluation.open_set`): closed accuracy, AUROC, AUPR, precision at
 90% recall of the open queries, ECE-open (15 bins), each the mean over tasks ± 95% CI.
@@ -59,6 +68,8 @@ from probfsl.evaluation.open_set import (
     open_set_baselines,
 )
 from probfsl.methods import METHODS
+from probfsl.running import auto_by_default, auto_choice
+from probfsl.tuning import SEARCH_SEED
 
 HERE = Path(__file__).resolve().parent
 DATASETS = ("omniglot", "wordnet")
@@ -182,6 +193,8 @@ def run_cell(fs, data: str, shot: int, args, ostim) -> list[dict]:
         text = "  ".join(f"{k} {row[k]:.2f}±{row[k + '_ci95']:.2f}" for k in COLUMNS if k in row)
         closed = row.get("closed_only_accuracy")
         extra = f"  no-open acc {closed:.2f}" if closed is not None else ""
+        if "auto" in row.get("defaults", ""):
+            extra += f"  [{row['defaults']}]"
         print(f"{data:8} {shot}-shot {row['method']:28} {text}{extra}", flush=True)
 
     if ostim is not None:
@@ -206,24 +219,64 @@ def run_cell(fs, data: str, shot: int, args, ostim) -> list[dict]:
         row.pop("ece_open", None), row.pop("ece_open_ci95", None)
         report(row)
 
-    runs = [(method, method, {}) for method in args.methods]
+    runs = []
+    for method in args.methods:
+        if auto_by_default(method, fs):
+            runs.append((method, method, None))
+            if args.constructor_defaults:
+                runs.append((f"{method} (constructor defaults)", method, {}))
+        else:
+            runs.append((method, method, {}))
     runs += [(label, method, params) for label, (method, params) in args.variants.items()]
     for label, method, params in runs:
         m = max(10, n // SLOW.get(method, 1))
         tic = time.perf_counter()
-        estimator = make_estimator(method, **params).fit_featureset(fs)
+        if params is None:  # probfsl run's default: --preset auto, as running.py chooses
+            (closed_model, open_model), defaults = user_defaults(method, fs, shot)
+        else:
+            closed_model = open_model = make_estimator(method, **params)
+            defaults = "constructor" + "".join(f", {k}={v}" for k, v in params.items())
+        open_model.fit_featureset(fs)
         try:
-            result = evaluate_open_set(estimator, open_tasks[:m], batch_size=args.batch)
+            result = evaluate_open_set(open_model, open_tasks[:m], batch_size=args.batch)
         except (ValueError, NotImplementedError, AttributeError) as error:
             report(dict(cell, method=label, kind="probfsl", skipped=str(error).split("\n")[0]))
             continue
-        row = row_of(result, **cell, method=label, kind="probfsl")
+        row = row_of(result, **cell, method=label, kind="probfsl", defaults=defaults)
+        if closed_model is not open_model:
+            closed_model.fit_featureset(fs)
         row["closed_only_accuracy"], row["closed_only_ci95"] = closed_accuracy(
-            estimator, closed_tasks[:m], args.batch
+            closed_model, closed_tasks[:m], args.batch
         )
         row["seconds"] = time.perf_counter() - tic
         report(row)
     return rows
+
+
+def user_defaults(method: str, fs, shot: int) -> tuple[tuple, str]:
+    """``((closed-task estimator, open-set estimator), description)`` at the defaults of
+    ``probfsl run`` where it tunes (``--preset auto``): :func:`probfsl.running.auto_choice`
+    on base-class episodes of the cell's setting (the search's own seed, float32 on the
+    CPU), without and with the open queries. Searches are cached on disk
+    (:mod:`probfsl.tuning_cache`), as for ``probfsl run``."""
+    models, described = [], []
+    for n_open in (0, N_OPEN):
+        choice = auto_choice(
+            method, fs, {}, torch.device("cpu"), torch.float32, False,
+            way=WAY, shot=shot, query=WAY * PER_CLASS, seed=SEARCH_SEED, open_queries=n_open,
+        )  # fmt: skip
+        ran = choice.method_run(method)
+        models.append(make_estimator(ran, choice.preset, **choice.params))
+        what = ran if ran != method else ""
+        if choice.preset:
+            what += f" preset {choice.preset}"
+        what += " " + ", ".join(f"{k}={_short(v)}" for k, v in choice.params.items())
+        described.append(f"{'open' if n_open else 'closed'}: {what.strip() or 'defaults'}")
+    return tuple(models), "auto (" + "; ".join(described) + ")"
+
+
+def _short(value):
+    return f"{value:.3g}" if isinstance(value, float) else value
 
 
 def parse_variant(text: str) -> tuple[str, tuple[str, dict]]:
@@ -270,6 +323,11 @@ def main() -> None:
         metavar="METHOD:KEY=VALUE[,KEY=VALUE]",
         help="one more row: METHOD with these parameters (repeatable), e.g. "
         "vmp-gmm:open_model=declared",
+    )
+    parser.add_argument(
+        "--constructor-defaults",
+        action="store_true",
+        help="also a row per tuned method at its raw constructor defaults",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch", type=int, default=100, help="tasks per predict call")
@@ -328,6 +386,13 @@ def write(rows: list[dict], args, ostim, seconds: float) -> None:
         "on the same tasks without the open queries. ECE-open: the calibration of "
         "P(open) (15 bins); N/A where the outlier score is not a probability.",
         "",
+        "Each method runs at the defaults a user gets from `probfsl run`: `--preset auto` "
+        "where the method has a search space (hyperparameters tuned on base-class "
+        "episodes of the cell's setting by `probfsl.running.auto_choice`; with 75 open "
+        "queries from other base classes for the open-set columns, as `probfsl run "
+        "--open-queries 75` does, without them for *closed only*), else the constructor "
+        "defaults. The choices are listed under each table.",
+        "",
     ]
     for data in dict.fromkeys(r["data"] for r in rows):
         for shot in dict.fromkeys(r["shot"] for r in rows if r["data"] == data):
@@ -354,6 +419,10 @@ def write(rows: list[dict], args, ostim, seconds: float) -> None:
                     f"{_pm(r, 'auroc')} | {_pm(r, 'aupr')} | {_pm(r, 'prec_at_90_recall')} | "
                     f"{_pm(r, 'ece_open', 3)} | {r['tasks_per_second']:.3g} |"
                 )
+            lines.append("")
+            for r in rows:
+                if r["data"] == data and r["shot"] == shot and "auto" in r.get("defaults", ""):
+                    lines.append(f"- {r['method']}: {r['defaults']}")
             lines.append("")
     if ostim is not None:
         shots = ", ".join(

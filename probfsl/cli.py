@@ -415,6 +415,14 @@ def build_parser(parser_class: type[_Parser] = _Parser) -> argparse.ArgumentPars
         help="base-class episodes (zero-shot: tasks) per candidate (default 300; gp-tree 100)",
     )
     tune.add_argument(
+        "--open-queries",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="tune for open-set tasks: N open queries per base episode from other base "
+        "classes, candidates ranked by the accuracy of the known-class queries (0: closed)",
+    )
+    tune.add_argument(
         "--criterion",
         choices=["accuracy", "objective"],
         default="accuracy",

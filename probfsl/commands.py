@@ -106,6 +106,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         way=args.way, shot=args.shot, query=args.query, balance=args.balance,
         alpha=args.alpha, episodes=args.episodes, seed=args.seed, criterion=args.criterion,
         zero_shot=args.zero_shot, min_classes=args.min_classes, max_classes=args.max_classes,
+        open_queries=getattr(args, "open_queries", 0),
     )  # fmt: skip
     if choice.result is None:
         raise ValueError(f"cannot tune {args.method} on {fs.name}: {choice.reason}")

@@ -16,7 +16,7 @@ METHOD_TABLE: dict[str, dict] = {
         "tunable": False,
     },
     "soft-kmeans": {
-        "params": ("temperature", "n_iter", "center", "open_prior"),
+        "params": ("temperature", "n_iter", "center", "open_prior", "open_scale"),
         "presets": (),
         "tunable": True,
     },
@@ -39,6 +39,8 @@ METHOD_TABLE: dict[str, dict] = {
             "trace_elbo",
             "engine",
             "open_prior",
+            "n_free",
+            "open_scale",
         ),
         "presets": (
             "mini-balanced",
@@ -88,6 +90,7 @@ METHOD_TABLE: dict[str, dict] = {
             "open_prior",
             "open_model",
             "background_weight",
+            "open_scale",
         ),
         "presets": (),
         "tunable": True,

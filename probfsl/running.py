@@ -85,7 +85,10 @@ def run(spec: RunSpec, *, progress: bool = True) -> dict:
        ``center=False`` (a note); another is a ``ValueError`` (:func:`params_without_base`).
     7. ``"auto"``: the search on base-class episodes of the run's setting, with its own
        seed (:data:`probfsl.tuning.SEARCH_SEED`: ``spec.seed`` draws the tasks, not the
-       base episodes); asked for explicitly it prints its table on stdout. Its choice
+       base episodes); with ``open_queries`` its base episodes hold as many open queries
+       from other base classes, and candidates are ranked by the accuracy of the
+       known-class queries (:func:`probfsl.tuning.auto_preset`); asked for explicitly it
+       prints its table on stdout. Its choice
        may be another method (the baseline, where the method scored below it).
     8. The evaluation: :func:`run_zero_shot` for ``zero_shot``, else :func:`run_setting`
        (the method and nearest centroid on the same tasks, a batch at a time). With
@@ -144,6 +147,7 @@ def run(spec: RunSpec, *, progress: bool = True) -> dict:
             way=way, shot=shot, query=query, balance=spec.balance, alpha=spec.alpha,
             episodes=spec.episodes, seed=SEARCH_SEED, zero_shot=spec.zero_shot,
             min_classes=spec.min_classes, max_classes=spec.max_classes,
+            open_queries=open_queries,
         )  # fmt: skip
         if choice.result is not None and spec.preset == "auto":
             print_tuning(choice.result, choice)
@@ -382,11 +386,14 @@ def auto_choice(
     zero_shot: bool = False,
     min_classes: int = 3,
     max_classes: int = 10,
+    open_queries: int = 0,
 ):
     """``preset="auto"`` / ``probfsl tune``: the search on base classes, or its fallback
     (:func:`probfsl.tuning.auto_preset`, :func:`probfsl.tuning.auto_preset_zero_shot`),
     with the hyperparameters ``fixed``, in ``dtype`` on ``device``; ``episodes`` per
-    candidate (``None``: the method's default; zero-shot: 300 tasks)."""
+    candidate (``None``: the method's default; zero-shot: 300 tasks). ``open_queries``
+    > 0 (an open-set run) tunes on base episodes with that many open queries from other
+    base classes, by the accuracy of the known-class queries."""
     if zero_shot:
         return auto_preset_zero_shot(
             method,
@@ -416,6 +423,7 @@ def auto_choice(
         dtype=dtype,
         device=device,
         progress=progress,
+        open_queries=open_queries,
     )
 
 

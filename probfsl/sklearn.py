@@ -267,6 +267,7 @@ class FewShotSoftKMeans(FewShotTaskClassifier):
         n_iter: int = 5,
         center: bool = True,
         open_prior: float = 0.5,
+        open_scale: float = 1.0,
         base_features: Any = None,
         base_labels: Any = None,
     ) -> None:
@@ -305,6 +306,8 @@ class FewShotBavardage(FewShotTaskClassifier):
         trace_elbo: bool = False,
         engine: str = "handwritten",
         open_prior: float = 0.5,
+        n_free: int = 3,
+        open_scale: float = 1.0,
         base_features: Any = None,
         base_labels: Any = None,
     ) -> None:
@@ -371,6 +374,7 @@ class FewShotVMPGaussianMixture(FewShotTaskClassifier):
         open_prior: float = 0.5,
         open_model: str = "nested",
         background_weight: float = 10.0,
+        open_scale: float = 1.0,
         base_features: Any = None,
         base_labels: Any = None,
     ) -> None:

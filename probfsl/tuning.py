@@ -113,6 +113,12 @@ SEARCH_SPACES: dict[str, dict[str, list]] = {
 }
 
 
+#: hyperparameters of the open-set posterior alone, tried at the best candidate of a
+#: search on base episodes with open queries (:func:`tune` with ``open_queries``): the
+#: free components of BAVARDAGE's open mixture (its default 3, or none)
+OPEN_SEARCH_SPACES: dict[str, dict[str, list]] = {"bavardage": {"n_free": [0, 3]}}
+
+
 #: base episodes per candidate of ``preset="auto"`` where 300 would cost minutes: each
 #: GP-Tree candidate runs Gibbs chains at every node of every episode
 SEARCH_EPISODES: dict[str, int] = {"gp-tree": 100}
@@ -219,33 +225,75 @@ class _Candidates:
         return self.shared.with_params(**params)
 
 
-def _row(params: dict, proba: torch.Tensor, labels: torch.Tensor) -> dict:
+def _row(
+    params: dict,
+    proba: torch.Tensor,
+    labels: torch.Tensor,
+    open_mask: torch.Tensor | None = None,
+) -> dict:
     """A trace row of ``proba`` [T, Q, K] against ``labels`` [T, Q]: accuracy and its 95%
     interval (percent), the mean query NLL (nats) and its interval, the misclassified
-    queries (``errors``) and the ``queries`` scored."""
+    queries (``errors``) and the ``queries`` scored.
+
+    Open-set episodes (``open_mask`` [T, Q], True on the open queries, whose label is K;
+    ``proba`` [T, Q, K + 1] from ``predict_proba_open``): accuracy and errors are those of
+    the argmax over the K classes on the known-class queries, the NLL is that of the
+    K + 1 outcomes on every query (a proper score of both the classes and P(open)), and
+    the row adds the open queries' AUROC (``auroc``, ``auroc_ci95``, percent)."""
     labels = labels.to(proba.device)
-    hits = proba.argmax(-1) == labels
-    accuracy, ci95 = accuracy_ci(hits.double().mean(-1).cpu().numpy())
+    if open_mask is None:
+        hits = proba.argmax(-1) == labels
+        per_task = hits.double().mean(-1)
+        closed = torch.ones_like(hits)
+    else:
+        from probfsl.evaluation.open_set import auroc
+
+        open_mask = open_mask.to(proba.device)
+        closed = ~open_mask
+        hits = (proba[..., :-1].argmax(-1) == labels) & closed
+        per_task = hits.double().sum(-1) / closed.double().sum(-1).clamp_min(1)
+    accuracy, ci95 = accuracy_ci(per_task.cpu().numpy())
     p_true = proba.gather(-1, labels.unsqueeze(-1)).squeeze(-1).double()
     nll = -p_true.clamp_min(torch.finfo(proba.dtype).tiny).log().mean(-1).cpu().numpy()
     nll_ci = 1.96 * nll.std(ddof=1) / np.sqrt(nll.size) if nll.size > 1 else 0.0
-    return {
+    row = {
         "params": params,
         "accuracy": accuracy,
         "ci95": ci95,
         "nll": float(nll.mean()),
         "nll_ci95": float(nll_ci),
-        "errors": int((~hits).sum()),
-        "queries": int(labels.numel()),
+        "errors": int((closed & ~hits).sum()),
+        "queries": int(closed.sum()),
     }
+    if open_mask is not None:
+        row["auroc"], row["auroc_ci95"] = accuracy_ci(
+            auroc(proba[..., -1], open_mask).double().cpu().numpy()
+        )
+    return row
+
+
+def _open_mask(episodes: Episodes) -> torch.Tensor | None:
+    """The open queries of ``episodes`` [T, Q], or ``None`` for closed episodes (one
+    look at the labels on the host, outside any iteration)."""
+    mask = episodes.open_mask
+    return mask if bool(mask.any()) else None
+
+
+def _predict(model, episodes: Episodes) -> torch.Tensor:
+    """``predict_proba_open`` on open-set episodes, else ``predict_proba``."""
+    if _open_mask(episodes) is not None:
+        return model.predict_proba_open(episodes)
+    return model.predict_proba(episodes)
 
 
 def _score(candidates: _Candidates, params: dict, episodes: Episodes, criterion: str) -> dict:
     tic = time.perf_counter()
     model = candidates.fitted(params)
-    proba = model.predict_proba(episodes)
-    row = _row(params, proba, episodes.query_labels)
-    if hasattr(type(model), "episode_objective_"):
+    proba = _predict(model, episodes)
+    mask = _open_mask(episodes)
+    row = _row(params, proba, episodes.query_labels, mask)
+    # predict_proba_open (open-set episodes) traces no closed-set objective
+    if mask is None and hasattr(type(model), "episode_objective_"):
         row["objective"] = float(torch.as_tensor(model.episode_objective_).mean())
     elif criterion == "objective":
         raise ValueError(
@@ -288,7 +336,10 @@ def _checked(
 
 def _best_row(rows: Sequence[dict], criterion: str = "accuracy") -> dict:
     """The best row: the highest ``criterion``; with ``"accuracy"``, equal accuracies
-    go to the lower query NLL (a proper score that still orders them)."""
+    go to the lower query NLL (a proper score that still orders them). Rows of open-set
+    episodes rank the same way, by the accuracy of their known-class queries (their
+    AUROC is reported, not ranked on: breaking accuracy ties within the 95% interval by
+    it chose candidates that lost up to 2 points of accuracy on novel tasks)."""
     if criterion != "accuracy":
         return max(rows, key=lambda r: r[criterion])
     return max(rows, key=lambda r: (r["accuracy"], -r.get("nll", 0.0)))
@@ -387,6 +438,7 @@ def tune(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device | None = None,
     progress: bool = False,
+    open_queries: int = 0,
 ) -> TuneResult:
     """Choose ``method``'s hyperparameters from ``space`` on base-class episodes.
 
@@ -404,23 +456,37 @@ def tune(
         dtype, device: where the candidates are fitted and run (default float32 on the
             CPU).
         progress: show a progress bar over the candidates.
+        open_queries: open queries per episode, drawn from other base classes of the
+            half that plays the novel classes (the open-set protocol,
+            :mod:`probfsl.data.open_set`): candidates are then scored by
+            ``predict_proba_open``, on the accuracy of the known-class queries
+            (:func:`_row`; the open queries' AUROC is in the trace), and the values of
+            :data:`OPEN_SEARCH_SPACES` are tried at the best one.
     """
     space = _checked(method, space, criterion)  # before any sampling
     device = _check_data(fs, n_episodes, seed, dtype, device)
+    check_count("open_queries", open_queries, low=0)
+    if open_queries and criterion != "accuracy":
+        raise ValueError("open_queries > 0 ranks candidates by accuracy; use criterion='accuracy'")
     view = base_episode_split(fs, seed)
     episodes = sample_episodes(
-        view, n_episodes, way, shot, n_query, balance, alpha, seed, dtype=dtype, device=device
-    )
+        view, n_episodes, way, shot, n_query, balance, alpha, seed, dtype=dtype, device=device,
+        n_open=open_queries,
+    )  # fmt: skip
     candidates = _Candidates(method, view, fixed or {}, dtype, device)
-    return _search(
-        method,
-        space,
-        criterion,
-        refine,
-        fixed,
-        lambda params: _score(candidates, params, episodes, criterion),
-        progress,
-    )
+
+    def score(params: dict) -> dict:
+        return _score(candidates, params, episodes, criterion)
+
+    result = _search(method, space, criterion, refine, fixed, score, progress)
+    extra = OPEN_SEARCH_SPACES.get(method, {}) if open_queries else {}
+    if extra:  # the open-set hyperparameters, at the search's best
+        best = _best_row(result.trace, criterion)["params"]
+        seen = [r["params"] for r in result.trace]
+        todo = [{**best, **params} for params in _grid(extra)]
+        result.trace += [score(params) for params in todo if params not in seen]
+        result.best = {**(fixed or {}), **_best_row(result.trace, criterion)["params"]}
+    return result
 
 
 def tune_zero_shot(
@@ -573,6 +639,12 @@ class _Pool:
     def labels(self) -> torch.Tensor:
         return torch.cat([episodes.query_labels for _, episodes in self.parts])
 
+    @property
+    def open_mask(self) -> torch.Tensor | None:
+        """The open queries of every episode, or ``None`` for closed episodes."""
+        masks = [_open_mask(episodes) for _, episodes in self.parts]
+        return None if masks[0] is None else torch.cat(masks)
+
 
 def _pool_row(
     method: str, preset: str | None, params: dict, pool: _Pool, dtype, device, candidates=None
@@ -586,8 +658,8 @@ def _pool_row(
         else:
             model = make_estimator(method, preset, **params)
             model = model.fit_featureset(view, dtype, device)
-        probas.append(model.predict_proba(episodes))
-    return _row(params, torch.cat(probas), pool.labels)
+        probas.append(_predict(model, episodes))
+    return _row(params, torch.cat(probas), pool.labels, pool.open_mask)
 
 
 def _accuracy(
@@ -674,6 +746,7 @@ def auto_preset(
     device: str | torch.device | None = None,
     progress: bool = False,
     cache: bool = True,
+    open_queries: int = 0,
 ) -> AutoChoice:
     """``preset="auto"``: :func:`tune` on base episodes, with a documented fallback.
 
@@ -718,10 +791,21 @@ def auto_preset(
     bar over the candidates. With ``cache`` the outcome is stored on disk and read back
     for the same data and settings, whatever the dtype and device
     (:mod:`probfsl.tuning_cache`).
+
+    ``open_queries`` > 0 (an open-set run): the base episodes of the search (and of the
+    screen, the reference and nearest centroid held against it) get that many open
+    queries from other base classes of the half that plays the novel classes, and the
+    candidates are scored by ``predict_proba_open`` on the accuracy of the known-class
+    queries (:func:`tune`); the chosen one's ``open_scale``, where the method has one, is
+    learnt on the same episodes (:func:`fit_open_scale`). Where the base classes cannot
+    hold the open queries the search runs on closed episodes and ``note`` says so.
     """
     _checked(method, None, criterion)  # ValueError for a method without a search space
     n_episodes = search_episodes(method, n_episodes)
     device = _check_data(fs, n_episodes, seed, dtype, device)
+    check_count("open_queries", open_queries, low=0)
+    if open_queries and criterion != "accuracy":
+        raise ValueError("open_queries > 0 ranks candidates by accuracy; use criterion='accuracy'")
     fixed = dict(fixed or {})
 
     def compute() -> AutoChoice:
@@ -738,6 +822,7 @@ def auto_preset(
             dtype,
             device,
             progress,
+            open_queries,
         )
 
     if not cache:
@@ -754,11 +839,28 @@ def auto_preset(
         "criterion": criterion,
         "fixed": fixed,
     }
+    if open_queries:  # closed searches keep their cache entries
+        settings["open_queries"] = open_queries
+        settings["open_space"] = OPEN_SEARCH_SPACES.get(method, {})
+        settings["open_scale"] = "brier"  # fit_open_scale on the chosen candidate
+        settings["open_rank"] = "accuracy"  # of the known-class queries alone
     return _cached("few-shot", fs, settings, compute)
 
 
 def _auto_preset(
-    method, fs, target, balance, alpha, n_episodes, seed, criterion, fixed, dtype, device, progress
+    method,
+    fs,
+    target,
+    balance,
+    alpha,
+    n_episodes,
+    seed,
+    criterion,
+    fixed,
+    dtype,
+    device,
+    progress,
+    open_queries=0,
 ) -> AutoChoice:
     """:func:`auto_preset` without the cache."""
     way, shot, n_query = target
@@ -785,9 +887,28 @@ def _auto_preset(
             f"cannot form {way}-way {shot}-shot {n_query}-query ones)"
         )
     view = base_episode_split(fs, seed)
-    episodes = sample_episodes(  # tune's
-        view, n_episodes, *shape, balance, alpha, seed, dtype=dtype, device=device
-    )
+    n_open = open_queries
+    try:
+        episodes = sample_episodes(  # tune's
+            view, n_episodes, *shape, balance, alpha, seed, dtype=dtype, device=device,
+            n_open=n_open,
+        )  # fmt: skip
+    except ValueError as err:
+        if not n_open:
+            raise
+        notes.append(
+            f"the base classes cannot hold {n_open} open queries beside {w}-way base "
+            f"episodes ({err}): tuned on closed episodes"
+        )
+        n_open = 0
+        episodes = sample_episodes(
+            view, n_episodes, *shape, balance, alpha, seed, dtype=dtype, device=device
+        )
+    if n_open:
+        notes.append(
+            f"tuned on base episodes with {n_open} open queries from other base classes "
+            "(ranked by the accuracy of the known-class queries)"
+        )
     reference = preset if shape != target else None
     screened = _screen(method, reference, fixed, view, episodes, n_episodes, dtype, device)
     if screened is not None:  # every candidate clearly below the baseline: stop here
@@ -818,8 +939,10 @@ def _auto_preset(
         dtype=dtype,
         device=device,
         progress=progress,
+        open_queries=n_open,
     )
-    pool = _Pool([(view, episodes)], shape, f"{w}-way {s}-shot base episodes")
+    with_open = f" with {n_open} open queries" if n_open else ""
+    pool = _Pool([(view, episodes)], shape, f"{w}-way {s}-shot base episodes{with_open}")
     baseline = _pool_row(BASELINE, None, {}, pool, dtype, device)
     best = _best_row(result.trace, criterion)
     ranked_by_nll = False
@@ -907,8 +1030,43 @@ def _auto_preset(
     if below is not None:
         notes.append(below)
         choice.params, choice.preset, choice.method = {}, None, BASELINE
+    if n_open and choice.method is None and "open_scale" not in fixed:
+        model = make_estimator(method, choice.preset, **choice.params)
+        if "open_scale" in model.get_params():
+            model.fit_featureset(view, dtype, device)
+            p_open = model.predict_proba_open(episodes)[..., -1]
+            scale = fit_open_scale(p_open, episodes.open_mask)
+            choice.params = {**choice.params, "open_scale": scale}
+            notes.append(
+                f"open_scale {scale:.3g}: the scale of P(open)'s log-odds that those "
+                "episodes' open/closed labels prefer (Brier score)"
+            )
     choice.note = "; ".join(notes)
     return choice
+
+
+def fit_open_scale(p_open: torch.Tensor, is_open: torch.Tensor) -> float:
+    """The a of :data:`probfsl.inference.open_temperature.GRID` minimising the Brier score
+    of σ(a logit P(open)) against ``is_open`` (both [T, Q]): the temperature (Guo et al.,
+    ICML 2017) of a transductive method's P(open), ``open_scale``
+    (:func:`probfsl.inference.vb_mixture_open.temper_open`), learnt on base-class
+    episodes with open queries. The order of the queries (the AUROC) is unchanged.
+
+    The Brier score (mean squared error of the probability) is a proper score bounded by
+    1 per query; the log loss is not, and the few open queries a mixture holds for closed
+    with log-odds of tens dominate it (on the built-in base-class episodes it chose
+    a = 0.01-0.06, P(open) near 1/2 for every query, at three of four settings)."""
+    from probfsl.inference.open_temperature import GRID
+
+    if p_open.shape != is_open.shape:
+        raise ValueError(f"p_open {tuple(p_open.shape)} and is_open {tuple(is_open.shape)}")
+    p = p_open.double().flatten()
+    tiny = torch.finfo(torch.float64).tiny
+    logit = p.clamp_min(tiny).log() - (1 - p).clamp_min(tiny).log()
+    scales = torch.tensor(GRID, dtype=logit.dtype, device=logit.device)
+    target = is_open.flatten().to(logit)
+    brier = (torch.sigmoid(scales.unsqueeze(1) * logit) - target).square().mean(1)
+    return float(GRID[int(brier.argmin())])
 
 
 def _way_dependent(method: str) -> bool:

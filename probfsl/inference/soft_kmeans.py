@@ -89,10 +89,11 @@ def soft_kmeans_gram_open(
     temperature: float = 10.0,
     n_iter: int = 5,
     open_log_odds: torch.Tensor | None = None,
+    n_free: int = 0,
 ) -> torch.Tensor:
     """:func:`soft_kmeans_gram` with a background component: responsibilities
-    ``[T, N, K + 1]``, the background last (open-set recognition,
-    :mod:`probfsl.inference.background`).
+    ``[T, N, K + J + 1]``, the K classes, then ``n_free`` = J free components, the
+    background last (open-set recognition, :mod:`probfsl.inference.background`).
 
     ``background_logit`` [T, N] is the background's log-density on the scale of the class
     logits -T_km ||x_n - c_k||^2 (the same normalising constant left out). Each pass is
@@ -109,17 +110,41 @@ def soft_kmeans_gram_open(
     query's responsibility is o_q0 = σ(ln π_0 - ln(1 - π_0) + ``open_log_odds``), π_0
     still inferred in every pass, and its class responsibilities are
     (1 - o_q0) softmax_k(-T_km ||x - c_k||^2), those of soft k-means among the classes.
+
+    Free components (``n_free`` = J > 0, with ``open_log_odds`` only): J more clusters
+    without support, for the open queries to gather in rather than pull the known
+    classes. Component j starts at the query of rank j by ``open_log_odds`` (the J
+    queries the background odds rank most open); in every pass the softmax runs over the
+    K + J centroids (each the mean of its responsibilities), so a query's share
+    1 - o_q0 is split among the known classes and the free clusters. π_0 is the
+    background's weight alone (Beta posterior of the o_q0). With J = 0 the passes are
+    those above.
     """
     from probfsl.inference.background import open_fraction_prior
 
-    a_open, a_closed = open_fraction_prior(open_prior)
+    if isinstance(n_free, bool) or not isinstance(n_free, int) or n_free < 0:
+        raise ValueError(f"n_free must be a non-negative integer, got {n_free!r}")
     n_support = support_labels.shape[1]
+    n_query = gram.shape[1] - n_support
+    if n_free and open_log_odds is None:
+        raise ValueError("n_free > 0 needs open_log_odds (free components start from them)")
+    if n_free > n_query:
+        raise ValueError(f"n_free ({n_free}) cannot exceed the queries per task ({n_query})")
+    a_open, a_closed = open_fraction_prior(open_prior)
     labels = one_hot_support(support_labels, way, gram.dtype)
     sq_norms = gram.diagonal(dim1=1, dim2=2).unsqueeze(-1)
-    n_query = gram.shape[1] - n_support
-    weights = torch.cat([labels, labels.new_zeros(gram.shape[0], n_query, way)], 1)
+    t = gram.shape[0]
+    if n_free:
+        labels = torch.cat([labels, labels.new_zeros(t, n_support, n_free)], -1)
+    n_comp = way + n_free
+    query_weights = labels.new_zeros(t, n_query, n_comp)
+    if n_free:  # free component j starts at the query ranked j-th most open
+        rank = open_log_odds.topk(n_free, -1).indices  # [T, J]
+        seeds = torch.nn.functional.one_hot(rank, n_query).to(gram.dtype)  # [T, J, Q]
+        query_weights[..., way:] = seeds.transpose(1, 2)
+    weights = torch.cat([labels, query_weights], 1)
     support = torch.cat([labels, labels.new_zeros(labels.shape[:2] + (1,))], -1)
-    log_open = gram.new_full((gram.shape[0], 1), open_prior).log()
+    log_open = gram.new_full((t, 1), open_prior).log()
     p = None
     for _ in range(n_iter):
         weights = weights / weights.sum(1, keepdim=True).clamp_min(1e-12)
@@ -139,7 +164,7 @@ def soft_kmeans_gram_open(
             p = torch.cat([support, query], 1)
         open_mass = p[:, n_support:, -1].sum(-1, keepdim=True)
         log_open = ((open_mass + a_open) / (n_query + a_open + a_closed)).log()
-        weights = p[..., :way]
+        weights = p[..., :n_comp]
     return p
 
 

@@ -51,6 +51,24 @@ class given "closed" from BAVARDAGE's projected model:
 The M step, q(π_0) and the projection are unchanged (class statistics weighted by o_qk,
 which sum to 1 - o_q0). The objective traced is the ELBO of this nested model with
 ln p_closed(x_q) in place of the classes' residual factor.
+
+Free components (``n_free`` = J > 0). The open queries of a task are not scattered like
+the background's draws: they come from a few other classes, and a query the odds leave
+mostly "closed" is shared among the known classes only. J more components without
+support, z_q ∈ {1..K, K+1..K+J}, give those queries clusters of their own: their means
+have the prior of every component, μ_j ~ N(0, (β_o τ)^{-1} I) (the centre of the base
+classes in the centred, whitened space, as the background), their weights are BAVARDAGE's
+(ρ ~ Dirichlet(α_o 1_{K+J}), so an unused one empties out; uniform in the balanced
+model), and the projection is computed from all K + J clusters. A query's split is the
+nested one above with the K + J components in place of the K classes,
+
+    o_q0 = σ(E ln π_0 - E ln(1 - π_0) + ln p_0(x_q) - ln p_closed(x_q)),
+    o_qk = (1 - o_q0) softmax_k(E ln ρ_k + E ln N(u_q | μ_k, τ^{-1} I)), k = 1..K+J,
+
+and P(none of the K classes) = o_q0 + Σ_{j > K} o_qj (:attr:`OpenVBMixtureState.open_proba`).
+The engine is BAVARDAGE's with K + J components (the support labels only the first K),
+so with J = 0 it is the model above, and with the background's weight at zero (o_q0 = 0)
+it is :class:`~probfsl.inference.vb_mixture.BavardageVB` with K + J components.
 """
 
 from __future__ import annotations
@@ -69,7 +87,32 @@ from probfsl.inference.vb_mixture import (
     _softmax_and_logsumexp,
 )
 
-__all__ = ["BavardageOpenVB", "OpenBackground", "OpenVBMixtureState"]
+__all__ = ["BavardageOpenVB", "OpenBackground", "OpenVBMixtureState", "temper_open"]
+
+
+def temper_open(proba: torch.Tensor, scale: float) -> torch.Tensor:
+    """``proba`` [..., K + 1] (P(none of the K classes) last) with the log-odds of the last
+    column multiplied by ``scale`` a (a temperature 1 / a, Guo et al., "On Calibration of
+    Modern Neural Networks", ICML 2017):
+
+        P'(open) = σ(a (ln P(open) - ln(1 - P(open)))),
+        P'(k) = (1 - P'(open)) P(k) / Σ_j P(j),
+
+    so the known columns keep their ratios (their argmax) and the order of the queries by
+    P(open) is unchanged (the AUROC); ``scale`` = 1 returns ``proba``. A query whose
+    known columns are all zero keeps them so."""
+    if not scale > 0:
+        raise ValueError(f"scale must be positive, got {scale!r}")
+    if scale == 1:
+        return proba
+    tiny = torch.finfo(proba.dtype).tiny
+    p_open = proba[..., -1]
+    known = proba[..., :-1]
+    closed = known.sum(-1)
+    logit = p_open.clamp_min(tiny).log() - closed.clamp_min(tiny).log()
+    new_open = torch.sigmoid(scale * logit)
+    ratio = ((1 - new_open) / closed.clamp_min(tiny)).unsqueeze(-1)
+    return torch.cat([known * ratio, new_open.unsqueeze(-1)], -1)
 
 
 @dataclass
@@ -113,26 +156,50 @@ class OpenVBMixtureState(VBMixtureState):
     open_resp: torch.Tensor | None = None
     open_alpha: torch.Tensor | None = None
     open_log_lik: torch.Tensor | None = None
+    n_free: int = 0
+
+    @property
+    def component_proba(self) -> torch.Tensor:
+        """[T, Q, K + J + 1]: the responsibilities of the K classes, the J free
+        components, then o_q0."""
+        return torch.cat([self.query_resp, self.open_resp.unsqueeze(-1)], -1)
 
     @property
     def open_proba(self) -> torch.Tensor:
-        """[T, Q, K + 1]: the class responsibilities, then o_q0."""
-        return torch.cat([self.query_resp, self.open_resp.unsqueeze(-1)], -1)
+        """[T, Q, K + 1]: the K class responsibilities, then P(none of them) = o_q0 plus
+        the free components' responsibilities."""
+        q = self.query_resp
+        way = q.shape[-1] - self.n_free
+        other = self.open_resp + q[..., way:].sum(-1)
+        return torch.cat([q[..., :way], other.unsqueeze(-1)], -1)
 
 
 class BavardageOpenVB(BavardageVB):
     """:class:`~probfsl.inference.vb_mixture.BavardageVB` with a background component
     (module docstring). ``projection`` is ``"adaptive"``, ``"adaptive_gram"`` or
     ``"identity"``; ``background`` an :class:`OpenBackground` of the batch;
-    ``open_prior`` the prior mean of π_0. The initial responsibilities of :meth:`init`
-    are ``[T, N, K + 1]`` (the background last)."""
+    ``open_prior`` the prior mean of π_0; ``n_free`` the free components J (module
+    docstring). ``way`` is the K known classes; the engine's :attr:`way` is then its
+    K + J mixture components and :attr:`known` K. The initial responsibilities of
+    :meth:`init` are ``[T, N, K + J + 1]`` (the classes, the free components, the
+    background last)."""
 
     def __init__(
-        self, way: int, background: OpenBackground, open_prior: float = 0.5, **kwargs
+        self,
+        way: int,
+        background: OpenBackground,
+        open_prior: float = 0.5,
+        n_free: int = 0,
+        **kwargs,
     ) -> None:
-        super().__init__(way, **kwargs)
+        if isinstance(n_free, bool) or not isinstance(n_free, int) or n_free < 0:
+            raise ValueError(f"n_free must be a non-negative integer, got {n_free!r}")
+        if n_free and background.open_log_odds is None:
+            raise ValueError("n_free > 0 needs the background's open_log_odds")
+        super().__init__(way + n_free, **kwargs)
         if self.projection == "frozen":
             raise ValueError("the open-set engine supports the adaptive and identity projections")
+        self.known, self.n_free = way, n_free
         self.background = background
         self.open_prior = float(open_prior)
         self.a_open, self.a_closed = open_fraction_prior(self.open_prior)
@@ -144,8 +211,11 @@ class BavardageOpenVB(BavardageVB):
         x = torch.cat([support, query], 1)
         n_s = support.shape[1]
         onehot = one_hot_support(support_labels, self.way, x.dtype)
+        shape = (x.shape[0], x.shape[1], self.way + 1)
         if resp is None:
-            resp = x.new_full((x.shape[0], x.shape[1], self.way + 1), 1.0 / (self.way + 1))
+            resp = x.new_full(shape, 1.0 / (self.way + 1))
+        elif resp.shape != shape:
+            raise ValueError(f"resp must be [T, N, K + J + 1]={shape}, got {tuple(resp.shape)}")
         resp = resp.to(x)
         q_resp, open_resp = resp[:, n_s:, : self.way], resp[:, n_s:, self.way]
         empty = x.new_zeros(x.shape[0])
@@ -159,6 +229,7 @@ class BavardageOpenVB(BavardageVB):
             empty,
             empty,
             open_resp=open_resp,
+            n_free=self.n_free,
         )
         return self.m_step(self.project(state))
 

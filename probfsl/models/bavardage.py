@@ -58,7 +58,7 @@ from probfsl.inference.soft_kmeans import (
     soft_kmeans_gram_open,
 )
 from probfsl.inference.vb_mixture import BavardageVB, VBMixtureState, fit_bavardage_vb
-from probfsl.inference.vb_mixture_open import BavardageOpenVB, OpenBackground
+from probfsl.inference.vb_mixture_open import BavardageOpenVB, OpenBackground, temper_open
 from probfsl.models.base import BACKGROUND, ENGINE, OPEN_PRIOR, FewShotClassifier, OpenSetBackground
 from probfsl.schema import (
     FEATURE_BOUND,
@@ -167,8 +167,9 @@ class OpenProblem(NamedTuple):
     Attributes:
         engine: the open-set engine (None with ``mode="soft_kmeans"``, which runs none).
         support, support_labels, query: the rows the engine's projection acts on.
-        resp: soft k-means with the background, ``[T, N, K + 1]`` (the background last;
-            a query's class columns sum to 1 - o_q0).
+        resp: soft k-means with the background and J free components,
+            ``[T, N, K + J + 1]`` (the classes, the free components, the background last;
+            a query's first K + J columns sum to 1 - o_q0).
         open_log_odds: ln p_0(x_q) - ln p_closed(x_q) of the queries, ``[T, Q]``.
     """
 
@@ -221,6 +222,12 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
             updates that VMP derives from :func:`bavardage_model`,
             :mod:`probfsl.derived.bavardage`).
         open_prior: prior mean of the open fraction π_0 (:meth:`predict_proba_open`).
+        n_free: free components J of the open-set mixture (:meth:`predict_proba_open`;
+            at most the queries of a task are used); 0 for the background alone.
+        open_scale: a, the scale of the log-odds of the last column of
+            :meth:`predict_proba_open`, P'(open) = σ(a logit P(open)) (a temperature 1 / a,
+            :func:`~probfsl.inference.vb_mixture_open.temper_open`; ``preset="auto"``
+            learns it on base-class episodes with open queries); 1 leaves it as inferred.
 
     Open set (:meth:`predict_proba_open`): the mixture gains a background component,
     inside the soft k-means initialisation and every VB iteration, with its weight π_0
@@ -230,7 +237,12 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
     new class against the known classes' predictives given the support
     (:class:`~probfsl.inference.background.TwoCovarianceReading`); among the classes,
     BAVARDAGE's own (projected) responsibilities, times 1 - o_q0, so that a query's
-    background share pulls neither the centroids nor the projection.
+    background share pulls neither the centroids nor the projection. Beside the K
+    classes, ``n_free`` free components (no support, means drawn from the prior of every
+    component, started at the queries the odds rank most open, in soft k-means and in VB)
+    give the open queries clusters of their own, so that a query the odds leave "closed"
+    need not be shared among the known classes; P(open) is the mass of the background
+    and the free components.
 
     Fitted attributes: ``base_mean_``, ``scatter_``, ``precision_``, ``whitening_``,
     ``s_max_`` and ``temperature_vb_`` (the values used, in the code's units),
@@ -263,6 +275,8 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
             "trace_elbo": Flag(),
             "engine": ENGINE,
             "open_prior": OPEN_PRIOR,
+            "n_free": Int(low=0),
+            "open_scale": Real(positive=True),
         },
         fitted=(BASE_STATISTICS, BACKGROUND),
     )
@@ -286,6 +300,8 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         trace_elbo: bool = False,
         engine: str = "handwritten",
         open_prior: float = 0.5,
+        n_free: int = 3,
+        open_scale: float = 1.0,
     ) -> None:
         self.temperature_km = temperature_km
         self.temperature_vb = temperature_vb
@@ -304,6 +320,8 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         self.trace_elbo = trace_elbo
         self.engine = engine
         self.open_prior = open_prior
+        self.n_free = n_free
+        self.open_scale = open_scale
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> Bavardage:
@@ -509,19 +527,23 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         self.elbo_trace_ = info.trace if self.trace_elbo else None
         return state.query_resp
 
-    def open_problem(self, episodes: Episodes) -> OpenProblem:
+    def open_problem(self, episodes: Episodes, n_free: int | None = None) -> OpenProblem:
         """Everything before the open-set VB loop of :meth:`predict_proba_open` (class
         docstring), for this estimator and the methods that extend its mixture.
 
         The full-space contrast ln p_0(x) - ln p_closed(x) of the queries (the
         two-covariance reading of the centred, normalised features), soft k-means with
-        the background component from it, and the open-set engine with the rows it acts
-        on (the global whitening's Gram rows; the normalised rows with ``mode="vb"``).
+        the background component from it and ``n_free`` free components (default the
+        estimator's ``n_free``, at most the queries per task), and the open-set engine
+        with the rows it acts on (the global whitening's Gram rows; the normalised rows
+        with ``mode="vb"``). ``resp`` is then ``[T, N, K + J + 1]``.
         """
         self._check_params()
         self._require_base()
         check_episodes(episodes, dim=self.base_mean_.shape[0])
         way, n_s = episodes.way, episodes.support.shape[1]
+        n_free = int(self.n_free if n_free is None else n_free)
+        n_free = min(n_free, episodes.query.shape[1])
         xn = center_and_normalize(episodes.points(), self.base_mean_.to(episodes.support))
         stats = self.background_stats(xn)
         reading = TwoCovarianceReading(
@@ -538,6 +560,7 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
             self.temperature_km,
             int(self.n_km),
             open_log_odds=odds,
+            n_free=n_free,
         )
         labels = episodes.support_labels
         if self.mode == "soft_kmeans":
@@ -554,6 +577,7 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
             way,
             background,
             self.open_prior,
+            n_free,
             tau=closed.tau,
             alpha0=closed.alpha0,
             beta0=closed.beta0,
@@ -565,12 +589,17 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         return OpenProblem(open_engine, rows[:, :n_s], labels, rows[:, n_s:], resp, odds)
 
     def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
-        """Open-set responsibilities ``[T, Q, K+1]`` (the background last): soft k-means
-        and n_vb VB iterations of the mixture with the background component (class
-        docstring; :class:`~probfsl.inference.vb_mixture_open.BavardageOpenVB`)."""
+        """Open-set responsibilities ``[T, Q, K+1]`` (P(none of the K classes) last): soft
+        k-means and n_vb VB iterations of the mixture with the background component and
+        ``n_free`` free components (class docstring;
+        :class:`~probfsl.inference.vb_mixture_open.BavardageOpenVB`); the last column is
+        the background's and the free components' mass."""
         problem = self.open_problem(episodes)
         if problem.engine is None:
-            return problem.resp[:, episodes.support.shape[1] :]
+            resp = problem.resp[:, episodes.support.shape[1] :]
+            way = episodes.way
+            proba = torch.cat([resp[..., :way], resp[..., way:].sum(-1, keepdim=True)], -1)
+            return temper_open(proba, float(self.open_scale))
         state, _ = fit_bavardage_vb(
             problem.engine,
             problem.support,
@@ -579,7 +608,7 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
             problem.resp,
             int(self.n_vb),
         )
-        return state.open_proba
+        return temper_open(state.open_proba, float(self.open_scale))
 
     # ------------------------------------------------------------------ diagnostics
     def posterior_draws(

@@ -204,9 +204,11 @@ class BavardageGamma(Bavardage):
     engine = "derived"
     count_support = False
     trace_elbo = True
+    n_free = 0  # the open-set model here has the background component alone
+    open_scale = 1.0  # and its P(open) as inferred
     #: Bavardage's declaration without the hyperparameters fixed here, with ``a0``
     schema = Bavardage.schema.derive(
-        drop=("count_support", "mode", "trace_elbo", "engine"),
+        drop=("count_support", "mode", "trace_elbo", "engine", "n_free", "open_scale"),
         params={"a0": Real(positive=True)},
     )
 
@@ -288,8 +290,9 @@ class BavardageGamma(Bavardage):
         :func:`run_open_blocks` on :func:`bavardage_gamma_model`: every query weighted by
         its closed share 1 - o_q0 in q(π), q(τ), q(μ) and the projection, o_q0 from the
         full-space two-covariance contrast with π_0 inferred per task (class docstring).
-        Sets ``state_`` and ``elbo_trace_`` as :meth:`predict_proba` does."""
-        problem = self.open_problem(episodes)
+        Sets ``state_`` and ``elbo_trace_`` as :meth:`predict_proba` does. No free
+        components: this model has the background component alone."""
+        problem = self.open_problem(episodes, n_free=0)
         model = self.declared_model(problem.engine)
         with pyro.validation_enabled(False):  # the inputs are checked (open_problem)
             state, resp, trace = run_open_blocks(

@@ -8,6 +8,7 @@ from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
 from probfsl.inference.background import TwoCovarianceReading
 from probfsl.inference.soft_kmeans import soft_kmeans_gram, soft_kmeans_gram_open
+from probfsl.inference.vb_mixture_open import temper_open
 from probfsl.models.base import (
     BACKGROUND,
     BASE_MEAN,
@@ -28,6 +29,10 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
         n_iter: number of passes (5 in the reference code; a positive integer).
         center: centre the features on the base-class mean first (needs ``fit_base``).
         open_prior: prior mean of the open fraction π_0 (:meth:`predict_proba_open`).
+        open_scale: a, the scale of the log-odds of the last column of
+            :meth:`predict_proba_open`, P'(open) = σ(a logit P(open)) (a temperature 1 / a,
+            :func:`~probfsl.inference.vb_mixture_open.temper_open`; ``preset="auto"``
+            learns it on base-class episodes with open queries); 1 leaves it as inferred.
 
     Open set (:meth:`predict_proba_open`): one more component, the background, whose
     responsibility is taken in the full feature space: the two-covariance predictive of a
@@ -46,6 +51,7 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
             "n_iter": Int(low=1),
             "center": Flag(),
             "open_prior": OPEN_PRIOR,
+            "open_scale": Real(positive=True),
         },
         fitted=(BASE_MEAN, BACKGROUND),
     )
@@ -56,11 +62,13 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
         n_iter: int = 5,
         center: bool = True,
         open_prior: float = 0.5,
+        open_scale: float = 1.0,
     ) -> None:
         self.temperature = temperature
         self.n_iter = n_iter
         self.center = center
         self.open_prior = open_prior
+        self.open_scale = open_scale
 
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
         """Query responsibilities ``[T, Q, K]`` after ``n_iter`` soft k-means passes."""
@@ -96,4 +104,4 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
             int(self.n_iter),
             open_log_odds=reading.open_log_odds(),
         )
-        return p[:, episodes.support.shape[1] :]
+        return temper_open(p[:, episodes.support.shape[1] :], float(self.open_scale))

@@ -32,6 +32,7 @@ from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
 from probfsl.inference.background import TwoCovarianceReading, open_responsibility
 from probfsl.inference.soft_kmeans import soft_kmeans_gram, soft_kmeans_gram_open
+from probfsl.inference.vb_mixture_open import temper_open
 from probfsl.inference.vmp import VMP, VMPState
 from probfsl.models.base import BACKGROUND, OPEN_PRIOR, FewShotClassifier, OpenSetBackground
 from probfsl.schema import FEATURE_BOUND, Choice, EstimatorSchema, Group, Int, Real, Tensor
@@ -202,6 +203,10 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
             :func:`vmp_gmm_components_model`, every update derived by VMP).
         background_weight: pseudo-observations of the declared background's prior
             (:meth:`background_prior`).
+        open_scale: a, the scale of the log-odds of the last column of
+            :meth:`predict_proba_open`, P'(open) = σ(a logit P(open)) (a temperature 1 / a,
+            :func:`~probfsl.inference.vb_mixture_open.temper_open`; ``preset="auto"``
+            learns it on base-class episodes with open queries); 1 leaves it as inferred.
     """
 
     transductive = True
@@ -221,6 +226,7 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
             "open_prior": OPEN_PRIOR,
             "open_model": Choice(("nested", "declared")),
             "background_weight": Real(positive=True),
+            "open_scale": Real(positive=True),
         },
         # the base mean [D] and the average within-class variance of each normalised
         # feature [D] (floored at 1e-8)
@@ -250,6 +256,7 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
         open_prior: float = 0.5,
         open_model: str = "nested",
         background_weight: float = 10.0,
+        open_scale: float = 1.0,
     ) -> None:
         self.alpha0, self.beta0, self.a0 = alpha0, beta0, a0
         self.temperature, self.n_kmeans = temperature, n_kmeans
@@ -257,6 +264,7 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
         self.precision, self.chunk = precision, chunk
         self.open_prior, self.open_model = open_prior, open_model
         self.background_weight = background_weight
+        self.open_scale = open_scale
 
     def fit_base(self, features: Any, labels: Any) -> Self:
         """Base mean and the average within-class variance of each normalised feature."""
@@ -415,7 +423,8 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
         return torch.cat(probs)
 
     def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
-        """``[T, Q, K+1]``: the mixture with a background component, the background last.
+        """``[T, Q, K+1]``: the mixture with a background component, the background last,
+        its log-odds scaled by ``open_scale`` (:func:`temper_open`).
 
         ``precision="diagonal"``, ``open_model="declared"``: the posterior q(z) of the
         queries in :func:`vmp_gmm_components_model` with the K class rows and the
@@ -436,6 +445,10 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
         (:meth:`~probfsl.models.base.OpenSetBackground.inductive_open`); ``open_model`` is
         not read.
         """
+        return temper_open(self._open_proba(episodes), float(self.open_scale))
+
+    def _open_proba(self, episodes: Episodes) -> torch.Tensor:
+        """:meth:`predict_proba_open` before ``open_scale``."""
         if self.precision != "diagonal":
             proba = self.predict_proba(episodes)
             mean = self.base_mean_ if getattr(self, "center", True) else None
