@@ -15,6 +15,7 @@ axis a map contracts gets a joint factor over that axis (``Site.joint``).
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from probfsl.inference.vmp.checks import close, refuse
 from probfsl.inference.vmp.context import CompileContext
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.family import lookup
-from probfsl.inference.vmp.grouped_plates import arrange, plate_groups, refusal
+from probfsl.inference.vmp.grouped_plates import arrange, contracted, plate_groups, refusal
 from probfsl.inference.vmp.layout import (
     BilinearTerm,
     LinearTerm,
@@ -124,14 +125,16 @@ def as_function(
         return site_parameters(ctx, child, run.nodes[child.pyro_name])[key], leaves
 
 
-def contracted_axis(child: Site, parent: Site, dims: tuple, desc: str) -> str | None:
+def contracted_axis(child: Site, parent: Site, dims: tuple, desc: str) -> str | tuple | None:
     """The parent's axis that a linear map sums over (or none, for an elementwise map):
     its last event axis, or the plate axis of a plate of independent Normal sites
     (``with pyro.plate("coefs", D): w = pyro.sample("w", Normal(0, s))`` summed by
     ``X @ w``), which is the same density as the ``.to_event(1)`` Normal and is grouped
     the same way: one joint Gaussian factor over that axis
-    (:func:`~probfsl.inference.vmp.grouped_plates.plate_groups`). Every other parent
-    axis must be one of the child's (``dims``)."""
+    (:func:`~probfsl.inference.vmp.grouped_plates.plate_groups`); or the tuple of the
+    plate axes of a plate of Normals summed over several plates (W [A, B] in two plates,
+    ``(X * W).sum((-2, -1))``), whose factor is one Gaussian over their A·B entries.
+    Every other parent axis must be one of the child's (``dims``)."""
     if parent.event_dim > 1:
         raise refuse(
             child.name,
@@ -142,7 +145,7 @@ def contracted_axis(child: Site, parent: Site, dims: tuple, desc: str) -> str | 
     axis = parent.dims[-1] if parent.event_dim == 1 and parent.dims[-1] not in dims else None
     extra = [d for d in parent.dims if d not in dims and d != axis]
     if extra and axis is None and plate_groups(parent, extra):
-        return extra[0]
+        return extra[0] if len(extra) == 1 else tuple(extra)
     if extra:
         raise refuse(child.name, child.fn_name, desc, refusal(parent, dims))
     return axis
@@ -176,51 +179,61 @@ def refuse_unless_affine(
                 )
 
 
-def _jacobian(value: torch.Tensor, leaf: torch.Tensor, axis: str | None) -> torch.Tensor:
+def _jacobian(value: torch.Tensor, leaf: torch.Tensor, axis: str | tuple | None) -> torch.Tensor:
     """∂value/∂leaf of a map affine in the leaf, per element of ``value`` and (with
-    ``axis``) per entry of the parent's last event axis."""
+    ``axis``) per entry of the parent's contracted axes (its last event axis, or its last
+    plate axes): [*value.shape, *those axes' sizes]."""
     with torch.enable_grad():
         dummy = torch.zeros_like(value, requires_grad=True)
         (transposed,) = torch.autograd.grad(value, leaf, dummy, create_graph=True)
         if axis is None:
             (jac,) = torch.autograd.grad(transposed.sum(), dummy, allow_unused=True)
             return torch.zeros_like(value) if jac is None else jac.detach()
-        return _jacobian_columns(value, leaf, transposed, dummy)
+        k = len(contracted(axis))
+        return _jacobian_columns(value, leaf, transposed, dummy, k)
 
 
 def _jacobian_columns(
-    value: torch.Tensor, leaf: torch.Tensor, transposed: torch.Tensor, dummy: torch.Tensor
+    value: torch.Tensor,
+    leaf: torch.Tensor,
+    transposed: torch.Tensor,
+    dummy: torch.Tensor,
+    k: int = 1,
 ) -> torch.Tensor:
-    """J's columns, one per entry of the leaf's last axis, by differentiating
-    ``transposed`` = Jᵀu in ``dummy`` = u (all at once where vmap can, else in a loop)."""
-    n_cols = leaf.shape[-1]
+    """J's columns, one per entry of the leaf's last ``k`` axes, by differentiating
+    ``transposed`` = Jᵀu in ``dummy`` = u (all at once where vmap can, else in a loop):
+    [*value.shape, *the leaf's last k sizes]."""
+    block = leaf.shape[leaf.dim() - k :]
+    n_cols = math.prod(block)
     picks = torch.eye(n_cols, dtype=leaf.dtype, device=leaf.device)
-    picks = picks.reshape(n_cols, *[1] * (leaf.dim() - 1), n_cols).expand(n_cols, *leaf.shape)
+    picks = picks.reshape(n_cols, *[1] * (leaf.dim() - k), *block).expand(n_cols, *leaf.shape)
     with contextlib.suppress(RuntimeError):  # every column at once, where vmap can
         (cols,) = torch.autograd.grad(
             transposed, dummy, picks, retain_graph=True, allow_unused=True, is_grads_batched=True
         )
         if cols is None:
-            return torch.zeros(*value.shape, n_cols, dtype=value.dtype, device=value.device)
-        return cols.detach().movedim(0, -1)
+            return torch.zeros(*value.shape, *block, dtype=value.dtype, device=value.device)
+        return cols.detach().movedim(0, -1).unflatten(-1, block)
     cols = []
     for p in range(n_cols):
-        pick = torch.zeros(leaf.shape[-1], dtype=leaf.dtype, device=leaf.device)
-        pick[p] = 1
         (col,) = torch.autograd.grad(
-            (transposed * pick).sum(), dummy, retain_graph=True, allow_unused=True
+            (transposed * picks[p]).sum(), dummy, retain_graph=True, allow_unused=True
         )
         cols.append(torch.zeros_like(value) if col is None else col.detach())
-    return torch.stack(cols, -1)
+    return torch.stack(cols, -1).unflatten(-1, block)
 
 
-def _mark_joint(plan: Plan, parent: Site, axis: str | None) -> None:
+def _mark_joint(plan: Plan, parent: Site, axis: str | tuple | None) -> None:
     """A Normal parent whose last axis a map contracts (an event axis, or the plate axis of
     a plate of Normals, :func:`~.grouped_plates.plate_groups`): its factor is joint over
-    that axis (its second copy ``axis + "b"`` sized)."""
-    if axis is not None and lookup(parent.family).elementwise:
+    that axis (its second copy ``axis + "b"`` sized); over the k last plate axes that a
+    map sums together, one Gaussian over their merged entries (``Site.joint_axes``)."""
+    axes = contracted(axis)
+    if axes and lookup(parent.family).elementwise:
         parent.joint = True
-        plan.sizes[axis + "b"] = plan.sizes[axis]
+        parent.joint_axes = len(axes)
+        for a in axes:
+            plan.sizes[a + "b"] = plan.sizes[a]
 
 
 def linear_map(ctx: CompileContext, child: Site, key: str, parents: list[str]) -> Param:
@@ -247,8 +260,8 @@ def linear_map(ctx: CompileContext, child: Site, key: str, parents: list[str]) -
         axis = contracted_axis(child, w, dims, desc)
         refuse_unless_affine(value, leaves[w.name], child, w, desc)
         jac = _jacobian(value, leaves[w.name], axis)
-        jac_dims = dims + ((axis,) if axis else ())
-        over = dims + ((axis,) if axis else ())
+        jac_dims = dims + contracted(axis)
+        over = jac_dims
         offset = offset - ein(
             dims, [(jac, jac_dims), (leaves[w.name].detach(), w.dims)], over, plan.sizes, jac
         )
@@ -284,12 +297,12 @@ def _affine_holds(
     size, n = expect.abs() + got.abs(), 1
     for t in param.terms:
         w = plan.sites[t.parent]
-        over = dims + ((t.axis,) if t.axis else ())
+        over = dims + contracted(t.axis)
         ops = [(t.jac, t.jac_dims), (ctx.probes[t.parent], w.dims)]
         expect = expect + ein(dims, ops, over, plan.sizes, got)
         both = ctx.probes[t.parent].abs() + leaves[t.parent].detach().abs()
         size = size + ein(dims, [(t.jac.abs(), t.jac_dims), (both, w.dims)], over, plan.sizes, got)
-        n += plan.sizes[t.axis] if t.axis else 1
+        n += math.prod(plan.sizes[a] for a in contracted(t.axis))
     return agrees(got, expect, n * torch.finfo(got.dtype).eps * size)
 
 
@@ -307,6 +320,16 @@ def bilinear_map(ctx: CompileContext, child: Site, key: str, parents: list[str])
         arrange(ctx, w, dims)
     axis_u = contracted_axis(child, u, dims, desc)
     axis_v = contracted_axis(child, v, dims, desc)
+    for w, axis in ((u, axis_u), (v, axis_v)):
+        if isinstance(axis, tuple):
+            raise refuse(
+                child.name,
+                child.fn_name,
+                desc,
+                f"a product of two latent sites that sums {w.name!r} over several plates "
+                f"{list(axis)} (a linear map with observed coefficients may; here declare "
+                f"the weights in one plate of their entries' number and reshape them)",
+            )
     value, leaves = as_function(ctx, child, key, (u, v))
     with torch.enable_grad():
         h = _mixed_derivative(value, leaves[u.name], leaves[v.name], axis_u, axis_v)

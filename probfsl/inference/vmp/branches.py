@@ -22,12 +22,14 @@ in the parameters of a ``DiscreteHMM``, which is not predicted here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
 
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.family import lookup
+from probfsl.inference.vmp.grouped_plates import contracted
 from probfsl.inference.vmp.layout import TASKS, Param, Plan, Site, _take_param, canon
 from probfsl.inference.vmp.monomials import plain
 from probfsl.inference.vmp.selection import select
@@ -107,12 +109,12 @@ def predict(plan: Plan, sizes: dict, s: Site, key: str, p: Param, values: dict, 
     n = 1
     for t in p.terms:
         w = plan.sites[t.parent]
-        over = dims + ((t.axis,) if t.axis else ())
+        over = dims + contracted(t.axis)
         ops = [(t.jac, t.jac_dims), (values[t.parent], w.dims)]
         out = out + ein(dims, ops, over, sizes, ref)
         ops = [(t.jac.abs(), t.jac_dims), (values[t.parent].abs(), w.dims)]
         size = size + ein(dims, ops, over, sizes, ref)
-        n += sizes[t.axis] if t.axis else 1
+        n += math.prod(sizes[a] for a in contracted(t.axis))
     b = p.bilinear
     if b is not None:
         u, v = plan.sites[b.u], plan.sites[b.v]

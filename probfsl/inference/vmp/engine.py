@@ -357,8 +357,13 @@ class VMP(Engine):
         state of a fit and is never touched.
         """
 
+        masks: dict = {}  # the frozen mask viewed for each number of axes, formed once
+
         def where(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            return torch.where(frozen.reshape(-1, *[1] * (b.dim() - 1)), a, b)
+            mask = masks.get(b.dim())
+            if mask is None:
+                mask = masks[b.dim()] = frozen.reshape(-1, *[1] * (b.dim() - 1))
+            return torch.where(mask, a, b)
 
         q = {
             name: tuple(where(a, b) for a, b in zip(old.q[name], params, strict=True))
@@ -405,7 +410,7 @@ class VMP(Engine):
         every, growth = self.schedule(state.objective.device)
         # the sweeps skip autograd's bookkeeping (a seventh of a small batch's sweep on the
         # CPU); the results leave as ordinary tensors, usable with autograd afterwards
-        with torch.inference_mode():
+        with torch.inference_mode(), sweeping():
             state, info = run(self, state, self.max_iter, tol, every, growth)
         q = {n: tuple(t.clone() for t in f) for n, f in state.q.items()}
         state = VMPState(state.plan, q, state.objective.clone())

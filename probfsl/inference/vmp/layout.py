@@ -27,12 +27,13 @@ class LinearTerm:
     """One term J·w of an affine parameter Σ_k J_k w_k + b (VMP design §7.1): the parent ``w``,
     the Jacobian ``jac`` with axes ``jac_dims`` (the parameter's axes it varies along, plus
     ``axis``, the parent's last event axis that the map contracts; ``None`` for an
-    elementwise map such as c · μ)."""
+    elementwise map such as c · μ; a tuple of the parent's last plate axes where the map
+    sums a plate of Normals over several plates)."""
 
     parent: str
     jac: torch.Tensor
     jac_dims: tuple
-    axis: str | None
+    axis: str | tuple | None
 
 
 @dataclass
@@ -119,6 +120,9 @@ class Site:
     #: :mod:`~probfsl.inference.vmp.grouped_plates`) a linear map contracts: its factor is
     #: one MultivariateNormal over that axis (as BayesPy's GaussianARD), not a product
     joint: bool = False
+    #: how many trailing layout axes the joint factor is over (a plate of Normals that a
+    #: map sums over several plates: one Gaussian over their entries, the axes merged)
+    joint_axes: int = 1
     #: a ``pyro.param`` site: its factor is a point (the value), updated to the maximiser
     #: of its children's terms; ``init`` is its initial value in the canonical layout
     point: bool = False
@@ -230,6 +234,8 @@ class Plan:
                 return "point estimate"
             if s.at_prior:
                 return "kept at its prior (q = p, never updated)"
+            if s.joint and s.joint_axes > 1:
+                return "joint over axes " + ", ".join(s.dims[-s.joint_axes :])
             if s.joint:
                 return f"joint over axis {s.dims[-1]}"
             if record.event_rank:

@@ -14,7 +14,9 @@ Normal algebra needs:
   (Σ_n c⟨β⟩ r_n J_nk, −½ Σ_n c⟨β⟩ J_nk J_nkᵀ); a matrix second part when the map contracts
   the parent's last event axis, or the summed plate of a plate of Normals (laid out last:
   :mod:`~probfsl.inference.vmp.grouped_plates`), its factor then joint over that axis;
-  elementwise otherwise.
+  elementwise otherwise. A plate of Normals summed over several plates contracts them all
+  (``LinearTerm.axis`` a tuple, ⟨w wᵀ⟩ over their second copies), its factor one Gaussian
+  over their merged entries.
 """
 
 from __future__ import annotations
@@ -22,44 +24,54 @@ from __future__ import annotations
 import torch
 
 from probfsl.inference.vmp.einsum import ein
+from probfsl.inference.vmp.grouped_plates import contracted
 from probfsl.inference.vmp.layout import BilinearTerm, LinearTerm, Param, Plan
 from probfsl.inference.vmp.moments import expected_stats, second_moment
 
 
 def _paired(term: LinearTerm) -> tuple:
-    """J's axes with the contracted axis renamed to its second copy (for J S Jᵀ)."""
-    return tuple(d + "b" if d == term.axis else d for d in term.jac_dims)
+    """J's axes with the contracted axes renamed to their second copies (for J S Jᵀ)."""
+    return _second_copy(term.jac_dims, term.axis)
+
+
+def _copies(axis: str | tuple | None) -> tuple:
+    """The second copies of the contracted axes (the other side of ⟨w wᵀ⟩)."""
+    return tuple(a + "b" for a in contracted(axis))
 
 
 def term_mean(plan: Plan, q: dict, p: Param, term: LinearTerm) -> torch.Tensor:
     """J⟨w⟩ in the parameter's axes."""
     w = plan.sites[term.parent]
     m = expected_stats(plan, q, term.parent)[0]
-    over = p.dims + ((term.axis,) if term.axis else ())
+    over = p.dims + contracted(term.axis)
     return ein(p.dims, [(term.jac, term.jac_dims), (m, w.dims)], over, plan.sizes, plan.ref)
 
 
-def _second(plan: Plan, q: dict, name: str, axis: str | None) -> tuple:
-    """⟨w wᵀ⟩ over the contracted axis (its axes) or ⟨w²⟩ elementwise (no axis)."""
+def _second(plan: Plan, q: dict, name: str, axis: str | tuple | None) -> tuple:
+    """⟨w wᵀ⟩ over the contracted axes (its axes) or ⟨w²⟩ elementwise (no axis)."""
     w = plan.sites[name]
     if axis is None:
         return expected_stats(plan, q, name)[1], w.dims
-    return second_moment(plan, q, name), w.dims + (axis + "b",)
+    return second_moment(plan, q, name), w.dims + _copies(axis)
 
 
-def _second_copy(dims: tuple, axis: str | None) -> tuple:
-    """``dims`` with ``axis`` renamed to its second copy (unchanged without one)."""
-    return tuple(d + "b" if d == axis else d for d in dims)
+def _second_copy(dims: tuple, axis: str | tuple | None) -> tuple:
+    """``dims`` with the contracted axes renamed to their second copies (unchanged
+    without one)."""
+    axes = contracted(axis)
+    return tuple(d + "b" if d in axes else d for d in dims)
 
 
-def _covariance(plan: Plan, q: dict, name: str, axis: str | None) -> tuple:
-    """Cov w over the contracted axis (⟨w wᵀ⟩ − ⟨w⟩⟨w⟩ᵀ), or Var w elementwise."""
+def _covariance(plan: Plan, q: dict, name: str, axis: str | tuple | None) -> tuple:
+    """Cov w over the contracted axes (⟨w wᵀ⟩ − ⟨w⟩⟨w⟩ᵀ), or Var w elementwise."""
     w = plan.sites[name]
     mean = expected_stats(plan, q, name)[0]
     if axis is None:
         return expected_stats(plan, q, name)[1] - mean.square(), w.dims
-    second = second_moment(plan, q, name)
-    return second - mean.unsqueeze(-1) * mean.unsqueeze(-2), w.dims + (axis + "b",)
+    k = len(contracted(axis))
+    left = mean.reshape(*mean.shape, *[1] * k)
+    right = mean.reshape(*mean.shape[: mean.dim() - k], *[1] * k, *mean.shape[mean.dim() - k :])
+    return second_moment(plan, q, name) - left * right, w.dims + _copies(axis)
 
 
 def _paired_h(term: BilinearTerm, which: tuple) -> tuple:
@@ -142,8 +154,8 @@ def _moments(plan: Plan, q: dict, p: Param) -> tuple[torch.Tensor, torch.Tensor]
             var = var + ein(p.dims, [j, j, (m2 - m.square(), w.dims)], p.dims, sizes, ref)
         else:
             s2 = second_moment(plan, q, term.parent)
-            over = p.dims + (term.axis, term.axis + "b")
-            ops = [j, (s2, w.dims + (term.axis + "b",)), (term.jac, _paired(term))]
+            over = p.dims + contracted(term.axis) + _copies(term.axis)
+            ops = [j, (s2, w.dims + _copies(term.axis)), (term.jac, _paired(term))]
             var = var + ein(p.dims, ops, over, sizes, ref) - part.square()
     return mean, mean.square() + var
 
@@ -196,11 +208,11 @@ def message(
     w = plan.sites[parent]
     residual = data - mean(plan, q, p) + term_mean(plan, q, p, term)
     j = (term.jac, term.jac_dims)
-    over = p.dims + ((term.axis,) if term.axis else ())
+    over = p.dims + contracted(term.axis)
     eta1 = ein(w.dims, precision + [(residual, p.dims), j], over, sizes, ref)
     if term.axis is None:
         return [eta1, -0.5 * ein(w.dims, precision + [j, j], over, sizes, ref)]
-    out = w.dims + (term.axis + "b",)
-    over = over + (term.axis + "b",)
+    out = w.dims + _copies(term.axis)
+    over = over + _copies(term.axis)
     eta2 = ein(out, precision + [j, (term.jac, _paired(term))], over, sizes, ref)
     return [eta1, -0.5 * eta2]

@@ -22,7 +22,12 @@ import torch
 
 from probfsl.inference import expfam
 from probfsl.inference.expfam.block import sum_last, sum_terms
-from probfsl.inference.vmp import conjugate_children, dirichlet_points, gaussian_chain
+from probfsl.inference.vmp import (
+    conjugate_children,
+    dirichlet_points,
+    gaussian_chain,
+    grouped_plates,
+)
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.family import lookup
 from probfsl.inference.vmp.layout import TASKS, Plan, Site, stat_dims
@@ -127,14 +132,31 @@ def lse_applies(plan: Plan, s: Site) -> bool:
     update: when η is its prior's E ln π plus the per-component E ln N of its children,
     E ln p(z | π) + Σ_children E ln p(x | z, ·) + H[q(z)] = Σ_n ln Σ_k exp η_nk (the
     normaliser; PRML eq. 10.46-10.49), valid while no other factor has changed since.
-    Needs no mask, no observed entries, and Normal children only (their E ln N cached)."""
+    Needs no mask, no observed entries, and children that it selects and that depend on
+    it through that selection alone: Normal sites, or linear children (an observed
+    Categorical under a selected Dirichlet table, ...), whose message to it is their
+    E ln p per component."""
     kids = plan.children[s.name]
     return (
         s.mask is None
         and s.fixed_mask is None
         and bool(kids)
-        and all(role == "select" and _scalar_gaussian(plan.sites[c]) for c, role in kids)
+        and all(role == "select" and _selected_only(plan.sites[c], s) for c, role in kids)
     )
+
+
+def _selected_only(c: Site, s: Site) -> bool:
+    """Whether child ``c`` of the label ``s`` is a Normal site or a linear child, with one
+    parameter selected, by ``s``."""
+    if not (_scalar_gaussian(c) or conjugate_children.linear_key(c) is not None):
+        return False
+    return {p.selector for p in c.params.values() if p.comp is not None} == {s.name}
+
+
+def normal_selected(plan: Plan, name: str) -> bool:
+    """Whether the child ``name`` of a label is a Normal site (its E ln N per component
+    formed with the label's natural parameter: :meth:`Categorical.natural`)."""
+    return _scalar_gaussian(plan.sites[name])
 
 
 def entropy(plan: Plan, q: dict, name: str) -> torch.Tensor:
@@ -174,11 +196,11 @@ def natural(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
             t.expand([sizes[d] for d in dims]) for t, dims in zip(fixed, stat_dims(s), strict=True)
         ]
     if s.joint:  # a diagonal prior, a full second natural parameter (matrix messages)
-        eta[1] = torch.diag_embed(eta[1])
+        eta = [grouped_plates.to_factor(plan, s, i, t) for i, t in enumerate(eta)]
     for child, role in kids:
         for i, m in enumerate(message(plan, q, child, role, s)):
-            if s.joint and i == 1 and m.dim() < eta[1].dim():  # an elementwise message
-                m = torch.diag_embed(m)
+            if s.joint:  # over the factor's (merged) axis; an elementwise η₂ as a diagonal
+                m = grouped_plates.to_factor(plan, s, i, m)
             eta[i] = broadcast_add(eta[i], m) if record.compact_factor else eta[i] + m
     return tuple(eta)
 

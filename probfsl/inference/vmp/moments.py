@@ -11,6 +11,7 @@ import torch
 
 from probfsl.inference import expfam
 from probfsl.inference.vmp.family import lookup
+from probfsl.inference.vmp.grouped_plates import to_layout
 from probfsl.inference.vmp.layout import Plan, Site, stat_dims
 
 
@@ -36,9 +37,11 @@ def expected_stats(plan: Plan, q: dict, name: str) -> tuple:
         block = factor_block(plan, q, name)
         stats = block.expected_stats()
         if isinstance(block, expfam.MultivariateNormal):  # ⟨x xᵀ⟩, for second_moment
-            plan.cache[("second", name)] = (q[name], stats[1])
-    if s.joint and not s.point:
-        stats = (stats[0], stats[1].diagonal(dim1=-2, dim2=-1))
+            second = to_layout(plan, s, stats[1], matrix=True) if s.joint else stats[1]
+            plan.cache[("second", name)] = (q[name], second)
+    if s.joint and not s.point:  # in the layout's axes (a merged factor's split back)
+        diagonal = stats[1].diagonal(dim1=-2, dim2=-1)
+        stats = (to_layout(plan, s, stats[0]), to_layout(plan, s, diagonal))
     plan.cache[name] = (q[name], stats)
     return stats
 
@@ -58,6 +61,7 @@ def second_moment(plan: Plan, q: dict, name: str) -> torch.Tensor:
         if hit is not None and hit[0] is q[name]:
             return hit[1]
         second = factor_block(plan, q, name).expected_stats()[1]
+        second = to_layout(plan, s, second, matrix=True) if s.joint else second
     plan.cache[("second", name)] = (q[name], second)
     return second
 

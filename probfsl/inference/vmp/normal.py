@@ -74,9 +74,10 @@ def natural(plan: Plan, q: dict, s: Site) -> list:
     return [eta1, eta2]
 
 
-def ops(plan, q, s, chain: bool = True):
+def ops(plan, q, s, chain: bool = True, moments: bool = True):
     """Operand lists of a Normal site's expected log-density (:func:`loglik`; ``lnc`` is
-    None where ln c = 0); ``L2``,
+    None where ln c = 0; without ``moments``, an affine or bilinear mean's ``L1``, ``L2``
+    and ``XL`` are None: its messages to the map's parents read neither); ``L2``,
     the mean's second moment, is a sum of operand lists (an affine mean's variance
     stays factored: :func:`~probfsl.inference.vmp.linear_maps.second_moment_terms`); for
     a step of a Gaussian chain (``chain``), ``XL`` holds the joint ⟨x m⟩ that replaces
@@ -87,7 +88,9 @@ def ops(plan, q, s, chain: bool = True):
         x = expected_stats(plan, q, s.name)
         X1, X2 = [(x[0], s.dims)], [(x[1], s.dims)]
     mu = parent_ops(plan, q, s, "loc")
-    if loc.terms or loc.bilinear is not None:
+    if (loc.terms or loc.bilinear is not None) and not moments:
+        L1 = L2 = None
+    elif loc.terms or loc.bilinear is not None:
         L1 = [(linear_maps.mean(plan, q, loc), loc.dims)]
         L2 = linear_maps.second_moment_terms(plan, q, loc)
     elif mu is None:
@@ -106,7 +109,7 @@ def ops(plan, q, s, chain: bool = True):
         T1, T2 = [f[0] for _, f in factors], [[f[1]] for _, f in factors]
     M = [] if s.mask is None else [(s.mask, s.mask_dims)]
     W, comp = weights(plan, q, s)
-    XL = X1 + L1 if X1 is not None else None
+    XL = X1 + L1 if X1 is not None and L1 is not None else None
     if chain and s.chain and s.chain[1] and s.chain[0] in q:
         XL = [(gaussian_chain.cross_moment(plan, q, s), s.dims)]
     return dict(
@@ -254,7 +257,11 @@ def message(plan: Plan, q: dict, c: Site, role: str, to: Site, offset=None) -> l
     message as it is formed (:func:`loglik`); the message is then a new tensor that the
     caller may update in place, and it is not kept for the bound."""
     sizes, ref, child = plan.sizes, plan.ref, c.name
-    o = ops(plan, q, c)
+    p = None if role == "select" else c.params[role]
+    mapped = p is not None and (bool(p.terms) or p.bilinear is not None)
+    # to a parent of an affine or bilinear map: the map's moments are not read (the next
+    # term that reads them computes them, with the parent's new factor)
+    o = ops(plan, q, c, moments=not mapped)
     o["over"] = c.dims + ((o["comp"],) if o["comp"] else ())
     mw = o["M"] + o["W"]
     if role == "select":
@@ -268,8 +275,7 @@ def message(plan: Plan, q: dict, c: Site, role: str, to: Site, offset=None) -> l
         names += [] if c.observed else [child]
         plan.cache[("loglik", child)] = (names, [q[n] for n in names], per_component, out, to.name)
         return [per_component]
-    p = c.params[role]
-    if p.terms or p.bilinear is not None:  # an affine or bilinear loc
+    if mapped:  # an affine or bilinear loc
         pr = mw + o["c"] + o["T1"]
         if role == "loc" and _chain_to_matrix(plan, q, c, to):  # x_t's lag-one moments
             return gaussian_chain.matrix_message(plan, q, c, pr)

@@ -141,7 +141,10 @@ def with_mean(s: Site, factor: tuple, value: torch.Tensor) -> tuple:
     """``factor`` (the prior's, canonical layout) moved to the mean ``value`` (canonical),
     as the family moves it (:meth:`~probfsl.inference.vmp.family.Family.start_at_mean`):
     a Normal's location; a Gamma's rate (its shape kept); a Beta's or Dirichlet's
-    concentrations (their sum kept); a Wishart's scale (its degrees of freedom kept)."""
+    concentrations (their sum kept); a Wishart's scale (its degrees of freedom kept). A
+    factor joint over several plates takes the mean over their merged entries."""
+    if s.joint and s.joint_axes > 1:
+        value = value.flatten(-s.joint_axes)
     return lookup(s.family).start_at_mean(s, factor, value)
 
 

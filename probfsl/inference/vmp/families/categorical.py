@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pyro.distributions as dist
 import torch
 
@@ -84,12 +86,14 @@ class Categorical(Family):
 
     def natural(self, plan, q, site, kids):
         """E ln π, weighed by the mask (or a tempering scale); where its children are
-        Normal sites it selects (:func:`~probfsl.inference.vmp.messages.lse_applies`), the
-        first one's E ln N per component is formed with it: one full-size pass, not two."""
+        sites it selects (:func:`~probfsl.inference.vmp.messages.lse_applies`) and the
+        first is a Normal site, its E ln N per component is formed with it: one full-size
+        pass, not two."""
         cd = site.dims + (f"{site.name}#cat",)
         M = [] if site.mask is None else [(site.mask, site.mask_dims)]
         eta = ein(cd, M + [log_probs(plan, q, site)], cd, plan.sizes, plan.ref, expand=False)
-        if kids and messages.lse_applies(plan, site):
+        first = kids and messages.normal_selected(plan, kids[0][0])
+        if first and messages.lse_applies(plan, site):
             (child, role), rest = kids[0], kids[1:]
             return normal.message(plan, q, plan.sites[child], role, site, offset=eta), rest
         return [eta.expand([plan.sizes[d] for d in cd])], kids
@@ -98,7 +102,7 @@ class Categorical(Family):
         """To a Dirichlet: the counts Σ_n x_n; to the label choosing a fixed table:
         Σ_c x_nc ln table_kc. A selected Dirichlet table's: a linear child's."""
         if self.linear_child(site) is not None:
-            return None
+            return label_lookup(plan, q, site, to) if role == "select" else None
         p = site.params["probs"]
         cd = site.dims + (f"{site.name}#cat",)
         M = [] if site.mask is None else [(site.mask, site.mask_dims)]
@@ -132,3 +136,52 @@ def log_probs(plan: Plan, q: dict, s: Site) -> tuple:
         return pi[0]
     p = s.params["probs"]
     return derived(p, "log_probs"), p.const_dims
+
+
+def label_lookup(plan: Plan, q: dict, s: Site, to: Site) -> list | None:
+    """The message of an observed Categorical x under a selected Dirichlet table φ to its
+    selector z: E ln p(x_n | z_n = k) = ⟨ln φ_k⟩ at the label x_n, read from ⟨ln φ⟩ at
+    precomputed positions (a linear child's message sums ⟨ln φ_k⟩ against the one-hot x,
+    whose other terms are exact zeros: the same numbers, without the product over the
+    categories). ``None`` (that sum) where x has a mask or axes that z does not have, or
+    no labels.
+
+    The result is laid out in memory as the natural parameter of z that it is added to
+    (the axes of z's prior term ⟨ln π⟩, its categories as the components, then the
+    child's other axes): that sum then runs along memory, and q(z) keeps the layout in
+    which the products and sums that read it round as before."""
+    p = s.params["probs"]
+    out = to.dims + (p.comp,)
+    if s.mask is not None or s.value is None or set(out) != set(s.dims + (p.comp,)):
+        return None
+    log_table, dims = parent_ops(plan, q, s, "probs")[0]
+    own = f"{to.name}#cat"
+    first = [p.comp if d == own else d for d in log_probs(plan, q, to)[1]]
+    order = tuple(first + [d for d in out if d not in first])
+    if not set(dims) <= set(order) | {f"{s.name}#cat"}:  # a table axis x does not have
+        return None
+    key = ("labels", s.name, tuple(log_table.shape))
+    index = plan.cache.get(key)
+    if index is None:
+        index = plan.cache[key] = _positions(plan, s, log_table.shape, dims, order)
+    picked = log_table.reshape(-1).index_select(0, index)
+    picked = picked.view([plan.sizes[d] for d in order])
+    return [picked.permute([order.index(d) for d in out])]
+
+
+def _positions(plan: Plan, s: Site, shape: tuple, dims: tuple, order: tuple) -> torch.Tensor:
+    """For every entry of the axes ``order`` (row-major), the position in the row-major
+    flattening of a table of ``shape`` (axes ``dims``, x's categories among them) of the
+    entry at its axes' coordinates and x's label there: ``[prod of order's sizes]``."""
+    cat = dims.index(f"{s.name}#cat")
+    labels = s.value.long()
+    flat = ein(order, [(labels, s.dims)], (), plan.sizes, labels) * math.prod(shape[cat + 1 :])
+    for i, d in enumerate(dims):
+        if i == cat or shape[i] == 1:
+            continue
+        coord = torch.arange(shape[i], device=labels.device)
+        view = [shape[i] if o == d else 1 for o in order]
+        flat = flat + coord.reshape(view) * math.prod(shape[i + 1 :])
+    # 32-bit positions where they fit: half the bytes for ``index_select`` to read
+    small = math.prod(shape) < 2**31
+    return flat.reshape(-1).to(torch.int32 if small else torch.int64)

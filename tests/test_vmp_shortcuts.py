@@ -1,0 +1,129 @@
+"""Shortcuts of the VMP sweep against the sums they replace.
+
+* An observed Categorical under a selected Dirichlet table sends its selector ⟨ln φ_k⟩ at
+  its label, read at precomputed positions: the same numbers as the linear child's sum
+  against the one-hot data, bit for bit, and the same fits.
+* A label whose children are linear children it selects (an observed Categorical or
+  Multinomial under a Dirichlet table) has its bound terms read off the normaliser of
+  its update, Σ_n ln Σ_k exp η_nk (PRML eq. 10.46-10.49): equal, to rounding, to
+  E ln p(z | π) + Σ_children E ln p(x | z, ·) + H[q(z)] summed term by term.
+"""
+
+from __future__ import annotations
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.ops.indexing import Vindex
+
+from probfsl.inference.vmp import VMP, conjugate_children, messages
+from probfsl.inference.vmp.einsum import sweeping
+from probfsl.inference.vmp.families.categorical import label_lookup
+from tests.test_vmp_families import _classes, latent_class
+from tests.test_vmp_multinomial import _clustered, document_clusters
+
+F64 = torch.float64
+
+
+def lda(w, topics=3, vocabulary=7):
+    """Latent Dirichlet allocation (Blei, Ng & Jordan, 2003): φ_k ~ Dirichlet(1), per
+    document θ_d ~ Dirichlet(1), per word z_dn ~ Categorical(θ_d), w_dn ~ Categorical(φ_z)."""
+    t, docs, n = w.shape
+    with pyro.plate("tasks", t, dim=-3):
+        with pyro.plate("topics", topics, dim=-1):
+            phi = pyro.sample("phi", dist.Dirichlet(torch.ones(vocabulary, dtype=F64)))
+        with pyro.plate("docs", docs, dim=-2):
+            theta = pyro.sample("theta", dist.Dirichlet(torch.ones(topics, dtype=F64)))
+            with pyro.plate("words", n, dim=-1):
+                z = pyro.sample("z", dist.Categorical(theta))
+                pyro.sample("w", dist.Categorical(Vindex(phi.unsqueeze(-3))[..., z, :]), obs=w)
+
+
+def _words(t=6, docs=4, n=9, vocabulary=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocabulary, (t, docs, n), generator=g)
+
+
+def _state(model, *data, sweeps=3, **options):
+    """A fit's state after a few sweeps (its factors away from the start)."""
+    engine = VMP(model, max_iter=sweeps, tol=0, warn=False, **options)
+    state, _ = engine.fit(*data)
+    return engine, state
+
+
+@pytest.mark.parametrize("case", ["lda", "latent_class"])
+def test_label_lookup_is_the_linear_childs_message_bit_for_bit(case):
+    if case == "lda":
+        _, state = _state(lda, _words(), order=["theta", "phi", "z"])
+        child = "w"
+    else:
+        _, state = _state(latent_class, _classes(t=5, n=12)[0], order=["pi", "theta", "z"])
+        child = "x"
+    plan, q = state.plan, state.q
+    c, z = plan.sites[child], plan.sites["z"]
+    with torch.inference_mode(), sweeping():
+        summed = conjugate_children.message(plan, q, c, "select", z)[0]
+        looked = label_lookup(plan, q, c, z)
+    if case == "latent_class":  # x has an items axis that z sums over: no lookup
+        assert looked is None
+        return
+    assert torch.equal(looked[0], summed)
+
+
+def test_sweeps_with_the_label_lookup_equal_sweeps_with_the_sum(monkeypatch):
+    """Whole fits, batched: the factors and bounds with the lookup equal, bit for bit,
+    those of the linear child's sum (the lookup's layout keeps every later rounding)."""
+    from probfsl.inference.vmp.families import categorical
+
+    words = _words(t=5, docs=3, n=11)
+    _, fast = _state(lda, words, sweeps=8, order=["theta", "phi", "z"])
+    monkeypatch.setattr(categorical, "label_lookup", lambda *args: None)
+    _, summed = _state(lda, words, sweeps=8, order=["theta", "phi", "z"])
+    assert torch.equal(fast.objective, summed.objective)
+    for name, factor in fast.q.items():
+        for a, b in zip(factor, summed.q[name], strict=True):
+            assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize(
+    "model, data, order",
+    [
+        (lda, (_words(),), ["theta", "phi", "z"]),
+        (latent_class, (_classes(t=5, n=12)[0],), ["pi", "theta", "z"]),
+        (document_clusters, (_clustered(tasks=5, docs=10)[0],), ["pi", "theta", "z"]),
+    ],
+    ids=["lda", "latent_class", "multinomial"],
+)
+def test_bound_read_off_the_normaliser_equals_the_terms(model, data, order):
+    engine, state = _state(model, *data, order=order)
+    with torch.inference_mode():
+        state, _ = engine.step(state)  # (fit's result holds copies of the factors)
+    plan = state.plan
+    assert messages.lse_applies(plan, plan.sites["z"])
+    assert plan.cache.get(("lse", "z"))[0] is state.q["z"]  # the update's normaliser
+    with torch.inference_mode(), sweeping():
+        shortcut = messages.elbo(plan, state.q)
+        plan.cache.pop(("lse", "z"))
+        terms = messages.elbo(plan, state.q)
+    assert torch.allclose(shortcut, terms, rtol=1e-13, atol=0)
+    assert torch.equal(shortcut, state.objective)
+
+
+def test_normaliser_shortcut_not_taken_for_a_fixed_table():
+    """A label choosing a fixed table of an observed Categorical: that child is not a
+    linear child (no latent parent), so the bound keeps its terms."""
+    table = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.3, 0.6]], dtype=F64)
+
+    def fixed_table(x):
+        t, n = x.shape
+        with pyro.plate("tasks", t, dim=-2):
+            pi = pyro.sample("pi", dist.Dirichlet(torch.ones(1, 2, dtype=F64)))
+            with pyro.plate("points", n, dim=-1):
+                z = pyro.sample("z", dist.Categorical(pi))
+                pyro.sample("x", dist.Categorical(table[z]), obs=x)
+
+    _, state = _state(fixed_table, _words(t=4, docs=6, n=1, vocabulary=3)[..., 0])
+    plan = state.plan
+    assert not messages.lse_applies(plan, plan.sites["z"])
+    assert plan.cache.get(("lse", "z")) is None
