@@ -16,7 +16,7 @@ METHOD_TABLE: dict[str, dict] = {
         "tunable": False,
     },
     "soft-kmeans": {
-        "params": ("temperature", "n_iter", "center", "open_prior", "open_scale"),
+        "params": ("temperature", "n_iter", "center", "open_prior", "open_scale", "open_frame"),
         "presets": (),
         "tunable": True,
     },
@@ -41,6 +41,7 @@ METHOD_TABLE: dict[str, dict] = {
             "open_prior",
             "n_free",
             "open_scale",
+            "open_frame",
         ),
         "presets": (
             "mini-balanced",
@@ -72,6 +73,7 @@ METHOD_TABLE: dict[str, dict] = {
             "scatter",
             "scale",
             "open_prior",
+            "open_frame",
         ),
         "presets": (),
         "tunable": True,
@@ -91,6 +93,7 @@ METHOD_TABLE: dict[str, dict] = {
             "open_model",
             "background_weight",
             "open_scale",
+            "open_frame",
         ),
         "presets": (),
         "tunable": True,

@@ -268,6 +268,7 @@ class FewShotSoftKMeans(FewShotTaskClassifier):
         center: bool = True,
         open_prior: float = 0.5,
         open_scale: float = 1.0,
+        open_frame: str = "queries",
         base_features: Any = None,
         base_labels: Any = None,
     ) -> None:
@@ -308,6 +309,7 @@ class FewShotBavardage(FewShotTaskClassifier):
         open_prior: float = 0.5,
         n_free: int = 3,
         open_scale: float = 1.0,
+        open_frame: str = "base",
         base_features: Any = None,
         base_labels: Any = None,
     ) -> None:
@@ -342,6 +344,7 @@ class FewShotBavardageGamma(FewShotTaskClassifier):
         scatter: str = "code",
         scale: str = "code",
         open_prior: float = 0.5,
+        open_frame: str = "base",
         base_features: Any = None,
         base_labels: Any = None,
     ) -> None:
@@ -375,6 +378,7 @@ class FewShotVMPGaussianMixture(FewShotTaskClassifier):
         open_model: str = "nested",
         background_weight: float = 10.0,
         open_scale: float = 1.0,
+        open_frame: str = "queries",
         base_features: Any = None,
         base_labels: Any = None,
     ) -> None:

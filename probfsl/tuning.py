@@ -844,6 +844,9 @@ def auto_preset(
         settings["open_space"] = OPEN_SEARCH_SPACES.get(method, {})
         settings["open_scale"] = "brier"  # fit_open_scale on the chosen candidate
         settings["open_rank"] = "accuracy"  # of the known-class queries alone
+        # the frame of the open contrast that open_scale is learnt with (the method's own)
+        frame = make_estimator(method).get_params().get("open_frame")
+        settings["open_frame"] = fixed.get("open_frame", frame)
     return _cached("few-shot", fs, settings, compute)
 
 

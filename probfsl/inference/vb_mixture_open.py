@@ -90,6 +90,12 @@ from probfsl.inference.vb_mixture import (
 __all__ = ["BavardageOpenVB", "OpenBackground", "OpenVBMixtureState", "temper_open"]
 
 
+#: the frames of the transductive methods' open contrast (their ``open_frame``): the task
+#: re-centred on its queries' mean and normalised again, or centred on the base mean only
+#: (:class:`~probfsl.inference.background.TwoCovarianceReading`, ``query_centring``)
+OPEN_FRAMES = ("queries", "base")
+
+
 def temper_open(proba: torch.Tensor, scale: float) -> torch.Tensor:
     """``proba`` [..., K + 1] (P(none of the K classes) last) with the log-odds of the last
     column multiplied by ``scale`` a (a temperature 1 / a, Guo et al., "On Calibration of

@@ -183,7 +183,8 @@ class BavardageGamma(Bavardage):
         scale: the units of ``s_max`` and ``temperature_vb``, ``"code"`` or ``"relative"``.
 
     Every argument but ``a0`` is :class:`~probfsl.models.bavardage.Bavardage`'s
-    (``open_prior``: the prior mean of the open fraction π_0, :meth:`predict_proba_open`).
+    (``open_prior``: the prior mean of the open fraction π_0, :meth:`predict_proba_open`;
+    ``open_frame``: the frame of its open contrast).
 
     Open set (:meth:`predict_proba_open`): BAVARDAGE's nested open-set mixture
     (:mod:`probfsl.inference.vb_mixture_open`) with this method's classes. A query is
@@ -228,6 +229,7 @@ class BavardageGamma(Bavardage):
         scatter: str = "code",
         scale: str = "code",
         open_prior: float = 0.5,
+        open_frame: str = "base",
     ) -> None:
         self.temperature_km = temperature_km
         self.temperature_vb = temperature_vb
@@ -243,6 +245,7 @@ class BavardageGamma(Bavardage):
         self.scatter = scatter
         self.scale = scale
         self.open_prior = open_prior
+        self.open_frame = open_frame
 
     def declared_model(self, engine: BavardageVB) -> Callable[..., None]:
         """:func:`bavardage_gamma_model` with this estimator's hyperparameters (τ and the

@@ -1,0 +1,155 @@
+"""The frame of the transductive methods' open contrast (``open_frame``): the two-covariance
+reading of the task re-centred on its queries' mean (``"queries"``) or on the base mean
+only (``"base"``), in soft k-means, BAVARDAGE and vmp-gmm's nested open model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from probfsl.data import load_dataset, sample_episodes
+from probfsl.data.preprocess import center_and_normalize
+from probfsl.inference.background import TwoCovarianceReading, open_responsibility
+from probfsl.methods import build_estimator
+
+WAY, SHOT, QUERY, N_OPEN, TASKS = 3, 2, 9, 9, 4
+FRAMES = ("queries", "base")
+
+
+@pytest.fixture(scope="module")
+def omniglot():
+    return load_dataset("omniglot")
+
+
+@pytest.fixture(scope="module")
+def episodes(omniglot):
+    return sample_episodes(omniglot, TASKS, WAY, SHOT, QUERY, seed=3, n_open=N_OPEN).to(
+        dtype=torch.float64
+    )
+
+
+def _reading_odds(est, x: torch.Tensor, episodes, frame: str) -> torch.Tensor:
+    """ln p_0(x) - ln p_closed(x) [T, Q] of the normalised points ``x`` (support first),
+    straight from the reading, in the frame ``frame``."""
+    centring = frame == "queries"
+    n_s = episodes.support.shape[1]
+    stats = est.background_stats(x, query_centring=centring)
+    reading = TwoCovarianceReading(
+        x[:, :n_s], episodes.support_labels, x[:, n_s:], WAY, stats, centring
+    )
+    return reading.open_log_odds()
+
+
+def _logit(p: float) -> float:
+    return math.log(p / (1 - p))
+
+
+@pytest.mark.parametrize("frame", FRAMES)
+def test_soft_kmeans_one_pass_is_the_readings_posterior(omniglot, episodes, frame):
+    """One pass of soft k-means with the background: P(open) = σ(logit π_0 + ln p_0(x) -
+    ln p_closed(x)), the reading's own log-odds in the chosen frame."""
+    est = build_estimator("soft-kmeans", n_iter=1, open_prior=0.3, open_frame=frame)
+    est.fit_featureset(omniglot, torch.float64)
+    x = center_and_normalize(episodes.points(), est.base_mean_.to(episodes.support))
+    want = torch.sigmoid(_reading_odds(est, x, episodes, frame) + _logit(0.3))
+    got = est.predict_proba_open(episodes)[..., -1]
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("frame", FRAMES)
+def test_bavardage_open_contrast_is_the_readings(omniglot, episodes, frame):
+    """BAVARDAGE's open problem carries the reading's log-odds in the chosen frame, and in
+    ``mode="soft_kmeans"`` with one pass and no free component its P(open) is the
+    reading's posterior σ(logit π_0 + log-odds)."""
+    est = build_estimator(
+        "bavardage", whitening="global", open_frame=frame, n_free=0, n_km=1, mode="soft_kmeans"
+    ).fit_featureset(omniglot, torch.float64)
+    x = center_and_normalize(episodes.points(), est.base_mean_.to(episodes.support))
+    odds = _reading_odds(est, x, episodes, frame)
+    torch.testing.assert_close(est.open_problem(episodes).open_log_odds, odds)
+    got = est.predict_proba_open(episodes)[..., -1]
+    torch.testing.assert_close(got, torch.sigmoid(odds + _logit(est.open_prior)))
+    vb = est.with_params(mode="bavardage", n_vb=2, n_free=3)
+    torch.testing.assert_close(vb.open_problem(episodes).open_log_odds, odds)
+
+
+@pytest.mark.parametrize("frame", FRAMES)
+def test_vmp_gmm_nested_one_sweep_is_one_update_of_the_open_fraction(omniglot, episodes, frame):
+    """vmp-gmm's nested model with one soft k-means pass and one sweep: the start is
+    σ(logit π_0 + log-odds), and the sweep's P(open) one update of q(π_0) from it
+    (:func:`open_responsibility`) with the reading's log-odds in the chosen frame."""
+    est = build_estimator("vmp-gmm", n_kmeans=1, max_iter=1, open_frame=frame)
+    est.fit_featureset(omniglot, torch.float64)
+    x, _, _ = est.engine_data(episodes)
+    odds = _reading_odds(est, x, episodes, frame)
+    start = torch.sigmoid(odds + _logit(est.open_prior))
+    want = open_responsibility(odds, start, est.open_prior)
+    torch.testing.assert_close(est.predict_proba_open(episodes)[..., -1], want)
+
+
+def test_frames_differ(omniglot, episodes):
+    """The two frames are two readings: the queries' re-centring moves the log-odds."""
+    est = build_estimator("soft-kmeans", n_iter=1).fit_featureset(omniglot, torch.float64)
+    x = center_and_normalize(episodes.points(), est.base_mean_.to(episodes.support))
+    gap = _reading_odds(est, x, episodes, "queries") - _reading_odds(est, x, episodes, "base")
+    assert gap.abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "method, params",
+    [
+        ("soft-kmeans", {}),
+        ("bavardage", {"whitening": "global"}),
+        ("vmp-gmm", {}),
+    ],
+)
+def test_query_frame_batched_and_dtypes(omniglot, episodes, method, params):
+    """Each task is read in its own queries' frame: a batch equals its tasks one at a
+    time, and float32 agrees with float64."""
+    est = build_estimator(method, open_frame="queries", **params)
+    est64 = est.fit_featureset(omniglot, torch.float64)
+    batch = est64.predict_proba_open(episodes)
+    for t in range(TASKS):
+        alone = est64.predict_proba_open(episodes[t : t + 1])
+        torch.testing.assert_close(alone[0], batch[t])
+    est32 = build_estimator(method, open_frame="queries", **params).fit_featureset(omniglot)
+    p32 = est32.predict_proba_open(episodes.to(dtype=torch.float32))
+    assert p32.dtype == torch.float32
+    torch.testing.assert_close(p32.double(), batch, atol=5e-3, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["soft-kmeans", "bavardage", "bavardage-gamma", "vmp-gmm"])
+def test_open_frame_checked(method):
+    """An unknown frame is a ValueError before any computation."""
+    with pytest.raises(ValueError, match="open_frame"):
+        build_estimator(method, open_frame="support")._check_params()
+
+
+@pytest.mark.parametrize(
+    "method, fixed, frame",
+    [
+        ("soft-kmeans", {}, "queries"),
+        ("soft-kmeans", {"open_frame": "base"}, "base"),
+        ("bavardage", {}, "base"),
+        ("em-dirichlet", {}, None),
+    ],
+)
+def test_auto_preset_cache_key_holds_the_frame(omniglot, monkeypatch, method, fixed, frame):
+    """The open-set search's cached choice (with its ``open_scale``) is keyed by the frame
+    the scale is learnt in: the method's default or the one fixed."""
+    from probfsl import tuning
+
+    seen = {}
+
+    def fake_cached(kind, fs, settings, compute):
+        seen.update(settings)
+        return None
+
+    monkeypatch.setattr(tuning, "_cached", fake_cached)
+    tuning.auto_preset(method, omniglot, WAY, SHOT, QUERY, fixed=fixed, open_queries=N_OPEN)
+    assert seen["open_frame"] == frame
+    seen.clear()
+    tuning.auto_preset(method, omniglot, WAY, SHOT, QUERY, fixed=fixed)
+    assert "open_frame" not in seen  # closed searches keep their cache entries
