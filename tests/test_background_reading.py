@@ -279,3 +279,30 @@ def test_an_estimator_keeps_its_blends_and_older_files_read_them_as_none(tmp_pat
     old = FewShotClassifier.load(path)
     for got, w in zip(old.background_stats(x), raw, strict=True):
         torch.testing.assert_close(got, w)
+
+
+def test_the_held_out_choices_are_computed_once_per_base_classes(monkeypatch):
+    """A search fits many estimators on the same base classes: the choices are the ones
+    computed afresh, and computed once; other base classes are computed again."""
+    import probfsl.inference.open_temperature as open_temperature
+    from probfsl.models import base
+
+    x, labels = _many_classes()
+    base._BACKGROUND_CHOICES.clear()
+    fresh = base.held_out_background_choices(x, labels)
+    calls = []
+    select = open_temperature.select_open_reading
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return select(*args, **kwargs)
+
+    monkeypatch.setattr(open_temperature, "select_open_reading", counted)
+    assert base.held_out_background_choices(x.clone(), labels.clone()) == fresh
+    assert calls == []
+    moved = x.clone()
+    moved[0, 0] += 1.0  # other data: chosen again
+    base.held_out_background_choices(moved, labels)
+    assert len(calls) == 2
+    base.held_out_background_choices(x.float(), labels)  # another dtype: chosen again
+    assert len(calls) == 4

@@ -24,8 +24,10 @@ pickle). ``tests/test_estimator_checks.py`` runs every registered method through
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, Self
 
@@ -396,6 +398,49 @@ class FewShotClassifier(Hyperparameters, ABC):
         return f"{type(self).__name__}({params})"
 
 
+#: the held-out choices of :func:`held_out_background_choices` by a digest of their input
+#: (the most recently used last): a search on base-class episodes fits every candidate on
+#: the same base classes, and the choices depend on nothing else
+_BACKGROUND_CHOICES: OrderedDict[str, tuple] = OrderedDict()
+_BACKGROUND_CHOICES_KEPT = 8
+
+
+def _digest(*tensors: torch.Tensor) -> str:
+    """SHA-256 of the dtypes, shapes, device types and bytes of ``tensors``."""
+    digest = hashlib.sha256()
+    for t in tensors:
+        digest.update(f"{t.dtype} {tuple(t.shape)} {t.device.type}".encode())
+        digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def held_out_background_choices(features: torch.Tensor, labels: torch.Tensor) -> tuple:
+    """``(λ, inductive, query)``: the shrinkage that held-out base classes prefer
+    (:func:`~probfsl.inference.background_shrinkage.select_shrinkage`) and the readings
+    (:class:`~probfsl.inference.open_temperature.OpenReading`: blends and odds scale)
+    chosen on their open-set episodes, inductive and in the queries' frame
+    (:func:`~probfsl.inference.open_temperature.select_open_reading`). All are seeded
+    functions of ``features`` and ``labels``, so the last few are kept by a digest of
+    them and handed back for the same base classes (the same numbers, computed once)."""
+    from probfsl.inference.background_shrinkage import select_shrinkage
+    from probfsl.inference.open_temperature import select_open_reading
+
+    key = _digest(features, labels)
+    if key in _BACKGROUND_CHOICES:
+        _BACKGROUND_CHOICES.move_to_end(key)
+        return _BACKGROUND_CHOICES[key]
+    shrinkage = select_shrinkage(features, labels)
+    choices = (
+        shrinkage,
+        select_open_reading(features, labels, shrinkage),
+        select_open_reading(features, labels, shrinkage, True),
+    )
+    _BACKGROUND_CHOICES[key] = choices
+    while len(_BACKGROUND_CHOICES) > _BACKGROUND_CHOICES_KEPT:
+        _BACKGROUND_CHOICES.popitem(last=False)
+    return choices
+
+
 class OpenSetBackground:
     """Mixin: the background density of the open-set posterior (:meth:`predict_proba_open`).
 
@@ -423,16 +468,13 @@ class OpenSetBackground:
         (``background_within_mix_``, ``background_between_mix_``,
         ``background_odds_scale_``) and in the queries' frame (``background_query_*``)."""
         from probfsl.inference.background import fit_background
-        from probfsl.inference.background_shrinkage import select_shrinkage
-        from probfsl.inference.open_temperature import select_open_reading
 
         labels = labels.to(features.device)
-        self.background_shrinkage_ = select_shrinkage(features, labels)
-        inductive = select_open_reading(features, labels, self.background_shrinkage_)
+        shrinkage, inductive, query = held_out_background_choices(features, labels)
+        self.background_shrinkage_ = shrinkage
         self.background_within_mix_ = inductive.within_mix
         self.background_between_mix_ = inductive.between_mix
         self.background_odds_scale_ = inductive.odds_scale
-        query = select_open_reading(features, labels, self.background_shrinkage_, True)
         self.background_query_within_mix_ = query.within_mix
         self.background_query_between_mix_ = query.between_mix
         self.background_query_odds_scale_ = query.odds_scale
