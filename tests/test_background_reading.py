@@ -28,7 +28,7 @@ from probfsl.inference.open_temperature import (
     scale_and_log_loss,
     select_open_reading,
 )
-from probfsl.models.base import FewShotClassifier
+from probfsl.models.base import FewShotClassifier, held_out_background_choices
 
 
 def _base(n_classes=8, per_class=12, dim=4, seed=0, dtype=torch.float64):
@@ -256,6 +256,13 @@ def test_classes_that_cannot_be_split_keep_the_background_as_it_was():
 def test_an_estimator_keeps_its_blends_and_older_files_read_them_as_none(tmp_path):
     x, labels = _many_classes(torch.float32)
     est = make_estimator("nearest-centroid").fit_base(x, labels)
+    # chosen when first needed (here: saving), the numbers of choosing at once
+    assert not hasattr(est, "background_within_mix_")
+    kept = est._background_base  # the preprocessed base features, kept until then
+    state = est.fitted_state()
+    _, inductive, query = held_out_background_choices(*kept)
+    assert state["background_within_mix_"] == inductive.within_mix
+    assert state["background_query_odds_scale_"] == query.odds_scale
     for frame in ("background_", "background_query_"):
         assert getattr(est, frame + "within_mix_") in MIX_GRID
         assert getattr(est, frame + "between_mix_") in MIX_GRID

@@ -458,28 +458,56 @@ class OpenSetBackground:
 
     open_prior: float = 0.5
 
+    #: the names of the choices made on held-out base classes (:meth:`_choose_background`)
+    _CHOICES = (
+        "background_within_mix_",
+        "background_between_mix_",
+        "background_odds_scale_",
+        "background_query_within_mix_",
+        "background_query_between_mix_",
+        "background_query_odds_scale_",
+    )
+
     def fit_background(self, features: torch.Tensor, labels: torch.Tensor) -> None:
         """Store the background statistics of preprocessed base ``features`` [N, D], their
         covariances shrunk by the λ that held-out base classes prefer
         (:func:`~probfsl.inference.background_shrinkage.select_shrinkage`), kept as
         ``background_shrinkage_``, and, learnt on episodes of held-out base classes
-        (:func:`~probfsl.inference.open_temperature.select_open_reading`), the isotropic
-        blends of the covariances and the scale of the open log-odds, inductive
-        (``background_within_mix_``, ``background_between_mix_``,
-        ``background_odds_scale_``) and in the queries' frame (``background_query_*``)."""
+        (:func:`held_out_background_choices`), the isotropic blends of the covariances and
+        the scale of the open log-odds, inductive (``background_within_mix_``,
+        ``background_between_mix_``, ``background_odds_scale_``) and in the queries' frame
+        (``background_query_*``). Those six cost seconds on wide features and serve the
+        open-set posterior alone, so they are chosen when it first needs them (or when the
+        estimator is saved), from the base features kept until then; the numbers are the
+        same either way."""
         from probfsl.inference.background import fit_background
+        from probfsl.inference.background_shrinkage import select_shrinkage
 
         labels = labels.to(features.device)
-        shrinkage, inductive, query = held_out_background_choices(features, labels)
-        self.background_shrinkage_ = shrinkage
+        for name in self._CHOICES:  # a previous fit's choices
+            self.__dict__.pop(name, None)
+        self._background_base = (features, labels)
+        self.background_shrinkage_ = select_shrinkage(features, labels)
+        stats = fit_background(features, labels, self.background_shrinkage_)
+        self.background_mean_, self.background_within_, self.background_between_ = stats
+
+    def _choose_background(self) -> None:
+        """Make the held-out choices of :meth:`fit_background` if they are still due."""
+        base = self.__dict__.pop("_background_base", None)
+        if base is None:  # made already, or loaded (older files: none, read as 0, 0, 1)
+            return
+        _, inductive, query = held_out_background_choices(*base)
         self.background_within_mix_ = inductive.within_mix
         self.background_between_mix_ = inductive.between_mix
         self.background_odds_scale_ = inductive.odds_scale
         self.background_query_within_mix_ = query.within_mix
         self.background_query_between_mix_ = query.between_mix
         self.background_query_odds_scale_ = query.odds_scale
-        stats = fit_background(features, labels, self.background_shrinkage_)
-        self.background_mean_, self.background_within_, self.background_between_ = stats
+
+    def fitted_state(self) -> dict[str, Any]:
+        """The fitted attributes, the held-out choices made first (:meth:`fit_background`)."""
+        self._choose_background()
+        return super().fitted_state()
 
     def background_stats(self, reference: torch.Tensor, query_centring: bool = False):
         """The fitted :class:`~probfsl.inference.background.BackgroundStats`, blended as
@@ -494,6 +522,7 @@ class OpenSetBackground:
                 f"{type(self).__name__}.predict_proba_open needs base classes: its "
                 "background density is learnt from them; call fit_base(features, labels) first"
             )
+        self._choose_background()
         prefix = "background_query_" if query_centring else "background_"
         stats = BackgroundStats(
             self.background_mean_, self.background_within_, self.background_between_
@@ -518,6 +547,7 @@ class OpenSetBackground:
         class_ll, background_ll = two_covariance_log_liks(
             support, episodes.support_labels, query, episodes.way, stats
         )
+        self._choose_background()  # (background_stats made it already)
         scale = getattr(self, "background_odds_scale_", 1.0)  # 1 for older saved files
         p_open = open_posterior(class_ll, background_ll, self.open_prior, scale)[..., -1]
         return attach_open(proba, p_open.to(proba))
