@@ -94,6 +94,7 @@ def test_too_few_classes_leave_the_odds_alone():
 def test_an_estimator_keeps_its_scale_and_older_files_read_the_odds_unscaled(tmp_path):
     x, labels = _classes(30, 12, 8, seed=2)
     est = make_estimator("nearest-centroid").fit_base(x.float(), labels)
+    est.fitted_state()  # the held-out choices are made on first need (here: saving)
     assert est.background_odds_scale_ in GRID
     path = tmp_path / "nc.pt"
     est.save(path)
