@@ -275,3 +275,23 @@ def test_data_inside_their_support_are_accepted():
     VMP(_observed_beta).compile(_x(3, 8), torch.full((3, 8), 0.5, dtype=F64))
     VMP(gamma_gamma_observed).compile(torch.ones(3, 5, dtype=F64))
     VMP(_labels_model).compile(_y().long())
+
+
+# ------------------------------------------------------------------ checks made once
+def test_a_parameter_checked_before_is_skipped_until_its_values_change():
+    """check_parameters skips a parameter whose memory, view and version an earlier check
+    passed (the compiler's later runs re-read the user's fixed parameters), and checks it
+    again once an in-place change bumps its version."""
+    from probfsl.inference.vmp.checks import check_parameters, tensor_key
+
+    rate = torch.tensor([1.0, -2.0], dtype=F64)
+    site = [{"name": "tau", "fn": dist.Gamma(torch.ones_like(rate), rate, validate_args=False)}]
+    with pytest.raises(ValueError, match="'tau'.*rate"):
+        check_parameters(site)
+    key = tensor_key(rate)
+    passed = check_parameters(site, checked={key})
+    assert len(passed) == 1 and passed[0] is site[0]["fn"].concentration  # rate skipped
+    rate.mul_(1.0)  # the same values, a new version: checked again
+    assert tensor_key(rate) != key
+    with pytest.raises(ValueError, match="'tau'.*rate"):
+        check_parameters(site, checked={key})

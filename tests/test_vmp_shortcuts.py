@@ -17,7 +17,7 @@ import pytest
 import torch
 from pyro.ops.indexing import Vindex
 
-from probfsl.inference.vmp import VMP, conjugate_children, messages
+from probfsl.inference.vmp import VMP, conjugate_children, messages, moments
 from probfsl.inference.vmp.einsum import sweeping
 from probfsl.inference.vmp.families.categorical import label_lookup
 from tests.test_vmp_families import _classes, latent_class
@@ -127,3 +127,63 @@ def test_normaliser_shortcut_not_taken_for_a_fixed_table():
     plan = state.plan
     assert not messages.lse_applies(plan, plan.sites["z"])
     assert plan.cache.get(("lse", "z")) is None
+
+
+# ------------------------------------------------------------------ masked steps
+def _gp_regression(y, k):
+    """f ~ N(0, K), y ~ N(f, τ⁻¹ I), τ ~ Gamma(1, 0.1): one MultivariateNormal factor."""
+    with pyro.plate("tasks", y.shape[0]):
+        f = pyro.sample("f", dist.MultivariateNormal(y.new_zeros(y.shape[1]), k))
+        tau = pyro.sample("tau", dist.Gamma(y.new_tensor(1.0), y.new_tensor(0.1)))
+        pyro.sample("y", dist.Normal(f, tau.rsqrt().unsqueeze(-1)).to_event(1), obs=y)
+
+
+def _gp_data(t=6, n=8):
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(t, n, 1, generator=g, dtype=torch.float64) * 6 - 3
+    k = torch.exp(-0.5 * torch.cdist(x, x).square()) + 1e-3 * torch.eye(n, dtype=torch.float64)
+    y = torch.sin(x[..., 0]) + 0.3 * torch.randn(t, n, generator=g, dtype=torch.float64)
+    return y, k
+
+
+def test_a_masked_step_carries_the_cholesky_factor_and_moments_of_both_factors():
+    """keep() merges two MultivariateNormal factors task by task; the Cholesky factor and
+    the moments it caches for the merged factor are those of its own precision, bit for
+    bit (LAPACK factorises each matrix of a batch alone)."""
+    engine = VMP(_gp_regression)
+    old = engine.init(*_gp_data())
+    new, _ = engine.step(old)
+    frozen = torch.tensor([True, False, True, False, False, True])
+    merged = engine.keep(frozen, old, new)
+    plan, (loc, precision) = merged.plan, merged.q["f"]
+    assert torch.equal(loc[frozen], old.q["f"][0][frozen])
+    assert torch.equal(loc[~frozen], new.q["f"][0][~frozen])
+    chol = moments.factor_block(plan, merged.q, "f").chol
+    assert chol is not None  # carried, not refactorised
+    assert torch.equal(chol, torch.linalg.cholesky(precision))
+    cov = torch.cholesky_inverse(torch.linalg.cholesky(precision))
+    first, second = moments.expected_stats(plan, merged.q, "f")
+    assert torch.equal(first, loc)
+    assert torch.equal(second, cov + loc.unsqueeze(-1) * loc.unsqueeze(-2))
+
+
+def test_fits_with_the_carried_factors_equal_fits_without(monkeypatch):
+    """Tasks converging at different sweeps (masked steps on the CPU): the same factors,
+    bounds and sweeps, bit for bit, with and without the carry."""
+    data = _gp_data(t=12, n=10)
+
+    def fit():
+        state, info = VMP(_gp_regression, max_iter=200, tol=1e-12).fit(*data)
+        return state, info
+
+    carried, carry = [], moments.carry_over
+    monkeypatch.setattr(moments, "carry_over", lambda *a: carried.append(carry(*a)))
+    with_carry, info = fit()
+    assert carried  # some steps were masked
+    monkeypatch.setattr(moments, "carry_over", lambda *args: None)
+    without, info_without = fit()
+    assert torch.equal(info.n_steps, info_without.n_steps)
+    assert torch.equal(with_carry.objective, without.objective)
+    for name, factor in with_carry.q.items():
+        for a, b in zip(factor, without.q[name], strict=True):
+            assert torch.equal(a, b)

@@ -10,6 +10,7 @@ holds the same list in words, formed from the family records).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Set
 
 import pyro.distributions as dist
 import torch
@@ -95,28 +96,55 @@ def all_finite(*tensors: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(torch.stack(ends)).all()
 
 
-def check_parameters(sites: list[dict], where: str = "") -> None:
+def check_parameters(sites: list[dict], where: str = "", checked: Set = frozenset()) -> list:
     """``ValueError`` naming the site and the parameter when a distribution's parameter
     is outside its constraint (a negative scale, a concentration of 0, ...), ``where``
-    added to the reason; one host synchronisation when every parameter is valid."""
-    checks = []
+    added to the reason; one host synchronisation when every parameter is valid.
+
+    Not checked again: a parameter whose key (:func:`tensor_key`) is in ``checked`` (the
+    same memory as a parameter an earlier check passed, whose tensor the caller keeps
+    alive), and one that its distribution validated when it was built (torch's
+    ``validate_args``) under a constraint other than real or positive (those two are
+    cheap, and only here must their values also be finite): a positive definite
+    covariance of a thousand tasks costs a Cholesky factorisation per check. Returns the
+    parameters that passed (to be kept alive while their keys are a later ``checked``)."""
+    checks, passed = [], []
     for s in sites:
         base, _ = unwrap(s["fn"])
         for name, constraint in getattr(base, "arg_constraints", {}).items():
             value = base.__dict__.get(name)  # the parameters given, not derived ones
             if value is None and isinstance(base, dist.Beta):  # held by its Dirichlet
                 value = getattr(base, name)
-            if torch.is_tensor(value):
-                checks.append((s["name"], type(base).__name__, name, constraint, value))
-    if not checks:
-        return
-    if bool(torch.stack([_holds(c, v) for *_, c, v in checks]).all()):
-        return
-    for site, fname, name, constraint, value in checks:
-        if not bool(constraint.check(value).all()):
-            raise refuse(site, fname, "-", f"its parameter {name} is outside {constraint}{where}")
-        if not bool(_holds(constraint, value)):
-            raise refuse(site, fname, "-", f"its parameter {name} holds infinite values")
+            if not torch.is_tensor(value) or tensor_key(value) in checked:
+                continue
+            passed.append(value)
+            if getattr(base, "_validate_args", False) and not _cheap(constraint):
+                continue
+            checks.append((s["name"], type(base).__name__, name, constraint, value))
+    if checks and not bool(torch.stack([_holds(c, v) for *_, c, v in checks]).all()):
+        for site, fname, name, constraint, value in checks:
+            if not bool(constraint.check(value).all()):
+                reason = f"its parameter {name} is outside {constraint}{where}"
+                raise refuse(site, fname, "-", reason)
+            if not bool(_holds(constraint, value)):
+                raise refuse(site, fname, "-", f"its parameter {name} holds infinite values")
+    return passed
+
+
+def tensor_key(t: torch.Tensor) -> tuple:
+    """What identifies a tensor's values while it lives: its memory, view and version (a
+    view of the same memory, such as a distribution's ``expand`` of the user's tensor, has
+    the key of the same values; an in-place change bumps the version). Once the tensor is
+    freed, another may reuse its memory: keep it alive while its key is compared."""
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version
+
+
+def _cheap(constraint) -> bool:
+    """Whether ``constraint`` is real or positive (possibly made independent): the
+    constraints :func:`_holds` reads off a parameter's extremes."""
+    while isinstance(constraint, constraints.independent):
+        constraint = constraint.base_constraint
+    return constraint is constraints.real or constraint is constraints.positive
 
 
 def _holds(constraint, value: torch.Tensor) -> torch.Tensor:

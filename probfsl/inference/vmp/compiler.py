@@ -84,7 +84,7 @@ class Compiler:
         check_data(args, kwargs)
         ctx, trace = first_trace(CompileContext(self.model, args, kwargs, data_dtype(args, kwargs)))
         nodes = sample_sites(trace)
-        check_parameters(nodes)
+        ctx.checked.extend(check_parameters(nodes))
         structure = self._check_structure(trace, ctx)
         runs, one_task = ([], False) if structure is None else structure
         ref = reference_value(nodes, trace)

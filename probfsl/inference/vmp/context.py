@@ -50,3 +50,6 @@ class CompileContext:
     forms: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     probes: dict[str, torch.Tensor] = field(default_factory=dict)
     runs: dict[Any, dict[str, dict[str, torch.Tensor]]] = field(default_factory=dict)
+    #: the parameters the first run's check passed, kept alive here, so that later runs
+    #: skip the same memory (:func:`~probfsl.inference.vmp.checks.check_parameters`)
+    checked: list[torch.Tensor] = field(default_factory=list)

@@ -20,7 +20,14 @@ import pyro.distributions as dist
 import torch
 
 from probfsl.inference.base import Engine, Info, RunInfo, run
-from probfsl.inference.vmp import gaussian_chain, grouped_plates, layout, messages, starts
+from probfsl.inference.vmp import (
+    gaussian_chain,
+    grouped_plates,
+    layout,
+    messages,
+    moments,
+    starts,
+)
 from probfsl.inference.vmp.compiler import Compiler
 from probfsl.inference.vmp.einsum import sweeping
 from probfsl.inference.vmp.family import lookup
@@ -369,6 +376,7 @@ class VMP(Engine):
             name: tuple(where(a, b) for a, b in zip(old.q[name], params, strict=True))
             for name, params in new.q.items()
         }
+        moments.carry_over(new.plan, where, old.q, new.q, q)
         return VMPState(new.plan, q, where(old.objective, new.objective))
 
     def fit(

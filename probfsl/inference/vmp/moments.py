@@ -38,7 +38,12 @@ def expected_stats(plan: Plan, q: dict, name: str) -> tuple:
         stats = block.expected_stats()
         if isinstance(block, expfam.MultivariateNormal):  # ⟨x xᵀ⟩, for second_moment
             second = to_layout(plan, s, stats[1], matrix=True) if s.joint else stats[1]
-            plan.cache[("second", name)] = (q[name], second)
+            _cache_factor(plan, ("second", name), q[name], second)
+            if s.joint:  # in the layout's axes (a merged factor's split back)
+                diagonal = stats[1].diagonal(dim1=-2, dim2=-1)
+                stats = (to_layout(plan, s, stats[0]), to_layout(plan, s, diagonal))
+            _cache_factor(plan, name, q[name], stats)
+            return stats
     if s.joint and not s.point:  # in the layout's axes (a merged factor's split back)
         diagonal = stats[1].diagonal(dim1=-2, dim2=-1)
         stats = (to_layout(plan, s, stats[0]), to_layout(plan, s, diagonal))
@@ -135,8 +140,51 @@ def keep_cholesky(plan: Plan, name: str, block) -> tuple:
     Cholesky factor kept with it for :func:`factor_block`."""
     factor = (block.loc, block.precision)
     if block.chol is not None:
-        plan.cache[("chol", name)] = (factor, block.chol)
+        _cache_factor(plan, ("chol", name), factor, block.chol)
     return factor
+
+
+#: the plan-cache keys of a MultivariateNormal factor's Cholesky factor, moments and second
+#: moment (:func:`keep_cholesky`, :func:`expected_stats`), which :func:`carry_over` merges
+def _factor_keys(name: str) -> tuple:
+    return ("chol", name), name, ("second", name)
+
+
+def _cache_factor(plan: Plan, key, factor: tuple, value) -> None:
+    """``plan.cache[key] = (factor, value)``, the entry of the factor it replaces kept
+    under ``("previous", key)``: the factor a masked step (:func:`carry_over`) may restore
+    for its frozen tasks."""
+    old = plan.cache.get(key)
+    if old is not None and old[0] is not factor:
+        plan.cache[("previous", key)] = old
+    plan.cache[key] = (factor, value)
+
+
+def _entry(plan: Plan, key, factor: tuple):
+    """The value cached under ``key`` (or its previous entry) for this very ``factor``."""
+    for k in (key, ("previous", key)):
+        hit = plan.cache.get(k)
+        if hit is not None and hit[0] is factor:
+            return hit[1]
+    return None
+
+
+def carry_over(plan: Plan, where, old: dict, new: dict, merged: dict) -> None:
+    """Cache the Cholesky factors and moments of the MultivariateNormal factors of a masked
+    step: ``merged[name]`` is ``where(old[name], new[name])`` parameter by parameter (the
+    frozen tasks' factor from ``old``, the others' from ``new``), so its cached values are
+    the same merge of the two factors' cached values, and it is not factorised again. Only
+    where both factors' values are cached; ``where(a, b)`` merges one tensor."""
+    for name, factor in merged.items():
+        for key in _factor_keys(name):
+            a, b = _entry(plan, key, old[name]), _entry(plan, key, new[name])
+            if a is None or b is None:
+                continue
+            if isinstance(a, tuple):
+                value = tuple(where(x, y) for x, y in zip(a, b, strict=True))
+            else:
+                value = where(a, b)
+            plan.cache[key] = (factor, value)
 
 
 def parent_ops(plan, q, s, key):

@@ -25,7 +25,7 @@ from pyro.distributions import constraints
 from pyro.poutine.trace_struct import Trace
 
 from probfsl.inference.vmp.affine_maps import bilinear_map, linear_map
-from probfsl.inference.vmp.checks import check_parameters, data_device, refuse
+from probfsl.inference.vmp.checks import check_parameters, data_device, refuse, tensor_key
 from probfsl.inference.vmp.context import CompileContext
 from probfsl.inference.vmp.family import lookup
 from probfsl.inference.vmp.layout import TASKS, Param, Plan, Site, to_pyro
@@ -101,6 +101,7 @@ def _verifying_run(ctx: CompileContext) -> None:
         [run.nodes[x.pyro_name] for x in sites.values()],
         " when the latent sites it depends on take other values (a pyro.param used as a "
         "scale, rate or precision needs constraint=constraints.positive)",
+        checked={tensor_key(t) for t in ctx.checked},
     )
     ctx.runs["verify"] = every_site_parameters(ctx, run)
 
