@@ -167,9 +167,22 @@ def test_a_masked_step_carries_the_cholesky_factor_and_moments_of_both_factors()
     assert torch.equal(second, cov + loc.unsqueeze(-1) * loc.unsqueeze(-2))
 
 
+def test_a_compaction_carries_the_cholesky_factor_and_moments_of_the_tasks_kept():
+    engine = VMP(_gp_regression)
+    state, _ = engine.step(engine.init(*_gp_data()))
+    kept = engine.take(state, torch.tensor([4, 1, 3]))
+    loc, precision = kept.q["f"]
+    chol = moments.factor_block(kept.plan, kept.q, "f").chol
+    assert chol is not None and torch.equal(chol, torch.linalg.cholesky(precision))
+    cov = torch.cholesky_inverse(torch.linalg.cholesky(precision))
+    first, second = moments.expected_stats(kept.plan, kept.q, "f")
+    assert torch.equal(first, loc)
+    assert torch.equal(second, cov + loc.unsqueeze(-1) * loc.unsqueeze(-2))
+
+
 def test_fits_with_the_carried_factors_equal_fits_without(monkeypatch):
-    """Tasks converging at different sweeps (masked steps on the CPU): the same factors,
-    bounds and sweeps, bit for bit, with and without the carry."""
+    """Tasks converging at different sweeps (masked steps and compactions on the CPU): the
+    same factors, bounds and sweeps, bit for bit, with and without the carries."""
     data = _gp_data(t=12, n=10)
 
     def fit():
@@ -181,6 +194,7 @@ def test_fits_with_the_carried_factors_equal_fits_without(monkeypatch):
     with_carry, info = fit()
     assert carried  # some steps were masked
     monkeypatch.setattr(moments, "carry_over", lambda *args: None)
+    monkeypatch.setattr(moments, "carry_rows", lambda *args: None)
     without, info_without = fit()
     assert torch.equal(info.n_steps, info_without.n_steps)
     assert torch.equal(with_carry.objective, without.objective)

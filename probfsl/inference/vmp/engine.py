@@ -338,7 +338,9 @@ class VMP(Engine):
     def take(self, state: VMPState, index: torch.Tensor) -> VMPState:
         """The tasks ``index`` alone: their factors, bound and data (:meth:`Plan.take`)."""
         q = {n: tuple(_take_rows(t, index) for t in f) for n, f in state.q.items()}
-        return VMPState(state.plan.take(index), q, state.objective.index_select(0, index))
+        plan = state.plan.take(index)
+        moments.carry_rows(state.plan, plan, state.q, q, lambda t: _take_rows(t, index))
+        return VMPState(plan, q, state.objective.index_select(0, index))
 
     def put(self, full: VMPState, index: torch.Tensor, part: VMPState) -> VMPState:
         """``full`` with the factors and bound of the tasks ``index`` from ``part``."""

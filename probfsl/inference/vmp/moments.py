@@ -169,6 +169,19 @@ def _entry(plan: Plan, key, factor: tuple):
     return None
 
 
+def carry_rows(plan: Plan, to: Plan, q: dict, taken: dict, rows) -> None:
+    """Cache in ``to`` (the plan of some tasks of ``plan``: a compaction) the Cholesky
+    factors and moments of the MultivariateNormal factors ``taken[name]`` = ``rows(t)``
+    of every parameter ``t`` of ``q[name]``, as ``rows`` of their values cached in
+    ``plan``, so that the compacted factors are not factorised again."""
+    for name, factor in taken.items():
+        for key in _factor_keys(name):
+            value = _entry(plan, key, q[name])
+            if value is not None:
+                value = tuple(map(rows, value)) if isinstance(value, tuple) else rows(value)
+                to.cache[key] = (factor, value)
+
+
 def carry_over(plan: Plan, where, old: dict, new: dict, merged: dict) -> None:
     """Cache the Cholesky factors and moments of the MultivariateNormal factors of a masked
     step: ``merged[name]`` is ``where(old[name], new[name])`` parameter by parameter (the
