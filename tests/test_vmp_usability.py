@@ -235,3 +235,76 @@ def test_an_undeclared_batch_axis_is_named_by_its_dim_and_size():
         r"\(size 4, batch shape \(2, 4\)\) is not declared by a plate",
     ):
         VMP(undeclared_axis).init(torch.randn(2, 4, dtype=F64))
+
+
+# ------------------------------------------------------------------ Pyro's plate habits
+def _normal_means(t, *, dims=(-2, -1), tasks_size=None):
+    """y[t, n] ~ N(mu_t, 1), mu_t ~ N(0, 2²); the tasks plate's size given (a constant of
+    the model) or read off the data, its plates at ``dims``."""
+
+    def model(y):
+        tasks_axis = 1 if dims[0] == -1 else 0
+        size = tasks_size or y.shape[tasks_axis]
+        with pyro.plate("tasks", size, dim=dims[0]):
+            mu = pyro.sample("mu", dist.Normal(y.new_tensor(0.0), y.new_tensor(2.0)))
+            with pyro.plate("n", y.shape[1 - tasks_axis], dim=dims[1]):
+                pyro.sample("y", dist.Normal(mu, y.new_tensor(1.0)), obs=y)
+
+    return model
+
+
+def _exact_normal_means(y):
+    """ln p(y_t) = ln N(y_t | 0, 2² 11ᵀ + I), per task (rows of y)."""
+    n = y.shape[1]
+    cov = 4.0 * torch.ones(n, n, dtype=F64) + torch.eye(n, dtype=F64)
+    return dist.MultivariateNormal(torch.zeros(n, dtype=F64), cov).log_prob(y)
+
+
+def test_a_tasks_plate_of_a_fixed_size_is_fitted_exactly():
+    """``pyro.plate("tasks", T)`` with T a constant of the model (equal to the data's
+    leading axis): the structure check cannot run the model on one task, and checks on
+    every task instead."""
+    y = torch.randn(3, 10, dtype=F64, generator=torch.Generator().manual_seed(0))
+    state, _ = VMP(_normal_means(3, tasks_size=3), tol=1e-13).fit(y)
+    assert torch.allclose(state.objective, _exact_normal_means(y), rtol=1e-12, atol=0)
+
+
+def test_pyros_default_plate_dims_with_the_tasks_last_are_fitted_exactly():
+    """Plates without ``dim=``: tasks at dim -1 and the points at dim -2, the data [N, T]
+    (Pyro's own default layout), give the bound of the data's transpose."""
+    y = torch.randn(3, 10, dtype=F64, generator=torch.Generator().manual_seed(1))
+    state, _ = VMP(_normal_means(3, dims=(-1, -2)), tol=1e-13).fit(y.T.contiguous())
+    assert torch.allclose(state.objective, _exact_normal_means(y), rtol=1e-12, atol=0)
+
+
+def test_two_plates_at_one_dim_are_named_in_the_refusal():
+    """A parent in plate 'dims' and its child in another plate 'dims_' of the same dim and
+    size: Pyro pairs their entries, VMP reads plates by name; the refusal names both."""
+
+    def factor_analysis(y):
+        t, n, d = y.shape
+        with pyro.plate("tasks", t, dim=-3):
+            with pyro.plate("dims", d, dim=-1):
+                w = pyro.sample("W", dist.Normal(y.new_zeros(2), 1.0).to_event(1))
+            with pyro.plate("points", n, dim=-2):
+                x = pyro.sample("x", dist.Normal(y.new_zeros(2), 1.0).to_event(1))
+                with pyro.plate("dims_", d, dim=-1):
+                    pyro.sample("y", dist.Normal((w * x).sum(-1), 1.0), obs=y)
+
+    with pytest.raises(ValueError, match="plate 'dims' and the site's plate 'dims_' are two"):
+        VMP(factor_analysis).fit(torch.randn(2, 10, 3, dtype=F64))
+
+
+def test_vector_emissions_of_an_hmm_are_refused_naming_the_event_shape():
+    def hmm(x):
+        t, n = x.shape[:2]
+        with pyro.plate("tasks", t, dim=-1):
+            pi = pyro.sample("pi", dist.Dirichlet(x.new_ones(2)))
+            a = pyro.sample("A", dist.Dirichlet(x.new_ones(2, 2)).to_event(1))
+            mu = pyro.sample("mu", dist.Normal(x.new_zeros(2, 3), 3.0).to_event(2))
+            emission = dist.Normal(mu.unsqueeze(-3), 1.0).to_event(1)
+            law = dist.DiscreteHMM(pi.log(), a.log().unsqueeze(-3), emission, duration=n)
+            pyro.sample("x", law, obs=x)
+
+    with pytest.raises(ValueError, match=r"event shape \(3,\): vector emissions"):
+        VMP(hmm).fit(torch.randn(2, 12, 3, dtype=F64))

@@ -147,8 +147,25 @@ def contracted_axis(child: Site, parent: Site, dims: tuple, desc: str) -> str | 
     if extra and axis is None and plate_groups(parent, extra):
         return extra[0] if len(extra) == 1 else tuple(extra)
     if extra:
-        raise refuse(child.name, child.fn_name, desc, refusal(parent, dims))
+        raise refuse(child.name, child.fn_name, desc, _twin_plates(parent, child, dims, extra))
     return axis
+
+
+def _twin_plates(parent: Site, child: Site, dims: tuple, extra: list) -> str:
+    """Why the map of ``child`` (axes ``dims``) that sums the parent's plate axes ``extra``
+    is refused: two differently named plates at one Pyro dim and of one size (Pyro pairs
+    their entries, VMP tells plates apart by name), else
+    :func:`~probfsl.inference.vmp.grouped_plates.refusal`."""
+    at = {f.name: (f.dim, f.size) for f in child.frames}
+    for f in parent.frames:
+        twin = [name for name, place in at.items() if name != f.name and place == (f.dim, f.size)]
+        if f.name in extra and twin:
+            return (
+                f"the parent's plate {f.name!r} and the site's plate {twin[0]!r} are two "
+                f"plates at dim {f.dim} of size {f.size}: Pyro pairs their entries, VMP "
+                "tells plates apart by name; declare both sites in the same plate"
+            )
+    return refusal(parent, dims)
 
 
 def refuse_unless_affine(

@@ -240,7 +240,8 @@ class Plan:
                 return f"joint over axis {s.dims[-1]}"
             if record.event_rank:
                 axes = s.dims[-record.event_rank :]
-                return f"joint over axis{'es' if len(axes) > 1 else ''} " + ", ".join(axes)
+                word = "axes" if len(axes) > 1 else "axis"
+                return f"joint over {word} " + ", ".join(axes)
             return "elementwise"
 
         rows, done = [], set()

@@ -17,6 +17,7 @@ import torch
 from pyro.poutine.trace_struct import Trace
 
 from probfsl.inference.vmp.context import CompileContext
+from probfsl.inference.vmp.layout import TASKS
 from probfsl.inference.vmp.tracing import first_task, trace_drawn
 
 #: the seeds of the extra runs: streams other than the first run's (0), then each end of
@@ -31,6 +32,17 @@ def _shape_of(run: Trace) -> list[tuple]:
         for n, s in run.nodes.items()
         if s["type"] == "sample"
     ]
+
+
+def _tasks_sizes(run: Trace) -> set[int]:
+    """The sizes of the ``tasks`` plate at the sample sites of a run."""
+    return {
+        f.size
+        for s in run.nodes.values()
+        if s["type"] == "sample"
+        for f in s["cond_indep_stack"]
+        if f.name == TASKS
+    }
 
 
 def check_structure(ctx: CompileContext, trace: Trace) -> tuple[list[Trace], bool]:
@@ -52,11 +64,14 @@ def check_structure(ctx: CompileContext, trace: Trace) -> tuple[list[Trace], boo
         one_task = False
         if one is not None:
             try:
-                trace = trace_drawn(replace(ctx, args=one[0], kwargs=one[1]))
-                ctx = replace(ctx, args=one[0], kwargs=one[1])
-                one_task = True
+                alone = trace_drawn(replace(ctx, args=one[0], kwargs=one[1]))
             except Exception:  # the model needs every task: check on all of them
-                pass
+                alone = None
+            # a tasks plate whose size does not follow the data's leading axis (a size
+            # fixed in the model, the tasks on another axis) still spans every task
+            if alone is not None and _tasks_sizes(alone) == {1}:
+                trace, one_task = alone, True
+                ctx = replace(ctx, args=one[0], kwargs=one[1])
         first = _shape_of(trace)
         runs = [trace]
         for seed, pattern in PROBES:

@@ -46,7 +46,14 @@ class DiscreteHMM(Family):
     )
 
     def declare(self, site, base, sizes):
-        obs, _ = unwrap(base.observation_dist)
+        law = base.observation_dist
+        if law.event_shape:  # e.g. Normal(...).to_event(1): one vector per time step
+            return (
+                "its observation law must be a scalar Normal or a Categorical, and this one "
+                f"has event shape {tuple(law.event_shape)}: vector emissions (.to_event) "
+                "are not supported"
+            )
+        obs, _ = unwrap(law)
         if type(obs) not in (dist.Normal, dist.Categorical) or obs.event_shape:
             return "its observation law must be a scalar Normal or a Categorical"
         if base.transition_logits.dim() >= 3 and base.transition_logits.shape[-3] != 1:
