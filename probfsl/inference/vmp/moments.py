@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from probfsl.inference import expfam
+from probfsl.inference.expfam.block import spd_inverse
 from probfsl.inference.vmp.family import lookup
 from probfsl.inference.vmp.grouped_plates import to_layout
 from probfsl.inference.vmp.layout import Plan, Site, stat_dims
@@ -35,15 +36,19 @@ def expected_stats(plan: Plan, q: dict, name: str) -> tuple:
         stats = tuple(t.expand(shape) for t in stats)
     else:
         block = factor_block(plan, q, name)
-        stats = block.expected_stats()
         if isinstance(block, expfam.MultivariateNormal):  # ⟨x xᵀ⟩, for second_moment
+            stats, cov = _mvn_moments(block)
             second = to_layout(plan, s, stats[1], matrix=True) if s.joint else stats[1]
             _cache_factor(plan, ("second", name), q[name], second)
+            var = cov.diagonal(dim1=-2, dim2=-1)  # Var x, for :func:`variance`
             if s.joint:  # in the layout's axes (a merged factor's split back)
                 diagonal = stats[1].diagonal(dim1=-2, dim2=-1)
                 stats = (to_layout(plan, s, stats[0]), to_layout(plan, s, diagonal))
+                var = to_layout(plan, s, var)
+            _cache_factor(plan, ("variance", name), q[name], var)
             _cache_factor(plan, name, q[name], stats)
             return stats
+        stats = block.expected_stats()
     if s.joint and not s.point:  # in the layout's axes (a merged factor's split back)
         diagonal = stats[1].diagonal(dim1=-2, dim2=-1)
         stats = (to_layout(plan, s, stats[0]), to_layout(plan, s, diagonal))
@@ -69,6 +74,41 @@ def second_moment(plan: Plan, q: dict, name: str) -> torch.Tensor:
         second = to_layout(plan, s, second, matrix=True) if s.joint else second
     plan.cache[("second", name)] = (q[name], second)
     return second
+
+
+def _mvn_moments(block: expfam.MultivariateNormal) -> tuple:
+    """(⟨x⟩, ⟨x xᵀ⟩ = P⁻¹ + m mᵀ) of a MultivariateNormal block N(m, P⁻¹), as
+    :meth:`~probfsl.inference.expfam.MultivariateNormal.expected_stats` computes them, and
+    the covariance P⁻¹ they were formed from (its diagonal: :func:`variance`)."""
+    m = block.loc
+    chol = block.chol
+    cov = spd_inverse(block.precision) if chol is None else torch.cholesky_inverse(chol)
+    return (m, cov + m.unsqueeze(-1) * m.unsqueeze(-2)), cov
+
+
+def variance(plan: Plan, q: dict, name: str) -> torch.Tensor:
+    """Var x of each entry of the latent Normal site ``name`` (a factor of its own: not a
+    point, not a step of a Gaussian chain), in its canonical layout, read off its factor:
+    1/λ of an elementwise factor N(m, λ⁻¹), the diagonal of P⁻¹ of a joint one N(m, P⁻¹).
+    Not ⟨x²⟩ − ⟨x⟩², which cancels where Var x ≪ ⟨x⟩²: float32 keeps no digit of a
+    variance below 6e-8 ⟨x⟩². Cached per factor (a joint factor's by
+    :func:`expected_stats`, which forms the covariance)."""
+    hit = plan.cache.get(("variance", name))
+    if hit is not None and hit[0] is q[name]:
+        return hit[1]
+    s = plan.sites[name]
+    if s.joint:  # the diagonal of the covariance that the moments were formed from
+        expected_stats(plan, q, name)  # caches the variances where it forms the covariance
+        hit = plan.cache.get(("variance", name))
+        if hit is not None and hit[0] is q[name]:
+            return hit[1]
+        diagonal = _mvn_moments(factor_block(plan, q, name))[1].diagonal(dim1=-2, dim2=-1)
+        var = to_layout(plan, s, diagonal)
+    else:
+        precision = q[name][1]
+        var = compact(precision).reciprocal().expand(precision.shape)
+    plan.cache[("variance", name)] = (q[name], var)
+    return var
 
 
 def compact(t: torch.Tensor) -> torch.Tensor:
@@ -144,10 +184,11 @@ def keep_cholesky(plan: Plan, name: str, block) -> tuple:
     return factor
 
 
-#: the plan-cache keys of a MultivariateNormal factor's Cholesky factor, moments and second
-#: moment (:func:`keep_cholesky`, :func:`expected_stats`), which :func:`carry_over` merges
+#: the plan-cache keys of a MultivariateNormal factor's Cholesky factor, moments, second
+#: moment and variances (:func:`keep_cholesky`, :func:`expected_stats`), which
+#: :func:`carry_over` merges
 def _factor_keys(name: str) -> tuple:
-    return ("chol", name), name, ("second", name)
+    return ("chol", name), name, ("second", name), ("variance", name)
 
 
 def _cache_factor(plan: Plan, key, factor: tuple, value) -> None:

@@ -15,7 +15,16 @@ import torch
 from probfsl.inference.expfam.block import sum_terms
 from probfsl.inference.vmp import gaussian_chain, linear_maps
 from probfsl.inference.vmp.einsum import ein
-from probfsl.inference.vmp.layout import LOG_2PI, Plan, Site, derived, power_axis
+from probfsl.inference.vmp.family import lookup
+from probfsl.inference.vmp.layout import (
+    LOG_2PI,
+    TASKS,
+    Plan,
+    Site,
+    derived,
+    normal_data,
+    power_axis,
+)
 from probfsl.inference.vmp.matrix_maps import matrix_of
 from probfsl.inference.vmp.moments import (
     broadcast_shape,
@@ -23,6 +32,7 @@ from probfsl.inference.vmp.moments import (
     expected_stats,
     parent_ops,
     precision_factors,
+    variance,
     weights,
 )
 
@@ -61,7 +71,30 @@ def site_loglik(plan: Plan, q: dict, s: Site, out: tuple) -> torch.Tensor:
         return ein(out, weighted, dims, plan.sizes, plan.ref)
     o = ops(plan, q, s)
     o["over"] = s.dims + ((o["comp"],) if o["comp"] else ())
+    o["D"] = centred_square(plan, q, s, o)
+    o["S"] = None if o["D"] is not None else shifted(plan, q, s, o)
     return loglik(plan, o, out, o["W"])
+
+
+def fixed_prior_loglik(plan: Plan, q: dict, s: Site) -> torch.Tensor:
+    """E ln N(x | m, τ⁻¹) of a site with a fixed prior (:func:`fixed_prior`) and factor
+    q(x) = N(μ, λ⁻¹), summed per task: Σ ½ ln τ − ½ ln 2π − ½ τ ((μ − m)² + λ⁻¹). Its
+    first terms, and m and τ in the site's layout, are computed once per plan. Not
+    η·⟨u⟩ − A(η) = τ m μ − ½ τ (μ² + λ⁻¹) − ½ τ m² + ..., whose terms cancel where
+    λ⁻¹ ≪ m² (a tight prior away from 0)."""
+    hit = plan.cache.get(("fixed_prior", s.name))
+    if hit is None:
+        loc, prec = s.params["loc"], s.params["precision"]
+        sizes, ref = plan.sizes, plan.ref
+        m = ein(s.dims, [(loc.const, loc.const_dims)], (), sizes, ref)
+        tau = ein(s.dims, [(prec.const, prec.const_dims)], (), sizes, ref)
+        log_tau = [(0.5 * derived(prec, "log") - 0.5 * LOG_2PI, prec.const_dims)]
+        hit = (m, tau, ein((TASKS,), log_tau, s.dims, sizes, ref))
+        plan.cache[("fixed_prior", s.name)] = hit
+    m, tau, const = hit
+    mean, precision = q[s.name]
+    quad = (mean - m).square_().add_(precision.reciprocal()).mul_(tau)
+    return const - 0.5 * quad.reshape(quad.shape[0], -1).sum(-1)
 
 
 def natural(plan: Plan, q: dict, s: Site) -> list:
@@ -130,6 +163,128 @@ def ops(plan, q, s, chain: bool = True, moments: bool = True):
     )
 
 
+def centred_square(plan: Plan, q: dict, s: Site, o: dict) -> list | None:
+    """⟨(x − m)²⟩ of the Normal site ``s`` as a sum of operand lists,
+    (⟨x⟩ − ⟨m⟩)² + Var x + Var m (x and m independent under q), where x and its mean m
+    are elementwise with variances read off their factors (:func:`_variance`); None
+    elsewhere (an affine, bilinear or selected mean, a step of a Gaussian chain), where
+    ⟨x²⟩ − 2⟨x⟩⟨m⟩ + ⟨m²⟩ is used.
+
+    The expanded form cancels: its three terms are each about ⟨x⟩², and float32 keeps no
+    digit of a ⟨(x − m)²⟩ below 6e-8 ⟨x⟩² (a tight prior N(3, 10⁻⁶) on a latent x, whose
+    Var x is about 10⁻⁶, loses the whole term). The difference ⟨x⟩ − ⟨m⟩ is formed first."""
+    loc = s.params["loc"]
+    if s.observed or o["X1"] is None or loc.terms or loc.bilinear is not None or loc.comp:
+        return None
+    var_x, var_m = _variance(plan, q, s), _loc_variance(plan, q, loc)
+    if var_x is False or var_m is False:
+        return None
+    (m, m_dims), (x, dims) = o["L1"][0], o["X1"][0]
+    if not set(m_dims) <= set(dims):
+        return None
+    at = ein(dims, [(m, m_dims)], (), plan.sizes, plan.ref, expand=False)
+    terms = [[((x - at).square_(), dims)]]
+    if var_x is not None:
+        terms.append([(var_x, dims)])
+    if var_m is not None:
+        terms.append([var_m])
+    return terms
+
+
+def _loc_variance(plan: Plan, q: dict | None, loc, structure: bool = False):
+    """Var m of a Normal site's mean ``loc`` as an operand in the site's axes: None where
+    it is 0 (a fixed value, data, a point estimate), False where it is not a Normal
+    site's value with a factor of its own (:func:`_variance`); with ``structure``, only
+    whether it is False."""
+    if loc.parent is None:
+        return None
+    parent = plan.sites[loc.parent]
+    record = lookup(parent.family)
+    if not (record.gaussian and record.elementwise):  # a Normal site's (x, x²)
+        return False
+    if structure:
+        return False if parent.chain is not None and not parent.observed else None
+    var = _variance(plan, q, parent)
+    if var is None or var is False:
+        return var
+    return var, tuple(loc.rename[d] for d in parent.dims)
+
+
+def _variance(plan: Plan, q: dict, s: Site):
+    """Var of the entries of a Normal site's value
+    (:func:`~probfsl.inference.vmp.moments.variance`): None where it is 0 (data, a point
+    estimate), False where no factor of its own holds it (a step of a Gaussian chain)."""
+    if s.observed or s.point:
+        return None
+    if s.chain is not None or s.name not in q:
+        return False
+    return variance(plan, q, s.name)
+
+
+def shifted(plan: Plan, q: dict, s: Site, o: dict) -> dict | None:
+    """The operands of an observed Normal site ``s`` shifted by c, a mean of its data
+    (:func:`_shift`): x − c and its square stacked (``powers``), c (``c``), and its mean's
+    moments ⟨m⟩ − c (``L1``) and ⟨(m − c)²⟩ = (⟨m⟩ − c)² + Var m (``L2``, one operand
+    list). E ln N reads them as it reads x and m (x − m = (x − c) − (m − c)): its terms
+    ⟨(x − c)²⟩, ⟨(x − c)(m − c)⟩, ⟨(m − c)²⟩ then cancel at the scale of the data's
+    spread about c, not of ⟨x⟩². None where :func:`_shift` is. Cached while the mean's
+    factor stays."""
+    shift = _shift(plan, s, o)
+    if shift is None:
+        return None
+    loc = s.params["loc"]
+    deps = (q[loc.parent],) if loc.parent is not None else ()
+    hit = plan.cache.get(("shifted", s.name))
+    if hit is not None and all(a is b for a, b in zip(hit[0], deps, strict=True)):
+        return hit[1]
+    (m, m_dims), (c, dims), var_m = o["L1"][0], shift["c"], _loc_variance(plan, q, loc)
+    mc = m - c if m_dims == dims else ein(dims, [(m, m_dims)], (), plan.sizes, plan.ref) - c
+    second = mc.square() if var_m is None else mc.square().add_(_aligned(plan, dims, *var_m))
+    value = dict(shift, L1=[(mc, dims)], L2=[[(second, dims)]])
+    plan.cache[("shifted", s.name)] = (deps, value)
+    return value
+
+
+def _aligned(plan: Plan, dims: tuple, t: torch.Tensor, t_dims: tuple) -> torch.Tensor:
+    """``t`` (axes ``t_dims``) in the axes ``dims``, size 1 where it has none."""
+    return t if t_dims == dims else ein(dims, [(t, t_dims)], (), plan.sizes, plan.ref, False)
+
+
+def _shift(plan: Plan, s: Site, o: dict) -> dict | None:
+    """c and the data shifted by it, (x − c, (x − c)²) stacked as
+    :func:`~probfsl.inference.vmp.layout.normal_data` stacks (x, x²) (``powers``), of an
+    observed Normal site ``s`` whose mean is a fixed value or a Normal site's value: c
+    the mean of its data over the axes its mean does not have, one per task at least (a
+    task's terms never read another's data), in the axes of x and m (``c``). Computed
+    once per plan. None in float64, whose expanded form keeps ten digits up to data 10³
+    spreads away from 0 (float32 loses 6e-8 (⟨x⟩ / spread)² of the term, 6e-2 at 10³),
+    and where the mean is an affine or bilinear map or a step of a Gaussian chain."""
+    key = ("shift", s.name)
+    if key in plan.cache:
+        return plan.cache[key]
+    loc, shift = s.params["loc"], None
+    applies = (
+        plan.ref.dtype != torch.float64
+        and s.observed
+        and not loc.terms
+        and loc.bilinear is None
+        and len(o["L1"]) == 1
+        and o["XL"] is not None
+        and o["XL"][0] is o["X1"][0]
+        and (loc.parent is None or _loc_variance(plan, None, loc, structure=True) is not False)
+    )
+    if applies:
+        x, m_dims = s.value, o["L1"][0][1]
+        over = [i for i, d in enumerate(s.dims) if d not in m_dims and d != TASKS]
+        c = x.mean(over, keepdim=True) if over else x
+        c_dims = tuple(d for i, d in enumerate(s.dims) if i not in over)
+        dims = m_dims + tuple(d for d in c_dims if d not in m_dims)
+        c_at = _aligned(plan, dims, c.reshape([plan.sizes[d] for d in c_dims]), c_dims)
+        shift = dict(c=(c_at, dims), powers=normal_data(x - c)["powers"])
+    plan.cache[key] = shift
+    return shift
+
+
 def loglik(plan, o, out, weights, offset=None):
     """E ln N(x | m, c τ) summed over the site's axes into ``out``:
     ½(ln c + ⟨ln τ⟩) − ½ ln 2π − ½ c⟨τ⟩(⟨x²⟩ − 2⟨x⟩⟨m⟩ + ⟨m²⟩) (PRML eq. 10.46 per axis),
@@ -149,18 +304,25 @@ def loglik(plan, o, out, weights, offset=None):
         small = small + 0.5 * e(mw + o["lnc"])
     for log_tau in o["T2"]:  # ⟨ln τ⟩ of each factor of the precision
         small = small + 0.5 * e(mw + log_tau)
-    small = small - 0.5 * sum_terms(e(pr + t) for t in o["L2"])
+    centred, shift = o.get("D"), o.get("S")
+    L1, L2 = (shift["L1"], shift["L2"]) if shift is not None else (o["L1"], o["L2"])
+    if centred is None:
+        small = small - 0.5 * sum_terms(e(pr + t) for t in L2)
     if offset is not None:
         small = small + offset
-    if o["observed"] and o["XL"] is not None and o["XL"][0] is o["X1"][0] and len(o["L1"]) == 1:
+    if centred is not None:  # −½ c⟨τ⟩⟨(x − m)²⟩, from the difference (:func:`centred_square`)
+        res = -0.5 * sum_terms(e(pr + t) for t in centred)
+    elif o["observed"] and o["XL"] is not None and o["XL"][0] is o["X1"][0] and len(L1) == 1:
         # observed x: ⟨x⟩⟨m⟩ − ½⟨x²⟩ as one contraction over (x, x²) · (⟨m⟩, −½), with
         # (x, x²) stacked once per plan (a latent x would be stacked at every call); the
         # coefficients go first, so that their product with ⟨τ⟩ has the layout of the
-        # powers and enters ``bmm`` as a view
-        (m, m_dims), power = o["L1"][0], "#power"
+        # powers and enters ``bmm`` as a view; x and m shifted by c where ``shift``
+        # (:func:`shifted`)
+        (m, m_dims), power = L1[0], "#power"
         at = power_axis(len(o["X1"][0][1]))
         coef = _stacked([m, torch.full_like(m, -0.5)], m_dims, power, at)
-        res = e([coef] + pr + [_powers(plan, o, power)])
+        powers = None if shift is None else shift["powers"]
+        res = e([coef] + pr + [_powers(plan, o, power, powers)])
     else:
         res = e(pr + o["XL"]) - 0.5 * e(pr + o["X2"])
     # res is a new tensor (a contraction of several operands): add in place where it
@@ -194,24 +356,33 @@ def _stacked_dims(dims: tuple, axis: str, at: int) -> tuple:
     return dims[:-1] + (axis,) + dims[-1:] if at == -2 else dims + (axis,)
 
 
-def _powers(plan: Plan, o: dict, axis: str) -> tuple:
-    """The operand (x, x²) of an observed site: its stacked data, the stack's axis named
-    ``axis``."""
+def _powers(plan: Plan, o: dict, axis: str, powers: torch.Tensor | None = None) -> tuple:
+    """The operand (x, x²) of an observed site: its stacked data (or ``powers``, stacked
+    alike: the shifted data of :func:`shifted`), the stack's axis named ``axis``."""
     s = plan.sites[o["name"]]
-    return s.powers, _stacked_dims(s.dims, axis, power_axis(len(s.dims)))
+    powers = s.powers if powers is None else powers
+    return powers, _stacked_dims(s.dims, axis, power_axis(len(s.dims)))
 
 
-def _weighted(plan: Plan, q: dict, c: Site, o: dict, out: tuple, power: int) -> torch.Tensor:
+def _weighted(
+    plan: Plan, q: dict, c: Site, o: dict, out: tuple, power: int, shift=None
+) -> torch.Tensor:
     """Σ over the child's own axes of mask × q(z) × ⟨x^power⟩ in the axes ``out``: the
     mixture's sufficient statistics, computed once per update of q(z) (and of the child's
-    factor if it is latent) and shared by the messages to the means and precisions."""
+    factor if it is latent) and shared by the messages to the means and precisions; of
+    the shifted data (x − c)^power where ``shift`` (:func:`shifted`)."""
     selector = next(p.selector for p in c.params.values() if p.selector is not None)
-    key = ("weighted", c.name, out, power)
+    key = ("weighted", c.name, out, power, shift is not None)
     deps = (q[selector],) if c.observed else (q[selector], q[c.name])
     hit = plan.cache.get(key)
     if hit is not None and all(a is b for a, b in zip(hit[0], deps, strict=True)):
         return hit[1]
-    data = {0: [], 1: o["X1"], 2: o["X2"]}[power]
+    if shift is not None and power:  # (x − c, (x − c)²): views of the shifted stack
+        dims = o["X1"][0][1]
+        stats = shift["powers"].unbind(power_axis(len(dims)))
+        data = [(stats[power - 1], dims)]
+    else:
+        data = {0: [], 1: o["X1"], 2: o["X2"]}[power]
     value = ein(out, o["M"] + o["W"] + data, o["over"], plan.sizes, plan.ref)
     plan.cache[key] = (deps, value)
     return value
@@ -220,20 +391,30 @@ def _weighted(plan: Plan, q: dict, c: Site, o: dict, out: tuple, power: int) -> 
 def _weighted_message(plan, q, c: Site, o: dict, role: str, out: tuple, others: list) -> list:
     """The messages of a Normal mixture child from its weighted statistics S0, S1, S2:
     to the mean (c⟨τ⟩ S1, −½ c⟨τ⟩ S0); to the precision
-    (−½ c (S2 − 2 S1⟨μ⟩ + S0⟨μ²⟩), ½ S0) (PRML eq. 10.51-10.53)."""
+    (−½ c (S2 − 2 S1⟨μ⟩ + S0⟨μ²⟩), ½ S0) (PRML eq. 10.51-10.53), observed data and their
+    mean shifted by c (:func:`shifted`) where it stays in the axes ``out``:
+    S2 − 2 S1⟨μ⟩ + S0⟨μ²⟩ cancels at the scale of the data's spread about c."""
     sizes, ref = plan.sizes, plan.ref
+    shift = _shift(plan, c, o)
+    if shift is not None and not set(shift["c"][1]) <= set(out):
+        shift = None
 
     def w(power):
-        return [(_weighted(plan, q, c, o, out, power), out)]
+        return [(_weighted(plan, q, c, o, out, power, shift), out)]
 
     if role == "loc":
         pr = o["c"] + o["T1"]
-        return [ein(out, pr + w(1), out, sizes, ref), -0.5 * ein(out, pr + w(0), out, sizes, ref)]
+        s1 = w(1)
+        if shift is not None:  # S1 = Σ r (x − c) + c S0: one pass over the data serves both
+            s1 = [(s1[0][0] + ein(out, w(0) + [shift["c"]], out, sizes, ref), out)]
+        return [ein(out, pr + s1, out, sizes, ref), -0.5 * ein(out, pr + w(0), out, sizes, ref)]
+    shift = None if shift is None else shifted(plan, q, c, o)
+    L1, L2 = (shift["L1"], shift["L2"]) if shift is not None else (o["L1"], o["L2"])
     cc = o["c"] + others
     quad = (
         ein(out, cc + w(2), out, sizes, ref)
-        - 2 * ein(out, cc + w(1) + o["L1"], out, sizes, ref)
-        + sum_terms(ein(out, cc + w(0) + t, out, sizes, ref) for t in o["L2"])
+        - 2 * ein(out, cc + w(1) + L1, out, sizes, ref)
+        + sum_terms(ein(out, cc + w(0) + t, out, sizes, ref) for t in L2)
     )
     s0 = _weighted(plan, q, c, o, out, 0)  # ½ S0 stays broadcast where S0 is (Gamma update)
     return [-0.5 * quad, (0.5 * compact(s0)).expand(s0.shape)]
@@ -266,6 +447,7 @@ def message(plan: Plan, q: dict, c: Site, role: str, to: Site, offset=None) -> l
     mw = o["M"] + o["W"]
     if role == "select":
         out = to.dims + (o["comp"],)
+        o["S"] = shifted(plan, q, c, o)  # E ln N per component: x and m shifted by c
         per_component = loglik(plan, o, out, [], offset)
         if offset is not None:
             plan.cache.pop(("loglik", child), None)
@@ -296,5 +478,15 @@ def message(plan: Plan, q: dict, c: Site, role: str, to: Site, offset=None) -> l
         pr = mw + o["c"] + o["T1"]
         return [e(pr + o["X1"]), -0.5 * e(pr)]
     cc = mw + o["c"] + others
-    quad = e(cc + o["X2"]) - 2.0 * e(cc + o["XL"]) + sum_terms(e(cc + t) for t in o["L2"])
+    centred = centred_square(plan, q, c, o)
+    shift = None if centred is not None else shifted(plan, q, c, o)
+    if centred is not None:  # ⟨(x − m)²⟩ from the difference, without cancellation
+        quad = sum_terms(e(cc + t) for t in centred)
+    elif shift is not None:  # ⟨((x − c) − (m − c))²⟩, expanded
+        dims = o["X1"][0][1]
+        x1, x2 = shift["powers"].unbind(power_axis(len(dims)))
+        quad = e(cc + [(x2, dims)]) - 2.0 * e(cc + [(x1, dims)] + shift["L1"])
+        quad = quad + sum_terms(e(cc + t) for t in shift["L2"])
+    else:
+        quad = e(cc + o["X2"]) - 2.0 * e(cc + o["XL"]) + sum_terms(e(cc + t) for t in o["L2"])
     return [-0.5 * quad, 0.5 * e(mw)]

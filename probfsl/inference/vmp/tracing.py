@@ -13,6 +13,7 @@ which traces each kind of run once per compilation.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -23,6 +24,7 @@ from pyro import poutine
 from pyro.distributions import constraints
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.trace_struct import Trace
+from torch.distributions import Distribution
 
 from probfsl.inference.vmp.checks import data_device, unwrap
 from probfsl.inference.vmp.context import CompileContext
@@ -240,11 +242,42 @@ def first_task(args: tuple, kwargs: dict, n_tasks: int | None = None) -> tuple |
     return tuple(map(first, args)), {k: first(v) for k, v in kwargs.items()}
 
 
-def read_parameters(site: Site, node: dict) -> dict[str, torch.Tensor]:
+def in_dtype(base: Distribution, dtype: torch.dtype) -> Distribution:
+    """The distribution ``base`` with its floating tensors of fewer bits than ``dtype``,
+    and those of the distributions it holds (a hidden Markov chain's emission law), in
+    ``dtype``: a shallow copy, or ``base`` itself where none is. What a family record
+    derives from them (a Normal's precision scale⁻², a MultivariateNormal's precision
+    matrix) is then computed in ``dtype``: ``Normal(0.0, 10.0)`` holds float32 tensors
+    (Pyro's default for Python numbers), and its precision 10⁻² computed in float32 is
+    0.0099999998, where 10.0 itself is exact. Wider tensors are left as they are (their
+    derived values are rounded to ``dtype`` once, afterwards)."""
+    bits = torch.finfo(dtype).bits
+    moved = {}
+    for key, value in vars(base).items():
+        if torch.is_tensor(value) and value.is_floating_point():
+            if torch.finfo(value.dtype).bits < bits:
+                moved[key] = value.to(dtype)
+        elif isinstance(value, Distribution):
+            inner = in_dtype(value, dtype)
+            if inner is not value:
+                moved[key] = inner
+    if not moved:
+        return base
+    out = copy.copy(base)
+    vars(out).update(moved)
+    return out
+
+
+def read_parameters(
+    site: Site, node: dict, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
     """The parameters of ``site`` in its trace ``node``, in its canonical layout (the
-    family record's ``read_params``: precision for a Normal), in the dtype the model
-    computed them in."""
+    family record's ``read_params``: precision for a Normal); computed from the
+    distribution's tensors in ``dtype`` where given (:func:`in_dtype`), else in the dtype
+    the model computed them in."""
     base, _ = unwrap(node["fn"])
+    if dtype is not None:
+        base = in_dtype(base, dtype)
     params, laid_out = lookup(site.family).read_params(base, site)
     if laid_out:
         return params
@@ -255,8 +288,11 @@ def read_parameters(site: Site, node: dict) -> dict[str, torch.Tensor]:
 def site_parameters(ctx: CompileContext, site: Site, node: dict) -> dict[str, torch.Tensor]:
     """The site's parameters in its canonical layout (precision for a Normal), floating
     ones in the data's dtype: a prior written with Python numbers holds float32 tensors
-    (Pyro's default), and float64 data keep their precision."""
-    params = read_parameters(site, node)
+    (Pyro's default), and float64 data keep their precision. The distribution's own
+    tensors are cast before anything is derived from them (:func:`in_dtype`): a Normal's
+    scale 10.0, exact in float32, gives the precision 0.01 of float64 data; a number that
+    float32 cannot hold (0.1) stays as torch rounded it."""
+    params = read_parameters(site, node, ctx.dtype)
     if ctx.dtype is None:
         return params
     return {k: v.to(ctx.dtype) if v.is_floating_point() else v for k, v in params.items()}

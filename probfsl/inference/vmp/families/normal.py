@@ -93,4 +93,8 @@ class Normal(Family):
         return gaussian.message(plan, q, site, role, to)
 
     def loglik(self, plan, q, site, out):
-        return None if gaussian.fixed_prior(site) else gaussian.site_loglik(plan, q, site, out)
+        # a fixed prior's term from ⟨(x − m)²⟩, not from η·⟨u⟩ − A(η), which cancels under
+        # a tight prior with a mean away from 0
+        if gaussian.fixed_prior(site):
+            return gaussian.fixed_prior_loglik(plan, q, site)
+        return gaussian.site_loglik(plan, q, site, out)
