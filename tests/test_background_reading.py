@@ -298,18 +298,84 @@ def test_the_held_out_choices_are_computed_once_per_base_classes(monkeypatch):
     base._BACKGROUND_CHOICES.clear()
     fresh = base.held_out_background_choices(x, labels)
     calls = []
-    select = open_temperature.select_open_reading
+    select = open_temperature.select_open_readings
 
     def counted(*args, **kwargs):
         calls.append(args)
         return select(*args, **kwargs)
 
-    monkeypatch.setattr(open_temperature, "select_open_reading", counted)
+    monkeypatch.setattr(open_temperature, "select_open_readings", counted)
     assert base.held_out_background_choices(x.clone(), labels.clone()) == fresh
     assert calls == []
     moved = x.clone()
-    moved[0, 0] += 1.0  # other data: chosen again
+    moved[0, 0] += 1.0  # other data: chosen again (both frames in one call)
     base.held_out_background_choices(moved, labels)
-    assert len(calls) == 2
+    assert len(calls) == 1
     base.held_out_background_choices(x.float(), labels)  # another dtype: chosen again
-    assert len(calls) == 4
+    assert len(calls) == 2
+
+
+# --------------------------------------------------------------------- shared bases
+@pytest.mark.parametrize("mixes", [(0.0, 0.0), (0.3, 0.6), (0.6, 1.0), (1.0, 0.3), (1.0, 1.0)])
+def test_a_blended_basis_diagonalises_the_blend_as_the_cholesky_basis_does(mixes):
+    """BlendedBases(stats).basis(a_w, a_b) whitens the blended within-class covariance and
+    diagonalises the blended between-class one (the shortcuts at a_b = 1 and a_w = 1
+    included), with the eigenvalues and ln|det W| of _diagonalise, and gives a reading
+    the same open log-odds."""
+    from probfsl.inference.background import BlendedBases, _diagonalise
+
+    x, labels = _base(dim=6)
+    stats = fit_background(x, labels, 1e-2)
+    blended = stats.blended(*mixes)
+    w, lam, log_det = BlendedBases(stats).basis(*mixes)
+    eye = torch.eye(6, dtype=torch.float64)
+    assert torch.allclose(w.T @ blended.within @ w, eye, atol=1e-10)
+    assert torch.allclose(w.T @ blended.between @ w, torch.diag(lam), atol=1e-10)
+    w0, lam0, log_det0 = _diagonalise(blended)
+    assert torch.allclose(lam.sort().values, lam0.sort().values, rtol=1e-10, atol=1e-12)
+    assert torch.allclose(log_det, log_det0, rtol=1e-12)
+    assert torch.allclose(log_det0, torch.linalg.slogdet(w0)[1], rtol=1e-12)
+    support, task_labels, query = _task(dim=6)
+    odds = [
+        TwoCovarianceReading(support, task_labels, query, 2, blended, basis=b).open_log_odds()
+        for b in ((w, lam, log_det), None)
+    ]
+    assert torch.allclose(odds[0], odds[1], rtol=1e-10, atol=1e-10)
+
+
+def test_the_frames_chosen_together_are_the_frames_chosen_alone():
+    """select_open_readings shares the episodes and one basis per fold and blend between
+    the two frames; each frame's choice is the one select_open_reading makes alone."""
+    from probfsl.inference.open_temperature import select_open_readings
+
+    x, labels = _many_classes()
+    x = x - x.mean(0)
+    together = select_open_readings(x, labels, 1e-2, (False, True))
+    alone = [select_open_reading(x, labels, 1e-2, frame) for frame in (False, True)]
+    for a, b in zip(together, alone, strict=True):
+        assert a[:3] == b[:3] and math.isclose(a.log_loss, b.log_loss, rel_tol=1e-12)
+
+
+def test_the_reading_basis_is_computed_once_for_the_same_statistics(monkeypatch):
+    """Two estimators fitted on the same base classes share the D x D factorisation of
+    their reading (a search scores many); other statistics get their own."""
+    import probfsl.inference.background as background
+    from probfsl.models import base
+
+    x, labels = _many_classes()
+    calls = []
+    diagonalise = background._diagonalise
+    monkeypatch.setattr(background, "_diagonalise", lambda s: calls.append(1) or diagonalise(s))
+    base._READING_BASES.clear()
+    support, task_labels, query = _task(dim=x.shape[1])
+    readings = []
+    for _ in range(2):
+        est = make_estimator("nearest-centroid").fit_base(x, labels)
+        readings.append(est.open_reading(support, task_labels, query, 2))
+    assert len(calls) == 1
+    assert torch.equal(readings[0].open_log_odds(), readings[1].open_log_odds())
+    moved = x.clone()
+    moved[0] += 1.0
+    est = make_estimator("nearest-centroid").fit_base(moved, labels)
+    est.open_reading(support, task_labels, query, 2)
+    assert len(calls) == 2

@@ -272,14 +272,57 @@ def centre_on_queries(
     return normalize(support - centre, dim=-1), normalize(query - centre, dim=-1)
 
 
-def _diagonalise(stats: BackgroundStats) -> tuple[torch.Tensor, torch.Tensor]:
-    """(W [D, D], λ [D]): W^T within W = I and W^T between W = diag(λ) (simultaneous
-    diagonalisation through the Cholesky factor of ``within``)."""
+def _diagonalise(stats: BackgroundStats) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(W [D, D], λ [D], ln|det W|): W^T within W = I and W^T between W = diag(λ)
+    (simultaneous diagonalisation through the Cholesky factor L of ``within``; W = L^{-T} V
+    with V orthogonal, so ln|det W| = -Σ ln L_ii)."""
     chol = torch.linalg.cholesky(stats.within)
     eye = torch.eye(chol.shape[0], dtype=chol.dtype, device=chol.device)
     inv = torch.linalg.solve_triangular(chol, eye, upper=False)  # L^{-1}
     lam, vec = torch.linalg.eigh(inv @ stats.between @ inv.T)
-    return inv.T @ vec, lam.clamp_min(0)
+    return inv.T @ vec, lam.clamp_min(0), -chol.diagonal().log().sum()
+
+
+class BlendedBases:
+    """The bases of :func:`_diagonalise` for ``stats.blended(a_w, a_b)`` at many blends,
+    from one eigendecomposition of the within-class covariance, S_w = U diag(d) U^T, and
+    the between-class covariance in its basis, B = U^T S_b U (both computed once).
+
+    The blend keeps U: (1 - a_w) S_w + a_w c_w I = U diag(d') U^T with d' = (1 - a_w) d +
+    a_w c_w, c = tr S / D. So W_1 = U diag(d')^{-1/2} whitens the blended within-class
+    covariance, the blended between-class covariance becomes M = (1 - a_b) diag(d')^{-1/2}
+    B diag(d')^{-1/2} + a_b c_b diag(d')^{-1} there, and with M = V diag(λ) V^T the basis
+    is W = W_1 V, ln|det W| = -½ Σ ln d': one D x D eigendecomposition per blend, where
+    :func:`_diagonalise` needs a Cholesky factorisation, a triangular inverse and one.
+    None at all for a_B = 1 (M is diagonal: V = I, λ = c_b / d'), and one for every a_B
+    at a_W = 1 (d' = c_w: M = ((1 - a_B) B + a_B c_b I) / c_w, whose eigenvectors are
+    B's)."""
+
+    def __init__(self, stats: BackgroundStats) -> None:
+        self.d, self.u = torch.linalg.eigh(stats.within)
+        self.b = self.u.T @ stats.between @ self.u
+        dim = stats.within.shape[-1]
+        self.c_w, self.c_b = stats.within.trace() / dim, stats.between.trace() / dim
+        self._b_eigh: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def basis(
+        self, within_mix: float, between_mix: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(W, λ, ln|det W|) of the blend (``within_mix``, ``between_mix``)."""
+        d = (1 - within_mix) * self.d + within_mix * self.c_w
+        scale = d.rsqrt()
+        log_det = -0.5 * d.log().sum()
+        if between_mix == 1:
+            return self.u * scale, (self.c_b / d).clamp_min(0), log_det
+        if within_mix == 1:
+            if self._b_eigh is None:
+                self._b_eigh = torch.linalg.eigh(self.b)
+            g, vec = self._b_eigh
+            lam = ((1 - between_mix) * g + between_mix * self.c_b) / self.c_w
+        else:
+            m = (1 - between_mix) * (scale.unsqueeze(-1) * self.b * scale)
+            lam, vec = torch.linalg.eigh(m + torch.diag(between_mix * self.c_b / d))
+        return (self.u * scale) @ vec, lam.clamp_min(0), log_det
 
 
 class TwoCovarianceReading:
@@ -306,7 +349,8 @@ class TwoCovarianceReading:
     a row equal to x̄_Q stays zero.
 
     ``basis``: the ``basis`` attribute of a reading with the same ``stats`` (the D x D
-    factorisation, reused rather than recomputed).
+    factorisation, reused rather than recomputed), or :meth:`BlendedBases.basis` of the
+    unblended statistics at the blend of ``stats``.
     """
 
     def __init__(
@@ -317,15 +361,15 @@ class TwoCovarianceReading:
         way: int,
         stats: BackgroundStats,
         query_centring: bool = False,
-        basis: tuple[torch.Tensor, torch.Tensor] | None = None,
+        basis: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         if query_centring:
             support, query = centre_on_queries(support, query)
         stats = stats.to(query)
-        w, lam = _diagonalise(stats) if basis is None else (t.to(query) for t in basis)
-        self.basis = w, lam
+        w, lam, log_jac = _diagonalise(stats) if basis is None else (t.to(query) for t in basis)
+        self.basis = w, lam, log_jac
         self.way, self.lam = way, lam
-        self.log_jac = torch.linalg.slogdet(w)[1]
+        self.log_jac = log_jac
         ys = (support - stats.mean) @ w  # [T, S, D]
         self.yq = (query - stats.mean) @ w  # [T, Q, D]
         self.yq_sq = self.yq.square()

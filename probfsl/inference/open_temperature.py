@@ -40,7 +40,12 @@ from typing import NamedTuple
 
 import torch
 
-from probfsl.inference.background import BackgroundStats, TwoCovarianceReading, fit_background
+from probfsl.inference.background import (
+    BackgroundStats,
+    BlendedBases,
+    TwoCovarianceReading,
+    fit_background,
+)
 from probfsl.inference.background_shrinkage import FOLDS, class_folds
 
 __all__ = [
@@ -51,6 +56,7 @@ __all__ = [
     "held_out_open_log_odds",
     "scale_and_log_loss",
     "select_open_reading",
+    "select_open_readings",
     "select_open_temperature",
 ]
 
@@ -149,27 +155,42 @@ def _held_out_episodes(
 
 
 def _open_log_odds(
-    episodes: list[_HeldOutEpisodes], within_mix: float, between_mix: float, query_centring: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The log-odds [M] and open labels [M] of ``episodes``, their backgrounds blended."""
+    episodes: list[_HeldOutEpisodes],
+    within_mix: float,
+    between_mix: float,
+    frames: tuple[bool, ...],
+    bases: dict | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The log-odds [M] and open labels [M] of ``episodes``, their backgrounds blended,
+    read in each frame of ``frames`` (``query_centring`` of
+    :class:`~probfsl.inference.background.TwoCovarianceReading`), one pair per frame.
+    ``bases``: each fold's :class:`~probfsl.inference.background.BlendedBases` by the id of
+    its statistics, filled here, for calls at other blends to share."""
     if not episodes:
-        return torch.zeros(0), torch.zeros(0, dtype=torch.bool)
-    odds, is_open, bases = [], [], {}
+        return [(torch.zeros(0), torch.zeros(0, dtype=torch.bool)) for _ in frames]
+    bases = {} if bases is None else bases
+    odds, is_open, blended = {f: [] for f in frames}, [], {}
     for batch in episodes:
+        key = id(batch.stats)
+        if key not in blended:  # one basis per fold and blend, shared by shots and frames
+            if key not in bases:
+                bases[key] = BlendedBases(batch.stats)
+            blended[key] = bases[key].basis(within_mix, between_mix)
         stats = batch.stats.blended(within_mix, between_mix)
-        reading = TwoCovarianceReading(
-            batch.support,
-            batch.support_labels,
-            batch.query,
-            batch.way,
-            stats,
-            query_centring,
-            bases.get(id(batch.stats)),  # one factorisation per fold, shared by the shots
-        )
-        bases[id(batch.stats)] = reading.basis
-        odds.append(reading.open_log_odds().reshape(-1))
+        for frame in frames:
+            reading = TwoCovarianceReading(
+                batch.support,
+                batch.support_labels,
+                batch.query,
+                batch.way,
+                stats,
+                frame,
+                blended[key],
+            )
+            odds[frame].append(reading.open_log_odds().reshape(-1))
         is_open.append(batch.open_mask.reshape(-1))
-    return torch.cat(odds), torch.cat(is_open)
+    is_open = torch.cat(is_open)
+    return [(torch.cat(odds[f]), is_open) for f in frames]
 
 
 def held_out_open_log_odds(
@@ -190,7 +211,7 @@ def held_out_open_log_odds(
     ``query_centring`` reads each episode in its queries' frame (transductive;
     :class:`~probfsl.inference.background.TwoCovarianceReading`)."""
     episodes = _held_out_episodes(features, labels, shrinkage, seed, tasks)
-    odds, is_open = _open_log_odds(episodes, within_mix, between_mix, query_centring)
+    [(odds, is_open)] = _open_log_odds(episodes, within_mix, between_mix, (query_centring,))
     return odds.to(features), is_open.to(features.device)
 
 
@@ -239,6 +260,31 @@ class OpenReading(NamedTuple):
     log_loss: float
 
 
+def select_open_readings(
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    shrinkage: float,
+    frames: tuple[bool, ...] = (False, True),
+    mix_grid: tuple[float, ...] = MIX_GRID,
+    tasks: int = SELECTION_TASKS,
+) -> list[OpenReading]:
+    """:func:`select_open_reading` for each frame of ``frames`` (``query_centring``), on
+    the same episodes and with one basis per fold and blend for all of them."""
+    for mix in mix_grid:
+        if not 0 <= mix <= 1:
+            raise ValueError(f"mix_grid must lie in [0, 1], got {mix_grid}")
+    episodes = _held_out_episodes(features, labels, shrinkage, 0, tasks)
+    best, bases = [OpenReading(0.0, 0.0, 1.0, math.inf) for _ in frames], {}
+    for within_mix in mix_grid:
+        for between_mix in mix_grid:
+            read = _open_log_odds(episodes, within_mix, between_mix, frames, bases)
+            for i, (odds, is_open) in enumerate(read):
+                scale, loss = scale_and_log_loss(odds, is_open)
+                if loss < best[i].log_loss:
+                    best[i] = OpenReading(within_mix, between_mix, scale, loss)
+    return best
+
+
 def select_open_reading(
     features: torch.Tensor,
     labels: torch.Tensor,
@@ -254,15 +300,5 @@ def select_open_reading(
     likelihood of the open/closed labels of classes the background has not seen (module
     docstring). The first pair of the grid wins ties; (0, 0, 1) with an infinite loss
     where the base classes cannot be split."""
-    for mix in mix_grid:
-        if not 0 <= mix <= 1:
-            raise ValueError(f"mix_grid must lie in [0, 1], got {mix_grid}")
-    episodes = _held_out_episodes(features, labels, shrinkage, 0, tasks)
-    best = OpenReading(0.0, 0.0, 1.0, math.inf)
-    for within_mix in mix_grid:
-        for between_mix in mix_grid:
-            odds, is_open = _open_log_odds(episodes, within_mix, between_mix, query_centring)
-            scale, loss = scale_and_log_loss(odds, is_open)
-            if loss < best.log_loss:
-                best = OpenReading(within_mix, between_mix, scale, loss)
+    [best] = select_open_readings(features, labels, shrinkage, (query_centring,), mix_grid, tasks)
     return best

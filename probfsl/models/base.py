@@ -414,27 +414,46 @@ def _digest(*tensors: torch.Tensor) -> str:
     return digest.hexdigest()
 
 
+#: the bases of :class:`~probfsl.inference.background.TwoCovarianceReading` (one D x D
+#: factorisation each) by a digest of the blended statistics they diagonalise, most
+#: recently used last: a search scores many candidates, each fitted on the same base
+#: classes, over many batches
+_READING_BASES: OrderedDict[str, tuple] = OrderedDict()
+
+
+def reading_basis(stats) -> tuple:
+    """:func:`~probfsl.inference.background._diagonalise` of ``stats`` (a
+    :class:`~probfsl.inference.background.BackgroundStats`), computed once for the last
+    few distinct statistics (a digest of their values, dtype and device)."""
+    from probfsl.inference.background import _diagonalise
+
+    key = _digest(*stats)
+    if key in _READING_BASES:
+        _READING_BASES.move_to_end(key)
+        return _READING_BASES[key]
+    basis = _READING_BASES[key] = _diagonalise(stats)
+    while len(_READING_BASES) > _BACKGROUND_CHOICES_KEPT:
+        _READING_BASES.popitem(last=False)
+    return basis
+
+
 def held_out_background_choices(features: torch.Tensor, labels: torch.Tensor) -> tuple:
     """``(λ, inductive, query)``: the shrinkage that held-out base classes prefer
     (:func:`~probfsl.inference.background_shrinkage.select_shrinkage`) and the readings
     (:class:`~probfsl.inference.open_temperature.OpenReading`: blends and odds scale)
     chosen on their open-set episodes, inductive and in the queries' frame
-    (:func:`~probfsl.inference.open_temperature.select_open_reading`). All are seeded
+    (:func:`~probfsl.inference.open_temperature.select_open_readings`). All are seeded
     functions of ``features`` and ``labels``, so the last few are kept by a digest of
     them and handed back for the same base classes (the same numbers, computed once)."""
     from probfsl.inference.background_shrinkage import select_shrinkage
-    from probfsl.inference.open_temperature import select_open_reading
+    from probfsl.inference.open_temperature import select_open_readings
 
     key = _digest(features, labels)
     if key in _BACKGROUND_CHOICES:
         _BACKGROUND_CHOICES.move_to_end(key)
         return _BACKGROUND_CHOICES[key]
     shrinkage = select_shrinkage(features, labels)
-    choices = (
-        shrinkage,
-        select_open_reading(features, labels, shrinkage),
-        select_open_reading(features, labels, shrinkage, True),
-    )
+    choices = (shrinkage, *select_open_readings(features, labels, shrinkage, (False, True)))
     _BACKGROUND_CHOICES[key] = choices
     while len(_BACKGROUND_CHOICES) > _BACKGROUND_CHOICES_KEPT:
         _BACKGROUND_CHOICES.popitem(last=False)
@@ -532,22 +551,35 @@ class OpenSetBackground:
             getattr(self, prefix + "between_mix_", 0.0),
         )
 
+    def open_reading(
+        self,
+        support: torch.Tensor,
+        support_labels: torch.Tensor,
+        query: torch.Tensor,
+        way: int,
+        query_centring: bool = False,
+    ):
+        """The :class:`~probfsl.inference.background.TwoCovarianceReading` of a batch of
+        preprocessed tasks under the fitted background (:meth:`background_stats`, blended
+        for the frame ``query_centring`` names), its D x D basis computed once for these
+        statistics (:func:`reading_basis`)."""
+        from probfsl.inference.background import TwoCovarianceReading
+
+        stats = self.background_stats(query, query_centring)
+        basis = reading_basis(stats)
+        return TwoCovarianceReading(
+            support, support_labels, query, way, stats, query_centring, basis
+        )
+
     def inductive_open(
         self, episodes: Episodes, proba: torch.Tensor, support: torch.Tensor, query: torch.Tensor
     ) -> torch.Tensor:
         """``[T, Q, K+1]`` from the closed-set ``proba`` and the preprocessed ``support``
         and ``query`` features (the class docstring)."""
-        from probfsl.inference.background import (
-            attach_open,
-            open_posterior,
-            two_covariance_log_liks,
-        )
+        from probfsl.inference.background import attach_open, open_posterior
 
-        stats = self.background_stats(query)
-        class_ll, background_ll = two_covariance_log_liks(
-            support, episodes.support_labels, query, episodes.way, stats
-        )
-        self._choose_background()  # (background_stats made it already)
+        reading = self.open_reading(support, episodes.support_labels, query, episodes.way)
+        class_ll, background_ll = reading.class_log_lik(), reading.background_log_lik()
         scale = getattr(self, "background_odds_scale_", 1.0)  # 1 for older saved files
         p_open = open_posterior(class_ll, background_ll, self.open_prior, scale)[..., -1]
         return attach_open(proba, p_open.to(proba))

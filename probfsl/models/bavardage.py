@@ -44,7 +44,6 @@ from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
 from probfsl.derived.bavardage import ENGINES
 from probfsl.derived.bavardage import bavardage_model as bavardage_model  # its declaration
-from probfsl.inference.background import TwoCovarianceReading
 from probfsl.inference.class_stats import class_means
 from probfsl.inference.gram import centred_rows, task_grams
 from probfsl.inference.plda import (
@@ -562,9 +561,8 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         n_free = min(n_free, episodes.query.shape[1])
         xn = center_and_normalize(episodes.points(), self.base_mean_.to(episodes.support))
         centring = self.open_frame == "queries"  # the task's own frame (transductive)
-        stats = self.background_stats(xn, query_centring=centring)
-        reading = TwoCovarianceReading(
-            xn[:, :n_s], episodes.support_labels, xn[:, n_s:], way, stats, centring
+        reading = self.open_reading(
+            xn[:, :n_s], episodes.support_labels, xn[:, n_s:], way, centring
         )
         odds = reading.open_log_odds()  # full-space background vs classes, [T, Q]
         gram = xn @ xn.transpose(1, 2)

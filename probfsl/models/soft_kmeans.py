@@ -6,7 +6,6 @@ import torch
 
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
-from probfsl.inference.background import TwoCovarianceReading
 from probfsl.inference.soft_kmeans import soft_kmeans_gram, soft_kmeans_gram_open
 from probfsl.inference.vb_mixture_open import OPEN_FRAMES, temper_open
 from probfsl.models.base import (
@@ -101,9 +100,8 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
         x = center_and_normalize(episodes.points(), mean)
         n_s = episodes.support.shape[1]
         centring = self.open_frame == "queries"  # the task's own frame (transductive)
-        stats = self.background_stats(x, query_centring=centring)
-        reading = TwoCovarianceReading(
-            x[:, :n_s], episodes.support_labels, x[:, n_s:], episodes.way, stats, centring
+        reading = self.open_reading(
+            x[:, :n_s], episodes.support_labels, x[:, n_s:], episodes.way, centring
         )
         p = soft_kmeans_gram_open(
             x @ x.transpose(1, 2),

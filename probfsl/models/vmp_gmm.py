@@ -400,9 +400,8 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
         is the open contrast, in the frame ``open_frame`` names (``"queries"``: re-centred
         on the queries' mean and normalised again, with the blends chosen for that frame)."""
         n_s, centring = episodes.support.shape[1], self.open_frame == "queries"
-        stats = self.background_stats(x, query_centring=centring)
-        return TwoCovarianceReading(
-            x[:, :n_s], episodes.support_labels, x[:, n_s:], episodes.way, stats, centring
+        return self.open_reading(
+            x[:, :n_s], episodes.support_labels, x[:, n_s:], episodes.way, centring
         )
 
     def engine_data(self, episodes: Episodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
