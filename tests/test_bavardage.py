@@ -476,6 +476,16 @@ def test_with_params_reuses_the_base_statistics_and_equals_a_fresh_fit():
         _fit(base, labels, whitening="global", s_max=3.0).predict_proba(other),
     )
     assert fitted.s_max == 5.0  # the original is untouched
+    # candidates of one s_max share K; each one's output is still a fresh fit's
+    ep = episodes(3)
+    for params in (dict(s_max=1.0, temperature_vb=9.0), dict(s_max=1.0, temperature_vb=2.0)):
+        torch.testing.assert_close(
+            fitted.with_params(**params).predict_proba(ep),
+            _fit(base, labels, whitening="global", **params).predict_proba(ep),
+        )
+    assert len(fitted._search_cache["scaled"]) == 1
+    fitted.with_params(s_max=2.0).predict_proba(ep)
+    assert len(fitted._search_cache["scaled"]) == 2
     with pytest.raises(ValueError, match="unknown"):
         fitted.with_params(temprature=1.0)
     with pytest.raises(ValueError, match="scatter"):

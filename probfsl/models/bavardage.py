@@ -185,6 +185,11 @@ class OpenProblem(NamedTuple):
     open_log_odds: torch.Tensor
 
 
+#: the Gram matrices K of distinct whitening scales kept for a search's batch (one per
+#: s_max of the default search space)
+SCALED_GRAMS_KEPT = 5
+
+
 class Bavardage(OpenSetBackground, FewShotClassifier):
     """BAVARDAGE transductive few-shot classifier (Hu, Pateux & Gripon, AISTATS 2023).
 
@@ -395,7 +400,9 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         self, episodes: Episodes, mean: torch.Tensor, metric: GlobalWhitening
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """E and K = Z diag(s^2) Z^T from the rotated rows Z = (x - m) R, which do not depend
-        on s_max: kept for the last batch so that candidates of a search share them."""
+        on s_max: kept for the last batch so that candidates of a search share them, with
+        K for the last few whitening scales s (one per s_max of the search; the candidates
+        that differ in T_vb or the Dirichlet weights alone reuse it: K costs T N^2 D)."""
         cache = self._search_cache
         # the cache holds the batch's tensors, so identity means the same (unmodified) data
         if cache.get("support") is not episodes.support or cache.get("query") is not episodes.query:
@@ -406,9 +413,18 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
                 query=episodes.query,
                 gram=gram,
                 rotated=centred @ metric.rotation,
+                scaled=[],
             )
+        scales, kept = metric.scales, cache["scaled"]
+        for known, k in kept:
+            if known.shape == scales.shape and torch.equal(known, scales):
+                return cache["gram"], k
         z = cache["rotated"]
-        return cache["gram"], (z * metric.scales.square()) @ z.transpose(1, 2)
+        k = (z * scales.square()) @ z.transpose(1, 2)
+        kept.append((scales, k))
+        if len(kept) > SCALED_GRAMS_KEPT:
+            kept.pop(0)
+        return cache["gram"], k
 
     def with_params(self, **params) -> Self:
         """A copy with hyperparameters ``params`` that shares the fitted base statistics.
@@ -503,7 +519,7 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         if self.mode == "soft_kmeans":
             return resp, None, None
         if global_mode:
-            k = k.mul_(outer)
+            k = k * outer  # not in place: a search's candidates share K (_rotated_grams)
             support, query = k[:, :n_s], k[:, n_s:]
             engine = self._engine(way, None, "adaptive_gram")
         else:
