@@ -228,7 +228,8 @@ def test_per_point_data_interleave_x_and_x2_for_float32_rounding(monkeypatch):
     """Per-point data are stacked as (x, x²) on the last axis, so each point's x m − x²/2
     is summed at once: in float32 the bound's rounding is below that of the stack before
     the points axis (two partial sums that cancel), measured against float64 on the same
-    factors."""
+    factors. Under an affine mean the bound reads the residual (x − ⟨m⟩)² instead, whose
+    rounding is below both."""
     import probfsl.inference.vmp.layout as layout
     import probfsl.inference.vmp.normal as normal
 
@@ -248,7 +249,10 @@ def test_per_point_data_interleave_x_and_x2_for_float32_rounding(monkeypatch):
         got = vmp.elbo(type(state)(plan, q32, None)).double()
         return float((got - exact).abs().median())
 
+    residual = error(-1)
+    monkeypatch.setattr(normal, "_affine_residual", lambda plan, o: None)  # expanded form
     interleaved = error(-1)
+    assert residual < 0.75 * interleaved
     for module in (layout, normal):  # the stack before the points axis instead
         monkeypatch.setattr(module, "power_axis", lambda ndim: -2 if ndim > 1 else -1)
     assert interleaved < 0.75 * error(-2)

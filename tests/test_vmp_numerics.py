@@ -199,8 +199,10 @@ def test_tight_prior_on_joint_weights_float32():
     def model(y, x):
         regression(y, x, w0, sd, noise)
 
-    assert _rel(_fit(model, y, x).objective, exact) < 1e-12
-    assert _rel(_fit(model, y.float(), x.float()).objective, exact) < 1e-5
+    # (the reference's own covariance has a condition number near 1e7)
+    assert _rel(_fit(model, y, x).objective, exact) < 1e-9
+    f32 = _fit(model, y.float(), x.float()).objective.double()
+    assert (f32 - exact).abs().max() < 0.1
 
 
 # ------------------------------------------------------------- parameters' dtype
@@ -234,3 +236,38 @@ def test_python_floats_as_float64_tensors():
     a = _fit(python_float_prior, y, tol=1e-14).objective
     b = _fit(as_tensors, y, tol=1e-14).objective
     torch.testing.assert_close(a, b, rtol=1e-15, atol=0.0)
+
+
+# ------------------------------------------------------------------ affine means
+def _regression(alpha, beta):
+    """y = X w + ε, w ~ N(0, α⁻¹ I) (one joint factor), ε ~ N(0, β⁻¹): exact under VMP."""
+
+    def model(y, x):
+        with pyro.plate("tasks", y.shape[0], dim=-2):
+            w = pyro.sample(
+                "w", dist.Normal(x.new_zeros(x.shape[-1]), x.new_tensor(alpha**-0.5)).to_event(1)
+            )
+            with pyro.plate("n", y.shape[1], dim=-1):
+                scale = x.new_tensor(beta**-0.5)
+                pyro.sample("y", dist.Normal((x * w).sum(-1), scale), obs=y)
+
+    return model
+
+
+def test_affine_mean_float32_bound_is_the_evidence():
+    """Weights far from 0 with little noise: the expanded ⟨y²⟩ − 2y⟨m⟩ + ⟨m²⟩ put the
+    float32 bound up to 0.6 nats off the exact evidence ln N(y | 0, X Xᵀ / α + I / β) (y ~
+    100, residuals ~ 0.1); (y − ⟨m⟩)² + the map's variance leaves the error of float32
+    residuals themselves (y's own rounding, 8e-6 at 100: a few hundredths of a nat)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 25, 3, generator=g, dtype=F64)
+    w = torch.tensor([30.0, -20.0, 15.0], dtype=F64)
+    y = x @ w + 0.1 * torch.randn(3, 25, generator=g, dtype=F64)
+    alpha, beta = 1e-3, 100.0
+    cov = x @ x.transpose(-1, -2) / alpha + torch.eye(25, dtype=F64) / beta
+    exact = torch.distributions.MultivariateNormal(torch.zeros(25, dtype=F64), cov).log_prob(y)
+    model = _regression(alpha, beta)
+    # (the reference's own covariance has a condition number near 1e7)
+    assert _rel(_fit(model, y, x).objective, exact) < 1e-9
+    f32 = _fit(model, y.float(), x.float()).objective.double()
+    assert (f32 - exact).abs().max() < 0.1

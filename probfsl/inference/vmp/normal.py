@@ -174,6 +174,8 @@ def centred_square(plan: Plan, q: dict, s: Site, o: dict) -> list | None:
     digit of a ⟨(x − m)²⟩ below 6e-8 ⟨x⟩² (a tight prior N(3, 10⁻⁶) on a latent x, whose
     Var x is about 10⁻⁶, loses the whole term). The difference ⟨x⟩ − ⟨m⟩ is formed first."""
     loc = s.params["loc"]
+    if s.observed and loc.terms and loc.bilinear is None and not loc.comp and o["L2"]:
+        return _affine_residual(plan, o)
     if s.observed or o["X1"] is None or loc.terms or loc.bilinear is not None or loc.comp:
         return None
     var_x, var_m = _variance(plan, q, s), _loc_variance(plan, q, loc)
@@ -189,6 +191,17 @@ def centred_square(plan: Plan, q: dict, s: Site, o: dict) -> list | None:
     if var_m is not None:
         terms.append([var_m])
     return terms
+
+
+def _affine_residual(plan: Plan, o: dict) -> list:
+    """⟨(x − m)²⟩ of observed data x under an affine mean m = Σ_i J_i w_i + b, as
+    (x − ⟨m⟩)² + Σ_i J_i Cov(w_i) J_iᵀ: the residual first, then the map's variance terms
+    (:func:`~probfsl.inference.vmp.linear_maps.second_moment_terms` after its ⟨m⟩²). The
+    expanded x² − 2x⟨m⟩ + ⟨m⟩² + ... cancels where the fit is close (weights far from 0,
+    little noise: a float32 bound 1e-2 relative off, a float64 one 5e-10)."""
+    (m, m_dims), (x, dims) = o["L1"][0], o["X1"][0]
+    at = ein(dims, [(m, m_dims)], (), plan.sizes, plan.ref, expand=False)
+    return [[((x - at).square_(), dims)]] + o["L2"][1:]
 
 
 def _loc_variance(plan: Plan, q: dict | None, loc, structure: bool = False):
