@@ -417,8 +417,10 @@ def _digest(*tensors: torch.Tensor) -> str:
 #: the bases of :class:`~probfsl.inference.background.TwoCovarianceReading` (one D x D
 #: factorisation each) by a digest of the blended statistics they diagonalise, most
 #: recently used last: a search scores many candidates, each fitted on the same base
-#: classes, over many batches
+#: classes, over many batches (a basis holds a D x D matrix: 34 MB at D = 2,048 in float64,
+#: so a few are kept, enough for both frames in two dtypes)
 _READING_BASES: OrderedDict[str, tuple] = OrderedDict()
+_READING_BASES_KEPT = 4
 
 
 def reading_basis(stats) -> tuple:
@@ -432,7 +434,7 @@ def reading_basis(stats) -> tuple:
         _READING_BASES.move_to_end(key)
         return _READING_BASES[key]
     basis = _READING_BASES[key] = _diagonalise(stats)
-    while len(_READING_BASES) > _BACKGROUND_CHOICES_KEPT:
+    while len(_READING_BASES) > _READING_BASES_KEPT:
         _READING_BASES.popitem(last=False)
     return basis
 
