@@ -320,9 +320,9 @@ def test_the_held_out_choices_are_computed_once_per_base_classes(monkeypatch):
 def test_a_blended_basis_diagonalises_the_blend_as_the_cholesky_basis_does(mixes):
     """BlendedBases(stats).basis(a_w, a_b) whitens the blended within-class covariance and
     diagonalises the blended between-class one (the shortcuts at a_b = 1 and a_w = 1
-    included), with the eigenvalues and ln|det W| of _diagonalise, and gives a reading
+    included), with the eigenvalues and ln|det W| of two_covariance_basis, and gives a reading
     the same open log-odds."""
-    from probfsl.inference.background import BlendedBases, _diagonalise
+    from probfsl.inference.background import BlendedBases, two_covariance_basis
 
     x, labels = _base(dim=6)
     stats = fit_background(x, labels, 1e-2)
@@ -331,7 +331,7 @@ def test_a_blended_basis_diagonalises_the_blend_as_the_cholesky_basis_does(mixes
     eye = torch.eye(6, dtype=torch.float64)
     assert torch.allclose(w.T @ blended.within @ w, eye, atol=1e-10)
     assert torch.allclose(w.T @ blended.between @ w, torch.diag(lam), atol=1e-10)
-    w0, lam0, log_det0 = _diagonalise(blended)
+    w0, lam0, log_det0 = two_covariance_basis(blended)
     assert torch.allclose(lam.sort().values, lam0.sort().values, rtol=1e-10, atol=1e-12)
     assert torch.allclose(log_det, log_det0, rtol=1e-12)
     assert torch.allclose(log_det0, torch.linalg.slogdet(w0)[1], rtol=1e-12)
@@ -364,8 +364,10 @@ def test_the_reading_basis_is_computed_once_for_the_same_statistics(monkeypatch)
 
     x, labels = _many_classes()
     calls = []
-    diagonalise = background._diagonalise
-    monkeypatch.setattr(background, "_diagonalise", lambda s: calls.append(1) or diagonalise(s))
+    diagonalise = background.two_covariance_basis
+    monkeypatch.setattr(
+        background, "two_covariance_basis", lambda s: calls.append(1) or diagonalise(s)
+    )
     base._READING_BASES.clear()
     support, task_labels, query = _task(dim=x.shape[1])
     readings = []

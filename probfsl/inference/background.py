@@ -61,6 +61,7 @@ __all__ = [
     "open_posterior",
     "open_responsibility",
     "TwoCovarianceReading",
+    "two_covariance_basis",
     "two_covariance_log_liks",
 ]
 
@@ -272,7 +273,7 @@ def centre_on_queries(
     return normalize(support - centre, dim=-1), normalize(query - centre, dim=-1)
 
 
-def _diagonalise(stats: BackgroundStats) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def two_covariance_basis(stats: BackgroundStats) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(W [D, D], λ [D], ln|det W|): W^T within W = I and W^T between W = diag(λ)
     (simultaneous diagonalisation through the Cholesky factor L of ``within``; W = L^{-T} V
     with V orthogonal, so ln|det W| = -Σ ln L_ii)."""
@@ -284,7 +285,7 @@ def _diagonalise(stats: BackgroundStats) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 class BlendedBases:
-    """The bases of :func:`_diagonalise` for ``stats.blended(a_w, a_b)`` at many blends,
+    """The bases of :func:`two_covariance_basis` for ``stats.blended(a_w, a_b)`` at many blends,
     from one eigendecomposition of the within-class covariance, S_w = U diag(d) U^T, and
     the between-class covariance in its basis, B = U^T S_b U (both computed once).
 
@@ -293,7 +294,7 @@ class BlendedBases:
     covariance, the blended between-class covariance becomes M = (1 - a_b) diag(d')^{-1/2}
     B diag(d')^{-1/2} + a_b c_b diag(d')^{-1} there, and with M = V diag(λ) V^T the basis
     is W = W_1 V, ln|det W| = -½ Σ ln d': one D x D eigendecomposition per blend, where
-    :func:`_diagonalise` needs a Cholesky factorisation, a triangular inverse and one.
+    :func:`two_covariance_basis` needs a Cholesky factorisation, a triangular inverse and one.
     None at all for a_B = 1 (M is diagonal: V = I, λ = c_b / d'), and one for every a_B
     at a_W = 1 (d' = c_w: M = ((1 - a_B) B + a_B c_b I) / c_w, whose eigenvectors are
     B's)."""
@@ -366,7 +367,9 @@ class TwoCovarianceReading:
         if query_centring:
             support, query = centre_on_queries(support, query)
         stats = stats.to(query)
-        w, lam, log_jac = _diagonalise(stats) if basis is None else (t.to(query) for t in basis)
+        if basis is None:
+            basis = two_covariance_basis(stats)
+        w, lam, log_jac = (t.to(query) for t in basis)
         self.basis = w, lam, log_jac
         self.way, self.lam = way, lam
         self.log_jac = log_jac

@@ -424,16 +424,16 @@ _READING_BASES_KEPT = 4
 
 
 def reading_basis(stats) -> tuple:
-    """:func:`~probfsl.inference.background._diagonalise` of ``stats`` (a
+    """:func:`~probfsl.inference.background.two_covariance_basis` of ``stats`` (a
     :class:`~probfsl.inference.background.BackgroundStats`), computed once for the last
     few distinct statistics (a digest of their values, dtype and device)."""
-    from probfsl.inference.background import _diagonalise
+    from probfsl.inference.background import two_covariance_basis
 
     key = _digest(*stats)
     if key in _READING_BASES:
         _READING_BASES.move_to_end(key)
         return _READING_BASES[key]
-    basis = _READING_BASES[key] = _diagonalise(stats)
+    basis = _READING_BASES[key] = two_covariance_basis(stats)
     while len(_READING_BASES) > _READING_BASES_KEPT:
         _READING_BASES.popitem(last=False)
     return basis
@@ -468,8 +468,7 @@ class OpenSetBackground:
     ``fit_base`` calls :meth:`fit_background` with the base features in the space the
     method classifies in (after its preprocessing), which stores :data:`BACKGROUND`.
     The inductive posterior (:meth:`inductive_open`) reads the method's features through
-    the two-covariance model of the base classes
-    (:func:`~probfsl.inference.background.two_covariance_log_liks`): the last column is
+    the two-covariance model of the base classes (:meth:`open_reading`): the last column is
     P(z = 0 | x) with prior π_0 = ``open_prior``, its log-odds scaled by
     ``background_odds_scale_`` (:mod:`probfsl.inference.open_temperature`), and the known
     columns are the method's

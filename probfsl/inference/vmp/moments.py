@@ -184,10 +184,10 @@ def keep_cholesky(plan: Plan, name: str, block) -> tuple:
     return factor
 
 
-#: the plan-cache keys of a MultivariateNormal factor's Cholesky factor, moments, second
-#: moment and variances (:func:`keep_cholesky`, :func:`expected_stats`), which
-#: :func:`carry_over` merges
 def _factor_keys(name: str) -> tuple:
+    """The plan-cache keys of a MultivariateNormal factor's Cholesky factor, moments, second
+    moment and variances (:func:`keep_cholesky`, :func:`expected_stats`), which
+    :func:`carry_over` and :func:`carry_rows` carry."""
     return ("chol", name), name, ("second", name), ("variance", name)
 
 
