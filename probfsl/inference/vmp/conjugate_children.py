@@ -27,14 +27,6 @@ def linear_key(s: Site) -> str | None:
     return lookup(s.family).linear_child(s)
 
 
-def cached(plan: Plan, key: tuple, make):
-    """A per-plan constant of the data, computed once (``plan.cache``)."""
-    hit = plan.cache.get(key)
-    if hit is None:
-        hit = plan.cache[key] = make()
-    return hit
-
-
 def linear_terms(plan: Plan, q: dict, s: Site) -> tuple[list, list]:
     """E ln p(x | parent) of a linear child as ``(coefs, const)``: ``coefs[i]`` multiplies
     the parent's i-th expected statistic, each a list of (sign, operands); ``const`` is a

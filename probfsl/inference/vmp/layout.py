@@ -144,14 +144,31 @@ class Plan:
     ref: torch.Tensor  # a data tensor (dtype and device)
     cache: dict = field(default_factory=dict)  # name -> (factor, its expected statistics)
     chains: dict = field(default_factory=dict)  # chain name -> its member sites in order
+    #: constants of the data and fixed parameters (log-factorials of counts, the log
+    #: determinant of a fixed precision): key -> (value, its axes), the value a tensor or a
+    #: tuple of tensors in those axes (:func:`constant`)
+    constants: dict = field(default_factory=dict)
 
     def take(self, index: torch.Tensor) -> Plan:
         """The plan of the tasks ``index`` alone: every tensor whose first axis is the
-        tasks axis is indexed, the rest shared (caches start empty)."""
+        tasks axis is indexed, the rest shared (the constants' rows taken, the caches of
+        factors empty)."""
         sizes = dict(self.sizes)
         sizes[TASKS] = len(index)
         sites = {n: _take_site(s, index) for n, s in self.sites.items()}
-        return Plan(sites, self.latent, sizes, self.children, self.ref, chains=self.chains)
+        constants = {
+            key: (_rows_of(value, dims, index), dims)
+            for key, (value, dims) in self.constants.items()
+        }
+        return Plan(
+            sites,
+            self.latent,
+            sizes,
+            self.children,
+            self.ref,
+            chains=self.chains,
+            constants=constants,
+        )
 
     def observe(self, **values: torch.Tensor) -> Plan:
         """This plan with new observations of Normal sites, given by name in the model's
@@ -411,6 +428,23 @@ def unit(plan: Plan, s: Site, ref: torch.Tensor) -> torch.Tensor:
 def _rows(t: torch.Tensor | None, dims: tuple, index: torch.Tensor):
     """``t`` at the tasks ``index`` when its first axis (named in ``dims``) is the tasks."""
     return t if t is None or not dims or dims[0] != TASKS else t.index_select(0, index)
+
+
+def _rows_of(value, dims: tuple, index: torch.Tensor):
+    """:func:`_rows` of a tensor or of each tensor of a tuple."""
+    if isinstance(value, tuple):
+        return tuple(_rows(t, dims, index) for t in value)
+    return _rows(value, dims, index)
+
+
+def constant(plan: Plan, key: tuple, make, dims: tuple):
+    """A constant of the plan's data or fixed parameters in the axes ``dims`` (a tensor or
+    a tuple of tensors), computed by ``make()`` once: a plan of fewer tasks
+    (:meth:`Plan.take`, a compaction) takes its rows instead of computing it again."""
+    hit = plan.constants.get(key)
+    if hit is None:
+        hit = plan.constants[key] = (make(), dims)
+    return hit[0]
 
 
 def _take_param(p: Param, index: torch.Tensor) -> Param:

@@ -26,7 +26,7 @@ import torch
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.grouped_plates import contracted
 from probfsl.inference.vmp.layout import BilinearTerm, LinearTerm, Param, Plan
-from probfsl.inference.vmp.moments import expected_stats, second_moment
+from probfsl.inference.vmp.moments import covariance, expected_stats, second_moment
 
 
 def _paired(term: LinearTerm) -> tuple:
@@ -63,11 +63,15 @@ def _second_copy(dims: tuple, axis: str | tuple | None) -> tuple:
 
 
 def _covariance(plan: Plan, q: dict, name: str, axis: str | tuple | None) -> tuple:
-    """Cov w over the contracted axes (⟨w wᵀ⟩ − ⟨w⟩⟨w⟩ᵀ), or Var w elementwise."""
+    """Cov w over the contracted axes (the factor's own, :func:`~probfsl.inference.vmp.
+    moments.covariance`, where it has one; else ⟨w wᵀ⟩ − ⟨w⟩⟨w⟩ᵀ), or Var w elementwise."""
     w = plan.sites[name]
     mean = expected_stats(plan, q, name)[0]
     if axis is None:
         return expected_stats(plan, q, name)[1] - mean.square(), w.dims
+    cov = covariance(plan, q, name)
+    if cov is not None:
+        return cov, w.dims + _copies(axis)
     k = len(contracted(axis))
     left = mean.reshape(*mean.shape, *[1] * k)
     right = mean.reshape(*mean.shape[: mean.dim() - k], *[1] * k, *mean.shape[mean.dim() - k :])

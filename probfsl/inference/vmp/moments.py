@@ -40,6 +40,8 @@ def expected_stats(plan: Plan, q: dict, name: str) -> tuple:
             stats, cov = _mvn_moments(block)
             second = to_layout(plan, s, stats[1], matrix=True) if s.joint else stats[1]
             _cache_factor(plan, ("second", name), q[name], second)
+            covariance = to_layout(plan, s, cov, matrix=True) if s.joint else cov
+            _cache_factor(plan, ("covariance", name), q[name], covariance)
             var = cov.diagonal(dim1=-2, dim2=-1)  # Var x, for :func:`variance`
             if s.joint:  # in the layout's axes (a merged factor's split back)
                 diagonal = stats[1].diagonal(dim1=-2, dim2=-1)
@@ -74,6 +76,18 @@ def second_moment(plan: Plan, q: dict, name: str) -> torch.Tensor:
         second = to_layout(plan, s, second, matrix=True) if s.joint else second
     plan.cache[("second", name)] = (q[name], second)
     return second
+
+
+def covariance(plan: Plan, q: dict, name: str) -> torch.Tensor | None:
+    """Cov x over the last event axis of a MultivariateNormal factor, in the axes of
+    :func:`second_moment`: the P⁻¹ its moments were formed from (cached with them by
+    :func:`expected_stats`), not ⟨x xᵀ⟩ − ⟨x⟩⟨x⟩ᵀ. ``None`` for a site whose factor is
+    not one (a point, a step of a Gaussian chain)."""
+    hit = plan.cache.get(("covariance", name))
+    if hit is None or hit[0] is not q[name]:
+        expected_stats(plan, q, name)
+        hit = plan.cache.get(("covariance", name))
+    return hit[1] if hit is not None and hit[0] is q[name] else None
 
 
 def _mvn_moments(block: expfam.MultivariateNormal) -> tuple:
@@ -186,9 +200,9 @@ def keep_cholesky(plan: Plan, name: str, block) -> tuple:
 
 def _factor_keys(name: str) -> tuple:
     """The plan-cache keys of a MultivariateNormal factor's Cholesky factor, moments, second
-    moment and variances (:func:`keep_cholesky`, :func:`expected_stats`), which
+    moment, covariance and variances (:func:`keep_cholesky`, :func:`expected_stats`), which
     :func:`carry_over` and :func:`carry_rows` carry."""
-    return ("chol", name), name, ("second", name), ("variance", name)
+    return ("chol", name), name, ("second", name), ("variance", name), ("covariance", name)
 
 
 def _cache_factor(plan: Plan, key, factor: tuple, value) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from probfsl.inference.expfam.block import logdet
 from probfsl.inference.vmp.einsum import ein
-from probfsl.inference.vmp.layout import LOG_2PI, Plan, Site, stat_dims
+from probfsl.inference.vmp.layout import LOG_2PI, Plan, Site, constant, stat_dims
 from probfsl.inference.vmp.moments import expected_stats, parent_ops, weights
 
 
@@ -48,10 +48,9 @@ def ops(plan, q, s):
     if lam is None:
         p = prec.const
         # ln|Λ| of the fixed precision: once per plan (a Cholesky per call otherwise)
-        ldet = plan.cache.get(("logdet", s.name))
-        if ldet is None or ldet[0] is not p:
-            ldet = plan.cache[("logdet", s.name)] = (p, logdet(p))
-        o.update(coef=[], Lam=[(p, prec.const_dims)], ldet=[[(ldet[1], prec.const_dims[:-2])]])
+        dims = prec.const_dims[:-2]
+        ldet = constant(plan, ("logdet", s.name), lambda: logdet(p), dims)
+        o.update(coef=[], Lam=[(p, prec.const_dims)], ldet=[[(ldet, dims)]])
     else:
         d = plan.sizes[e]
         coef = [(prec.coef, prec.coef_dims)]

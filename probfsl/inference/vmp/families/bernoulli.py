@@ -7,9 +7,9 @@ import pyro.distributions as dist
 import torch
 
 from probfsl.inference.vmp import polya_gamma
-from probfsl.inference.vmp.conjugate_children import cached
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.family import Family, register
+from probfsl.inference.vmp.layout import constant
 
 _PROBS_HINT = "a Beta site, or logits affine in Normal sites (Pólya-Gamma)"
 
@@ -88,5 +88,5 @@ class Binomial(Bernoulli):
             v = site.stats[0]
             return torch.lgamma(nn + 1) - torch.lgamma(v + 1) - torch.lgamma(nn - v + 1)
 
-        lb = cached(plan, ("log_binom", site.name), log_binom)
+        lb = constant(plan, ("log_binom", site.name), log_binom, d)
         return [[(1, y)], [(1, n_ops), (-1, y)]], [(1, [(lb, d)])]

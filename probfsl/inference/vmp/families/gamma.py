@@ -7,10 +7,9 @@ import torch
 from pyro.distributions import constraints
 
 from probfsl.inference import expfam
-from probfsl.inference.vmp.conjugate_children import cached
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.family import Family, register
-from probfsl.inference.vmp.layout import derived
+from probfsl.inference.vmp.layout import constant, derived
 from probfsl.inference.vmp.moments import expected_stats, parent_ops, weights
 
 
@@ -86,8 +85,11 @@ class Gamma(Family):
         c, lnc = [(p.coef, p.coef_dims)], [(derived(p, "log_coef"), p.coef_dims)]
         a = site.params["concentration"]
         a_ops = [(a.const, a.const_dims)]
-        am1, lga = cached(
-            plan, ("gamma_shape", site.name), lambda: (a.const - 1, torch.lgamma(a.const))
+        am1, lga = constant(
+            plan,
+            ("gamma_shape", site.name),
+            lambda: (a.const - 1, torch.lgamma(a.const)),
+            a.const_dims,
         )
         observed = site.observed or site.name in q
         tau, log_tau = expected_stats(plan, q, site.name) if observed else (None, None)

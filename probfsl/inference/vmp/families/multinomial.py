@@ -6,8 +6,8 @@ import pyro.distributions as dist
 import torch
 
 from probfsl.inference.vmp.checks import first_offender, position, refuse
-from probfsl.inference.vmp.conjugate_children import cached
 from probfsl.inference.vmp.family import Family, register
+from probfsl.inference.vmp.layout import constant
 
 
 @register
@@ -69,5 +69,5 @@ class Multinomial(Family):
             log_coef[..., 0] += torch.lgamma(x.sum(-1) + 1)
             return log_coef
 
-        lc = cached(plan, ("log_multinomial_coefficient", site.name), log_coefficient)
+        lc = constant(plan, ("log_multinomial_coefficient", site.name), log_coefficient, site.dims)
         return [[(1, [(x, site.dims)])]], [(1, [(lc, site.dims)])]

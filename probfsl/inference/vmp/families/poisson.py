@@ -5,11 +5,10 @@ from __future__ import annotations
 import pyro.distributions as dist
 import torch
 
-from probfsl.inference.vmp.conjugate_children import cached
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.families.gamma import ObservedRateChild
 from probfsl.inference.vmp.family import register
-from probfsl.inference.vmp.layout import derived
+from probfsl.inference.vmp.layout import constant, derived
 
 
 @register
@@ -30,12 +29,14 @@ class Poisson(ObservedRateChild):
         p, d = site.params["rate"], site.dims
         c, lnc = [(p.coef, p.coef_dims)], [(derived(p, "log_coef"), p.coef_dims)]
         k = [(site.stats[0], d)]
-        lgk = cached(plan, ("log_factorial", site.name), lambda: torch.lgamma(site.stats[0] + 1))
+        lgk = constant(
+            plan, ("log_factorial", site.name), lambda: torch.lgamma(site.stats[0] + 1), d
+        )
         if not set(p.coef_dims) <= set(d):
             return [[(-1, c)], [(1, k)]], [(1, k + lnc), (-1, [(lgk, d)])]
 
         def k_log_c():  # 0 where k = 0, also for an exposure c = 0 (0 ln 0 = 0)
             return torch.xlogy(site.stats[0], ein(d, c, d, plan.sizes, site.stats[0]))
 
-        klc = cached(plan, ("k_log_coef", site.name), k_log_c)
+        klc = constant(plan, ("k_log_coef", site.name), k_log_c, d)
         return [[(-1, c)], [(1, k)]], [(1, [(klc, d)]), (-1, [(lgk, d)])]
