@@ -425,6 +425,31 @@ def test_take_keeps_the_broadcast_axes_of_the_factors():
     assert part.q["tau"][0].stride()[-1] == 0
 
 
+def test_take_carries_the_rows_of_the_data_constants():
+    """A compaction takes the rows of the constants of the data (a Poisson site's ln k!,
+    computed by the first bound) instead of computing them again, and the bound of the
+    tasks it keeps is theirs in the whole batch."""
+
+    def model(k):
+        with pyro.plate("tasks", k.shape[0], dim=-2):
+            lam = pyro.sample("lam", dist.Gamma(k.new_tensor(2.0), k.new_tensor(1.0)))
+            with pyro.plate("n", k.shape[1], dim=-1):
+                pyro.sample("k", dist.Poisson(lam), obs=k)
+
+    k = torch.poisson(
+        torch.full((5, 7), 3.0, dtype=torch.float64), torch.Generator().manual_seed(0)
+    )
+    vmp = VMP(model, tol=0)
+    state = vmp.init(k)
+    (key,) = [key for key in state.plan.constants if key[0] == "log_factorial"]
+    index = torch.tensor([4, 0, 2])
+    part = vmp.take(state, index)
+    value, dims = part.plan.constants[key]
+    assert torch.equal(value, state.plan.constants[key][0].index_select(0, index))
+    assert torch.equal(value, torch.lgamma(k.index_select(0, index) + 1))
+    torch.testing.assert_close(vmp.elbo(part), vmp.elbo(state).index_select(0, index))
+
+
 def test_keep_restores_frozen_tasks_and_shares_the_plan():
     """``keep`` takes the frozen tasks' factors and ELBO from the old state, the others from
     the new one, and passes the plan (data, fixed parameters) through untouched."""

@@ -283,7 +283,8 @@ def linear_map(ctx: CompileContext, child: Site, key: str, parents: list[str]) -
             dims, [(jac, jac_dims), (leaves[w.name].detach(), w.dims)], over, plan.sizes, jac
         )
         jac, jac_dims = reduce_constant(jac, jac_dims)
-        terms.append(LinearTerm(w.name, jac, jac_dims, axis))
+        identity = _identity_axis(jac, jac_dims, axis, w)
+        terms.append(LinearTerm(w.name, jac, jac_dims, axis, identity))
         _mark_joint(plan, w, axis)
     const, const_dims = reduce_constant(offset, dims)
     param = Param(dims, const=const, const_dims=const_dims, terms=terms)
@@ -297,6 +298,19 @@ def linear_map(ctx: CompileContext, child: Site, key: str, parents: list[str]) -
             "two of them, are supported; a non-linear function is not)",
         )
     return param
+
+
+def _identity_axis(jac: torch.Tensor, jac_dims: tuple, axis, w: Site) -> str | None:
+    """The parameter's axis that the Jacobian ``jac`` maps one to one onto the parent's last
+    axis ``axis`` (``jac`` exactly the identity matrix over the two, the same along every
+    other axis), else ``None``: the map then reads the parent's entries as they are
+    (:mod:`~probfsl.inference.vmp.linear_maps` skips the products with J)."""
+    if not isinstance(axis, str) or len(jac_dims) != 2 or jac_dims[1] != axis:
+        return None
+    if w.dims[-1] != axis or jac.shape[0] != jac.shape[1]:
+        return None
+    eye = torch.eye(jac.shape[0], dtype=jac.dtype, device=jac.device)
+    return jac_dims[0] if torch.equal(jac, eye) else None
 
 
 def _affine_holds(

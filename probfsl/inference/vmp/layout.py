@@ -34,6 +34,10 @@ class LinearTerm:
     jac: torch.Tensor
     jac_dims: tuple
     axis: str | tuple | None
+    #: the parameter's axis that J maps one to one onto ``axis`` (J the identity between
+    #: them, the same along every other axis: ``Normal(f, s).to_event(1)`` of a
+    #: MultivariateNormal f); ``None`` for any other J
+    identity: str | None = None
 
 
 @dataclass
@@ -448,9 +452,7 @@ def constant(plan: Plan, key: tuple, make, dims: tuple):
 
 
 def _take_param(p: Param, index: torch.Tensor) -> Param:
-    terms = [
-        LinearTerm(t.parent, _rows(t.jac, t.jac_dims, index), t.jac_dims, t.axis) for t in p.terms
-    ]
+    terms = [replace(t, jac=_rows(t.jac, t.jac_dims, index)) for t in p.terms]
     bilinear = p.bilinear
     if bilinear is not None:
         bilinear = replace(bilinear, h=_rows(bilinear.h, bilinear.h_dims, index))

@@ -43,8 +43,38 @@ def term_mean(plan: Plan, q: dict, p: Param, term: LinearTerm) -> torch.Tensor:
     """J⟨w⟩ in the parameter's axes."""
     w = plan.sites[term.parent]
     m = expected_stats(plan, q, term.parent)[0]
+    if term.identity:  # ⟨w⟩ itself, its axis read as the parameter's
+        return ein(p.dims, [(m, _as_parameter(w.dims, term))], p.dims, plan.sizes, plan.ref)
     over = p.dims + contracted(term.axis)
     return ein(p.dims, [(term.jac, term.jac_dims), (m, w.dims)], over, plan.sizes, plan.ref)
+
+
+def _as_parameter(dims: tuple, term: LinearTerm) -> tuple:
+    """``dims`` with the parent's axis renamed to the parameter's axis that an identity J
+    maps onto it (:attr:`~probfsl.inference.vmp.layout.LinearTerm.identity`)."""
+    return tuple(term.identity if d == term.axis else d for d in dims)
+
+
+def _as_parent(ops: list, term: LinearTerm) -> list:
+    """Operands in the parameter's axes with its axis that an identity J maps onto the
+    parent's renamed to the parent's (the product with J, without J)."""
+    return [(t, tuple(term.axis if d == term.identity else d for d in dims)) for t, dims in ops]
+
+
+def _as_parent_dims(dims: tuple, term: LinearTerm) -> tuple:
+    """:func:`_as_parent` of a tuple of axis names (without repeats)."""
+    return tuple(dict.fromkeys(term.axis if d == term.identity else d for d in dims))
+
+
+def _identity_variance(plan: Plan, q: dict, term: LinearTerm) -> tuple | None:
+    """Var w of each entry (the diagonal of its factor's covariance), in the parameter's
+    axes: J Cov(w) Jᵀ for an identity J. ``None`` where the parent's factor is not a
+    MultivariateNormal (the general product with J then)."""
+    cov = covariance(plan, q, term.parent) if term.identity else None
+    if cov is None:
+        return None
+    w = plan.sites[term.parent]
+    return cov.diagonal(dim1=-2, dim2=-1), _as_parameter(w.dims, term)
 
 
 def _second(plan: Plan, q: dict, name: str, axis: str | tuple | None) -> tuple:
@@ -156,6 +186,8 @@ def _moments(plan: Plan, q: dict, p: Param) -> tuple[torch.Tensor, torch.Tensor]
         if term.axis is None:
             m, m2 = expected_stats(plan, q, term.parent)
             var = var + ein(p.dims, [j, j, (m2 - m.square(), w.dims)], p.dims, sizes, ref)
+        elif (var_w := _identity_variance(plan, q, term)) is not None:
+            var = var + ein(p.dims, [var_w], p.dims, sizes, ref)
         else:
             s2 = second_moment(plan, q, term.parent)
             over = p.dims + contracted(term.axis) + _copies(term.axis)
@@ -192,6 +224,10 @@ def second_moment_terms(plan: Plan, q: dict, p: Param) -> list[list]:
     terms = [[(mean(plan, q, p).square(), p.dims)]]
     for term in p.terms:
         j = (term.jac, term.jac_dims)
+        var_w = _identity_variance(plan, q, term)
+        if var_w is not None:
+            terms.append([var_w])
+            continue
         cov = _covariance(plan, q, term.parent, term.axis)
         if term.axis is None:
             terms.append([j, j, cov])
@@ -213,7 +249,11 @@ def message(
     residual = data - mean(plan, q, p) + term_mean(plan, q, p, term)
     j = (term.jac, term.jac_dims)
     over = p.dims + contracted(term.axis)
-    eta1 = ein(w.dims, precision + [(residual, p.dims), j], over, sizes, ref)
+    if term.identity:
+        ops = _as_parent(precision + [(residual, p.dims)], term)
+        eta1 = ein(w.dims, ops, _as_parent_dims(over, term), sizes, ref)
+    else:
+        eta1 = ein(w.dims, precision + [(residual, p.dims), j], over, sizes, ref)
     if term.axis is None:
         return [eta1, -0.5 * ein(w.dims, precision + [j, j], over, sizes, ref)]
     out = w.dims + _copies(term.axis)

@@ -5,10 +5,10 @@ and a Wishart precision (optionally selected), its natural parameter and its mes
 
 from __future__ import annotations
 
-from probfsl.inference.expfam.block import logdet
+from probfsl.inference.expfam.block import logdet, sum_terms
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.layout import LOG_2PI, Plan, Site, constant, stat_dims
-from probfsl.inference.vmp.moments import expected_stats, parent_ops, weights
+from probfsl.inference.vmp.moments import covariance, expected_stats, parent_ops, weights
 
 
 def natural(plan: Plan, q: dict, s: Site) -> list:
@@ -39,7 +39,9 @@ def ops(plan, q, s):
     mu = parent_ops(plan, q, s, "loc")
     if mu is None:
         m = s.params["loc"].const
-        mm = m.unsqueeze(-1) * m.unsqueeze(-2)
+        mm = constant(
+            plan, ("outer_loc", s.name), lambda: m.unsqueeze(-1) * m.unsqueeze(-2), s.dims
+        )
         o.update(L1=[(m, s.dims)], L1b=[(m, to_b(s.dims))], L2=[(mm, s.dims + (eb,))])
     else:
         o.update(L1=[mu[0]], L1b=[(mu[0][0], to_b(mu[0][1]))], L2=[mu[1]])
@@ -66,13 +68,43 @@ def ops(plan, q, s):
     return o
 
 
+def centred(plan: Plan, q: dict, s: Site, o: dict) -> list | None:
+    """⟨(x − m)(x − m)ᵀ⟩ of a MultivariateNormal site as operand lists: Cov x, Cov m and
+    (⟨x⟩ − ⟨m⟩)(⟨x⟩ − ⟨m⟩)ᵀ (x and m independent under q), not ⟨x xᵀ⟩ − 2⟨x⟩⟨m⟩ᵀ + ⟨m mᵀ⟩,
+    whose terms cancel where the covariances are small beside the means (float32 keeps no
+    digit of a covariance below 6e-8 ⟨x⟩²). For a mean that is fixed, data or the value of
+    a site with a MultivariateNormal factor, not selected; ``None`` otherwise (a selected
+    mean, a step of a Gaussian chain: the expanded form then)."""
+    if o["comp"] or o["X1"] is None:
+        return None
+    (x, dims), eb = o["X1"][0], o["eb"]
+    (m, m_dims) = o["L1"][0]
+    if not set(m_dims) <= set(dims):
+        return None
+    terms = []
+    for name, cov_dims in ((s.name, dims + (eb,)), (s.params["loc"].parent, o["L2"][0][1])):
+        w = plan.sites.get(name) if name else None
+        if w is None or w.observed or w.point:
+            continue  # a fixed value: no covariance
+        cov = None if w.joint else covariance(plan, q, name)
+        if cov is None:
+            return None
+        terms.append([(cov, cov_dims)])
+    d = x - ein(dims, [(m, m_dims)], (), plan.sizes, plan.ref, expand=False)
+    e = dims[-1]
+    return [*terms, [(d, dims), (d, tuple(eb if a == e else a for a in dims))]]
+
+
 def site_loglik(plan: Plan, q: dict, s: Site, out: tuple):
-    """E ln N(x | m, c Λ) of site ``s`` summed into ``out`` (the bound's term)."""
+    """E ln N(x | m, c Λ) of site ``s`` summed into ``out`` (the bound's term), its
+    quadratic term from :func:`centred` where that applies."""
     o = ops(plan, q, s)
-    return loglik(plan, o, out, o["W"])
+    return loglik(plan, o, out, o["W"], centred(plan, q, s, o))
 
 
-def loglik(plan, o, out, weights):
+def loglik(plan, o, out, weights, centred_terms=None):
+    """E ln N(x | m, c Λ) from the operands ``o`` of :func:`ops` (see there), with the
+    quadratic term's ⟨(x − m)(x − m)ᵀ⟩ as ``centred_terms`` (:func:`centred`) where given."""
     mw = o["M"] + weights
 
     def e(ops):
@@ -83,7 +115,10 @@ def loglik(plan, o, out, weights):
     for ld in o["ldet"]:
         total = total + 0.5 * e(mw + ld)
     lam = mw + o["Lam"]
-    quad = e(lam + o["X2"]) - 2 * e(lam + o["X1"] + o["L1b"]) + e(lam + o["L2"])
+    if centred_terms is not None:
+        quad = sum_terms(e(lam + t) for t in centred_terms)
+    else:
+        quad = e(lam + o["X2"]) - 2 * e(lam + o["X1"] + o["L1b"]) + e(lam + o["L2"])
     return total - 0.5 * quad
 
 
