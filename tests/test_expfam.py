@@ -6,6 +6,7 @@ import torch
 import torch.distributions as td
 
 from probfsl.inference import expfam
+from probfsl.inference.expfam.block import sum_axis
 
 G = torch.Generator().manual_seed(0)
 
@@ -111,3 +112,18 @@ def test_natural_round_trip_and_dtype(name):
 def test_categorical_one_hot_entropy_is_zero():
     q = expfam.Categorical(torch.eye(3, dtype=torch.float64))
     assert torch.equal(q.entropy(), torch.zeros(3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7])
+@pytest.mark.parametrize("rows", [3, 5000])
+def test_sum_axis_is_torch_sum_bit_for_bit(dtype, n, rows):
+    """The chain of additions over a short axis gives exactly ``x.sum(-1)``, for values of
+    very different sizes (where the order of the additions shows), with and without
+    keepdim, on small and large tensors, on contiguous and strided last axes."""
+    g = torch.Generator().manual_seed(n)
+    scale = torch.logspace(-6, 6, n, dtype=dtype)
+    x = torch.randn(rows, 2, n, generator=g, dtype=dtype) * scale
+    for t in (x, x.transpose(0, 2).contiguous().transpose(0, 2)):
+        assert torch.equal(sum_axis(t), t.sum(-1))
+        assert torch.equal(sum_axis(t, keepdim=True), t.sum(-1, keepdim=True))

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from probfsl.inference.expfam.block import Block, sum_last
+from probfsl.inference.expfam.block import Block, sum_axis, sum_last
 
 
 @dataclass
@@ -32,11 +32,11 @@ class Categorical(Block):
 
     def entropy(self) -> torch.Tensor:
         # xlogy keeps 0·ln 0 = 0 for one-hot factors
-        return sum_last(-torch.special.xlogy(self.probs, self.probs).sum(-1), self.event_dim)
+        return sum_last(-sum_axis(torch.special.xlogy(self.probs, self.probs)), self.event_dim)
 
     def expected_log_prob(self, stats):
         log_p = self.probs.log().clamp_min(torch.finfo(self.probs.dtype).min)
-        return sum_last(torch.where(stats[0] > 0, stats[0] * log_p, 0).sum(-1), self.event_dim)
+        return sum_last(sum_axis(torch.where(stats[0] > 0, stats[0] * log_p, 0)), self.event_dim)
 
     def _law(self) -> torch.distributions.Distribution:
         return torch.distributions.Categorical(probs=self.probs)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from probfsl.inference.expfam.block import Block
+from probfsl.inference.expfam.block import Block, sum_axis
 
 
 @dataclass
@@ -26,11 +26,11 @@ class Dirichlet(Block):
 
     def expected_stats(self):
         a = self.concentration
-        return (torch.special.digamma(a) - torch.special.digamma(a.sum(-1, keepdim=True)),)
+        return (torch.special.digamma(a) - torch.special.digamma(sum_axis(a, keepdim=True)),)
 
     def _log_normalizer(self):
         a = self.concentration
-        return torch.lgamma(a).sum(-1) - torch.lgamma(a.sum(-1))
+        return sum_axis(torch.lgamma(a)) - torch.lgamma(sum_axis(a))
 
     def _law(self) -> torch.distributions.Distribution:
         return torch.distributions.Dirichlet(self.concentration)

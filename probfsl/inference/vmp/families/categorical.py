@@ -96,6 +96,15 @@ class Categorical(Family):
         if first and messages.lse_applies(plan, site):
             (child, role), rest = kids[0], kids[1:]
             return normal.message(plan, q, plan.sites[child], role, site, offset=eta), rest
+        if kids and kids[0][1] == "select":
+            # labels under a selected table: the looked-up ⟨ln φ⟩ is a new tensor in the
+            # layout of q(z); the prior term is added to it in place (one full-size
+            # tensor less per update)
+            c = plan.sites[kids[0][0]]
+            if c.family == "Categorical" and self.linear_child(c) is not None:
+                picked = label_lookup(plan, q, c, site)
+                if picked is not None:
+                    return [picked[0].add_(eta)], kids[1:]
         return [eta.expand([plan.sizes[d] for d in cd])], kids
 
     def message(self, plan, q, site, role, to):
