@@ -847,6 +847,8 @@ def auto_preset(
         # the frame of the open contrast that open_scale is learnt with (the method's own)
         frame = make_estimator(method).get_params().get("open_frame")
         settings["open_frame"] = fixed.get("open_frame", frame)
+        if settings["open_frame"] == "queries":  # whose background's mean is the task's own
+            settings["open_background_mean"] = "inferred"
     return _cached("few-shot", fs, settings, compute)
 
 

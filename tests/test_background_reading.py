@@ -18,6 +18,7 @@ from probfsl.inference.background import (
     TwoCovarianceReading,
     centre_on_queries,
     fit_background,
+    open_responsibility,
     two_covariance_log_liks,
 )
 from probfsl.inference.open_temperature import (
@@ -203,6 +204,32 @@ def test_a_shared_basis_reads_as_a_fresh_one():
     )
     fresh = TwoCovarianceReading(support[:, :2], support_labels[:, :2], query, 2, stats)
     torch.testing.assert_close(again.open_log_odds(), fresh.open_log_odds())
+
+
+def test_the_inferred_background_is_the_dense_conjugate_predictive():
+    """infer_background_mean: m_0 ~ N(m, B), the queries N(m_0, W + B) weighted by their
+    open posterior o_q under the base-class background; the background becomes the
+    predictive N(E m_0, W + B + Cov m_0), dense Gaussians against the basis."""
+    x, labels = _base()
+    stats = fit_background(x, labels).blended(0.3, 0.6)
+    support, support_labels, query = _task()
+    plain = TwoCovarianceReading(support, support_labels, query, 2, stats, True)
+    odds = plain.open_log_odds()
+    reading = TwoCovarianceReading(support, support_labels, query, 2, stats, True)
+    assert reading.infer_background_mean(0.5, 0.3) is reading
+    weight = open_responsibility(0.5 * odds, torch.full_like(odds, 0.3), 0.3)
+    _, q = centre_on_queries(support, query)
+    wc, bc, m = stats.within, stats.between, stats.mean
+    total_inv = torch.linalg.inv(wc + bc)
+    for t in range(query.shape[0]):
+        precision = torch.linalg.inv(bc) + weight[t].sum() * total_inv
+        cov = torch.linalg.inv(precision)
+        mean = m + cov @ total_inv @ (weight[t].unsqueeze(-1) * (q[t] - m)).sum(0)
+        want = MultivariateNormal(mean, wc + bc + cov).log_prob(q[t])
+        torch.testing.assert_close(reading.background_log_lik()[t], want)
+    torch.testing.assert_close(reading.class_log_lik(), plain.class_log_lik())
+    with pytest.raises(RuntimeError, match="inferred already"):
+        reading.infer_background_mean(0.5, 0.3)
 
 
 # ------------------------------------------------------- the held-out choice of the blends

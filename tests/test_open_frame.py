@@ -32,13 +32,16 @@ def episodes(omniglot):
 
 def _reading_odds(est, x: torch.Tensor, episodes, frame: str) -> torch.Tensor:
     """ln p_0(x) - ln p_closed(x) [T, Q] of the normalised points ``x`` (support first),
-    straight from the reading, in the frame ``frame``."""
+    straight from the reading, in the frame ``frame`` (in the queries' frame with the
+    background's mean inferred from the queries)."""
     centring = frame == "queries"
     n_s = episodes.support.shape[1]
     stats = est.background_stats(x, query_centring=centring)
     reading = TwoCovarianceReading(
         x[:, :n_s], episodes.support_labels, x[:, n_s:], WAY, stats, centring
     )
+    if centring:  # the queries' frame infers the background's mean from the queries
+        reading.infer_background_mean(est.background_query_odds_scale_, est.open_prior)
     return reading.open_log_odds()
 
 
@@ -150,6 +153,8 @@ def test_auto_preset_cache_key_holds_the_frame(omniglot, monkeypatch, method, fi
     monkeypatch.setattr(tuning, "_cached", fake_cached)
     tuning.auto_preset(method, omniglot, WAY, SHOT, QUERY, fixed=fixed, open_queries=N_OPEN)
     assert seen["open_frame"] == frame
+    # the queries' frame infers the background's mean: its scales are learnt anew
+    assert seen.get("open_background_mean") == ("inferred" if frame == "queries" else None)
     seen.clear()
     tuning.auto_preset(method, omniglot, WAY, SHOT, QUERY, fixed=fixed)
     assert "open_frame" not in seen  # closed searches keep their cache entries

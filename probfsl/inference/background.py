@@ -30,7 +30,8 @@ This module holds what every method shares:
   Analysis", ECCV 2006) and Prince & Elder (ICCV 2007): the generative reading of the
   inductive methods whose scores are discriminative; optionally (transductive) in the
   task's own frame, support and queries re-centred on the queries' mean
-  (:func:`centre_on_queries`).
+  (:func:`centre_on_queries`), where the background's mean can be inferred from the
+  queries (:meth:`TwoCovarianceReading.infer_background_mean`).
 * :func:`open_fraction_expectations`: E ln π_0 and E ln(1 - π_0) of the Beta posterior of
   the open fraction, the part of π that transductive methods infer per task. By the
   aggregation property, π ~ Dirichlet(α_0, α_1..α_K) is π_0 ~ Beta(α_0, Σ_k α_k) and
@@ -337,8 +338,9 @@ class TwoCovarianceReading:
     then pools the support and the weighted queries); :meth:`background_log_lik` is a new
     class's predictive N(mean, within + between); :meth:`open_log_odds` their contrast,
     ln p_0(x) - ln((1/K) Σ_k p_k(x)), with which a mixture's background responsibility is
-    taken in the full feature space. ``stats`` is cast to the dtype and device of
-    ``query``; every method is batched over tasks.
+    taken in the full feature space; :meth:`infer_background_mean` makes the background
+    the task's own (its mean inferred from the queries). ``stats`` is cast to the dtype
+    and device of ``query``; every method is batched over tasks.
 
     ``query_centring=True`` (transductive) reads the task in its own frame first: support
     and queries are re-centred on the mean of the task's queries and L2-normalised again,
@@ -379,6 +381,37 @@ class TwoCovarianceReading:
         onehot = torch.nn.functional.one_hot(support_labels, way).to(ys)  # [T, S, K]
         self.counts = onehot.sum(1)  # [T, K]
         self.sums = onehot.transpose(1, 2) @ ys  # [T, K, D]
+        self.background_shift: torch.Tensor | None = None  # [T, 1, D], basis coordinates
+        self.background_extra_var: torch.Tensor | None = None  # [T, 1, D]
+
+    def infer_background_mean(self, odds_scale: float, open_prior: float) -> TwoCovarianceReading:
+        """Infer the background's mean from the task's queries (in place; returns ``self``).
+
+        The open queries of a task come from a few classes of their own, whose centre need
+        not be the base classes'. So the background's mean m_0 is given the prior of a
+        class mean, N(mean, between), and the open queries are draws of N(m_0, within +
+        between); each query counts with its posterior probability of being open under
+        the base-class background, o_q = σ(a (ln p_0 - ln p̄) + E ln π_0 - E ln(1 - π_0))
+        (a = ``odds_scale``, the temperature learnt on held-out base classes,
+        :mod:`probfsl.inference.open_temperature`; q(π_0) from ``open_prior``,
+        :func:`open_responsibility`). In the basis, with noise variance 1 + λ_d and prior
+        variance λ_d, m_0 has the conjugate posterior N(λ_d Σ_q o_q y_q / (1 + λ_d + N λ_d),
+        λ_d (1 + λ_d) / (1 + λ_d + N λ_d)), N = Σ_q o_q, and :meth:`background_log_lik`
+        becomes its predictive, the mean shifted and that posterior variance added. This is
+        one variational update of q(m_0) from the base-class reading (Bishop, PRML
+        §10.2.1): the known classes' predictives stay those given their support, as in the
+        nested model. Each task gets its own; a second call is a ``RuntimeError``."""
+        if self.background_shift is not None:
+            raise RuntimeError("the background's mean is inferred already")
+        odds = self.open_log_odds()
+        start = torch.full_like(odds, open_prior)
+        weight = open_responsibility(odds_scale * odds, start, open_prior)  # [T, Q]
+        n = weight.sum(-1)[:, None, None]  # [T, 1, 1]
+        noise = 1 + self.lam
+        denom = noise + n * self.lam  # [T, 1, D]
+        self.background_shift = self.lam * (weight.unsqueeze(1) @ self.yq) / denom
+        self.background_extra_var = self.lam * noise / denom
+        return self
 
     def class_log_lik(self, query_weights: torch.Tensor | None = None) -> torch.Tensor:
         """ln p_k(x_q) [T, Q, K]: class k's predictive given its support rows and, when
@@ -402,11 +435,16 @@ class TwoCovarianceReading:
         return -0.5 * (maha + var.log().sum(-1).unsqueeze(1) + d * LOG_2PI) + self.log_jac
 
     def background_log_lik(self) -> torch.Tensor:
-        """ln p_0(x_q) [T, Q], the predictive of a new class, N(mean, within + between)."""
+        """ln p_0(x_q) [T, Q], the predictive of a new class, N(mean, within + between), or,
+        after :meth:`infer_background_mean`, that of the task's background."""
         bg_var = 1 + self.lam
         d = self.yq.shape[-1]
-        quad = (self.yq_sq / bg_var).sum(-1)
-        return -0.5 * (quad + bg_var.log().sum() + d * LOG_2PI) + self.log_jac
+        if self.background_shift is None:
+            quad = (self.yq_sq / bg_var).sum(-1)
+            return -0.5 * (quad + bg_var.log().sum() + d * LOG_2PI) + self.log_jac
+        bg_var = bg_var + self.background_extra_var  # [T, 1, D]
+        quad = ((self.yq - self.background_shift).square() / bg_var).sum(-1)
+        return -0.5 * (quad + bg_var.log().sum(-1) + d * LOG_2PI) + self.log_jac
 
     def open_log_odds(self, query_weights: torch.Tensor | None = None) -> torch.Tensor:
         """ln p_0(x_q) - ln((1/K) Σ_k p_k(x_q)) [T, Q] (``query_weights`` as in

@@ -563,14 +563,21 @@ class OpenSetBackground:
         """The :class:`~probfsl.inference.background.TwoCovarianceReading` of a batch of
         preprocessed tasks under the fitted background (:meth:`background_stats`, blended
         for the frame ``query_centring`` names), its D x D basis computed once for these
-        statistics (:func:`reading_basis`)."""
+        statistics (:func:`reading_basis`). In the queries' frame (transductive) the
+        background's mean is inferred from the task's queries too
+        (:meth:`~probfsl.inference.background.TwoCovarianceReading.infer_background_mean`,
+        with the odds scale ``background_query_odds_scale_`` and ``open_prior``)."""
         from probfsl.inference.background import TwoCovarianceReading
 
         stats = self.background_stats(query, query_centring)
         basis = reading_basis(stats)
-        return TwoCovarianceReading(
+        reading = TwoCovarianceReading(
             support, support_labels, query, way, stats, query_centring, basis
         )
+        if query_centring:  # the task's own frame: its background's mean from its queries
+            scale = getattr(self, "background_query_odds_scale_", 1.0)
+            reading.infer_background_mean(scale, self.open_prior)
+        return reading
 
     def inductive_open(
         self, episodes: Episodes, proba: torch.Tensor, support: torch.Tensor, query: torch.Tensor

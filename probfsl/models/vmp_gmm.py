@@ -209,7 +209,8 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
             learns it on base-class episodes with open queries); 1 leaves it as inferred.
         open_frame: the frame of the open contrast of :meth:`predict_proba_open`:
             ``"queries"`` (the task re-centred on its queries' mean and normalised again,
-            transductive) or ``"base"`` (centred on the base mean only;
+            and the background's mean inferred from the queries; transductive) or
+            ``"base"`` (centred on the base mean only;
             :class:`~probfsl.inference.background.TwoCovarianceReading`,
             ``query_centring``). Default ``"queries"``, the higher AUROC on the built-in
             sets (docs/methods/open-set.md); not read with ``precision="full"``.
