@@ -295,3 +295,21 @@ def test_a_parameter_checked_before_is_skipped_until_its_values_change():
     assert tensor_key(rate) != key
     with pytest.raises(ValueError, match="'tau'.*rate"):
         check_parameters(site, checked={key})
+
+
+def test_the_simplex_check_is_torchs():
+    """The parameter check reads a simplex's rows by a product with ones: the same verdict
+    as torch's constraint on rows on it, off it by more than 1e-6, negative or NaN."""
+    from torch.distributions import constraints
+
+    from probfsl.inference.vmp.checks import _holds
+
+    g = torch.Generator().manual_seed(0)
+    on = torch.softmax(torch.randn(50, 7, 4, generator=g, dtype=torch.float64), -1)
+    cases = {"on": on, "off": on * (1 + 1e-5), "negative": on.clone(), "nan": on.clone()}
+    cases["negative"][3, 2] = torch.tensor([1.2, -0.2, 0.0, 0.0], dtype=torch.float64)
+    cases["nan"][1, 1, 0] = float("nan")
+    for name, value in cases.items():
+        want = bool(constraints.simplex.check(value).all())
+        assert bool(_holds(constraints.simplex, value)) == want, name
+        assert want == (name == "on")
