@@ -6,7 +6,7 @@ import torch
 import torch.distributions as td
 
 from probfsl.inference import expfam
-from probfsl.inference.expfam.block import sum_axis
+from probfsl.inference.expfam.block import max_axis, sum_axis
 
 G = torch.Generator().manual_seed(0)
 
@@ -120,10 +120,14 @@ def test_categorical_one_hot_entropy_is_zero():
 def test_sum_axis_is_torch_sum_bit_for_bit(dtype, n, rows):
     """The chain of additions over a short axis gives exactly ``x.sum(-1)``, for values of
     very different sizes (where the order of the additions shows), with and without
-    keepdim, on small and large tensors, on contiguous and strided last axes."""
+    keepdim, on small and large tensors, on contiguous and strided last axes; the chain of
+    maxima gives ``amax``."""
     g = torch.Generator().manual_seed(n)
     scale = torch.logspace(-6, 6, n, dtype=dtype)
     x = torch.randn(rows, 2, n, generator=g, dtype=dtype) * scale
     for t in (x, x.transpose(0, 2).contiguous().transpose(0, 2)):
         assert torch.equal(sum_axis(t), t.sum(-1))
         assert torch.equal(sum_axis(t, keepdim=True), t.sum(-1, keepdim=True))
+        assert torch.equal(max_axis(t, keepdim=True), t.amax(-1, keepdim=True))
+    x[0, 0, -1] = float("nan")  # NaN wins the maximum, as in amax
+    assert torch.equal(max_axis(x).isnan(), x.amax(-1).isnan())

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from probfsl.inference import expfam
-from probfsl.inference.expfam.block import sum_axis, sum_last, sum_terms
+from probfsl.inference.expfam.block import max_axis, sum_axis, sum_last, sum_terms
 from probfsl.inference.vmp import (
     conjugate_children,
     dirichlet_points,
@@ -228,7 +228,7 @@ def update(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
         # softmax, in fewer passes than torch's; in place where η is a new tensor (a child's
         # message was added to the prior term: :func:`natural`)
         owned = children and not s.at_prior and plan.children[name] and 0 not in eta[0].stride()
-        m = eta[0].amax(-1, keepdim=True)
+        m = max_axis(eta[0], keepdim=True)
         r = (eta[0].sub_(m) if owned else eta[0] - m).exp_()
         z = sum_axis(r, keepdim=True)
         r = r.div_(z)
