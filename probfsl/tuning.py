@@ -848,7 +848,7 @@ def auto_preset(
         frame = make_estimator(method).get_params().get("open_frame")
         settings["open_frame"] = fixed.get("open_frame", frame)
         if settings["open_frame"] == "queries":  # whose background's mean is the task's own
-            settings["open_background_mean"] = "inferred"
+            settings["open_background_mean"] = "inferred, read last"
     return _cached("few-shot", fs, settings, compute)
 
 

@@ -30,19 +30,31 @@ def episodes(omniglot):
     )
 
 
-def _reading_odds(est, x: torch.Tensor, episodes, frame: str) -> torch.Tensor:
-    """ln p_0(x) - ln p_closed(x) [T, Q] of the normalised points ``x`` (support first),
-    straight from the reading, in the frame ``frame`` (in the queries' frame with the
-    background's mean inferred from the queries)."""
+def _reading(est, x: torch.Tensor, episodes, frame: str) -> TwoCovarianceReading:
+    """The two-covariance reading of the normalised points ``x`` (support first) in the
+    frame ``frame``, under the base classes' background."""
     centring = frame == "queries"
     n_s = episodes.support.shape[1]
     stats = est.background_stats(x, query_centring=centring)
-    reading = TwoCovarianceReading(
+    return TwoCovarianceReading(
         x[:, :n_s], episodes.support_labels, x[:, n_s:], WAY, stats, centring
     )
-    if centring:  # the queries' frame infers the background's mean from the queries
-        reading.infer_background_mean(est.background_query_odds_scale_, est.open_prior)
-    return reading.open_log_odds()
+
+
+def _reading_odds(est, x: torch.Tensor, episodes, frame: str) -> torch.Tensor:
+    """ln p_0(x) - ln p_closed(x) [T, Q] under the base classes' background, the contrast
+    the iterations use in either frame."""
+    return _reading(est, x, episodes, frame).open_log_odds()
+
+
+def _read_last(est, x, episodes, frame: str, open_resp: torch.Tensor) -> torch.Tensor:
+    """P(open) after the iterations: in the queries' frame one more update of q(π_0) and
+    of the open responsibilities under the background inferred from the queries."""
+    if frame != "queries":
+        return open_resp
+    reading = _reading(est, x, episodes, frame)
+    reading.infer_background_mean(est.background_query_odds_scale_, est.open_prior)
+    return open_responsibility(reading.open_log_odds(), open_resp, est.open_prior)
 
 
 def _logit(p: float) -> float:
@@ -52,11 +64,13 @@ def _logit(p: float) -> float:
 @pytest.mark.parametrize("frame", FRAMES)
 def test_soft_kmeans_one_pass_is_the_readings_posterior(omniglot, episodes, frame):
     """One pass of soft k-means with the background: P(open) = σ(logit π_0 + ln p_0(x) -
-    ln p_closed(x)), the reading's own log-odds in the chosen frame."""
+    ln p_closed(x)), the reading's own log-odds in the chosen frame, then (queries' frame)
+    read last under the background inferred from the queries."""
     est = build_estimator("soft-kmeans", n_iter=1, open_prior=0.3, open_frame=frame)
     est.fit_featureset(omniglot, torch.float64)
     x = center_and_normalize(episodes.points(), est.base_mean_.to(episodes.support))
-    want = torch.sigmoid(_reading_odds(est, x, episodes, frame) + _logit(0.3))
+    start = torch.sigmoid(_reading_odds(est, x, episodes, frame) + _logit(0.3))
+    want = _read_last(est, x, episodes, frame, start)
     got = est.predict_proba_open(episodes)[..., -1]
     torch.testing.assert_close(got, want)
 
@@ -65,7 +79,8 @@ def test_soft_kmeans_one_pass_is_the_readings_posterior(omniglot, episodes, fram
 def test_bavardage_open_contrast_is_the_readings(omniglot, episodes, frame):
     """BAVARDAGE's open problem carries the reading's log-odds in the chosen frame, and in
     ``mode="soft_kmeans"`` with one pass and no free component its P(open) is the
-    reading's posterior σ(logit π_0 + log-odds)."""
+    reading's posterior σ(logit π_0 + log-odds), read last (queries' frame) under the
+    background inferred from the queries."""
     est = build_estimator(
         "bavardage", whitening="global", open_frame=frame, n_free=0, n_km=1, mode="soft_kmeans"
     ).fit_featureset(omniglot, torch.float64)
@@ -73,7 +88,8 @@ def test_bavardage_open_contrast_is_the_readings(omniglot, episodes, frame):
     odds = _reading_odds(est, x, episodes, frame)
     torch.testing.assert_close(est.open_problem(episodes).open_log_odds, odds)
     got = est.predict_proba_open(episodes)[..., -1]
-    torch.testing.assert_close(got, torch.sigmoid(odds + _logit(est.open_prior)))
+    want = _read_last(est, x, episodes, frame, torch.sigmoid(odds + _logit(est.open_prior)))
+    torch.testing.assert_close(got, want)
     vb = est.with_params(mode="bavardage", n_vb=2, n_free=3)
     torch.testing.assert_close(vb.open_problem(episodes).open_log_odds, odds)
 
@@ -82,14 +98,40 @@ def test_bavardage_open_contrast_is_the_readings(omniglot, episodes, frame):
 def test_vmp_gmm_nested_one_sweep_is_one_update_of_the_open_fraction(omniglot, episodes, frame):
     """vmp-gmm's nested model with one soft k-means pass and one sweep: the start is
     σ(logit π_0 + log-odds), and the sweep's P(open) one update of q(π_0) from it
-    (:func:`open_responsibility`) with the reading's log-odds in the chosen frame."""
+    (:func:`open_responsibility`) with the reading's log-odds in the chosen frame, then
+    (queries' frame) one more under the background inferred from the queries."""
     est = build_estimator("vmp-gmm", n_kmeans=1, max_iter=1, open_frame=frame)
     est.fit_featureset(omniglot, torch.float64)
     x, _, _ = est.engine_data(episodes)
     odds = _reading_odds(est, x, episodes, frame)
     start = torch.sigmoid(odds + _logit(est.open_prior))
-    want = open_responsibility(odds, start, est.open_prior)
+    want = _read_last(est, x, episodes, frame, open_responsibility(odds, start, est.open_prior))
     torch.testing.assert_close(est.predict_proba_open(episodes)[..., -1], want)
+
+
+@pytest.mark.parametrize(
+    "method, params",
+    [
+        ("soft-kmeans", {}),
+        ("vmp-gmm", {}),
+        ("bavardage", {"whitening": "global", "open_frame": "queries", "n_vb": 3}),
+        ("bavardage", {"whitening": "global", "open_frame": "queries", "mode": "soft_kmeans"}),
+    ],
+)
+def test_the_inferred_background_reads_p_open_last(omniglot, episodes, monkeypatch, method, params):
+    """In the queries' frame the iterations use the base classes' background and only the
+    last reading of P(open) the background inferred from the queries: the known columns
+    keep the shares among the classes of a run whose reading never infers the mean (the
+    base classes' background throughout), P(open) differs, and each row sums to 1."""
+    est = build_estimator(method, **params).fit_featureset(omniglot, torch.float64)
+    got = est.predict_proba_open(episodes)
+    no_mean = lambda self, *args: self  # noqa: E731
+    monkeypatch.setattr(TwoCovarianceReading, "infer_background_mean", no_mean)
+    plain = est.predict_proba_open(episodes)
+    share = got[..., :-1] / got[..., :-1].sum(-1, keepdim=True)
+    torch.testing.assert_close(share, plain[..., :-1] / plain[..., :-1].sum(-1, keepdim=True))
+    assert (got[..., -1] - plain[..., -1]).abs().max() > 1e-3
+    torch.testing.assert_close(got.sum(-1), torch.ones_like(got[..., 0]))
 
 
 def test_frames_differ(omniglot, episodes):
@@ -153,8 +195,9 @@ def test_auto_preset_cache_key_holds_the_frame(omniglot, monkeypatch, method, fi
     monkeypatch.setattr(tuning, "_cached", fake_cached)
     tuning.auto_preset(method, omniglot, WAY, SHOT, QUERY, fixed=fixed, open_queries=N_OPEN)
     assert seen["open_frame"] == frame
-    # the queries' frame infers the background's mean: its scales are learnt anew
-    assert seen.get("open_background_mean") == ("inferred" if frame == "queries" else None)
+    # the queries' frame infers the background's mean for the last reading: scales anew
+    want = "inferred, read last" if frame == "queries" else None
+    assert seen.get("open_background_mean") == want
     seen.clear()
     tuning.auto_preset(method, omniglot, WAY, SHOT, QUERY, fixed=fixed)
     assert "open_frame" not in seen  # closed searches keep their cache entries

@@ -19,6 +19,7 @@ from probfsl.inference.background import (
     open_fraction_prior,
     open_posterior,
     open_responsibility,
+    reread_open,
     two_covariance_log_liks,
 )
 from probfsl.methods import METHODS, build_estimator
@@ -181,6 +182,41 @@ def test_open_responsibility_is_the_mean_field_update():
     shift = torch.digamma(a) - torch.digamma(b)
     want = torch.sigmoid(odds + shift.unsqueeze(-1))
     torch.testing.assert_close(open_responsibility(odds, previous, 0.3), want)
+
+
+def test_reread_open_keeps_the_class_shares():
+    """reread_open: o_q0 is one more open_responsibility update; the closed columns keep
+    their shares and take 1 - o_q0, which stays positive in float32 where o_q0 rounds to
+    1 (so the known classes' argmax survives a query read as surely open)."""
+    gen = torch.Generator().manual_seed(2)
+    proba = torch.softmax(torch.randn(2, 7, 4, generator=gen), -1)
+    odds = 5 * torch.randn(2, 7, generator=gen)
+    odds[0, 0] = 60.0  # σ(60) == 1 in float32
+    got = reread_open(proba, odds, 0.3)
+    torch.testing.assert_close(got[..., -1], open_responsibility(odds, proba[..., -1], 0.3))
+    share = proba[..., :-1] / proba[..., :-1].sum(-1, keepdim=True)
+    torch.testing.assert_close(got[..., :-1] / got[..., :-1].sum(-1, keepdim=True), share)
+    torch.testing.assert_close(got.sum(-1), torch.ones(2, 7))
+    assert got[0, 0, -1] == 1 and (got[0, 0, :-1] > 0).all()
+    assert torch.equal(got[..., :-1].argmax(-1), proba[..., :-1].argmax(-1))
+
+
+def test_soft_kmeans_open_keeps_the_argmax_of_surely_open_queries():
+    """soft k-means with the background: a query whose P(open) rounds to 1 in float32
+    keeps positive class columns, so its known-class argmax is soft k-means' (the closed
+    accuracy counts it) rather than class 0."""
+    from probfsl.inference.soft_kmeans import soft_kmeans_gram_open
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.nn.functional.normalize(torch.randn(2, 9, 5, generator=gen), dim=-1)
+    labels = torch.tensor([[0, 1, 2]] * 2)
+    odds = torch.full((2, 6), 60.0)
+    p = soft_kmeans_gram_open(x @ x.transpose(1, 2), labels, 3, None, 0.5, 10.0, 3, odds)
+    known = p[:, 3:, :3]
+    assert (known > 0).all()
+    near = (x[:, 3:] @ x[:, :3].transpose(1, 2)).argmax(-1)  # one pass from the support
+    one = soft_kmeans_gram_open(x @ x.transpose(1, 2), labels, 3, None, 0.5, 10.0, 1, odds)
+    assert torch.equal(one[:, 3:, :3].argmax(-1), near)
 
 
 def test_attach_open_rows_sum_to_one():

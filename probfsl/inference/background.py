@@ -37,6 +37,8 @@ This module holds what every method shares:
   aggregation property, π ~ Dirichlet(α_0, α_1..α_K) is π_0 ~ Beta(α_0, Σ_k α_k) and
   π_{1:K} / (1 - π_0) ~ Dirichlet(α_1..α_K), independent: the class proportions of a
   method's closed-set model stay as they were, times (1 - π_0).
+* :func:`reread_open`: the last coordinate update of the open responsibilities of a
+  converged mixture under a new background (the class factors fixed).
 * :func:`open_responsibility`: the queries' background responsibility in the nested
   reading of the transductive methods (z_q first "open" or "closed", then a class given
   "closed" from the method's own model), o_q0 = σ(E ln π_0 - E ln(1 - π_0) + ln p_0(x_q)
@@ -58,8 +60,10 @@ __all__ = [
     "fit_background",
     "gaussian_log_density",
     "open_fraction_expectations",
+    "reread_open",
     "open_fraction_prior",
     "open_posterior",
+    "open_log_ratio",
     "open_responsibility",
     "TwoCovarianceReading",
     "two_covariance_basis",
@@ -257,11 +261,45 @@ def open_responsibility(
     §10.2.1, for the Dirichlet-Categorical pair). The class responsibilities of the
     method's own model are then multiplied by 1 - o_q0.
     """
+    return torch.sigmoid(open_log_ratio(open_log_odds, open_resp, open_prior))
+
+
+def open_log_ratio(
+    open_log_odds: torch.Tensor, open_resp: torch.Tensor, open_prior: float
+) -> torch.Tensor:
+    """ln o_q0 - ln(1 - o_q0) [T, Q] of :func:`open_responsibility` (its log-odds): a
+    query's closed share is σ(-this), exact where 1 - o_q0 would round to 0."""
     open_mass = open_resp.sum(-1)
     e_open, e_closed = open_fraction_expectations(
         open_mass, open_resp.shape[-1] - open_mass, open_prior
     )
-    return torch.sigmoid(open_log_odds.to(open_resp) + (e_open - e_closed).unsqueeze(-1))
+    return open_log_odds.to(open_resp) + (e_open - e_closed).unsqueeze(-1)
+
+
+def reread_open(
+    proba: torch.Tensor, open_log_odds: torch.Tensor, open_prior: float
+) -> torch.Tensor:
+    """``proba`` [T, Q, C + 1] (C closed components, o_q0 last) after one more update of
+    the open responsibilities under the contrast ``open_log_odds`` [T, Q], the class
+    factors fixed.
+
+    A coordinate step of mean-field variational inference (Bishop, PRML §10.1.1 and
+    §10.2.1; Winn & Bishop, JMLR 2005): q(π_0) from the current o_q0
+    (:func:`open_responsibility`), then o_q0' = σ(E ln π_0 - E ln(1 - π_0) +
+    ``open_log_odds``), and each closed column is o_qc / Σ_c o_qc times 1 - o_q0' (its share
+    among the closed components, as the mixture left it). With the contrast the mixture
+    iterated with it is one more pass of the open indicator alone; the transductive
+    methods call it after their iterations with the contrast of the task's own
+    background (:meth:`TwoCovarianceReading.infer_background_mean`), so that the
+    background's mean inferred from the queries reads P(open) but does not move the
+    class factors. A query whose closed columns are all zero shares 1 - o_q0' equally."""
+    open_resp, closed = proba[..., -1], proba[..., :-1]
+    total = closed.sum(-1, keepdim=True)
+    tiny = torch.finfo(proba.dtype).tiny
+    share = torch.where(total > 0, closed / total.clamp_min(tiny), 1.0 / closed.shape[-1])
+    logit = open_log_ratio(open_log_odds, open_resp, open_prior)
+    closed_share = torch.sigmoid(-logit).unsqueeze(-1)  # 1 - o_q0', exact near o_q0' = 1
+    return torch.cat([share * closed_share, torch.sigmoid(logit).unsqueeze(-1)], -1)
 
 
 def centre_on_queries(
@@ -381,6 +419,7 @@ class TwoCovarianceReading:
         onehot = torch.nn.functional.one_hot(support_labels, way).to(ys)  # [T, S, K]
         self.counts = onehot.sum(1)  # [T, K]
         self.sums = onehot.transpose(1, 2) @ ys  # [T, K, D]
+        self.query_centring = query_centring
         self.background_shift: torch.Tensor | None = None  # [T, 1, D], basis coordinates
         self.background_extra_var: torch.Tensor | None = None  # [T, 1, D]
 

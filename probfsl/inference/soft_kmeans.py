@@ -157,9 +157,10 @@ def soft_kmeans_gram_open(
             p = torch.cat([support, softmax_last(logits)[:, n_support:]], 1)
         else:
             log_closed = torch.log1p(-log_open.exp())
-            open_resp = torch.sigmoid(open_log_odds + log_open - log_closed)
+            logit = open_log_odds + log_open - log_closed
+            open_resp = torch.sigmoid(logit)
             classes = softmax_last(-temperature * sq_dist[:, n_support:])
-            closed = classes * (1 - open_resp).unsqueeze(-1)
+            closed = classes * torch.sigmoid(-logit).unsqueeze(-1)  # exact near o_q0 = 1
             query = torch.cat([closed, open_resp.unsqueeze(-1)], -1)
             p = torch.cat([support, query], 1)
         open_mass = p[:, n_support:, -1].sum(-1, keepdim=True)

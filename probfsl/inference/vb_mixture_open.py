@@ -117,7 +117,7 @@ def temper_open(proba: torch.Tensor, scale: float) -> torch.Tensor:
     closed = known.sum(-1)
     logit = p_open.clamp_min(tiny).log() - closed.clamp_min(tiny).log()
     new_open = torch.sigmoid(scale * logit)
-    ratio = ((1 - new_open) / closed.clamp_min(tiny)).unsqueeze(-1)
+    ratio = (torch.sigmoid(-scale * logit) / closed.clamp_min(tiny)).unsqueeze(-1)
     return torch.cat([known * ratio, new_open.unsqueeze(-1)], -1)
 
 

@@ -563,21 +563,38 @@ class OpenSetBackground:
         """The :class:`~probfsl.inference.background.TwoCovarianceReading` of a batch of
         preprocessed tasks under the fitted background (:meth:`background_stats`, blended
         for the frame ``query_centring`` names), its D x D basis computed once for these
-        statistics (:func:`reading_basis`). In the queries' frame (transductive) the
-        background's mean is inferred from the task's queries too
-        (:meth:`~probfsl.inference.background.TwoCovarianceReading.infer_background_mean`,
-        with the odds scale ``background_query_odds_scale_`` and ``open_prior``)."""
+        statistics (:func:`reading_basis`). Its background is the base classes'; in the
+        queries' frame the transductive methods infer the task's own after their
+        iterations (:meth:`final_open`)."""
         from probfsl.inference.background import TwoCovarianceReading
 
         stats = self.background_stats(query, query_centring)
         basis = reading_basis(stats)
-        reading = TwoCovarianceReading(
+        return TwoCovarianceReading(
             support, support_labels, query, way, stats, query_centring, basis
         )
-        if query_centring:  # the task's own frame: its background's mean from its queries
-            scale = getattr(self, "background_query_odds_scale_", 1.0)
-            reading.infer_background_mean(scale, self.open_prior)
-        return reading
+
+    def final_open(self, reading, proba: torch.Tensor) -> torch.Tensor:
+        """A transductive method's converged query responsibilities ``proba`` [T, Q, C + 1]
+        (C closed components, the background last), read last under the task's own
+        background when ``reading`` (:meth:`open_reading`, whose base-class background the
+        iterations used) is in the queries' frame; else ``proba`` as it is.
+
+        Two more mean-field coordinate updates, the class factors fixed (Bishop, PRML
+        §10.2.1; Winn & Bishop, JMLR 2005): q(m_0), the background's mean, from the
+        queries (:meth:`~probfsl.inference.background.TwoCovarianceReading.infer_background_mean`,
+        the odds scale ``background_query_odds_scale_``, ``open_prior``), then q(π_0) and
+        the open responsibilities under its predictive
+        (:func:`~probfsl.inference.background.reread_open`). The known classes' statistics
+        are thus those of the iterations with the base-class background: the open queries
+        that the inferred background reads as closed do not pull them."""
+        from probfsl.inference.background import reread_open
+
+        if not reading.query_centring:
+            return proba
+        scale = getattr(self, "background_query_odds_scale_", 1.0)
+        reading.infer_background_mean(scale, self.open_prior)
+        return reread_open(proba, reading.open_log_odds().to(proba), self.open_prior)
 
     def inductive_open(
         self, episodes: Episodes, proba: torch.Tensor, support: torch.Tensor, query: torch.Tensor

@@ -44,6 +44,7 @@ from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
 from probfsl.derived.bavardage import ENGINES
 from probfsl.derived.bavardage import bavardage_model as bavardage_model  # its declaration
+from probfsl.inference.background import TwoCovarianceReading
 from probfsl.inference.class_stats import class_means
 from probfsl.inference.gram import centred_rows, task_grams
 from probfsl.inference.plda import (
@@ -175,6 +176,8 @@ class OpenProblem(NamedTuple):
             ``[T, N, K + J + 1]`` (the classes, the free components, the background last;
             a query's first K + J columns sum to 1 - o_q0).
         open_log_odds: ln p_0(x_q) - ln p_closed(x_q) of the queries, ``[T, Q]``.
+        reading: the two-covariance reading the contrast came from, for the last reading
+            of P(open) (:meth:`~probfsl.models.base.OpenSetBackground.final_open`).
     """
 
     engine: BavardageOpenVB | None
@@ -183,6 +186,7 @@ class OpenProblem(NamedTuple):
     query: torch.Tensor | None
     resp: torch.Tensor
     open_log_odds: torch.Tensor
+    reading: TwoCovarianceReading | None = None
 
 
 #: the Gram matrices K of distinct whitening scales kept for a search's batch (one per
@@ -239,7 +243,9 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
             learns it on base-class episodes with open queries); 1 leaves it as inferred.
         open_frame: the frame of the open contrast of :meth:`predict_proba_open`:
             ``"queries"`` (the task re-centred on its queries' mean and normalised again,
-            and the background's mean inferred from the queries; transductive) or
+            and, after the iterations, the background's mean inferred from the queries
+            for the last reading of P(open),
+            :meth:`~probfsl.models.base.OpenSetBackground.final_open`; transductive) or
             ``"base"`` (centred on the base mean only;
             :class:`~probfsl.inference.background.TwoCovarianceReading`,
             ``query_centring``). Default ``"base"``: the queries' frame raised the AUROC
@@ -596,7 +602,7 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         )
         labels = episodes.support_labels
         if self.mode == "soft_kmeans":
-            return OpenProblem(None, None, labels, None, resp, odds)
+            return OpenProblem(None, None, labels, None, resp, odds, reading)
         if self.mode == "vb":  # VB in the normalised feature space
             rows, projection = xn, "identity"
         else:  # the global whitening W (task_span's when s_max does not clamp)
@@ -618,7 +624,7 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
             count_support=closed.count_support,
             projection=projection,
         )
-        return OpenProblem(open_engine, rows[:, :n_s], labels, rows[:, n_s:], resp, odds)
+        return OpenProblem(open_engine, rows[:, :n_s], labels, rows[:, n_s:], resp, odds, reading)
 
     def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
         """Open-set responsibilities ``[T, Q, K+1]`` (P(none of the K classes) last): soft
@@ -627,9 +633,9 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         :class:`~probfsl.inference.vb_mixture_open.BavardageOpenVB`); the last column is
         the background's and the free components' mass."""
         problem = self.open_problem(episodes)
+        way = episodes.way
         if problem.engine is None:
-            resp = problem.resp[:, episodes.support.shape[1] :]
-            way = episodes.way
+            resp = self.final_open(problem.reading, problem.resp[:, episodes.support.shape[1] :])
             proba = torch.cat([resp[..., :way], resp[..., way:].sum(-1, keepdim=True)], -1)
             return temper_open(proba, float(self.open_scale))
         state, _ = fit_bavardage_vb(
@@ -640,7 +646,10 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
             problem.resp,
             int(self.n_vb),
         )
-        return temper_open(state.open_proba, float(self.open_scale))
+        # K classes, J free components, the background; P(open) read last (queries' frame)
+        resp = self.final_open(problem.reading, state.component_proba)
+        proba = torch.cat([resp[..., :way], resp[..., way:].sum(-1, keepdim=True)], -1)
+        return temper_open(proba, float(self.open_scale))
 
     # ------------------------------------------------------------------ diagnostics
     def posterior_draws(

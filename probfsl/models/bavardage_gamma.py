@@ -311,7 +311,8 @@ class BavardageGamma(Bavardage):
                 rows=self.rows(problem.engine),
             )
         self.state_, self.elbo_trace_ = state, trace
-        return resp[:, episodes.support.shape[1] :]
+        # the queries' frame: P(open) read last under the task's own background
+        return self.final_open(problem.reading, resp[:, episodes.support.shape[1] :])
 
     def posterior(self) -> dict[str, torch.distributions.Distribution]:
         """The last batch's factors q(π), q(τ), q(μ), q(z) as batched distributions."""

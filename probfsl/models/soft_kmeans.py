@@ -34,7 +34,8 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
             learns it on base-class episodes with open queries); 1 leaves it as inferred.
         open_frame: the frame of the open contrast of :meth:`predict_proba_open`:
             ``"queries"`` (the task re-centred on its queries' mean and normalised again,
-            and the background's mean inferred from the queries; transductive) or
+            and, after the passes, the background's mean inferred from the queries for
+            the last reading of P(open); transductive) or
             ``"base"`` (centred on the base mean only;
             :class:`~probfsl.inference.background.TwoCovarianceReading`,
             ``query_centring``). Default ``"queries"``, the higher AUROC on the built-in
@@ -47,7 +48,10 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
     (:class:`~probfsl.inference.background.TwoCovarianceReading`), with its weight π_0
     inferred per task inside the passes; among the classes, soft k-means'
     responsibilities, times 1 - o_q0; centroids move by the class responsibilities only
-    (:func:`~probfsl.inference.soft_kmeans.soft_kmeans_gram_open`).
+    (:func:`~probfsl.inference.soft_kmeans.soft_kmeans_gram_open`). In the queries'
+    frame the passes use the base classes' background, and P(open) is read last under
+    the task's own, its mean inferred from the queries, the class factors fixed
+    (:meth:`~probfsl.models.base.OpenSetBackground.final_open`).
     """
 
     transductive = True
@@ -114,4 +118,5 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
             int(self.n_iter),
             open_log_odds=reading.open_log_odds(),
         )
-        return temper_open(p[:, episodes.support.shape[1] :], float(self.open_scale))
+        p = self.final_open(reading, p[:, n_s:])  # the task's own background, read last
+        return temper_open(p, float(self.open_scale))

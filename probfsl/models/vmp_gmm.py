@@ -30,7 +30,7 @@ from pyro.ops.indexing import Vindex
 
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
-from probfsl.inference.background import TwoCovarianceReading, open_responsibility
+from probfsl.inference.background import TwoCovarianceReading, open_log_ratio
 from probfsl.inference.soft_kmeans import soft_kmeans_gram, soft_kmeans_gram_open
 from probfsl.inference.vb_mixture_open import OPEN_FRAMES, temper_open
 from probfsl.inference.vmp import VMP, VMPState
@@ -209,7 +209,9 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
             learns it on base-class episodes with open queries); 1 leaves it as inferred.
         open_frame: the frame of the open contrast of :meth:`predict_proba_open`:
             ``"queries"`` (the task re-centred on its queries' mean and normalised again,
-            and the background's mean inferred from the queries; transductive) or
+            and, after the iterations, the background's mean inferred from the queries
+            for the last reading of P(open),
+            :meth:`~probfsl.models.base.OpenSetBackground.final_open`; transductive) or
             ``"base"`` (centred on the base mean only;
             :class:`~probfsl.inference.background.TwoCovarianceReading`,
             ``query_centring``). Default ``"queries"``, the higher AUROC on the built-in
@@ -520,6 +522,8 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
             )
             log_pi = digamma(alpha) - digamma(alpha.sum(-1, keepdim=True))
             classes = torch.softmax(log_lik + log_pi.unsqueeze(1), -1)
-            open_resp = open_responsibility(odds, open_resp, self.open_prior)
-            q_resp = classes * (1 - open_resp).unsqueeze(-1)
-        return torch.cat([q_resp, open_resp.unsqueeze(-1)], -1)
+            logit = open_log_ratio(odds, open_resp, self.open_prior)
+            open_resp = torch.sigmoid(logit)
+            q_resp = classes * torch.sigmoid(-logit).unsqueeze(-1)  # exact near o_q0 = 1
+        proba = torch.cat([q_resp, open_resp.unsqueeze(-1)], -1)
+        return self.final_open(reading, proba)  # the task's own background, read last
