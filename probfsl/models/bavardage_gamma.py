@@ -33,7 +33,7 @@ import torch
 
 from probfsl.data.tasks import Episodes
 from probfsl.derived.bavardage import run_blocks
-from probfsl.inference.background import open_responsibility
+from probfsl.inference.background import open_log_ratio
 from probfsl.inference.class_stats import one_hot_support
 from probfsl.inference.plda import principal_axes
 from probfsl.inference.vb_mixture import BavardageVB
@@ -116,7 +116,7 @@ def run_open_blocks(
       statistic: the factor of z is the mean-field posterior of the class given "closed",
       and the updates of its co-parents read it weighted by the closed share);
     * q(z) (the class given "closed", r), then o_q0 after one update of q(π_0)
-      (:func:`~probfsl.inference.background.open_responsibility`).
+      (:func:`~probfsl.inference.background.open_log_ratio`).
 
     Returns the last VMP state (its factor of z holds r, not o_qk), the responsibilities
     [T, N, K + 1] (the support's one-hot, then o_qk and o_q0) and the trace [n_iter + 1,
@@ -134,10 +134,11 @@ def run_open_blocks(
     open_resp = resp[:, n_s:, way]
     closed = resp[:, n_s:, :way] + torch.finfo(x.dtype).tiny  # r: a uniform row if o_q0 = 1
     classes = closed / closed.sum(-1, keepdim=True)
+    closed_share = closed.sum(-1)
     plan, trace = None, []
     rows = engine.rows if rows is None else rows
     for _ in range(n_iter):
-        weighted = classes * (1 - open_resp).unsqueeze(-1)
+        weighted = classes * closed_share.unsqueeze(-1)
         u = rows(x, torch.cat([onehot, weighted], 1))
         if plan is None:  # derived once; later blocks change the rows only
             plan = vmp.compile(u[:, :n_s], support_labels, u[:, n_s:])
@@ -150,9 +151,12 @@ def run_open_blocks(
         trace.append(state.objective)
         state = vmp.update(state, ["z"])
         classes = state.q["z"][0]
-        open_resp = open_responsibility(open_log_odds, open_resp, open_prior)
+        logit = open_log_ratio(open_log_odds, open_resp, open_prior)
+        # 1 - o_q0 as σ(-logit): exact where o_q0 rounds to 1 (float32), so that the
+        # class responsibilities of a surely open query keep their order
+        open_resp, closed_share = torch.sigmoid(logit), torch.sigmoid(-logit)
     trace.append(state.objective)
-    query_resp = torch.cat([classes * (1 - open_resp).unsqueeze(-1), open_resp.unsqueeze(-1)], -1)
+    query_resp = torch.cat([classes * closed_share.unsqueeze(-1), open_resp.unsqueeze(-1)], -1)
     support_resp = torch.cat([onehot, onehot.new_zeros(onehot.shape[:2] + (1,))], -1)
     return state, torch.cat([support_resp, query_resp], 1), torch.stack(trace)
 
