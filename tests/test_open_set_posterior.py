@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy.stats import multivariate_normal
 
-from probfsl.data import load_dataset
+from probfsl.data import load_dataset, sample_episodes
 from probfsl.data.tasks import Episodes
 from probfsl.inference.background import (
     TwoCovarianceReading,
@@ -434,3 +434,17 @@ def test_em_dirichlet_open_column_is_inductive(fitted, omniglot):
     torch.testing.assert_close(got[..., -1], open_posterior(class_ll, bg_ll, 0.5, scale)[..., -1])
     proba = est.predict_proba(episodes)
     torch.testing.assert_close(got[..., :WAY], proba * (1 - got[..., -1:]))
+
+
+def test_bavardage_gamma_keeps_the_class_order_of_surely_open_queries(omniglot):
+    """On the built-in float32 features some closed queries get P(open) = 1 exactly; their
+    class columns stay positive (1 - o_q0 as σ(-logit)), so the closed accuracy reads
+    their class rather than class 0 (30 tasks at 1 and 5 shots: 2 and 3 such queries
+    had all-zero class columns with 1 - o_q0)."""
+    est = build_estimator("bavardage-gamma").fit_featureset(omniglot)
+    for shot in (1, 5):
+        ep = sample_episodes(omniglot, 30, WAY, shot, 15, n_open=75, seed=0)
+        p = est.predict_proba_open(ep)
+        assert p.dtype == torch.float32
+        known = p[..., :-1][~ep.open_mask]
+        assert (known.amax(-1) > 0).all()
