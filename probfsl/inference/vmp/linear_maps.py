@@ -114,8 +114,8 @@ def _paired_h(term: BilinearTerm, which: tuple) -> tuple:
     return tuple(rename.get(d, d) for d in term.h_dims)
 
 
-def bilinear_moments(plan: Plan, q: dict, p: Param) -> tuple[torch.Tensor, torch.Tensor]:
-    """(⟨loc⟩, ⟨loc²⟩) of b + B(u, v) under q(u) q(v):
+def bilinear_moments(plan: Plan, q: dict, p: Param) -> tuple:
+    """(⟨loc⟩, ⟨loc²⟩, Var loc) of b + B(u, v) under q(u) q(v):
     ⟨B⟩ = H·⟨u⟩·⟨v⟩, ⟨B²⟩ = H H ⟨u uᵀ⟩ ⟨v vᵀ⟩ (contracted over both pairs of axes)."""
     t, sizes, ref = p.bilinear, plan.sizes, plan.ref
     u, v = plan.sites[t.u], plan.sites[t.v]
@@ -133,7 +133,7 @@ def bilinear_moments(plan: Plan, q: dict, p: Param) -> tuple[torch.Tensor, torch
     var = ein(p.dims, [h, paired, cov_u, sv], over2, sizes, ref)
     var = var + ein(p.dims, [h, paired, cov_v] + outer_u, over2, sizes, ref)
     mean = ein(p.dims, [(p.const, p.const_dims)], p.dims, sizes, ref) + product
-    return mean, mean.square() + var
+    return mean, mean.square() + var, var
 
 
 def bilinear_message(
@@ -167,11 +167,10 @@ def moments(plan: Plan, q: dict, p: Param) -> tuple[torch.Tensor, torch.Tensor]:
     t = p.bilinear
     deps = tuple(q[d.parent] for d in p.terms) if t is None else (q[t.u], q[t.v])
     hit = p.derived.get("moments")
-    if hit is not None and all(a is b for a, b in zip(hit[0], deps, strict=True)):
-        return hit[1]
-    value = _moments(plan, q, p) if t is None else bilinear_moments(plan, q, p)
-    p.derived["moments"] = (deps, value)
-    return value
+    if hit is None or not all(a is b for a, b in zip(hit[0], deps, strict=True)):
+        value = _moments(plan, q, p) if t is None else bilinear_moments(plan, q, p)
+        hit = p.derived["moments"] = (deps, value)
+    return hit[1][:2]
 
 
 def _moments(plan: Plan, q: dict, p: Param) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,8 +218,9 @@ def second_moment_terms(plan: Plan, q: dict, p: Param) -> list[list]:
     ⟨loc²⟩ against its own operands contracts each product as a whole, so a map over many
     rows (a design matrix against a joint Gaussian) sums J Jᵀ over its rows first instead
     of forming each row's variance (:func:`moments` forms them)."""
-    if p.bilinear is not None:
-        return [[(moments(plan, q, p)[1], p.dims)]]
+    if p.bilinear is not None:  # ⟨loc⟩² and Var loc, formed apart (no cancellation)
+        loc = moments(plan, q, p)[0]
+        return [[(loc.square(), p.dims)], [(p.derived["moments"][1][2], p.dims)]]
     terms = [[(mean(plan, q, p).square(), p.dims)]]
     for term in p.terms:
         j = (term.jac, term.jac_dims)

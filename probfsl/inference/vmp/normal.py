@@ -166,15 +166,17 @@ def ops(plan, q, s, chain: bool = True, moments: bool = True):
 def centred_square(plan: Plan, q: dict, s: Site, o: dict) -> list | None:
     """⟨(x − m)²⟩ of the Normal site ``s`` as a sum of operand lists,
     (⟨x⟩ − ⟨m⟩)² + Var x + Var m (x and m independent under q), where x and its mean m
-    are elementwise with variances read off their factors (:func:`_variance`); None
-    elsewhere (an affine, bilinear or selected mean, a step of a Gaussian chain), where
+    are elementwise with variances read off their factors (:func:`_variance`), or
+    observed data under an affine or bilinear mean (:func:`_affine_residual`); None
+    elsewhere (a latent site under such a mean, a selected mean, a step of a Gaussian
+    chain), where
     ⟨x²⟩ − 2⟨x⟩⟨m⟩ + ⟨m²⟩ is used.
 
     The expanded form cancels: its three terms are each about ⟨x⟩², and float32 keeps no
     digit of a ⟨(x − m)²⟩ below 6e-8 ⟨x⟩² (a tight prior N(3, 10⁻⁶) on a latent x, whose
     Var x is about 10⁻⁶, loses the whole term). The difference ⟨x⟩ − ⟨m⟩ is formed first."""
     loc = s.params["loc"]
-    if s.observed and loc.terms and loc.bilinear is None and not loc.comp and o["L2"]:
+    if s.observed and (loc.terms or loc.bilinear is not None) and not loc.comp and o["L2"]:
         return _affine_residual(plan, o)
     if s.observed or o["X1"] is None or loc.terms or loc.bilinear is not None or loc.comp:
         return None
@@ -195,7 +197,8 @@ def centred_square(plan: Plan, q: dict, s: Site, o: dict) -> list | None:
 
 def _affine_residual(plan: Plan, o: dict) -> list:
     """⟨(x − m)²⟩ of observed data x under an affine mean m = Σ_i J_i w_i + b, as
-    (x − ⟨m⟩)² + Σ_i J_i Cov(w_i) J_iᵀ: the residual first, then the map's variance terms
+    (x − ⟨m⟩)² + Σ_i J_i Cov(w_i) J_iᵀ, or a bilinear one (x − ⟨m⟩)² + Var m: the residual
+    first, then the map's variance terms
     (:func:`~probfsl.inference.vmp.linear_maps.second_moment_terms` after its ⟨m⟩²). The
     expanded x² − 2x⟨m⟩ + ⟨m⟩² + ... cancels where the fit is close (weights far from 0,
     little noise: a float32 bound 1e-2 relative off, a float64 one 5e-10)."""
