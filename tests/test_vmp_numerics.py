@@ -345,3 +345,58 @@ def test_bilinear_mean_float32_matches_float64():
     f32 = VMP(model, tol=1e-7, max_iter=3000).fit(y.float(), init={"W": w.float()})[0].objective
     assert f32.dtype == torch.float32
     assert (f32.double() - f64).abs().max() < 0.2
+
+
+# ------------------------------------------------------------------ Gaussian chains
+def level_walk(level, step, noise, tau=False):
+    """s_0 ~ N(level, 1), s_t ~ N(s_{t−1}, step²) (or a Gamma innovation precision),
+    x_t ~ N(s_t, noise²): one joint factor, exact with fixed precisions."""
+
+    def model(x):
+        t, n = x.shape
+        with pyro.plate("tasks", t):
+            precision = (
+                pyro.sample("tau", dist.Gamma(x.new_tensor(2.0), x.new_tensor(2.0 * step**2)))
+                if tau
+                else x.new_tensor(step**-2)
+            )
+            s = pyro.sample("s0", dist.Normal(x.new_tensor(level), x.new_tensor(1.0)))
+            pyro.sample("x0", dist.Normal(s, x.new_tensor(noise)), obs=x[:, 0])
+            for i in range(1, n):
+                s = pyro.sample(f"s{i}", dist.Normal(s, precision.rsqrt()))
+                pyro.sample(f"x{i}", dist.Normal(s, x.new_tensor(noise)), obs=x[:, i])
+
+    return model
+
+
+def _walk(level, step, noise, n_tasks=3, n=12):
+    g = torch.Generator().manual_seed(0)
+    walk = (step * torch.randn(n_tasks, n, generator=g, dtype=F64)).cumsum(1)
+    return level + walk + noise * torch.randn(n_tasks, n, generator=g, dtype=F64)
+
+
+def _walk_evidence(x, level, step, noise):
+    """ln N(x | level 1, 1 + step² min(i, j) + noise² I), in float64."""
+    i = torch.arange(x.shape[1], dtype=F64)
+    cov = 1 + step**2 * torch.minimum(i[:, None], i[None, :])
+    cov = cov + noise**2 * torch.eye(x.shape[1], dtype=F64)
+    return dist.MultivariateNormal(torch.full_like(i, level), cov).log_prob(x.double())
+
+
+def test_chain_far_from_zero_float32_bound_is_the_evidence():
+    """A walk at a level of 1,000 with steps and noise of 0.1: each step's term is formed
+    from (⟨s_t⟩ − ⟨s_{t−1}⟩)² + Var(s_t − s_{t−1}) off the joint factor, the data's from
+    their residuals (the expanded forms put the float32 bound 45 nats off)."""
+    x = _walk(1000.0, 0.1, 0.1)
+    model = level_walk(1000.0, 0.1, 0.1)
+    f32 = _fit(model, x.float()).objective
+    assert f32.dtype == torch.float32
+    assert (f32.double() - _walk_evidence(x.float(), 1000.0, 0.1, 0.1)).abs().max() < 1e-3
+
+
+def test_chain_with_a_latent_precision_float32_matches_float64():
+    x = _walk(1000.0, 0.1, 0.1)
+    model = level_walk(1000.0, 0.1, 0.1, tau=True)
+    f64 = VMP(model, tol=1e-10, max_iter=300).fit(x)[0].objective
+    f32 = VMP(model, tol=1e-6, max_iter=300).fit(x.float())[0].objective
+    assert (f32.double() - f64).abs().max() < 1e-2

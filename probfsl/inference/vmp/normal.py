@@ -178,6 +178,8 @@ def centred_square(plan: Plan, q: dict, s: Site, o: dict) -> list | None:
     loc = s.params["loc"]
     if s.observed and (loc.terms or loc.bilinear is not None) and not loc.comp and o["L2"]:
         return _affine_residual(plan, o)
+    if s.chain is not None and s.chain[1] and s.chain[0] in q and o["X1"] is not None:
+        return _chain_step_square(plan, q, s, o)
     if s.observed or o["X1"] is None or loc.terms or loc.bilinear is not None or loc.comp:
         return None
     var_x, var_m = _variance(plan, q, s), _loc_variance(plan, q, loc)
@@ -193,6 +195,30 @@ def centred_square(plan: Plan, q: dict, s: Site, o: dict) -> list | None:
     if var_m is not None:
         terms.append([var_m])
     return terms
+
+
+def _chain_step_square(plan: Plan, q: dict, s: Site, o: dict) -> list | None:
+    """⟨(s_t − m_t)²⟩ of a step of a scalar Gaussian chain, m_t = a s_{t−1} + d (a = 1, d = 0
+    for a copy), as (⟨s_t⟩ − ⟨m_t⟩)² + Var(s_t − a s_{t−1}) with the variance from the
+    chain's joint factor, V_t + a² V_{t−1} − 2a C_{t,t−1}: a chain far from 0 (a level of
+    1,000 and steps of 0.1) keeps its float32 bound, which ⟨s_t²⟩ − 2⟨s_t m_t⟩ + ⟨m_t²⟩
+    lost. None for a vector chain (the expanded form there)."""
+    name, t = s.chain
+    pred = plan.chains[name][t - 1]
+    if gaussian_chain.vector(plan, name) or plan.sites[pred].dims != s.dims:
+        return None
+    (m, m_dims), (x, dims) = o["L1"][0], o["X1"][0]
+    if not set(m_dims) <= set(dims):
+        return None
+    at = ein(dims, [(m, m_dims)], (), plan.sizes, plan.ref, expand=False)
+    var_t, var_pred = q[s.name][1].reciprocal(), q[pred][1].reciprocal()
+    cov = q[name][0][..., t - 1]
+    a, _ = gaussian_chain.step_map(plan, s)
+    if a is None:
+        var = var_t + var_pred - 2 * cov
+    else:
+        var = var_t + a.square() * var_pred - 2 * a * cov
+    return [[((x - at).square_(), dims)], [(var, dims)]]
 
 
 def _affine_residual(plan: Plan, o: dict) -> list:
@@ -218,8 +244,9 @@ def _loc_variance(plan: Plan, q: dict | None, loc, structure: bool = False):
     record = lookup(parent.family)
     if not (record.gaussian and record.elementwise):  # a Normal site's (x, x²)
         return False
-    if structure:
-        return False if parent.chain is not None and not parent.observed else None
+    if structure:  # a member of a vector chain has no marginal variance of its own here
+        vector = parent.chain is not None and gaussian_chain.vector(plan, parent.chain[0])
+        return False if vector and not parent.observed else None
     var = _variance(plan, q, parent)
     if var is None or var is False:
         return var
@@ -228,12 +255,15 @@ def _loc_variance(plan: Plan, q: dict | None, loc, structure: bool = False):
 
 def _variance(plan: Plan, q: dict, s: Site):
     """Var of the entries of a Normal site's value
-    (:func:`~probfsl.inference.vmp.moments.variance`): None where it is 0 (data, a point
-    estimate), False where no factor of its own holds it (a step of a Gaussian chain)."""
+    (:func:`~probfsl.inference.vmp.moments.variance`; a member of a scalar Gaussian chain:
+    its marginal under the chain's joint factor): None where it is 0 (data, a point
+    estimate), False where no factor holds it (a member of a vector chain)."""
     if s.observed or s.point:
         return None
-    if s.chain is not None or s.name not in q:
+    if s.name not in q or (s.chain is not None and gaussian_chain.vector(plan, s.chain[0])):
         return False
+    if s.chain is not None:  # a member's marginal, (mean, 1 / variance) of the joint factor
+        return q[s.name][1].reciprocal()
     return variance(plan, q, s.name)
 
 
