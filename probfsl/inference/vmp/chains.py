@@ -61,6 +61,9 @@ def vector_predecessor(sites: dict[str, Site], site: Site, sizes: dict) -> str |
         pred_name, axis = loc.bilinear.v, loc.bilinear.axis_v
     elif loc.bilinear is None and loc.parent is None and len(loc.terms) == 1:
         pred_name, axis = loc.terms[0].parent, loc.terms[0].axis
+    elif copy_step(sites, site):  # x_{t−1} itself (A = I, b = 0) of a joint state
+        pred_name = loc.parent
+        axis = sites[pred_name].dims[-1]
     else:
         return None
     pred = sites[pred_name]
@@ -70,6 +73,21 @@ def vector_predecessor(sites: dict[str, Site], site: Site, sizes: dict) -> str |
     if pred.dims[:-1] != site.dims[:-1] or sizes[pred.dims[-1]] != sizes[site.dims[-1]]:
         return None
     return pred.name
+
+
+def copy_step(sites: dict[str, Site], site: Site) -> bool:
+    """Whether ``site`` (a Normal with one event axis) has the state before as its mean,
+    x_t ~ N(x_{t−1}, diag(λ)⁻¹), where one of the two is a joint factor (an observation
+    or a map mixes its entries: the states are then one vector chain, A = I and b = 0;
+    otherwise the entries are independent chains of their own)."""
+    loc = site.params["loc"]
+    if loc.parent is None or loc.terms or loc.bilinear is not None or loc.comp is not None:
+        return False
+    pred = sites[loc.parent]
+    if pred.event_dim != 1 or not lookup(pred.family).gaussian:
+        return False
+    same_axes = all(loc.rename[d] == d for d in pred.dims[:-1])
+    return same_axes and (site.joint or pred.joint)
 
 
 def find_chains(plan: Plan) -> None:

@@ -45,6 +45,7 @@ import math
 
 import torch
 
+from probfsl.inference.vmp.chains import copy_step
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.layout import Plan, Site
 from probfsl.inference.vmp.matrix_maps import matrix_of
@@ -64,8 +65,9 @@ def step_map(plan: Plan, s: Site) -> tuple:
 
 def vector(plan: Plan, name: str) -> bool:
     """Whether chain ``name`` is a vector chain (each step a matrix map of the last)."""
-    second = plan.sites[plan.chains[name][1]].params["loc"]
-    if matrix_of(plan.sites, second) is not None:
+    step = plan.sites[plan.chains[name][1]]
+    second = step.params["loc"]
+    if matrix_of(plan.sites, second) is not None or copy_step(plan.sites, step):
         return True
     return bool(second.terms) and second.terms[0].axis is not None
 
@@ -77,6 +79,10 @@ def matrix_map(plan: Plan, q: dict, s: Site) -> tuple:
     :mod:`~probfsl.inference.vmp.matrix_maps`)."""
     p = s.params["loc"]
     sizes, ref = plan.sizes, plan.ref
+    if copy_step(plan.sites, s):  # the state before itself: A = I, b = 0
+        size = sizes[s.dims[-1]]
+        eye = torch.eye(size, dtype=ref.dtype, device=ref.device)
+        return eye, ref.new_zeros([sizes[d] for d in s.dims])
     b = ein(s.dims, [(p.const, p.const_dims)], s.dims, sizes, ref)
     matrix = matrix_of(plan.sites, p)
     if matrix is None:
