@@ -346,16 +346,18 @@ def test_the_guide_draws_an_elementwise_last_state_from_the_joint_factor():
     assert abs(mean - analytic) <= 1e-6 * abs(analytic) and se <= 1e-6 * abs(analytic)
 
 
-def vector_walk(y, c):
+def vector_walk(y, c, every=1):
     """x_0 ~ N(0, 1.5² I), x_t ~ N(x_{t−1}, diag(STEP_SD²)) (the state before as the mean,
-    no matrix written), y_t ~ N(C x_t, diag(NOISE_SD²))."""
+    no matrix written), y_t ~ N(C x_t, diag(NOISE_SD²)) at every ``every``-th step."""
     step, noise = STEP_SD.to(y.dtype), NOISE_SD.to(y.dtype)
     with pyro.plate("tasks", y.shape[0]):
         x = pyro.sample("x0", dist.Normal(y.new_zeros(D), PRIOR_SD).to_event(1))
         pyro.sample("y0", dist.Normal(_observe(c, x), noise).to_event(1), obs=y[:, 0])
         for t in range(1, y.shape[1]):
             x = pyro.sample(f"x{t}", dist.Normal(x, step).to_event(1))
-            pyro.sample(f"y{t}", dist.Normal(_observe(c, x), noise).to_event(1), obs=y[:, t])
+            if t % every == 0:
+                obs = dist.Normal(_observe(c, x), noise).to_event(1)
+                pyro.sample(f"y{t}", obs, obs=y[:, t])
 
 
 def test_a_vector_random_walk_is_one_exact_chain():
@@ -372,5 +374,27 @@ def test_a_vector_random_walk_is_one_exact_chain():
     vmp = VMP(vector_walk, tol=1e-13)
     plan = vmp.compile(y, c)
     assert list(plan.chains.values()) == [[f"x{t}" for t in range(N)]]
+    state, _ = vmp.fit(y, c)
+    torch.testing.assert_close(state.objective, evidence, rtol=1e-10, atol=1e-10)
+
+
+def test_a_vector_random_walk_with_gaps_is_one_exact_chain():
+    """Observed at every third step only: the states no observation reaches (not joint
+    factors themselves) still join the chain, and the bound is the evidence of the
+    observed steps."""
+    a = torch.eye(D, dtype=F64).expand(TASKS, D, D)
+    c = observation_matrix()
+    y = simulate(a, c)
+    seen = [t for t in range(N) if t % 3 == 0]
+    _, sigma, _, _, _ = dense_joint(a, c, N)
+    h = torch.zeros(len(seen) * E, N * D, dtype=F64)
+    for i, t in enumerate(seen):
+        h[i * E : (i + 1) * E, t * D : (t + 1) * D] = c
+    cov = h @ sigma @ h.T + torch.diag(NOISE_SD.double().repeat(len(seen)) ** 2)
+    evidence = dist.MultivariateNormal(torch.zeros(len(seen) * E, dtype=F64), cov).log_prob(
+        y[:, seen].reshape(TASKS, -1)
+    )
+    vmp = VMP(partial(vector_walk, every=3), tol=1e-13)
+    assert list(vmp.compile(y, c).chains.values()) == [[f"x{t}" for t in range(N)]]
     state, _ = vmp.fit(y, c)
     torch.testing.assert_close(state.objective, evidence, rtol=1e-10, atol=1e-10)

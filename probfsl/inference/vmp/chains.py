@@ -61,9 +61,6 @@ def vector_predecessor(sites: dict[str, Site], site: Site, sizes: dict) -> str |
         pred_name, axis = loc.bilinear.v, loc.bilinear.axis_v
     elif loc.bilinear is None and loc.parent is None and len(loc.terms) == 1:
         pred_name, axis = loc.terms[0].parent, loc.terms[0].axis
-    elif copy_step(sites, site):  # x_{t−1} itself (A = I, b = 0) of a joint state
-        pred_name = loc.parent
-        axis = sites[pred_name].dims[-1]
     else:
         return None
     pred = sites[pred_name]
@@ -76,18 +73,44 @@ def vector_predecessor(sites: dict[str, Site], site: Site, sizes: dict) -> str |
 
 
 def copy_step(sites: dict[str, Site], site: Site) -> bool:
-    """Whether ``site`` (a Normal with one event axis) has the state before as its mean,
-    x_t ~ N(x_{t−1}, diag(λ)⁻¹), where one of the two is a joint factor (an observation
-    or a map mixes its entries: the states are then one vector chain, A = I and b = 0;
-    otherwise the entries are independent chains of their own)."""
-    loc = site.params["loc"]
-    if loc.parent is None or loc.terms or loc.bilinear is not None or loc.comp is not None:
+    """Whether ``site``, a latent Normal with one event axis, has the state before as its
+    mean, x_t ~ N(x_{t−1}, diag(λ)⁻¹): a step of a vector chain with A = I and b = 0
+    where its group of such steps holds a joint factor (:func:`vector_copies`)."""
+    record = lookup(site.family)
+    if not (record.gaussian and record.elementwise) or site.event_dim != 1:
+        return False
+    if site.observed or site.point or site.mask is not None:
+        return False
+    loc, prec = site.params.get("loc"), site.params.get("precision")
+    if loc is None or loc.parent is None or loc.terms or loc.bilinear is not None:
+        return False
+    if loc.comp is not None or prec is None or prec.comp is not None:
         return False
     pred = sites[loc.parent]
-    if pred.event_dim != 1 or not lookup(pred.family).gaussian:
+    if pred.observed or pred.point or pred.mask is not None or pred.event_dim != 1:
         return False
-    same_axes = all(loc.rename[d] == d for d in pred.dims[:-1])
-    return same_axes and (site.joint or pred.joint)
+    if not lookup(pred.family).gaussian or pred.dims[:-1] != site.dims[:-1]:
+        return False
+    return all(loc.rename[d] == d for d in pred.dims[:-1])
+
+
+def vector_copies(sites: dict[str, Site]) -> set[str]:
+    """The copy steps (:func:`copy_step`) whose group (the states linked by copy steps)
+    holds a joint factor, an observation or a map that mixes a state's entries: the
+    states of such a group are one vector chain (A = I), even those no observation
+    reaches; in a group without one, each entry is a scalar chain of its own."""
+    group = {n: n for n in sites}
+
+    def root(n: str) -> str:
+        while group[n] != n:
+            n = group[n]
+        return n
+
+    steps = [s for s in sites.values() if copy_step(sites, s)]
+    for s in steps:
+        group[root(s.name)] = root(s.params["loc"].parent)
+    joint = {root(s.name) for s in sites.values() if s.joint}
+    return {s.name for s in steps if root(s.name) in joint}
 
 
 def find_chains(plan: Plan) -> None:
@@ -104,8 +127,12 @@ def find_chains(plan: Plan) -> None:
     sites = plan.sites
     successor: dict[str, str | None] = {}
     kind: dict[str, str] = {}  # a step's kind: a chain is all scalar or all vector steps
+    copies = vector_copies(sites)
     for name in plan.latent:
-        pred, kind[name] = _predecessor(sites, sites[name]), "scalar"
+        if name in copies:  # x_{t−1} itself, A = I: a vector step
+            pred, kind[name] = sites[name].params["loc"].parent, "vector"
+        else:
+            pred, kind[name] = _predecessor(sites, sites[name]), "scalar"
         if pred is None:
             pred, kind[name] = vector_predecessor(sites, sites[name], plan.sizes), "vector"
         if pred is not None:

@@ -45,7 +45,7 @@ import math
 
 import torch
 
-from probfsl.inference.vmp.chains import copy_step
+from probfsl.inference.vmp.chains import copy_step, vector_copies
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.layout import Plan, Site
 from probfsl.inference.vmp.matrix_maps import matrix_of
@@ -67,7 +67,7 @@ def vector(plan: Plan, name: str) -> bool:
     """Whether chain ``name`` is a vector chain (each step a matrix map of the last)."""
     step = plan.sites[plan.chains[name][1]]
     second = step.params["loc"]
-    if matrix_of(plan.sites, second) is not None or copy_step(plan.sites, step):
+    if matrix_of(plan.sites, second) is not None or step.name in vector_copies(plan.sites):
         return True
     return bool(second.terms) and second.terms[0].axis is not None
 
