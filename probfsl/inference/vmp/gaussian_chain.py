@@ -47,7 +47,7 @@ import torch
 
 from probfsl.inference.vmp.chains import copy_step, vector_copies
 from probfsl.inference.vmp.einsum import ein
-from probfsl.inference.vmp.layout import Plan, Site
+from probfsl.inference.vmp.layout import Plan, Site, constant
 from probfsl.inference.vmp.matrix_maps import matrix_of
 from probfsl.inference.vmp.moments import expected_stats, precision_factors, second_moment
 
@@ -64,7 +64,13 @@ def step_map(plan: Plan, s: Site) -> tuple:
 
 
 def vector(plan: Plan, name: str) -> bool:
-    """Whether chain ``name`` is a vector chain (each step a matrix map of the last)."""
+    """Whether chain ``name`` is a vector chain (each step a matrix map of the last, or
+    the state before itself in a group of joint states: :func:`~probfsl.inference.vmp.
+    chains.vector_copies`); read once per plan."""
+    return constant(plan, ("vector chain", name), lambda: _vector(plan, name), ())
+
+
+def _vector(plan: Plan, name: str) -> bool:
     step = plan.sites[plan.chains[name][1]]
     second = step.params["loc"]
     if matrix_of(plan.sites, second) is not None or step.name in vector_copies(plan.sites):
