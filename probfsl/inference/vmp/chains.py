@@ -49,13 +49,8 @@ def vector_predecessor(sites: dict[str, Site], site: Site, sizes: dict) -> str |
     (a Normal site with two event axes, :mod:`~probfsl.inference.vmp.matrix_maps`), with
     the same other axes and the same number of states, and no selection; ``None`` where
     ``site`` is no such step."""
-    record = lookup(site.family)
-    if not (record.gaussian and record.elementwise) or site.event_dim != 1:
-        return None
-    if site.observed or site.point or site.mask is not None:
-        return None
-    loc, prec = site.params.get("loc"), site.params.get("precision")
-    if loc is None or prec is None or loc.comp is not None or prec.comp is not None:
+    loc = _vector_state(site)
+    if loc is None:
         return None
     if matrix_of(sites, loc) is not None:  # A x_{t−1} + b with A a latent matrix
         pred_name, axis = loc.bilinear.v, loc.bilinear.axis_v
@@ -72,19 +67,26 @@ def vector_predecessor(sites: dict[str, Site], site: Site, sizes: dict) -> str |
     return pred.name
 
 
+def _vector_state(site: Site):
+    """The location of ``site`` where it can be a state of a vector chain (a latent Normal
+    with one event axis, no mask, its location and precision not selected); else None."""
+    record = lookup(site.family)
+    if not (record.gaussian and record.elementwise) or site.event_dim != 1:
+        return None
+    if site.observed or site.point or site.mask is not None:
+        return None
+    loc, prec = site.params.get("loc"), site.params.get("precision")
+    if loc is None or prec is None or loc.comp is not None or prec.comp is not None:
+        return None
+    return loc
+
+
 def copy_step(sites: dict[str, Site], site: Site) -> bool:
     """Whether ``site``, a latent Normal with one event axis, has the state before as its
     mean, x_t ~ N(x_{t−1}, diag(λ)⁻¹): a step of a vector chain with A = I and b = 0
     where its group of such steps holds a joint factor (:func:`vector_copies`)."""
-    record = lookup(site.family)
-    if not (record.gaussian and record.elementwise) or site.event_dim != 1:
-        return False
-    if site.observed or site.point or site.mask is not None:
-        return False
-    loc, prec = site.params.get("loc"), site.params.get("precision")
+    loc = _vector_state(site)
     if loc is None or loc.parent is None or loc.terms or loc.bilinear is not None:
-        return False
-    if loc.comp is not None or prec is None or prec.comp is not None:
         return False
     pred = sites[loc.parent]
     if pred.observed or pred.point or pred.mask is not None or pred.event_dim != 1:
