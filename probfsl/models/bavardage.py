@@ -633,21 +633,21 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         :class:`~probfsl.inference.vb_mixture_open.BavardageOpenVB`); the last column is
         the background's and the free components' mass."""
         problem = self.open_problem(episodes)
-        way = episodes.way
         if problem.engine is None:
-            resp = self.final_open(problem.reading, problem.resp[:, episodes.support.shape[1] :])
-            proba = torch.cat([resp[..., :way], resp[..., way:].sum(-1, keepdim=True)], -1)
-            return temper_open(proba, float(self.open_scale))
-        state, _ = fit_bavardage_vb(
-            problem.engine,
-            problem.support,
-            problem.support_labels,
-            problem.query,
-            problem.resp,
-            int(self.n_vb),
-        )
+            resp = problem.resp[:, episodes.support.shape[1] :]
+        else:
+            state, _ = fit_bavardage_vb(
+                problem.engine,
+                problem.support,
+                problem.support_labels,
+                problem.query,
+                problem.resp,
+                int(self.n_vb),
+            )
+            resp = state.component_proba
         # K classes, J free components, the background; P(open) read last (queries' frame)
-        resp = self.final_open(problem.reading, state.component_proba)
+        resp = self.final_open(problem.reading, resp)
+        way = episodes.way
         proba = torch.cat([resp[..., :way], resp[..., way:].sum(-1, keepdim=True)], -1)
         return temper_open(proba, float(self.open_scale))
 
