@@ -400,3 +400,21 @@ def test_chain_with_a_latent_precision_float32_matches_float64():
     f64 = VMP(model, tol=1e-10, max_iter=300).fit(x)[0].objective
     f32 = VMP(model, tol=1e-6, max_iter=300).fit(x.float())[0].objective
     assert (f32.double() - f64).abs().max() < 1e-2
+
+
+@pytest.mark.parametrize("case", ["gp", "walk"])
+def test_the_centred_terms_follow_the_data_device_without_host_syncs(case):
+    """The covariance and chain-step forms create nothing on the default device and
+    synchronise with the host nowhere inside a sweep (CPU checks: the ``meta`` device and
+    a count of synchronisations)."""
+    from probfsl.testing import ConformanceCase, assert_device_follows, assert_no_host_syncs
+
+    if case == "gp":
+        model, data = gp_fixed_noise(3.0, 0.1), _gp_data(3.0, 1.0)
+    else:
+        model, data = level_walk(10.0, 0.1, 0.1, tau=True), (_walk(10.0, 0.1, 0.1),)
+    conformance = ConformanceCase(
+        make_engine=lambda: VMP(model, tol=0), model=model, data=data, n_steps=4
+    )
+    assert_device_follows(conformance)
+    assert_no_host_syncs(conformance)

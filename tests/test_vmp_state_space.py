@@ -398,3 +398,17 @@ def test_a_vector_random_walk_with_gaps_is_one_exact_chain():
     assert list(vmp.compile(y, c).chains.values()) == [[f"x{t}" for t in range(N)]]
     state, _ = vmp.fit(y, c)
     torch.testing.assert_close(state.objective, evidence, rtol=1e-10, atol=1e-10)
+
+
+def test_a_vector_random_walk_on_the_data_device_without_host_syncs():
+    from probfsl.testing import assert_device_follows, assert_no_host_syncs
+
+    a = torch.eye(D, dtype=F64).expand(2, D, D)
+    c = observation_matrix()
+    y = simulate(a, c)
+    model = partial(vector_walk, every=3)
+    case = ConformanceCase(
+        make_engine=lambda: VMP(model, tol=0), model=model, data=(y, c), n_steps=3
+    )
+    assert_device_follows(case)
+    assert_no_host_syncs(case)
