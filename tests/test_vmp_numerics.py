@@ -402,7 +402,74 @@ def test_chain_with_a_latent_precision_float32_matches_float64():
     assert (f32.double() - f64).abs().max() < 1e-2
 
 
-@pytest.mark.parametrize("case", ["gp", "walk"])
+def level_state_space(level, a, c, step, noise):
+    """x_0 ~ N(level 1, I), x_t ~ N(A x_{t−1}, step² I), y_t ~ N(C x_t, noise² I): one
+    vector chain, exact with everything else fixed."""
+
+    def model(y):
+        a_, c_ = a.to(y.dtype), c.to(y.dtype)
+        with pyro.plate("tasks", y.shape[0]):
+            x = pyro.sample("x0", dist.Normal(y.new_full((a.shape[0],), level), 1.0).to_event(1))
+            pyro.sample("y0", dist.Normal(x @ c_.T, y.new_tensor(noise)).to_event(1), obs=y[:, 0])
+            for t in range(1, y.shape[1]):
+                x = pyro.sample(f"x{t}", dist.Normal(x @ a_.T, y.new_tensor(step)).to_event(1))
+                pyro.sample(
+                    f"y{t}", dist.Normal(x @ c_.T, y.new_tensor(noise)).to_event(1), obs=y[:, t]
+                )
+
+    return model
+
+
+def _rotation(angle=0.3, scale=0.999):
+    cos, sin = torch.cos(torch.tensor(angle, dtype=F64)), torch.sin(torch.tensor(angle, dtype=F64))
+    return scale * torch.stack([torch.stack([cos, -sin]), torch.stack([sin, cos])])
+
+
+def _state_space_data(level, a, c, step, noise, n_tasks=3, n=30):
+    g = torch.Generator().manual_seed(0)
+    x = level + torch.randn(n_tasks, a.shape[0], generator=g, dtype=F64)
+    ys = []
+    for t in range(n):
+        if t:
+            x = x @ a.T + step * torch.randn(x.shape, generator=g, dtype=F64)
+        ys.append(x @ c.T + noise * torch.randn(n_tasks, c.shape[0], generator=g, dtype=F64))
+    return torch.stack(ys, 1)
+
+
+def _state_space_evidence(y, level, a, c, step, noise):
+    """ln N(vec y | H μ, H Σ Hᵀ + noise² I) of the dense joint of the states, in float64:
+    E x_t = Aᵗ level 1, Cov(x_t, x_s) = A^(t−s) Cov(x_s) for t ≥ s."""
+    n, d = y.shape[1], a.shape[0]
+    means, covs = [torch.full((d,), level, dtype=F64)], {(0, 0): torch.eye(d, dtype=F64)}
+    for t in range(1, n):
+        means.append(a @ means[-1])
+        for s in range(t):
+            covs[t, s] = a @ covs[t - 1, s]
+            covs[s, t] = covs[t, s].T
+        covs[t, t] = a @ covs[t - 1, t - 1] @ a.T + step**2 * torch.eye(d, dtype=F64)
+    sigma = torch.cat([torch.cat([covs[t, s] for s in range(n)], 1) for t in range(n)], 0)
+    h = torch.block_diag(*[c] * n)
+    cov = h @ sigma @ h.T + noise**2 * torch.eye(h.shape[0], dtype=F64)
+    flat = y.double().reshape(y.shape[0], -1)
+    return dist.MultivariateNormal(h @ torch.cat(means), cov).log_prob(flat)
+
+
+def test_state_space_far_from_zero_float32_bound_is_the_evidence():
+    """A rotating two-dimensional state at a level of 1,000 with steps and noise of 0.1:
+    each step's term is formed from (⟨x_t⟩ − A⟨x_{t−1}⟩)² + Cov(x_t − A x_{t−1}) off the
+    chain's joint factor (the expanded form put the float32 bound 68 to 137 nats off)."""
+    a, c = _rotation(), torch.tensor([[1.0, 0.5], [-0.3, 0.8]], dtype=F64)
+    y = _state_space_data(1000.0, a, c, 0.1, 0.1)
+    model = level_state_space(1000.0, a, c, 0.1, 0.1)
+    f64 = _fit(model, y).objective
+    assert _rel(f64, _state_space_evidence(y, 1000.0, a, c, 0.1, 0.1)) < 1e-9
+    f32 = _fit(model, y.float()).objective
+    assert f32.dtype == torch.float32
+    exact = _state_space_evidence(y.float(), 1000.0, a, c, 0.1, 0.1)
+    assert (f32.double() - exact).abs().max() < 0.5
+
+
+@pytest.mark.parametrize("case", ["gp", "walk", "state space"])
 def test_the_centred_terms_follow_the_data_device_without_host_syncs(case):
     """The covariance and chain-step forms create nothing on the default device and
     synchronise with the host nowhere inside a sweep (CPU checks: the ``meta`` device and
@@ -411,6 +478,10 @@ def test_the_centred_terms_follow_the_data_device_without_host_syncs(case):
 
     if case == "gp":
         model, data = gp_fixed_noise(3.0, 0.1), _gp_data(3.0, 1.0)
+    elif case == "state space":
+        a, c = _rotation(), torch.tensor([[1.0, 0.5], [-0.3, 0.8]], dtype=F64)
+        model = level_state_space(10.0, a, c, 0.1, 0.1)
+        data = (_state_space_data(10.0, a, c, 0.1, 0.1, n=5),)
     else:
         model, data = level_walk(10.0, 0.1, 0.1, tau=True), (_walk(10.0, 0.1, 0.1),)
     conformance = ConformanceCase(

@@ -167,9 +167,9 @@ def centred_square(plan: Plan, q: dict, s: Site, o: dict) -> list | None:
     """⟨(x − m)²⟩ of the Normal site ``s`` as a sum of operand lists,
     (⟨x⟩ − ⟨m⟩)² + Var x + Var m (x and m independent under q), where x and its mean m
     are elementwise with variances read off their factors (:func:`_variance`), or
-    observed data under an affine or bilinear mean (:func:`_affine_residual`); None
-    elsewhere (a latent site under such a mean, a selected mean, a step of a Gaussian
-    chain), where
+    observed data under an affine or bilinear mean (:func:`_affine_residual`), or a step
+    of a Gaussian chain (:func:`_chain_step_square`); None elsewhere (a latent site under
+    such a mean, a selected mean, a vector chain's step under a latent matrix), where
     ⟨x²⟩ − 2⟨x⟩⟨m⟩ + ⟨m²⟩ is used.
 
     The expanded form cancels: its three terms are each about ⟨x⟩², and float32 keeps no
@@ -202,10 +202,12 @@ def _chain_step_square(plan: Plan, q: dict, s: Site, o: dict) -> list | None:
     for a copy), as (⟨s_t⟩ − ⟨m_t⟩)² + Var(s_t − a s_{t−1}) with the variance from the
     chain's joint factor, V_t + a² V_{t−1} − 2a C_{t,t−1}: a chain far from 0 (a level of
     1,000 and steps of 0.1) keeps its float32 bound, which ⟨s_t²⟩ − 2⟨s_t m_t⟩ + ⟨m_t²⟩
-    lost. None for a vector chain (the expanded form there)."""
+    lost. A vector chain's step: :func:`_vector_step_square`."""
     name, t = s.chain
     pred = plan.chains[name][t - 1]
-    if gaussian_chain.vector(plan, name) or plan.sites[pred].dims != s.dims:
+    if gaussian_chain.vector(plan, name):
+        return _vector_step_square(plan, q, s, o)
+    if plan.sites[pred].dims != s.dims:
         return None
     (m, m_dims), (x, dims) = o["L1"][0], o["X1"][0]
     if not set(m_dims) <= set(dims):
@@ -219,6 +221,36 @@ def _chain_step_square(plan: Plan, q: dict, s: Site, o: dict) -> list | None:
     else:
         var = var_t + a.square() * var_pred - 2 * a * cov
     return [[((x - at).square_(), dims)], [(var, dims)]]
+
+
+def _vector_step_square(plan: Plan, q: dict, s: Site, o: dict) -> list | None:
+    """⟨(x_t − A x_{t−1} − b)_i²⟩ of a step of a vector Gaussian chain with a fixed A (a
+    copy: A = I) as (⟨x_t⟩ − A⟨x_{t−1}⟩ − b)_i² + Cov(x_t − A x_{t−1})_ii, with
+    Cov(x_t − A x_{t−1}) = Σ_t − C Aᵀ − A Cᵀ + A Σ_{t−1} Aᵀ, Σ the states' marginal
+    covariances and C = Cov(x_t, x_{t−1}) the chain's lag-one covariance: a state-space model
+    far from 0 keeps the digits of its residuals. None for a latent A (the expanded form)."""
+    name, t = s.chain
+    pred = plan.chains[name][t - 1]
+    if matrix_of(plan.sites, s.params["loc"]) is not None:
+        return None
+    (m, m_dims), (x, dims) = o["L1"][0], o["X1"][0]
+    if not set(m_dims) <= set(dims):
+        return None
+    at = ein(dims, [(m, m_dims)], (), plan.sizes, plan.ref, expand=False)
+    a, _ = gaussian_chain.matrix_map(plan, q, s)
+    cov_t, cov_pred = _state_covariance(q[s.name]), _state_covariance(q[pred])
+    lag = q[name][0][..., t - 1, :, :]  # Cov(x_t, x_{t−1})
+    var = cov_t.diagonal(dim1=-2, dim2=-1) - 2 * (lag * a).sum(-1) + ((a @ cov_pred) * a).sum(-1)
+    return [[((x - at).square_(), dims)], [(var, dims)]]
+
+
+def _state_covariance(factor: tuple) -> torch.Tensor:
+    """Σ [..., D, D] of a vector chain state from its factor (mean, precision): a precision
+    matrix (a joint state), or the marginal precisions of an elementwise one."""
+    mean, precision = factor
+    if precision.dim() == mean.dim():
+        return torch.diag_embed(precision.reciprocal())
+    return torch.cholesky_inverse(torch.linalg.cholesky(precision))
 
 
 def _affine_residual(plan: Plan, o: dict) -> list:
