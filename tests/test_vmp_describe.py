@@ -156,6 +156,26 @@ def test_a_product_of_two_latent_gaussians_and_a_sum_are_mean_field_lines():
         VMP(product).compile(y)
 
 
+def test_a_latent_mean_of_a_plate_of_latent_normals_is_a_mean_field_line():
+    """A Normal-Normal hierarchy (m the mean of a plate of w_j) is fitted q(m) q(w), below
+    the exact evidence: it is named and warned about like the sum m + w_j it equals."""
+
+    def hierarchy(y):
+        with pyro.plate("tasks", y.shape[0], dim=-2):
+            m = pyro.sample("m", dist.Normal(y.new_tensor(0.0), 3.0))
+            with pyro.plate("groups", y.shape[1], dim=-1):
+                w = pyro.sample("w", dist.Normal(m, 1.0))
+                pyro.sample("y", dist.Normal(w, 0.5), obs=y)
+
+    y = torch.randn(2, 5, generator=_g(3), dtype=F64) + 2
+    assert "mean-field between m and w (coupled through site w)" in _describe(hierarchy, y)
+    with pytest.warns(MeanFieldWarning, match=r"m and w \(through site w\)"):
+        state, _ = VMP(hierarchy, tol=1e-13, max_iter=3000).fit(y)
+    cov = 1.25 * torch.eye(5, dtype=F64) + 9.0
+    exact = torch.distributions.MultivariateNormal(y.new_zeros(5), cov).log_prob(y)
+    assert bool((state.objective < exact - 1e-3).all())  # mean field: strictly below
+
+
 def test_describe_a_gaussian_chain_is_one_factor():
     x = torch.randn(2, 5, generator=_g(4), dtype=F64).cumsum(-1)
     text = _describe(random_walk, x)

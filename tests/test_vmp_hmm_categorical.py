@@ -230,3 +230,29 @@ def test_an_emission_law_that_changes_with_time_is_refused():
 
     with pytest.raises(ValueError, match="its observation law must not change with time"):
         VMP(varying).fit(hmm_labels(t=3, n=6)[0])
+
+
+def test_transition_rows_declared_in_a_plate_are_refused_by_name():
+    """A as a Dirichlet in a ``states`` plate (not ``.to_event(1)``): a VMP refusal naming
+    the site, the parent and the supported form, not Pyro's validation error of the
+    compiler's probe values."""
+    k = 2
+
+    def hmm(x):
+        t, n = x.shape
+        with pyro.plate("tasks", t, dim=-2):
+            pi = pyro.sample("pi", dist.Dirichlet(x.new_ones(k)))
+            with pyro.plate("states", k, dim=-1):
+                a = pyro.sample("A", dist.Dirichlet(x.new_ones(k)))
+                mu = pyro.sample("mu", dist.Normal(x.new_tensor(0.0), 10.0))
+                tau = pyro.sample("tau", dist.Gamma(x.new_tensor(1.0), 1.0))
+            obs = dist.Normal(mu[:, None, None, :], tau.rsqrt()[:, None, None, :])
+            chain = dist.DiscreteHMM(pi.log(), a.log()[:, None, None], obs, duration=n)
+            pyro.sample("x", chain, obs=x.unsqueeze(-2))
+
+    x = torch.randn(2, 10, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with pytest.raises(
+        ValueError,
+        match=r"^VMP cannot use site 'x' \(DiscreteHMM\) with parent 'A'.*\.to_event\(1\)",
+    ):
+        VMP(hmm).compile(x)

@@ -412,3 +412,82 @@ def test_a_vector_random_walk_on_the_data_device_without_host_syncs():
     )
     assert_device_follows(case)
     assert_no_host_syncs(case)
+
+
+def _direct_walk(y, first="none"):
+    """A vector random walk observed directly (nothing mixes a state's entries), its first
+    state at a fixed prior or with a latent mean m (a Normal or MultivariateNormal)."""
+    t, n, d = y.shape
+    with pyro.plate("tasks", t):
+        if first == "none":
+            x = pyro.sample("x0", dist.Normal(y.new_zeros(d), 5**0.5).to_event(1))
+        else:
+            if first == "normal":
+                m = pyro.sample("m", dist.Normal(y.new_zeros(d), 2.0).to_event(1))
+            else:
+                m = pyro.sample(
+                    "m", dist.MultivariateNormal(y.new_zeros(d), 4 * torch.eye(d, dtype=y.dtype))
+                )
+            x = pyro.sample("x0", dist.Normal(m, 1.0).to_event(1))
+        pyro.sample("y0", dist.Normal(x, 0.5).to_event(1), obs=y[:, 0])
+        for s in range(1, n):
+            x = pyro.sample(f"x{s}", dist.Normal(x, 0.3).to_event(1))
+            pyro.sample(f"y{s}", dist.Normal(x, 0.5).to_event(1), obs=y[:, s])
+
+
+@pytest.mark.parametrize("first", ["none", "normal", "mvn"])
+def test_a_vector_random_walk_observed_directly_is_one_exact_chain(first):
+    """Without an observation matrix (and with a latent mean of the first state) the
+    states were one factor each, mean-field across time and silently a nat and a half
+    below the evidence; each entry's walk has x0 ~ N(0, 5) either way."""
+    n, d = 5, 2
+    y = torch.randn(2, n, d, generator=torch.Generator().manual_seed(17), dtype=F64)
+    f = torch.zeros(n, n + 1, dtype=F64)
+    f[:, 0] = 2.0
+    for s in range(n):
+        f[s, 1] = 1.0
+        f[s, 2 : s + 2] = 0.3
+    cov = f @ f.T + 0.25 * torch.eye(n, dtype=F64)
+    evidence = (
+        dist.MultivariateNormal(torch.zeros(n, dtype=F64), cov).log_prob(y.transpose(1, 2)).sum(-1)
+    )
+    vmp = VMP(partial(_direct_walk, first=first), tol=1e-13)
+    plan = vmp.compile(y)
+    assert len(plan.chains) == 1 and plan.mean_field_pairs() == []
+    state, _ = vmp.fit(y)
+    torch.testing.assert_close(state.objective, evidence, rtol=1e-10, atol=1e-10)
+
+
+def test_a_latent_mean_of_the_first_state_observed_through_a_matrix_is_exact():
+    """m ~ N(0, 4 I), x0 ~ N(m, I), then a walk observed through C: one chain m -> x0 ->
+    ..., the exact evidence (was a bare ValueError from the bound's contraction)."""
+    n, d, e = 5, 2, 3
+    g = torch.Generator().manual_seed(17)
+    c = torch.randn(e, d, generator=g, dtype=F64)
+    y = torch.randn(2, n, e, generator=g, dtype=F64)
+
+    def model(y):
+        with pyro.plate("tasks", y.shape[0]):
+            m = pyro.sample("m", dist.Normal(y.new_zeros(d), 2.0).to_event(1))
+            x = pyro.sample("x0", dist.Normal(m, 1.0).to_event(1))
+            pyro.sample("y0", dist.Normal(x @ c.T, 0.5).to_event(1), obs=y[:, 0])
+            for s in range(1, n):
+                x = pyro.sample(f"x{s}", dist.Normal(x, 0.3).to_event(1))
+                pyro.sample(f"y{s}", dist.Normal(x @ c.T, 0.5).to_event(1), obs=y[:, s])
+
+    f = torch.zeros(n * d, (n + 1) * d, dtype=F64)
+    f[:, :d] = torch.eye(d, dtype=F64).repeat(n, 1) * 2.0
+    for s in range(n):
+        for u in range(s + 1):
+            f[s * d : (s + 1) * d, (u + 1) * d : (u + 2) * d] = torch.eye(d, dtype=F64) * (
+                1.0 if u == 0 else 0.3
+            )
+    h = torch.kron(torch.eye(n, dtype=F64), c)
+    cov = h @ f @ f.T @ h.T + 0.25 * torch.eye(n * e, dtype=F64)
+    evidence = dist.MultivariateNormal(torch.zeros(n * e, dtype=F64), cov).log_prob(
+        y.reshape(2, -1)
+    )
+    vmp = VMP(model, tol=1e-13)
+    assert list(vmp.compile(y).chains.values()) == [["m"] + [f"x{s}" for s in range(n)]]
+    state, _ = vmp.fit(y)
+    torch.testing.assert_close(state.objective, evidence, rtol=1e-10, atol=1e-10)

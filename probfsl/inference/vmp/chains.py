@@ -112,7 +112,10 @@ def vector_copies(sites: dict[str, Site]) -> set[str]:
     for s in steps:
         group[root(s.name)] = root(s.params["loc"].parent)
     joint = {root(s.name) for s in sites.values() if s.joint}
-    return {s.name for s in steps if root(s.name) in joint}
+    # a group with no joint state, whose steps are not scalar chains either (the event
+    # axes of a `.to_event(1)` state are its own), is a vector chain too: one factor per
+    # state would be mean-field across time
+    return {s.name for s in steps if root(s.name) in joint or _predecessor(sites, s) is None}
 
 
 def find_chains(plan: Plan) -> None:
@@ -149,6 +152,22 @@ def find_chains(plan: Plan) -> None:
         plan.chains[name] = members
         for position, member in enumerate(members):
             sites[member].chain = (name, position)
+        if kind[members[1]] == "vector":
+            # every state but the last is read by the next as a joint Gaussian (the last
+            # may keep its marginal variances: no step reads it)
+            for member in members[:-1]:
+                _mark_joint_state(plan, sites[member])
+
+
+def _mark_joint_state(plan: Plan, s: Site) -> None:
+    """A state of a vector chain as a joint Gaussian over its event axis (as a state that
+    a map contracts is), whether or not anything mixes its entries: a copy step (the
+    state before as the mean) reads it so."""
+    if s.joint or not lookup(s.family).elementwise:
+        return
+    axis = s.dims[-1]
+    s.joint, s.joint_axes = True, 1
+    plan.sizes[axis + "b"] = plan.sizes[axis]
 
 
 def _check_matrices_first(plan: Plan, members: list[str]) -> None:

@@ -220,13 +220,23 @@ class Plan:
             members = self.chains[chain[0]]
             return f"the chain {members[0]}..{members[-1]}"
 
+        def gaussian(name: str) -> bool:
+            return lookup(self.sites[name].family).gaussian
+
         out, seen = [], set()
         for child in self.sites.values():
             for p in child.params.values():
                 names = [t.parent for t in p.terms]
                 if p.bilinear is not None:
                     names += [p.bilinear.u, p.bilinear.v]
+                if not names and p.parent is not None:
+                    names = [p.parent]
                 names = [n for n in dict.fromkeys(names) if fitted(n)]
+                # a latent Gaussian child whose mean reads latent Gaussian parents: its own
+                # prior couples it with each of them (a hierarchy mu -> theta_j, a chain's
+                # first state under a latent mean), unless they share a factor (one chain)
+                if fitted(child.name) and gaussian(child.name) and any(map(gaussian, names)):
+                    names = [n for n in names if gaussian(n)] + [child.name]
                 for i, a in enumerate(names):
                     for b in names[i + 1 :]:
                         key = frozenset((factor(a), factor(b)))

@@ -321,7 +321,18 @@ def _coded_index(
     coded = code.to(value.dtype) + 1 if positive else code.to(value.dtype)
     if wishart:
         coded = coded[..., :1] * unit(plan, parent, value)
-    run = probe_run(ctx, ("code", parent.name, comp), lambda: {parent.name: to_pyro(parent, coded)})
+    try:
+        run = probe_run(
+            ctx, ("code", parent.name, comp), lambda: {parent.name: to_pyro(parent, coded)}
+        )
+    except (ValueError, RuntimeError) as err:  # the model rejects the coded values
+        first = str(err).split("\n", 1)[0]
+        why = (
+            f"its {key} is not a copy of entries of {parent.name!r} selected by a fixed "
+            f"index (the model fails when {parent.name!r} holds other values: {first})"
+            f"{nearby_hint(child.family, key)}"
+        )
+        raise refuse(child.name, child.fn_name, described(parent), why) from None
     got = run[child.name][key]
     if key in SCALED:
         got = got / coef - 1

@@ -33,7 +33,13 @@ class DiscreteHMM(Family):
         "precision": "Gamma",
         "probs": "Dirichlet",
     }
-    hints = {"probs": "a Dirichlet site with one row per state (declared with .to_event(1))"}
+    hints = {
+        "probs": "a Dirichlet site with one row per state (declared with .to_event(1))",
+        "initial_logits": "the log of a Dirichlet site over the states",
+        "transition_logits": (
+            "the log of a Dirichlet site with one row per state (declared with .to_event(1))"
+        ),
+    }
     observed_only = True
     predictable = False
     structured = True
