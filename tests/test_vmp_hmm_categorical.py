@@ -12,6 +12,7 @@ and, with a single state, against the closed-form Dirichlet-Categorical evidence
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import numpy as np
 import pyro
@@ -21,6 +22,7 @@ import torch
 from torch.special import digamma, gammaln
 
 from probfsl.inference import VMP
+from probfsl.inference.vmp import ConvergenceWarning
 
 F64 = torch.float64
 STATES, SYMBOLS = 2, 3
@@ -256,3 +258,30 @@ def test_transition_rows_declared_in_a_plate_are_refused_by_name():
         match=r"^VMP cannot use site 'x' \(DiscreteHMM\) with parent 'A'.*\.to_event\(1\)",
     ):
         VMP(hmm).compile(x)
+
+
+def _symmetric_hmm(x):
+    """categorical_hmm with the same emission prior for every state."""
+    t, n = x.shape
+    with pyro.plate("tasks", t, dim=-1):
+        pi = pyro.sample("pi", dist.Dirichlet(x.new_ones(STATES)))
+        a = pyro.sample("A", dist.Dirichlet(x.new_ones(STATES, STATES)).to_event(1))
+        b = pyro.sample("B", dist.Dirichlet(x.new_ones(STATES, 3)).to_event(1))
+        emission = dist.Categorical(probs=b.unsqueeze(-3))
+        chain = dist.DiscreteHMM(pi.log(), a.log().unsqueeze(-3), emission, duration=n)
+        pyro.sample("x", chain, obs=x)
+
+
+def test_a_symmetric_start_is_reported_and_a_start_apart_leaves_it():
+    """With the same prior for every state the states' emissions stay identical (one sweep,
+    "converged"): the fit warns and names B; started apart, B's rows differ and the bound
+    is higher on every task."""
+    x, _ = hmm_labels(t=3)
+    with pytest.warns(ConvergenceWarning, match=r"DiscreteHMM 'x' .* 3 of 3 task.*'B'"):
+        tied, _ = VMP(_symmetric_hmm, tol=1e-10).fit(x)
+    torch.testing.assert_close(tied.q["B"][0][:, 0], tied.q["B"][0][:, 1], rtol=0, atol=0)
+    start = torch.tensor([[0.6, 0.3, 0.1], [0.1, 0.3, 0.6]], dtype=x.dtype).expand(3, 2, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        apart, _ = VMP(_symmetric_hmm, tol=1e-10, max_iter=500).fit(x, init={"B": start})
+    assert bool((apart.objective > tied.objective + 1).all())

@@ -188,16 +188,29 @@ def test_bad_starts_are_refused_in_one_sentence():
 
 @pytest.mark.slow
 def test_a_random_start_leaves_the_bayesian_pca_saddle():
-    """From the zero start W = x = 0 stays exactly (a saddle, reported converged); from W
+    """From the zero start W = x = 0 stays exactly (a saddle, which the fit reports); from W
     drawn from its prior the bound is clearly better on every task."""
     y = pca_data(t=2, n=30, d=5)
-    zero, _ = VMP(bayesian_pca, tol=1e-8, max_iter=300).fit(y)
+    with pytest.warns(ConvergenceWarning, match="saddle point"):
+        zero, _ = VMP(bayesian_pca, tol=1e-8, max_iter=300).fit(y)
     vmp = VMP(bayesian_pca, tol=1e-8, max_iter=3000, init={"W": "prior"}, seed=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
         drawn, _ = vmp.fit(y)
     assert float(VMP(bayesian_pca).posterior(zero)["W"].mean.abs().max()) == 0.0
     assert bool((drawn.objective > zero.objective + 50).all())
+
+
+def test_a_fit_stopped_at_the_bayesian_pca_saddle_says_so():
+    """The default start of Bayesian PCA stops at W = x = 0 (means exactly 0): the fit warns,
+    names both sites and the start that leaves it; a drawn start does not warn so."""
+    y = pca_data(t=2, n=8, d=3)
+    with pytest.warns(ConvergenceWarning, match=r"means of 'W' and 'x' .* in 2 of 2 task"):
+        VMP(bayesian_pca, tol=1e-8, max_iter=300).fit(y)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        VMP(bayesian_pca, tol=0, max_iter=5, init={"W": "prior"}).fit(y)
+    assert not [w for w in caught if "saddle" in str(w.message)]
 
 
 # --- refusals -------------------------------------------------------------------------

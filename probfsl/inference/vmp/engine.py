@@ -26,6 +26,7 @@ from probfsl.inference.vmp import (
     layout,
     messages,
     moments,
+    saddles,
     starts,
 )
 from probfsl.inference.vmp.compiler import Compiler
@@ -427,6 +428,9 @@ class VMP(Engine):
         info = RunInfo(*(t.clone() for t in info))
         if tol is not None and self.warn:
             self._warn_unconverged(info, state.objective.dtype)
+        if self.warn:
+            for why in saddles.stopped_at_saddles(state.plan, state.q):
+                warnings.warn(f"VMP stopped where {why}", ConvergenceWarning, stacklevel=2)
         return state, info
 
     def _warn_unconverged(self, info: RunInfo, dtype: torch.dtype) -> None:
