@@ -503,6 +503,12 @@ class VMP(Engine):
         order = [n for n in post if n not in steps]
         order += [m for members in plan.chains.values() for m in members[1:] if m in steps]
 
+        masked = {
+            n: layout.uncanon(s, messages.masked_in(plan, s) > 0).expand(s.batch_shape)
+            for n, s in plan.sites.items()
+            if n in post and s.mask is not None and lookup(s.family).labels
+        }
+
         def guide(*args, **kwargs) -> None:
             frames = {f.name: f for n in plan.latent for f in plan.sites[n].frames}
             plates = {k: pyro.plate(k, f.size, dim=f.dim) for k, f in frames.items()}
@@ -522,6 +528,8 @@ class VMP(Engine):
                         d = step.to_event(len(d.event_shape)) if d.event_shape else step
                 if s.fixed_mask is not None:
                     d = d.mask(layout.uncanon(s, ~s.fixed_mask).expand(s.batch_shape))
+                elif name in masked:  # entries the model masks out: not drawn into the ELBO
+                    d = d.mask(masked[name])
                 with contextlib.ExitStack() as stack:
                     for f in s.frames:
                         stack.enter_context(plates[f.name])

@@ -173,9 +173,20 @@ def entropy(plan: Plan, q: dict, name: str) -> torch.Tensor:
         h = torch.lgamma(a) + a - a * torch.special.digamma(a)
         return (h + expected_stats(plan, q, name)[1]).expand(broadcast_shape(q[name]))
     block = factor_block(plan, q, name)
+    if record.labels and s.mask is not None:
+        # entries masked out (poutine.mask) are no part of the model: no prior term, no
+        # entropy (a temper scale keeps its entries' entropies)
+        return block.entropy() * masked_in(plan, s)
     if record.labels or record.gaussian:  # in closed form
         return block.entropy()
     return -block.expected_log_prob(expected_stats(plan, q, name))
+
+
+def masked_in(plan: Plan, s: Site) -> torch.Tensor:
+    """1 for each entry of a masked latent Categorical that its mask keeps, 0 for one it
+    masks out (full size over the site's axes)."""
+    keep = (s.mask != 0).to(plan.ref.dtype)
+    return ein(s.dims, [(keep, s.mask_dims)], s.dims, plan.sizes, plan.ref)
 
 
 def natural(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:

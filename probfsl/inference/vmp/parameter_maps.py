@@ -150,9 +150,8 @@ def _copy_layout(
                 # of K means): the selector's category axis, not one of the child's
                 rename[d] = f"{selectors[0]}#cat"
                 continue
-            raise refuse(
-                child.name, child.fn_name, parent_desc, f"axis {rename[d]} differs in size"
-            )
+            why = DATA_LABELS if key == "probs" else f"axis {rename[d]} differs in size"
+            raise refuse(child.name, child.fn_name, parent_desc, why)
     parent_dims = tuple(rename[d] for d in parent.dims)
     missing = [d for d in parent_dims if d not in dims]
     if len(missing) > 1:
@@ -269,6 +268,8 @@ def _read_fixed_index(
     here first where the index comes from a coded run)."""
     plan = ctx.plan
     parent, comp = plan.sites[param.parent], param.comp
+    if key == "probs":  # normalised by the model: no coded run reads it
+        raise refuse(child.name, child.fn_name, described(parent), DATA_LABELS)
     value = ctx.base_params[child.name][key]
     index = traced_index(ctx, child, key, parent, _component_code(ctx, param, value))
     if index is None:
@@ -280,6 +281,15 @@ def _read_fixed_index(
     one_hot = torch.nn.functional.one_hot(index.clamp(0, plan.sizes[comp] - 1))
     param.index, param.index_dims = one_hot.to(value.dtype), index_dims + (comp,)
     return coef
+
+
+#: why probabilities selected by labels that are data are refused, and the form to use
+DATA_LABELS = (
+    "its probs selects rows of the parent by labels given as data (a tensor, or a "
+    "Categorical site observed with obs=), which VMP does not read for probabilities; "
+    "declare the labels a Categorical site observed through obs_mask (an all-True mask "
+    "observes every label), whose selection VMP reads exactly"
+)
 
 
 def _component_code(ctx: CompileContext, param: Param, like: torch.Tensor) -> torch.Tensor:
