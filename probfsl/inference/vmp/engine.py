@@ -503,10 +503,11 @@ class VMP(Engine):
         order = [n for n in post if n not in steps]
         order += [m for members in plan.chains.values() for m in members[1:] if m in steps]
 
+        absent = {n: messages.absent_entries(plan, plan.sites[n]) for n in post}
         masked = {
-            n: layout.uncanon(s, messages.masked_in(plan, s) > 0).expand(s.batch_shape)
-            for n, s in plan.sites.items()
-            if n in post and s.mask is not None and lookup(s.family).labels
+            n: layout.uncanon(plan.sites[n], ~a).expand(plan.sites[n].batch_shape)
+            for n, a in absent.items()
+            if a is not None and lookup(plan.sites[n].family).labels
         }
 
         def guide(*args, **kwargs) -> None:

@@ -30,7 +30,7 @@ from probfsl.inference.vmp import (
 )
 from probfsl.inference.vmp.einsum import ein
 from probfsl.inference.vmp.family import lookup
-from probfsl.inference.vmp.layout import TASKS, Plan, Site, stat_dims
+from probfsl.inference.vmp.layout import TASKS, Plan, Site, constant, stat_dims
 from probfsl.inference.vmp.moments import (
     block_of,
     broadcast_add,
@@ -173,20 +173,36 @@ def entropy(plan: Plan, q: dict, name: str) -> torch.Tensor:
         h = torch.lgamma(a) + a - a * torch.special.digamma(a)
         return (h + expected_stats(plan, q, name)[1]).expand(broadcast_shape(q[name]))
     block = factor_block(plan, q, name)
-    if record.labels and s.mask is not None:
-        # entries masked out (poutine.mask) are no part of the model: no prior term, no
-        # entropy (a temper scale keeps its entries' entropies)
-        return block.entropy() * masked_in(plan, s)
+    absent = absent_entries(plan, s) if record.labels else None
+    if absent is not None:
+        # entries that the model masks out with everything they explain are no part of it:
+        # no prior term, no term of a child, no entropy
+        return block.entropy().masked_fill(absent, 0)
     if record.labels or record.gaussian:  # in closed form
         return block.entropy()
     return -block.expected_log_prob(expected_stats(plan, q, name))
 
 
-def masked_in(plan: Plan, s: Site) -> torch.Tensor:
-    """1 for each entry of a masked latent Categorical that its mask keeps, 0 for one it
-    masks out (full size over the site's axes)."""
-    keep = (s.mask != 0).to(plan.ref.dtype)
-    return ein(s.dims, [(keep, s.mask_dims)], s.dims, plan.sizes, plan.ref)
+def absent_entries(plan: Plan, s: Site) -> torch.Tensor | None:
+    """True (over the site's axes) for each entry of a latent Categorical that
+    ``poutine.mask`` removes from the model together with every child's term that reads it
+    (padding); None where there is none. An entry whose children are kept is still
+    inferred from them and keeps its entropy, whatever its prior's mask (a masked prior
+    with observed children is a likelihood, EM's objective with its entropy). Read once
+    per plan (no host synchronisation)."""
+    children = [plan.sites[name] for name, _ in plan.children[s.name]]
+    if s.mask is None or any(c.mask is None for c in children):
+        return None
+    return constant(plan, ("absent", s.name), lambda: _absent(plan, s, children), s.dims)
+
+
+def _absent(plan: Plan, s: Site, children: list) -> torch.Tensor:
+    sizes, ref = plan.sizes, plan.ref
+    kept = ein(s.dims, [((s.mask != 0).to(ref.dtype), s.mask_dims)], s.dims, sizes, ref)
+    for c in children:
+        over = tuple(d for d in c.mask_dims if d not in s.dims)
+        kept = kept + ein(s.dims, [((c.mask != 0).to(ref.dtype), c.mask_dims)], over, sizes, ref)
+    return kept == 0
 
 
 def natural(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
