@@ -123,7 +123,8 @@ class VMP(Engine):
             starts from the parameters' initial values). It orders the sweeps only:
             ``init`` always starts the factors in the model's declaration order (each
             after the parents it reads), so every order starts from the same factors.
-        seed: seed of the initial noise of latent Categorical sites and of the draws of
+        seed: seed of the start of latent Categorical sites (responsibilities drawn from
+            Dirichlet(1) per entry, shared by the tasks) and of the draws of
             ``init="prior"``.
         init: the default start of :meth:`init` (:mod:`~probfsl.inference.vmp.starts`):
             ``None`` (every factor at its prior, then one update from its children),
@@ -280,7 +281,7 @@ class VMP(Engine):
                 # drawn on the CPU generator (the same numbers on every device), then moved
                 g = torch.Generator().manual_seed(self.seed)
                 noise = torch.rand(shape[1:], generator=g, dtype=torch.float64, device=g.device)
-                r = (1 + 0.1 * noise.to(ref)).expand(shape)
+                r = (-torch.log1p(-noise)).to(ref).expand(shape)  # Dirichlet(1) draws
             r = r / r.sum(-1, keepdim=True)
             if s.fixed_mask is not None:
                 r = torch.where(s.fixed_mask.unsqueeze(-1), s.fixed, r)
