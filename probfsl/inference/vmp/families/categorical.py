@@ -109,9 +109,12 @@ class Categorical(Family):
 
     def message(self, plan, q, site, role, to):
         """To a Dirichlet: the counts Σ_n x_n; to the label choosing a fixed table:
-        Σ_c x_nc ln table_kc. A selected Dirichlet table's: a linear child's."""
+        Σ_c x_nc ln table_kc. A selected Dirichlet table's: a linear child's, read off at
+        the labels where it can be (:func:`label_lookup`, :func:`label_counts`)."""
         if self.linear_child(site) is not None:
-            return label_lookup(plan, q, site, to) if role == "select" else None
+            if role == "select":
+                return label_lookup(plan, q, site, to)
+            return label_counts(plan, q, site, to)
         p = site.params["probs"]
         cd = site.dims + (f"{site.name}#cat",)
         M = [] if site.mask is None else [(site.mask, site.mask_dims)]
@@ -176,6 +179,45 @@ def label_lookup(plan: Plan, q: dict, s: Site, to: Site) -> list | None:
     picked = log_table.reshape(-1).index_select(0, index)
     picked = picked.view([plan.sizes[d] for d in order])
     return [picked.permute([order.index(d) for d in out])]
+
+
+def label_counts(plan: Plan, q: dict, s: Site, to: Site) -> list | None:
+    """The message of an observed Categorical x under a table φ selected by a latent label
+    z to φ: the counts Σ_n q(z_n = k) [x_n = c], each entry of q(z) added at its component
+    and x's label there (``scatter_add_``: a third of the time of the batched product with
+    the one-hot x and its copy of q(z)): the terms of the linear child's sum over x's
+    one-hot without its zeros, in the order that sum adds them (x's other axes in q(z)'s
+    memory order), so the same numbers. ``None`` (that sum) where x has a mask, axes that
+    q(z) does not have, or no labels, where φ has an axis that neither has, or where q(z)
+    is not dense."""
+    p = s.params["probs"]
+    if s.mask is not None or s.value is None or p.selector is None:
+        return None
+    r = q[p.selector][0]
+    r_dims = plan.sites[p.selector].dims + (p.comp,)
+    own = f"{s.name}#cat"
+    out = tuple(p.rename[d] for d in to.dims)
+    if not set(s.dims) <= set(r_dims) or not set(out) <= set(r_dims) | {own}:
+        return None
+    perm = _memory_order(r)
+    if perm is None:
+        return None
+    order = tuple(r_dims[i] for i in perm)
+    shape = tuple(plan.sizes[d] for d in out)
+    key = ("counts", s.name, shape, order)
+    index = plan.cache.get(key)
+    if index is None:
+        index = plan.cache[key] = _positions(plan, s, shape, out, order).long()
+    counts = r.new_zeros(math.prod(shape)).scatter_add_(0, index, r.permute(perm).reshape(-1))
+    return [counts.view(shape)]
+
+
+def _memory_order(t: torch.Tensor) -> tuple | None:
+    """The permutation of ``t``'s axes that lists them as laid out in memory (outermost
+    first), where that makes it contiguous; ``None`` where it does not (broadcast or
+    sliced axes)."""
+    perm = tuple(sorted(range(t.dim()), key=lambda i: -t.stride(i)))
+    return perm if t.permute(perm).is_contiguous() else None
 
 
 def _positions(plan: Plan, s: Site, shape: tuple, dims: tuple, order: tuple) -> torch.Tensor:
