@@ -266,6 +266,14 @@ class Family:
         plan (:func:`~probfsl.inference.vmp.messages.prior`)."""
         return None
 
+    def labels_update(self, plan: Plan, q: dict, site: Site) -> tuple | None:
+        """The update of a latent label's factor from its prior and children, where the
+        record forms it otherwise than as the softmax of :meth:`natural` plus the
+        children's messages: ``(probs, lse)``, ``lse`` the per-task Σ ln Σ_k exp η of
+        :func:`~probfsl.inference.vmp.messages.lse_applies` (``None`` where that does not
+        apply). ``None``: the softmax of η."""
+        return None
+
     def message(self, plan: Plan, q: dict, site: Site, role: str, to: Site) -> list | None:
         """m_{site → to}: the coefficients of u(to) in E ln p(site | pa), ``to`` its parent
         in ``role`` (a parameter, or ``"select"`` for a selector: E ln p per component).

@@ -245,28 +245,25 @@ def update(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
     """The new factor of site ``name`` from its natural parameters (:func:`natural`): a
     softmax, a point's maximiser, or the family's block from η."""
     s = plan.sites[name]
+    record = lookup(s.family)
+    if record.labels and children and not s.at_prior and plan.children[name]:
+        own = record.labels_update(plan, q, s)
+        if own is not None:  # the family's own softmax (a table read off at labels)
+            return labels_factor(plan, q, s, *own)
     eta = natural(plan, q, name, children)
     if s.point and any(role == "concentration" for _, role in plan.children[name]):
         return (dirichlet_points.m_step(q[name][0], *eta),)
     if s.point:
         return (point_mode(s, eta),)
-    record = lookup(s.family)
     if record.labels:
-        # softmax, in fewer passes than torch's; in place where η is a new tensor (a child's
-        # message was added to the prior term: :func:`natural`)
+        # in place where η is a new tensor (a child's message was added to the prior term:
+        # :func:`natural`)
         owned = children and not s.at_prior and plan.children[name] and 0 not in eta[0].stride()
-        m = max_axis(eta[0], keepdim=True)
-        r = (eta[0].sub_(m) if owned else eta[0] - m).exp_()
-        z = sum_axis(r, keepdim=True)
-        r = r.div_(z)
+        r, m, z = softmax(eta[0], owned)
         if s.fixed_mask is not None:
             r = torch.where(s.fixed_mask.unsqueeze(-1), s.fixed, r)
         elif children and lse_applies(plan, s):
-            lse = sum_tasks((m + z.log()).squeeze(-1))
-            others = [(n, q[n]) for n in plan.latent if n != name]
-            factor = (r,)
-            plan.cache[("lse", name)] = (factor, lse, others)
-            return factor
+            return labels_factor(plan, q, s, r, sum_tasks((m + z.log()).squeeze(-1)))
         return (r,)
     if s.joint:
         return keep_cholesky(plan, name, expfam.MultivariateNormal.from_natural(*eta))
@@ -278,3 +275,23 @@ def update(plan: Plan, q: dict, name: str, children: bool = True) -> tuple:
     if isinstance(b, expfam.MultivariateNormal):
         return keep_cholesky(plan, name, b)
     return tuple(getattr(b, f) for f in record.fields)
+
+
+def softmax(eta: torch.Tensor, owned: bool) -> tuple:
+    """The softmax of ``eta`` over its last axis, in fewer passes than torch's (in place
+    where ``owned``), with its maximum and normaliser (the axis kept at size 1)."""
+    m = max_axis(eta, keepdim=True)
+    r = (eta.sub_(m) if owned else eta - m).exp_()
+    z = sum_axis(r, keepdim=True)
+    return r.div_(z), m, z
+
+
+def labels_factor(plan: Plan, q: dict, s: Site, r: torch.Tensor, lse: torch.Tensor | None):
+    """The factor ``(r,)`` of the label ``s``; with ``lse`` (Σ_n ln Σ_k exp η_nk per task,
+    where :func:`lse_applies`), its ELBO terms kept for :func:`elbo` while no other factor
+    changes."""
+    factor = (r,)
+    if lse is not None:
+        others = [(n, q[n]) for n in plan.latent if n != s.name]
+        plan.cache[("lse", s.name)] = (factor, lse, others)
+    return factor

@@ -107,6 +107,17 @@ class Categorical(Family):
                     return [picked[0].add_(eta)], kids[1:]
         return [eta.expand([plan.sizes[d] for d in cd])], kids
 
+    def labels_update(self, plan, q, site):
+        """Labels whose one child is an observed Categorical under a table selected by them
+        (LDA's topic per word): the softmax on the table (:func:`folded_update`)."""
+        kids = plan.children[site.name]
+        if site.mask is not None or site.fixed_mask is not None or len(kids) != 1:
+            return None
+        c = plan.sites[kids[0][0]]
+        if kids[0][1] != "select" or c.family != self.name or self.linear_child(c) is None:
+            return None
+        return folded_update(plan, q, c, site)
+
     def message(self, plan, q, site, role, to):
         """To a Dirichlet: the counts Σ_n x_n; to the label choosing a fixed table:
         Σ_c x_nc ln table_kc. A selected Dirichlet table's: a linear child's, read off at
@@ -179,6 +190,91 @@ def label_lookup(plan: Plan, q: dict, s: Site, to: Site) -> list | None:
     picked = log_table.reshape(-1).index_select(0, index)
     picked = picked.view([plan.sizes[d] for d in order])
     return [picked.permute([order.index(d) for d in out])]
+
+
+def folded_update(plan: Plan, q: dict, s: Site, to: Site) -> tuple | None:
+    """q(z) of the labels ``to`` whose one child is ``s``, an observed Categorical x under
+    a table φ that z selects, with the ELBO terms of :func:`~probfsl.inference.vmp.
+    messages.lse_applies`: η_nk = ⟨ln π⟩_k + ⟨ln φ_k⟩ at x_n depends on n only through the
+    axes of ⟨ln π⟩ and x_n, so the prior term is added to the table (in the axes of
+    ⟨ln π⟩, then x's categories), the softmax and its ln Σ exp are taken there, and both
+    are read off at the labels (q(z) laid out as :func:`label_lookup` lays out η): the
+    same numbers, elementwise, as the softmax of η, on a table smaller than η (LDA: a
+    document's 20 words take one of 12 values). ``None`` (the softmax of η) where
+    :func:`label_lookup` does not apply, where φ has an axis that ⟨ln π⟩ does not or
+    where the table would not be smaller."""
+    p = s.params["probs"]
+    if s.mask is not None or s.value is None or p.comp is None:
+        return None
+    log_table, dims = parent_ops(plan, q, s, "probs")[0]
+    prior, prior_dims = log_probs(plan, q, to)
+    key = ("folded", to.name, tuple(log_table.shape), tuple(prior.shape))
+    recipe = plan.cache.get(key, False)
+    if recipe is False:
+        recipe = _fold_recipe(plan, s, to, (dims, log_table.shape), (prior_dims, prior.shape))
+        plan.cache[key] = recipe
+    if recipe is None:
+        return None
+    table_view, prior_view, k, index, view, perm, lse_read = recipe
+    # ⟨ln φ⟩ + ⟨ln π⟩ (the sum of :meth:`Categorical.natural`; the order of the operands
+    # does not change it), row-major in the table's axes
+    eta = log_table.permute(table_view[0]).reshape(table_view[1]) + prior.permute(
+        prior_view[0]
+    ).reshape(prior_view[1])
+    eta = eta.contiguous()  # (already, from operands in their canonical layout)
+    r, m, z = messages.softmax(eta.movedim(k, -1), True)  # in place: ``eta`` holds q(z)
+    probs = eta.view(-1).index_select(0, index).view(view).permute(perm)
+    if lse_read is None:
+        return probs, None
+    index, view, perm = lse_read
+    lse = (m + z.log()).reshape(-1)  # the table's axes but the components, row-major
+    return probs, messages.sum_tasks(lse.index_select(0, index).view(view).permute(perm))
+
+
+def _fold_recipe(plan: Plan, s: Site, to: Site, table_of: tuple, prior_of: tuple):
+    """How :func:`folded_update` reads ⟨ln φ⟩ and ⟨ln π⟩ (``table_of``, ``prior_of``: their
+    axes and shapes) for the labels ``to`` and their child ``s``, worked out once per
+    plan: the views of both in the table's axes, the place of the components in them,
+    and the positions, shape and permutation that read q(z) and (where
+    :func:`~probfsl.inference.vmp.messages.lse_applies`) ln Σ exp off at the labels.
+    ``None``: the fold does not apply."""
+    p = s.params["probs"]
+    (dims, _), (prior_dims, _) = table_of, prior_of
+    out = to.dims + (p.comp,)
+    if set(out) != set(s.dims + (p.comp,)):
+        return None
+    own, cat = f"{to.name}#cat", f"{s.name}#cat"
+    first = tuple(p.comp if d == own else d for d in prior_dims)
+    rest = tuple(d for d in out if d not in first)
+    if not set(first) <= set(out) or not set(dims) <= set(first) | {cat} or not rest:
+        return None
+    sizes = plan.sizes
+    table = first + (cat,)
+    shape = tuple(sizes[d] for d in table)
+    if math.prod(shape) > math.prod(sizes[d] for d in out):
+        return None
+    views = _view_of(table_of, table), _view_of((first, prior_of[1]), table)
+    if tuple(torch.broadcast_shapes(views[0][1], views[1][1])) != shape:
+        return None  # an axis of size one in both (the positions are the full table's)
+    order = first + rest
+    index = _positions(plan, s, shape, table, order)
+    read = (index, [sizes[d] for d in order], [order.index(d) for d in out])
+    lse_read = None
+    if messages.lse_applies(plan, to):
+        kept = tuple(d for d in table if d != p.comp)
+        order = kept[:-1] + rest
+        index = _positions(plan, s, tuple(sizes[d] for d in kept), kept, order)
+        lse_read = (index, [sizes[d] for d in order], [order.index(d) for d in to.dims])
+    return (*views, first.index(p.comp), *read, lse_read)
+
+
+def _view_of(of: tuple, target: tuple) -> tuple:
+    """The permutation and shape that view a tensor of axes and shape ``of`` (its axes a
+    subset of ``target``) in the axes ``target``, size 1 where it has none."""
+    dims, shape = of
+    perm = sorted(range(len(dims)), key=lambda i: target.index(dims[i]))
+    own = dict(zip(dims, shape, strict=True))
+    return perm, [own.get(d, 1) for d in target]
 
 
 def label_counts(plan: Plan, q: dict, s: Site, to: Site) -> list | None:
