@@ -203,18 +203,17 @@ def folded_update(plan: Plan, q: dict, s: Site, to: Site) -> tuple | None:
     document's 20 words take one of 12 values). ``None`` (the softmax of η) where
     :func:`label_lookup` does not apply, where φ has an axis that ⟨ln π⟩ does not or
     where the table would not be smaller."""
-    p = s.params["probs"]
-    if s.mask is not None or s.value is None or p.comp is None:
+    key = ("folded", to.name)
+    recipe = plan.cache.get(key, False)
+    if recipe is None:
         return None
     log_table, dims = parent_ops(plan, q, s, "probs")[0]
     prior, prior_dims = log_probs(plan, q, to)
-    key = ("folded", to.name, tuple(log_table.shape), tuple(prior.shape))
-    recipe = plan.cache.get(key, False)
-    if recipe is False:
+    if recipe is False:  # the axes and shapes of both are the plan's: worked out once
         recipe = _fold_recipe(plan, s, to, (dims, log_table.shape), (prior_dims, prior.shape))
         plan.cache[key] = recipe
-    if recipe is None:
-        return None
+        if recipe is None:
+            return None
     table_view, prior_view, k, index, view, perm, lse_read = recipe
     # ⟨ln φ⟩ + ⟨ln π⟩ (the sum of :meth:`Categorical.natural`; the order of the operands
     # does not change it), row-major in the table's axes
@@ -241,7 +240,7 @@ def _fold_recipe(plan: Plan, s: Site, to: Site, table_of: tuple, prior_of: tuple
     p = s.params["probs"]
     (dims, _), (prior_dims, _) = table_of, prior_of
     out = to.dims + (p.comp,)
-    if set(out) != set(s.dims + (p.comp,)):
+    if s.mask is not None or s.value is None or set(out) != set(s.dims + (p.comp,)):
         return None
     own, cat = f"{to.name}#cat", f"{s.name}#cat"
     first = tuple(p.comp if d == own else d for d in prior_dims)
@@ -303,7 +302,7 @@ def label_counts(plan: Plan, q: dict, s: Site, to: Site) -> list | None:
     key = ("counts", s.name, shape, order)
     index = plan.cache.get(key)
     if index is None:
-        index = plan.cache[key] = _positions(plan, s, shape, out, order).long()
+        index = plan.cache[key] = _positions(plan, s, shape, out, order, wide=True)
     counts = r.new_zeros(math.prod(shape)).scatter_add_(0, index, r.permute(perm).reshape(-1))
     return [counts.view(shape)]
 
@@ -316,19 +315,33 @@ def _memory_order(t: torch.Tensor) -> tuple | None:
     return perm if t.permute(perm).is_contiguous() else None
 
 
-def _positions(plan: Plan, s: Site, shape: tuple, dims: tuple, order: tuple) -> torch.Tensor:
+def _positions(
+    plan: Plan, s: Site, shape: tuple, dims: tuple, order: tuple, wide: bool = False
+) -> torch.Tensor:
     """For every entry of the axes ``order`` (row-major), the position in the row-major
     flattening of a table of ``shape`` (axes ``dims``, x's categories among them) of the
-    entry at its axes' coordinates and x's label there: ``[prod of order's sizes]``."""
+    entry at its axes' coordinates and x's label there: ``[prod of order's sizes]``, in 32
+    bits where they fit (half the bytes for ``index_select`` to read) unless ``wide``. The
+    offsets of the other axes are summed on their own axes and added to the scaled labels
+    in one pass over the full size (a compaction's first sweep forms them anew)."""
     cat = dims.index(f"{s.name}#cat")
-    labels = s.value.long()
-    flat = ein(order, [(labels, s.dims)], (), plan.sizes, labels) * math.prod(shape[cat + 1 :])
+    dtype = torch.int32 if math.prod(shape) < 2**31 and not wide else torch.int64
+    labels = s.value.to(dtype)
+    sizes = plan.sizes
+    scaled = ein(order, [(labels, s.dims)], (), sizes, labels)  # broadcast (stride 0)
+    offset = None
     for i, d in enumerate(dims):
         if i == cat or shape[i] == 1:
             continue
-        coord = torch.arange(shape[i], device=labels.device)
-        view = [shape[i] if o == d else 1 for o in order]
-        flat = flat + coord.reshape(view) * math.prod(shape[i + 1 :])
-    # 32-bit positions where they fit: half the bytes for ``index_select`` to read
-    small = math.prod(shape) < 2**31
-    return flat.reshape(-1).to(torch.int32 if small else torch.int64)
+        coord = torch.arange(shape[i], dtype=dtype, device=labels.device) * math.prod(
+            shape[i + 1 :]
+        )
+        coord = coord.reshape([shape[i] if o == d else 1 for o in order])
+        offset = coord if offset is None else offset + coord
+    flat = torch.empty([sizes[d] for d in order], dtype=dtype, device=labels.device)
+    step = math.prod(shape[cat + 1 :])
+    if offset is None:
+        torch.mul(scaled, step, out=flat)
+    else:
+        torch.add(offset, scaled, alpha=step, out=flat)
+    return flat.reshape(-1)
