@@ -197,12 +197,12 @@ def folded_update(plan: Plan, q: dict, s: Site, to: Site) -> tuple | None:
     a table φ that z selects, with the ELBO terms of :func:`~probfsl.inference.vmp.
     messages.lse_applies`: η_nk = ⟨ln π⟩_k + ⟨ln φ_k⟩ at x_n depends on n only through the
     axes of ⟨ln π⟩ and x_n, so the prior term is added to the table (in the axes of
-    ⟨ln π⟩, then x's categories), the softmax and its ln Σ exp are taken there, and both
-    are read off at the labels (q(z) laid out as :func:`label_lookup` lays out η): the
-    same numbers, elementwise, as the softmax of η, on a table smaller than η (LDA: a
-    document's 20 words take one of 12 values). ``None`` (the softmax of η) where
-    :func:`label_lookup` does not apply, where φ has an axis that ⟨ln π⟩ does not or
-    where the table would not be smaller."""
+    ⟨ln π⟩, the components first, then x's categories), the softmax and its ln Σ exp are
+    taken there, and both are read off at the labels (q(z) laid out as
+    :func:`label_lookup` lays out η): the same numbers, elementwise, as the softmax of η,
+    on a table smaller than η (LDA: a document's 20 words take one of 12 values).
+    ``None`` (the softmax of η) where :func:`label_lookup` does not apply, where φ has an
+    axis that ⟨ln π⟩ does not or where the table would not be smaller."""
     key = ("folded", to.name)
     recipe = plan.cache.get(key, False)
     if recipe is None:
@@ -248,7 +248,8 @@ def _fold_recipe(plan: Plan, s: Site, to: Site, table_of: tuple, prior_of: tuple
     if not set(first) <= set(out) or not set(dims) <= set(first) | {cat} or not rest:
         return None
     sizes = plan.sizes
-    table = first + (cat,)
+    # the components outermost: the softmax's passes over them run along whole slices
+    table = (p.comp,) + tuple(d for d in first if d != p.comp) + (cat,)
     shape = tuple(sizes[d] for d in table)
     if math.prod(shape) > math.prod(sizes[d] for d in out):
         return None
@@ -264,7 +265,7 @@ def _fold_recipe(plan: Plan, s: Site, to: Site, table_of: tuple, prior_of: tuple
         order = kept[:-1] + rest
         index = _positions(plan, s, tuple(sizes[d] for d in kept), kept, order)
         lse_read = (index, [sizes[d] for d in order], [order.index(d) for d in to.dims])
-    return (*views, first.index(p.comp), *read, lse_read)
+    return (*views, 0, *read, lse_read)
 
 
 def _view_of(of: tuple, target: tuple) -> tuple:
