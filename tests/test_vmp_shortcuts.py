@@ -3,6 +3,10 @@
 * An observed Categorical under a selected Dirichlet table sends its selector ⟨ln φ_k⟩ at
   its label, read at precomputed positions: the same numbers as the linear child's sum
   against the one-hot data, bit for bit, and the same fits.
+* Its message to the table, the counts Σ_n q(z_n = k) [x_n = c], is q(z) added at the
+  labels (``scatter_add_``), and the update of a label whose one child it is (LDA's topic
+  per word) takes its softmax on the table with the prior term added, read off at the
+  labels: the same numbers again, bit for bit.
 * A label whose children are linear children it selects (an observed Categorical or
   Multinomial under a Dirichlet table) has its bound terms read off the normaliser of
   its update, Σ_n ln Σ_k exp η_nk (PRML eq. 10.46-10.49): equal, to rounding, to
@@ -81,6 +85,32 @@ def test_sweeps_with_the_label_lookup_equal_sweeps_with_the_sum(monkeypatch):
     monkeypatch.setattr(categorical, "label_lookup", lambda *args: None)
     _, summed = _state(lda, words, sweeps=8, order=["theta", "phi", "z"])
     assert torch.equal(fast.objective, summed.objective)
+    for name, factor in fast.q.items():
+        for a, b in zip(factor, summed.q[name], strict=True):
+            assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("size", ["small", "large"])  # the softmax by torch, by slices
+def test_sweeps_with_the_folded_update_and_counts_equal_sweeps_with_the_sums(monkeypatch, size):
+    """Whole fits, batched, to a tolerance: the softmax on the table and the counts at the
+    labels give the factors, bounds and sweeps of the plain sums, bit for bit."""
+    from probfsl.inference.vmp.families import categorical
+
+    words = _words(t=5, docs=3, n=11) if size == "small" else _words(t=40, docs=10, n=20)
+
+    def fit():
+        engine = VMP(lda, max_iter=60, tol=1e-9, warn=False, order=["theta", "phi", "z"])
+        return engine.fit(words)
+
+    fast, fast_info = fit()
+    assert fast.plan.cache.get(("folded", "z")) is not None  # the fold was taken
+    assert any(key[0] == "counts" for key in fast.plan.cache if isinstance(key, tuple))
+    monkeypatch.setattr(categorical.Categorical, "labels_update", lambda *args: None)
+    monkeypatch.setattr(categorical, "label_counts", lambda *args: None)
+    monkeypatch.setattr(categorical, "label_lookup", lambda *args: None)
+    summed, summed_info = fit()
+    assert torch.equal(fast_info.n_steps, summed_info.n_steps)
+    assert torch.equal(fast_info.trace, summed_info.trace)
     for name, factor in fast.q.items():
         for a, b in zip(factor, summed.q[name], strict=True):
             assert torch.equal(a, b), name
