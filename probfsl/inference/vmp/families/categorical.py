@@ -62,9 +62,12 @@ class Categorical(Family):
         return site.n_cat - 1, f"its data must be labels 0 to {site.n_cat - 1}"
 
     def observe(self, site, value, dtype):
+        # the labels were checked (whole, 0 to n_cat - 1: :meth:`data_limit`); the one-hot
+        # rows written in ``dtype`` at once (``one_hot`` checks them again, in two host
+        # synchronisations, and writes 64-bit integers first)
         site.value = value
-        one_hot = torch.nn.functional.one_hot(value.long(), site.n_cat)
-        site.stats = (one_hot.to(dtype),)
+        one_hot = torch.zeros(*value.shape, site.n_cat, dtype=dtype, device=value.device)
+        site.stats = (one_hot.scatter_(-1, value.long().unsqueeze(-1), 1.0),)
 
     def draw(self, shape, n_cat, generator):
         return torch.randint(0, n_cat, shape, generator=generator, device="cpu")
