@@ -190,8 +190,10 @@ def absent_entries(plan: Plan, s: Site) -> torch.Tensor | None:
     inferred from them and keeps its entropy, whatever its prior's mask (a masked prior
     with observed children is a likelihood, EM's objective with its entropy). Read once
     per plan (no host synchronisation)."""
+    if s.mask is None:
+        return None
     children = [plan.sites[name] for name, _ in plan.children[s.name]]
-    if s.mask is None or any(c.mask is None for c in children):
+    if any(c.mask is None for c in children):
         return None
     return constant(plan, ("absent", s.name), lambda: _absent(plan, s, children), s.dims)
 
