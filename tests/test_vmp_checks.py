@@ -235,14 +235,22 @@ def _bad(y, at, value):
     [
         (beta_bernoulli, (_bad(_y(), (1, 2), 2.0),), "'y' \\(Bernoulli\\).*must be 0 or 1"),
         (beta_bernoulli, (_bad(_y(), (1, 2), 0.5),), "'y' \\(Bernoulli\\).*whole numbers"),
-        (beta_binomial, (_bad(_y(), (0, 1), 4.0), 3), "'y' \\(Binomial\\).*exceed"),
+        (
+            beta_binomial,
+            (_bad(_y(), (0, 1), 4.0), 3),
+            "'y' \\(Binomial\\).*exceed.*; the entry at task 0, n 1 is 4",
+        ),
         (beta_binomial, (_bad(_y(), (0, 1), -1.0), 3), "'y' \\(Binomial\\).*whole numbers >= 0"),
         (
             gamma_poisson,
             (_bad(_counts()[0], (0, 0), -2.0), _counts()[1]),
-            "'k' \\(Poisson\\).*whole numbers >= 0",
+            "'k' \\(Poisson\\).*whole numbers >= 0; the entry at task 0, n 0 is -2",
         ),
-        (_labels_model, (_bad(_y().long(), (2, 0), 3),), "'y' \\(Categorical\\).*labels 0 to 2"),
+        (
+            _labels_model,
+            (_bad(_y().long(), (2, 0), 3),),
+            "'y' \\(Categorical\\).*labels 0 to 2; the entry at task 2, n 0 is 3",
+        ),
         (_labels_model, (_bad(_y().long(), (2, 0), -1),), "'y' \\(Categorical\\).*whole numbers"),
         (
             gamma_gamma_observed,

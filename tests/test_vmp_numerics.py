@@ -103,6 +103,67 @@ def test_far_data_float32_bound_is_the_evidence():
     assert _rel(bound, exact) < 1e-5
 
 
+@pytest.mark.parametrize("n", [1, 50, 500])
+def test_far_data_float64_bound_is_the_evidence(n):
+    """y_n ≈ 1000 ± 0.01 in float64: the data are shifted by their mean in float64 too
+    (the expanded Σ y² − 2μ Σ y + n⟨μ²⟩ left 6e-4 nats at n = 500 and put the bound above
+    the evidence at n = 50). The reference is the closed form from the centred data."""
+    g = torch.Generator().manual_seed(0)
+    y = 1000.0 + torch.randn(2, 1, generator=g, dtype=F64)
+    y = y + 0.01 * torch.randn(2, n, generator=g, dtype=F64)
+    mean, s2 = y.mean(-1), 0.01**2
+    ss = (y - mean[:, None]).square().sum(-1)
+    exact = (
+        -0.5 * n * torch.log(torch.tensor(2 * torch.pi * s2, dtype=F64))
+        - 0.5 * ss / s2
+        - 0.5 * torch.log(torch.tensor(1 + n / s2, dtype=F64))
+        - 0.5 * n * (mean - 1000.0).square() / (s2 + n)
+    )
+    bound = _fit(normal_mean(1000.0, 1.0, noise=0.01), y).objective
+    torch.testing.assert_close(bound, exact, rtol=0.0, atol=1e-9)
+
+
+def normal_hmm(level):
+    """A three-state DiscreteHMM with Normal emissions whose means' priors sit at ``level``."""
+
+    def model(x):
+        t, n, k = x.shape[0], x.shape[1], 3
+        off = torch.tensor([-2.0, 0.0, 2.0], dtype=x.dtype)
+        with pyro.plate("tasks", t, dim=-1):
+            pi = pyro.sample("pi", dist.Dirichlet(x.new_ones(k)))
+            sticky = x.new_ones(k, k) + 4 * torch.eye(k, dtype=x.dtype)
+            a = pyro.sample("A", dist.Dirichlet(sticky).to_event(1))
+            mu = pyro.sample("mu", dist.Normal(level + off, x.new_tensor(3.0)).to_event(1))
+            tau = pyro.sample(
+                "tau", dist.Gamma(x.new_full((k,), 2.0), x.new_tensor(0.5)).to_event(1)
+            )
+            obs = dist.Normal(mu.unsqueeze(-2), tau.rsqrt().unsqueeze(-2))
+            chain = dist.DiscreteHMM(pi.log(), a.log().unsqueeze(-3), obs, duration=n)
+            pyro.sample("x", chain, obs=x)
+
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_hmm_emissions_far_from_zero_keep_the_bound(dtype):
+    """A DiscreteHMM's Normal emission term is c⟨τ⟩((x − ⟨μ⟩)² + Var μ), the residual
+    first: shifting the data and the means' priors by 1,000 leaves the fit (the expanded
+    x² − 2x⟨μ⟩ + ⟨μ²⟩ made the float64 bound fall between sweeps and the float32 one NaN)."""
+    g = torch.Generator().manual_seed(1)
+    z = torch.randint(0, 3, (2, 60), generator=g)
+    x = torch.tensor([-2.0, 0.0, 2.0], dtype=F64)[z] + 0.3 * torch.randn(
+        2, 60, generator=g, dtype=F64
+    )
+    tol = 1e-12 if dtype == F64 else 1e-6
+    near, _ = VMP(normal_hmm(0.0), tol=tol, max_iter=3000).fit(x.to(dtype))
+    far, info = VMP(normal_hmm(1000.0), tol=tol, max_iter=3000).fit((x + 1000.0).to(dtype))
+    assert bool(info.converged.all())
+    fall = (info.trace[:-1] - info.trace[1:]).max().item()
+    assert fall <= (1e-12 if dtype == F64 else 1e-6) * info.trace.abs().max().item()
+    atol = 1e-9 if dtype == F64 else 2e-3
+    torch.testing.assert_close(far.objective.double(), near.objective.double(), rtol=0.0, atol=atol)
+
+
 # ----------------------------------------------------------------- mean-field models
 def hierarchy(y):
     """μ ~ N(3, 0.001²), θ_j ~ N(μ, 0.01²), y_jn ~ N(θ_j, 1): a latent mean with a

@@ -86,17 +86,43 @@ def emission(plan: Plan, q: dict, s: Site) -> torch.Tensor:
         onehot = (s.stats[0], s.dims + (f"{s.name}#cat",))
         return ein(out, [onehot, _log_table(plan, q, s)], out + (f"{s.name}#cat",), sizes, ref)
     prec, log_prec = _precision(plan, q, s)
-    x, x2 = (s.stats[0], s.dims), (s.stats[1], s.dims)
-    mu, mu2 = _expected(plan, q, s, "loc", 0), _expected(plan, q, s, "loc", 1)
     total = -0.5 * LOG_2PI * torch.ones((), dtype=ref.dtype, device=ref.device)
     for term in log_prec:
         total = total + 0.5 * ein(out, term, out, sizes, ref)
+    square = _centred_square(plan, q, s)
+    if square is not None:
+        return total - 0.5 * ein(out, prec + [square], out, sizes, ref)
+    x, x2 = (s.stats[0], s.dims), (s.stats[1], s.dims)
+    mu, mu2 = _expected(plan, q, s, "loc", 0), _expected(plan, q, s, "loc", 1)
     quad = (
         ein(out, prec + [x2], out, sizes, ref)
         - 2 * ein(out, prec + [x, mu], out, sizes, ref)
         + ein(out, prec + [mu2], out, sizes, ref)
     )
     return total - 0.5 * quad
+
+
+def _centred_square(plan: Plan, q: dict, s: Site) -> tuple | None:
+    """⟨(x_n − μ_k)²⟩ = (x_n − ⟨μ_k⟩)² + Var μ_k [batch, N, K] of a Normal observation law
+    as (operand, axes), the residual formed first and the variance read off the factor; None
+    where the mean is not a fixed value or an elementwise Normal site (the expanded form).
+    Not x² − 2x⟨μ⟩ + ⟨μ²⟩, whose terms cancel where the data sit far from 0 compared with
+    their spread (a float32 chain at a level of 1,000 had a NaN bound; a float64 one a bound
+    that fell between sweeps)."""
+    from probfsl.inference.vmp.normal import _loc_variance
+
+    loc = s.params["loc"]
+    var = _loc_variance(plan, q, loc)
+    if var is False:
+        return None
+    sizes, ref = plan.sizes, plan.ref
+    out = s.dims + (f"{s.name}#s",)
+    mu = _expected(plan, q, s, "loc", 0)
+    x = ein(out, [(s.stats[0], s.dims)], (), sizes, ref, expand=False)
+    square = (x - ein(out, [mu], (), sizes, ref, expand=False)).square_()
+    if var is not None:
+        square = square + ein(out, [var], (), sizes, ref, expand=False)
+    return square, out
 
 
 def _log_table(plan: Plan, q: dict, s: Site) -> tuple:
@@ -192,6 +218,12 @@ def message(plan: Plan, q: dict, s: Site, role: str, to: Site) -> list:
             -0.5 * ein(out, [g] + prec, over, sizes, ref),
         ]
     coef = [(p.coef, p.coef_dims)]  # role precision, to the Gamma τ of c τ
+    square = _centred_square(plan, q, s)
+    if square is not None:
+        return [
+            -0.5 * ein(out, [g] + coef + [square], over, sizes, ref),
+            0.5 * ein(out, [g], over, sizes, ref),
+        ]
     mu, mu2 = _expected(plan, q, s, "loc", 0), _expected(plan, q, s, "loc", 1)
     quad = (
         ein(out, [g] + coef + [x2], over, sizes, ref)

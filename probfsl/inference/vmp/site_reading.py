@@ -24,6 +24,8 @@ from pyro.poutine.trace_struct import Trace
 from probfsl.inference.vmp import at_prior
 from probfsl.inference.vmp.checks import (
     all_finite,
+    first_offender,
+    position,
     refuse,
     support_holds,
     support_refusal,
@@ -351,14 +353,18 @@ def read_data(
     if record.whole_numbers:  # counts, labels
         if value.dtype == torch.bool:
             value = value.to(dtype)
-        if not bool(torch.isfinite(value).all()):
-            raise refuse(name, fname, "-", "its data hold NaN or infinite values")
+        finite = torch.isfinite(value)
+        if not bool(finite.all()):
+            why = "its data hold NaN or infinite values"
+            raise refuse(name, fname, "-", why + _offender(site, value, ~finite))
         whole = value.round() if value.is_floating_point() else value
-        if not bool(((value >= 0) & (value == whole)).all()):
-            raise refuse(name, fname, "-", "its data must be whole numbers >= 0")
+        inside = (value >= 0) & (value == whole)
+        if not bool(inside.all()):
+            why = "its data must be whole numbers >= 0"
+            raise refuse(name, fname, "-", why + _offender(site, value, ~inside))
         limit = record.data_limit(base, site)
         if limit is not None and not bool((value <= limit[0]).all()):
-            raise refuse(name, fname, "-", limit[1])
+            raise refuse(name, fname, "-", limit[1] + _offender(site, value, value > limit[0]))
         if not record.labels:  # counts are taken in the data's dtype
             value = value.to(dtype)
     elif not value.is_floating_point():  # labels its record checks (a chain's emissions)
@@ -371,7 +377,8 @@ def read_data(
     finite = all_finite(*record.checked_stats(site))
     if not bool(finite if inside is None else finite & inside):
         if not bool(torch.isfinite(laid_out).all()):
-            raise refuse(name, fname, "-", "its data hold NaN or infinite values")
+            why = "its data hold NaN or infinite values"
+            raise refuse(name, fname, "-", why + _offender(site, laid_out, None))
         outside = support_refusal(name, fname, site.family, laid_out, site.dims)
         if outside is not None:
             raise outside
@@ -383,3 +390,22 @@ def read_data(
             f"finite in {laid_out.dtype}: rescale the data, or check for zeros or negative "
             "values under a Gamma or Dirichlet",
         )
+
+
+def _offender(site: Site, value: torch.Tensor, bad: torch.Tensor | None) -> str:
+    """``; the entry at task 0, n 3 is -2``: the first entry of the data ``value`` (Pyro's
+    shape; canonical where ``bad`` is None, which then marks the entries that are not
+    finite) that ``bad`` marks, by the site's axes, for a refusal of data; empty where
+    none is found in the site's layout."""
+    if bad is None:
+        laid, laid_bad = value, ~torch.isfinite(value)
+    else:
+        full = tuple(site.batch_shape) + tuple(site.event_shape)
+        try:
+            laid, laid_bad = canon(site, value.expand(full)), canon(site, bad.expand(full))
+        except RuntimeError:  # data in a shape the layout does not take: no position
+            return ""
+    at = first_offender(laid_bad)
+    if at is None:
+        return ""
+    return f"; the entry at {position(site.dims, at)} is {float(laid[at]):.6g}"
