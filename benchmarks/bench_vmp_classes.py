@@ -196,11 +196,13 @@ def gaussian_hmm_bayespy(d, t, k=3):
     (x,) = d
     pi = bn.Dirichlet(np.ones(k))
     a = bn.Dirichlet(np.ones(k), plates=(k,))
-    z = bn.CategoricalMarkovChain(pi, a, states=x.shape[1])
+    n = x.shape[1]
+    # Pyro's DiscreteHMM takes a transition before the first observation: one more state
+    z = bn.CategoricalMarkovChain(pi, a, states=n + 1)
     mu = bn.GaussianARD(np.linspace(-2, 2, k), 1.0, plates=(k,))
     tau = bn.Gamma(2.0, 1.0, plates=(k,))
     y = bn.Mixture(z, bn.GaussianARD, mu, tau)
-    y.observe(x[t].numpy())
+    y.observe(np.r_[0.0, x[t].numpy()], mask=np.r_[False, np.ones(n, bool)])
     q = VB(y, z, mu, tau, a, pi)
     q.update(z, pi, z, a, z, mu, z, tau, repeat=MAX_ITER, tol=TOL, verbose=False)
     return q.compute_lowerbound()
@@ -227,10 +229,11 @@ def categorical_hmm_bayespy(d, t):
     (x,) = d
     pi = bn.Dirichlet(np.ones(STATES))
     a = bn.Dirichlet(np.ones(STATES), plates=(STATES,))
-    z = bn.CategoricalMarkovChain(pi, a, states=x.shape[1])
+    n = x.shape[1]
+    z = bn.CategoricalMarkovChain(pi, a, states=n + 1)  # the first state unobserved
     b = bn.Dirichlet(np.array(EMISSION_PRIOR), plates=(STATES,))
     y = bn.Mixture(z, bn.Categorical, b)
-    y.observe(x[t].numpy().astype(int))
+    y.observe(np.r_[0, x[t].numpy().astype(int)], mask=np.r_[False, np.ones(n, bool)])
     q = VB(y, z, b, a, pi)
     q.update(z, pi, z, a, z, b, repeat=MAX_ITER, tol=TOL, verbose=False)
     return q.compute_lowerbound()

@@ -180,18 +180,20 @@ def test_binomial_counts_under_a_beta():
 
 def test_categorical_markov_chain():
     """BayesPy's CategoricalMarkovChain with a GaussianARD mixture, updated in the same
-    schedule (the chain before each parent): the same bound on every task."""
+    schedule (the chain before each parent): the same bound on every task. Pyro's
+    DiscreteHMM takes a transition before the first observation: BayesPy's chain has one
+    more state, first and unobserved."""
     x, _ = hmm_data()
     state, _ = VMP(hmm_model, tol=1e-14, max_iter=3000).fit(x)
     n, k = x.shape[1], 3
     for t in range(TASKS):
         pi = bn.Dirichlet(np.ones(k))
         a = bn.Dirichlet(np.ones(k), plates=(k,))
-        z = bn.CategoricalMarkovChain(pi, a, states=n)
+        z = bn.CategoricalMarkovChain(pi, a, states=n + 1)
         mu = bn.GaussianARD(np.linspace(-2, 2, k), 1.0, plates=(k,))
         tau = bn.Gamma(2.0, 1.0, plates=(k,))
         y = bn.Mixture(z, bn.GaussianARD, mu, tau)
-        y.observe(x[t].numpy())
+        y.observe(np.r_[0.0, x[t].numpy()], mask=np.r_[False, np.ones(n, bool)])
         q = VB(y, z, mu, tau, a, pi)
         q.update(z, pi, z, a, z, mu, z, tau, repeat=3000, tol=1e-14, verbose=False)
         _close(state.objective[t].item(), q.compute_lowerbound())

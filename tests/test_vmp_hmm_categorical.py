@@ -84,10 +84,10 @@ def test_categorical_markov_chain_matches_bayespy():
     for t in range(x.shape[0]):
         pi = bn.Dirichlet(np.ones(STATES))
         a = bn.Dirichlet(np.ones(STATES), plates=(STATES,))
-        z = bn.CategoricalMarkovChain(pi, a, states=n)
+        z = bn.CategoricalMarkovChain(pi, a, states=n + 1)  # z_0 unobserved (Pyro's)
         b = bn.Dirichlet(np.array(EMISSION_PRIOR), plates=(STATES,))
         y = bn.Mixture(z, bn.Categorical, b)
-        y.observe(x[t].numpy().astype(int))
+        y.observe(np.r_[0, x[t].numpy().astype(int)], mask=np.r_[False, np.ones(n, bool)])
         q = VB(y, z, b, a, pi)
         q.update(z, pi, z, a, z, b, repeat=3000, tol=1e-14, verbose=False)
         np.testing.assert_allclose(state.objective[t].item(), q.compute_lowerbound(), rtol=1e-9)
@@ -97,16 +97,19 @@ def test_categorical_markov_chain_matches_bayespy():
 
 # ------------------------------------------------------------------------ enumeration
 def test_tiny_chain_against_a_sum_over_every_path():
-    """K = 2 states, N = 6 steps (64 paths), 3 tasks. From the converged factors, the bound
-    ln Σ_z exp(⟨ln π_z1⟩ + Σ⟨ln A⟩ + Σ⟨ln B_{z_n x_n}⟩) − KL(q(π, A, B) ‖ p) by
-    enumeration equals VMP's; the factors are their own update, α + the expected counts
-    under the enumerated q(z); and the exact log evidence, the sum over paths of the
-    Dirichlet-multinomial marginals, lies above the bound (by the mean-field gap)."""
+    """K = 2 states, N = 6 steps, 3 tasks; Pyro's DiscreteHMM draws z_0 from π and takes a
+    transition before each observation, so a path is z_0..z_N (128 paths). From the
+    converged factors, the bound ln Σ_z exp(⟨ln π_z0⟩ + Σ_{n=1}^N ⟨ln A_{z_{n−1} z_n}⟩ +
+    Σ_{n=1}^N ⟨ln B_{z_n x_n}⟩) − KL(q(π, A, B) ‖ p) by enumeration equals VMP's; the
+    factors are their own update, α + the expected counts under the enumerated q(z); and
+    the exact log evidence, the sum over paths of the Dirichlet-multinomial marginals, lies
+    above the bound (by the mean-field gap)."""
     x, _ = hmm_labels(t=3, n=6, seed=1)
     state, _ = VMP(categorical_hmm, tol=1e-14, max_iter=3000).fit(x)
     n = x.shape[1]
-    paths = torch.tensor(list(itertools.product(range(STATES), repeat=n)))  # [P, N]
-    one_hot = torch.nn.functional.one_hot(paths, STATES).double()  # [P, N, K]
+    paths = torch.tensor(list(itertools.product(range(STATES), repeat=n + 1)))  # [P, N+1]
+    every = torch.nn.functional.one_hot(paths, STATES).double()  # [P, N+1, K]
+    one_hot = every[:, 1:]  # the states that emit
     kl = torch.distributions.kl_divergence
     ones = torch.ones(STATES, dtype=F64)
     prior_b = torch.tensor(EMISSION_PRIOR, dtype=F64)
@@ -116,7 +119,7 @@ def test_tiny_chain_against_a_sum_over_every_path():
         score = (
             _expected_log(q_pi)[paths[:, 0]]
             + _expected_log(q_a)[paths[:, :-1], paths[:, 1:]].sum(-1)
-            + _expected_log(q_b)[paths, labels].sum(-1)
+            + _expected_log(q_b)[paths[:, 1:], labels].sum(-1)
         )
         bound = (
             torch.logsumexp(score, 0)
@@ -129,16 +132,16 @@ def test_tiny_chain_against_a_sum_over_every_path():
         weight = torch.softmax(score, 0)
         gamma = torch.einsum("p,pnk->nk", weight, one_hot)
         symbols = torch.nn.functional.one_hot(labels, SYMBOLS).double()
-        pairs = torch.einsum("p,pnj,pnk->jk", weight, one_hot[:, :-1], one_hot[:, 1:])
+        pairs = torch.einsum("p,pnj,pnk->jk", weight, every[:, :-1], every[:, 1:])
         # converged to a relative bound change of 1e-14: the factors to ~1e-7
         torch.testing.assert_close(q_b, prior_b + gamma.T @ symbols, rtol=0, atol=1e-5)
         torch.testing.assert_close(q_a, 1 + pairs, rtol=0, atol=1e-5)
-        torch.testing.assert_close(q_pi, 1 + gamma[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(q_pi, 1 + weight @ every[:, 0], rtol=0, atol=1e-5)
 
         emitted = torch.einsum("pnk,nv->pkv", one_hot, symbols)
-        transitions = torch.einsum("pnj,pnk->pjk", one_hot[:, :-1], one_hot[:, 1:])
+        transitions = torch.einsum("pnj,pnk->pjk", every[:, :-1], every[:, 1:])
         joint = (
-            _log_beta(1 + one_hot[:, 0])
+            _log_beta(1 + every[:, 0])
             - _log_beta(ones)
             + (_log_beta(1 + transitions) - _log_beta(ones.expand(STATES, STATES))).sum(-1)
             + (_log_beta(prior_b + emitted) - _log_beta(prior_b)).sum(-1)
@@ -285,3 +288,30 @@ def test_a_symmetric_start_is_reported_and_a_start_apart_leaves_it():
         warnings.simplefilter("error", ConvergenceWarning)
         apart, _ = VMP(_symmetric_hmm, tol=1e-10, max_iter=500).fit(x, init={"B": start})
     assert bool((apart.objective > tied.objective + 1).all())
+
+
+def test_the_chain_is_pyros_discrete_hmm():
+    """Pyro's DiscreteHMM draws z_0 from the initial probabilities and takes a transition
+    before each observation. With priors so tight that π, A, μ and τ are known, the bound
+    is DiscreteHMM.log_prob (the first state drawn from π instead, as in a textbook HMM, it
+    was up to 1.9 nats above it)."""
+    p0 = torch.tensor([0.9, 0.05, 0.05], dtype=F64)
+    a = torch.tensor([[0.1, 0.8, 0.1], [0.1, 0.1, 0.8], [0.8, 0.1, 0.1]], dtype=F64)
+    means, sd = torch.tensor([-3.0, 0.0, 3.0], dtype=F64), 0.5
+
+    def known(x):
+        with pyro.plate("tasks", x.shape[0], dim=-1):
+            pi = pyro.sample("pi", dist.Dirichlet(1e8 * p0))
+            rows = pyro.sample("A", dist.Dirichlet(1e8 * a).to_event(1))
+            mu = pyro.sample("mu", dist.Normal(means, 1e-6).to_event(1))
+            tau = pyro.sample("tau", dist.Gamma(x.new_full((3,), 1e8 / sd**2), 1e8).to_event(1))
+            law = dist.Normal(mu.unsqueeze(-2), tau.rsqrt().unsqueeze(-2))
+            chain = dist.DiscreteHMM(pi.log(), rows.log().unsqueeze(-3), law, duration=x.shape[1])
+            pyro.sample("x", chain, obs=x)
+
+    x = torch.tensor(
+        [[-3.0, 0.1, 2.9, -3.1], [0.0, 3.0, -3.0, 0.0], [3.1, -2.9, 0.0, 3.0]], dtype=F64
+    )
+    state, _ = VMP(known, tol=1e-13, max_iter=200).fit(x)
+    exact = dist.DiscreteHMM(p0.log(), a.log(), dist.Normal(means, sd), duration=4).log_prob(x)
+    torch.testing.assert_close(state.objective, exact, rtol=0, atol=1e-4)

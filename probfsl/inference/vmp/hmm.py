@@ -4,16 +4,20 @@ Categorical observation law (docs/design/vmp.md §7.5; Beal, *Variational algori
 approximate Bayesian inference*, 2003, ch. 3; BayesPy's ``CategoricalMarkovChain`` with a
 ``Mixture`` of ``GaussianARD`` or ``Categorical`` nodes).
 
-The hidden chain z_1..z_N is not a site: its factor q(z) is the exact chain given the
-expected log-potentials ⟨ln π⟩, ⟨ln A⟩ and the emission terms E ln p(x_n | z_n = k), computed
-by forward-backward whenever it is read (batched over tasks, a loop over time; the scaled
+The hidden chain is Pyro's: ``DiscreteHMM.log_prob`` draws a state z_0 from the initial
+probabilities π and then takes one transition before each observation, so z_1 ~ A[z_0] and
+x_1 | z_1 (BayesPy's ``CategoricalMarkovChain`` with one more state, unobserved, first). It
+is not a site: its factor q(z_0..z_N) is the exact chain given the expected log-potentials
+⟨ln π⟩, ⟨ln A⟩ and the emission terms E ln p(x_n | z_n = k) (none for z_0), computed by
+forward-backward whenever it is read (batched over tasks, a loop over time; the scaled
 recursions of :func:`forward_backward`). The emission term is
 E ln N(x_n | μ_k, (c τ_k)⁻¹) for a Normal law and Σ_v [x_n = v] ⟨ln B_kv⟩ for a Categorical
-one with rows B_k ~ Dirichlet. Its messages are the expected counts: γ_1 to π, Σ_n ξ_n to
-A, and the state-weighted data to each state's parameters (to B_k: Σ_n γ_nk onehot(x_n),
-so q(B_k) = Dirichlet(α_k + Σ_n γ_nk onehot(x_n))). With q(z) at its optimum the chain's
-part of the bound, E ln p(x, z | θ) + H[q(z)], is the forward pass's normaliser ln Z̃, so
-every update of a parent is followed by an optimal q(z) and the bound never falls.
+one with rows B_k ~ Dirichlet. Its messages are the expected counts: γ_0 to π, Σ_n ξ_n
+to A (N transitions), and the state-weighted data to each state's parameters (to B_k:
+Σ_n γ_nk onehot(x_n), so q(B_k) = Dirichlet(α_k + Σ_n γ_nk onehot(x_n))). With q(z) at
+its optimum the chain's part of the bound, E ln p(x, z | θ) + H[q(z)], is the forward
+pass's normaliser ln Z̃, so every update of a parent is followed by an optimal q(z) and the
+bound never falls.
 """
 
 from __future__ import annotations
@@ -41,8 +45,10 @@ def _expected(plan: Plan, q: dict, s: Site, key: str, stat: int) -> tuple:
 
 
 def _chain(plan: Plan, q: dict, s: Site) -> tuple:
-    """(γ [T, N, K], Σ_n ξ_n [T, K, K], ln Z̃ [T]) under the current factors, cached while
-    the parents' factors are the same objects."""
+    """(γ [T, N, K] of the observed steps, Σ_n ξ_n [T, K, K] over the N transitions, ln Z̃
+    [T], γ_0 [T, K] of the initial state) under the current factors, cached while the
+    parents' factors are the same objects. The initial state z_0 has no observation
+    (module docstring): its emission term is 0."""
     parents = [p.parent for p in s.params.values() if p.parent is not None]
     hit = plan.cache.get(("hmm", s.name))
     if hit is not None and all(q[n] is f for n, f in zip(parents, hit[0], strict=True)):
@@ -55,7 +61,11 @@ def _chain(plan: Plan, q: dict, s: Site) -> tuple:
     trans_dims = batch + (state, f"{s.name}#s2")
     log_trans = ein(trans_dims, [_pot(plan, q, s, "transition_logits")], trans_dims, sizes, ref)
     log_emit = emission(plan, q, s)  # [batch, N, K]
-    result = forward_backward(log_init, log_trans, log_emit)
+    unobserved = log_emit.new_zeros(log_emit.shape[:-2] + (1, log_emit.shape[-1]))
+    gamma, pairs, log_z = forward_backward(
+        log_init, log_trans, torch.cat([unobserved, log_emit], -2)
+    )
+    result = (gamma[..., 1:, :], pairs, log_z, gamma[..., 0, :])
     plan.cache[("hmm", s.name)] = ([q[n] for n in parents], result)
     return result
 
@@ -189,20 +199,20 @@ def forward_backward(
 
 def loglik(plan: Plan, q: dict, s: Site, out: tuple) -> torch.Tensor:
     """The chain's part of the bound, ln Z̃, summed into ``out``."""
-    _, _, log_z = _chain(plan, q, s)
+    log_z = _chain(plan, q, s)[2]
     return ein(out, [(log_z, s.dims[:-1])], s.dims[:-1], plan.sizes, plan.ref)
 
 
 def message(plan: Plan, q: dict, s: Site, role: str, to: Site) -> list:
     """The expected counts (module docstring) as the natural-parameter message to ``to``."""
     sizes, ref = plan.sizes, plan.ref
-    gamma, pairs, _ = _chain(plan, q, s)
+    gamma, pairs, _, initial = _chain(plan, q, s)
     state = f"{s.name}#s"
     g = (gamma, s.dims + (state,))
     p = s.params[role]
     out = tuple(p.rename[d] for d in to.dims)
     if role == "initial_logits":
-        return [ein(out, [(gamma[..., 0, :], s.dims[:-1] + (state,))], out, sizes, ref)]
+        return [ein(out, [(initial, s.dims[:-1] + (state,))], out, sizes, ref)]
     if role == "transition_logits":
         dims = s.dims[:-1] + (state, f"{s.name}#s2")
         return [ein(out, [(pairs, dims)], out, sizes, ref)]
