@@ -70,7 +70,10 @@ def sum_terms(terms) -> torch.Tensor | int:
 
 
 def logdet(m: torch.Tensor) -> torch.Tensor:
-    """ln|m| of symmetric positive-definite matrices, by Cholesky."""
+    """ln|m| of symmetric positive-definite matrices, by Cholesky (2 × 2 ones in closed
+    form: :func:`_det2`)."""
+    if _two(m):
+        return _det2(m)[0].log()
     return chol_logdet(torch.linalg.cholesky(m))
 
 
@@ -80,8 +83,30 @@ def chol_logdet(chol: torch.Tensor) -> torch.Tensor:
 
 
 def spd_inverse(m: torch.Tensor) -> torch.Tensor:
-    """m⁻¹ of symmetric positive-definite matrices, by Cholesky."""
+    """m⁻¹ of symmetric positive-definite matrices, by Cholesky (2 × 2 ones in closed
+    form: :func:`_det2`)."""
+    if _two(m):
+        det, p00, p10, p11 = _det2(m)  # the adjugate over the determinant
+        off = -(p10 / det)
+        return torch.stack((p11 / det, off, off, p00 / det), -1).unflatten(-1, (2, 2))
     return torch.cholesky_inverse(torch.linalg.cholesky(m))
+
+
+def _two(m: torch.Tensor) -> bool:
+    """Whether ``m`` holds 2 × 2 matrices, whose inverse and determinant take a dozen
+    elementwise operations on the whole batch where LAPACK factorises one matrix at a time
+    (Bayesian PCA's factors of two components, 1,000 tasks of 20 points on one CPU
+    thread: the update, moments and entropy in 1.1 ms against 6.1 ms; on a few tasks,
+    about the same)."""
+    return m.shape[-1] == 2 and m.shape[-2] == 2
+
+
+def _det2(m: torch.Tensor) -> tuple:
+    """|m| = m₀₀ m₁₁ − m₁₀² of symmetric 2 × 2 matrices, and the entries m₀₀, m₁₀, m₁₁
+    it is formed from: the lower triangle alone, as LAPACK's Cholesky factorisation reads
+    it."""
+    p00, _, p10, p11 = m.flatten(-2).unbind(-1)
+    return p00 * p11 - p10 * p10, p00, p10, p11
 
 
 class Block(ABC):

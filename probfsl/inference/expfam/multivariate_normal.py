@@ -26,6 +26,9 @@ class MultivariateNormal(Block):
     #: the Cholesky factor of ``precision`` where known (:meth:`from_natural` computes it),
     #: reused by :meth:`expected_stats` and :meth:`entropy` instead of factorising again
     chol: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    #: the covariance P⁻¹ where known (:meth:`from_natural` forms it for 2 × 2 matrices,
+    #: in closed form instead of a Cholesky factor), reused by :meth:`expected_stats`
+    cov: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _stat_dims = (1, 2)
 
     @classmethod
@@ -33,6 +36,10 @@ class MultivariateNormal(Block):
         cls, eta1: torch.Tensor, eta2: torch.Tensor, event_dim: int = 0
     ) -> MultivariateNormal:
         precision = -2.0 * eta2
+        if eta2.shape[-1] == 2:  # in closed form (:func:`spd_inverse`), without a factor
+            cov = spd_inverse(precision)
+            loc = (cov @ eta1.unsqueeze(-1)).squeeze(-1)
+            return cls(loc, precision, event_dim, cov=cov)
         chol = torch.linalg.cholesky(precision)
         loc = torch.cholesky_solve(eta1.unsqueeze(-1), chol)
         return cls(loc.squeeze(-1), precision, event_dim, chol)
@@ -41,10 +48,13 @@ class MultivariateNormal(Block):
         return (self.precision @ self.loc.unsqueeze(-1)).squeeze(-1), -0.5 * self.precision
 
     def expected_stats(self):
-        m = self.loc
-        cov = (
-            spd_inverse(self.precision) if self.chol is None else torch.cholesky_inverse(self.chol)
-        )
+        m, cov = self.loc, self.cov
+        if cov is None:
+            cov = (
+                spd_inverse(self.precision)
+                if self.chol is None
+                else torch.cholesky_inverse(self.chol)
+            )
         return m, cov + m.unsqueeze(-1) * m.unsqueeze(-2)
 
     def _log_normalizer(self):

@@ -94,9 +94,9 @@ def _mvn_moments(block: expfam.MultivariateNormal) -> tuple:
     """(⟨x⟩, ⟨x xᵀ⟩ = P⁻¹ + m mᵀ) of a MultivariateNormal block N(m, P⁻¹), as
     :meth:`~probfsl.inference.expfam.MultivariateNormal.expected_stats` computes them, and
     the covariance P⁻¹ they were formed from (its diagonal: :func:`variance`)."""
-    m = block.loc
-    chol = block.chol
-    cov = spd_inverse(block.precision) if chol is None else torch.cholesky_inverse(chol)
+    m, chol, cov = block.loc, block.chol, block.cov
+    if cov is None:
+        cov = spd_inverse(block.precision) if chol is None else torch.cholesky_inverse(chol)
     return (m, cov + m.unsqueeze(-1) * m.unsqueeze(-2)), cov
 
 
@@ -180,29 +180,43 @@ def block_of(s: Site, params: tuple):
 
 def factor_block(plan: Plan, q: dict, name: str):
     """:func:`block_of` the factor ``q[name]``; a MultivariateNormal one with the Cholesky
-    factor of its precision that its update computed (:func:`keep_cholesky`), where it is
-    still that factor, so that its moments and entropy do not factorise it again."""
+    factor of its precision (or, 2 × 2, its covariance) that its update computed
+    (:func:`keep_cholesky`), where it is still that factor, so that its moments and
+    entropy do not factorise (or invert) it again."""
     block = block_of(plan.sites[name], q[name])
-    hit = plan.cache.get(("chol", name))
-    if hit is not None and hit[0] is q[name] and isinstance(block, expfam.MultivariateNormal):
-        block.chol = hit[1]
+    if isinstance(block, expfam.MultivariateNormal):
+        hit = plan.cache.get(("chol", name))
+        if hit is not None and hit[0] is q[name]:
+            block.chol = hit[1]
+        hit = plan.cache.get(("cov", name))
+        if hit is not None and hit[0] is q[name]:
+            block.cov = hit[1]
     return block
 
 
 def keep_cholesky(plan: Plan, name: str, block) -> tuple:
     """The factor (loc, precision) of a MultivariateNormal ``block`` from an update, its
-    Cholesky factor kept with it for :func:`factor_block`."""
+    Cholesky factor (a 2 × 2 one's covariance) kept with it for :func:`factor_block`."""
     factor = (block.loc, block.precision)
     if block.chol is not None:
         _cache_factor(plan, ("chol", name), factor, block.chol)
+    if block.cov is not None:  # a 2 × 2 factor's covariance, formed in its update
+        _cache_factor(plan, ("cov", name), factor, block.cov)
     return factor
 
 
 def _factor_keys(name: str) -> tuple:
-    """The plan-cache keys of a MultivariateNormal factor's Cholesky factor, moments, second
-    moment, covariance and variances (:func:`keep_cholesky`, :func:`expected_stats`), which
-    :func:`carry_over` and :func:`carry_rows` carry."""
-    return ("chol", name), name, ("second", name), ("variance", name), ("covariance", name)
+    """The plan-cache keys of a MultivariateNormal factor's Cholesky factor (or 2 × 2
+    covariance), moments, second moment, covariance and variances (:func:`keep_cholesky`,
+    :func:`expected_stats`), which :func:`carry_over` and :func:`carry_rows` carry."""
+    return (
+        ("chol", name),
+        ("cov", name),
+        name,
+        ("second", name),
+        ("variance", name),
+        ("covariance", name),
+    )
 
 
 def _cache_factor(plan: Plan, key, factor: tuple, value) -> None:
