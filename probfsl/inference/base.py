@@ -42,6 +42,11 @@ CHECK_EVERY = 5
 #: compacting at every check that finds a converged task)
 COMPACT_FRACTION = 0.2
 
+#: ... and at once, whatever the fraction, in a batch of at most this many tasks: there a
+#: compaction costs a few steps' masking (:meth:`Engine.keep`), which the slow tail of a
+#: fit (a handful of tasks running hundreds of steps) repays many times over
+COMPACT_BELOW = 32
+
 
 @dataclasses.dataclass(frozen=True)
 class Info:
@@ -211,7 +216,8 @@ def run(
     moving only at the steps of :func:`check_steps` (every ``check_every`` steps, or at
     gaps growing by ``check_growth``; one synchronisation each), and the loop ends when
     none is. An engine that ``compacts`` then also drops the converged tasks from the
-    batch once they are at least :data:`COMPACT_FRACTION` of it (:meth:`Engine.take`;
+    batch once they are at least :data:`COMPACT_FRACTION` of it, or at once in a batch of
+    at most :data:`COMPACT_BELOW` tasks (:meth:`Engine.take`;
     their final state is written back with :meth:`Engine.put`, into the loop's own copy
     with :meth:`Engine.put_` after the first), so later steps cost only what the moving
     tasks need; until then they are masked (not in the step after a check that found
@@ -250,7 +256,8 @@ def run(
         if moving.numel() == 0:
             break
         none_frozen = moving.numel() == active.numel()
-        if compact and moving.numel() <= (1 - COMPACT_FRACTION) * active.numel():
+        few = active.numel() <= COMPACT_BELOW and moving.numel() < active.numel()
+        if compact and (few or moving.numel() <= (1 - COMPACT_FRACTION) * active.numel()):
             full, all_steps, still = _write_back(
                 engine, full, where, state, all_steps, steps, still, active, owned
             )
