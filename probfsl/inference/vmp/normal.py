@@ -21,6 +21,7 @@ from probfsl.inference.vmp.layout import (
     TASKS,
     Plan,
     Site,
+    constant,
     derived,
     normal_data,
     power_axis,
@@ -357,9 +358,9 @@ def _shift(plan: Plan, s: Site, o: dict) -> dict | None:
         and o["XL"][0] is o["X1"][0]
         and (loc.parent is None or _loc_variance(plan, None, loc, structure=True) is not False)
     )
-    if applies and plan.ref.dtype == torch.float64:  # one host synchronisation per plan
-        x = s.value
-        applies = bool(x.abs().max() > FAR_IN_FLOAT64 * x.std()) if x.numel() > 1 else False
+    if applies and plan.ref.dtype == torch.float64:
+        # one host synchronisation per fit: the answer is kept through compactions
+        applies = constant(plan, ("far from 0", s.name), lambda: _far_from_zero(s.value), ())
     if applies:
         x, m_dims = s.value, o["L1"][0][1]
         over = [i for i, d in enumerate(s.dims) if d not in m_dims and d != TASKS]
@@ -370,6 +371,11 @@ def _shift(plan: Plan, s: Site, o: dict) -> dict | None:
         shift = dict(c=(c_at, dims), powers=normal_data(x - c)["powers"])
     plan.cache[key] = shift
     return shift
+
+
+def _far_from_zero(x: torch.Tensor) -> bool:
+    """Whether the data ``x`` lie more than :data:`FAR_IN_FLOAT64` spreads from 0."""
+    return x.numel() > 1 and bool(x.abs().max() > FAR_IN_FLOAT64 * x.std())
 
 
 def loglik(plan, o, out, weights, offset=None):
