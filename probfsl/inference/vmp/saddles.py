@@ -5,12 +5,12 @@ Coordinate ascent keeps any symmetry its start has. Two cases stop a fit at once
 
 * a product of two latent Gaussian sites, ``(W * x).sum(-1)`` (Bayesian PCA, factor
   analysis), whose factors both have mean exactly 0: each update of one reads the other's
-  mean, so W = x = 0 is a saddle point of the bound (Bishop, PRML §12.2.4; BayesPy starts
-  such models with ``initialize_from_random``);
+  mean, so W = x = 0 is a saddle point of the bound (Bayesian PCA: Bishop, PRML ch. 12;
+  BayesPy starts such models with ``initialize_from_random``);
 * a ``DiscreteHMM`` whose states have identical emission terms E ln p(x_n | z_n = k) at
   every step: the states' posteriors, hence their parameters' updates, stay identical
-  (the label-switching symmetry of a mixture, MacKay 2003 §22.2, which a latent
-  Categorical's seeded random start breaks and an HMM's hidden chain, not a site, does not).
+  (the label-switching symmetry of a mixture, which a latent Categorical's seeded
+  random start breaks and an HMM's hidden chain, not a site, does not).
 
 :func:`stopped_at_saddles` names them, per site, with the number of tasks: one host
 synchronisation per site, after the loop.
