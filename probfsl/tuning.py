@@ -114,9 +114,17 @@ SEARCH_SPACES: dict[str, dict[str, list]] = {
 
 
 #: hyperparameters of the open-set posterior alone, tried at the best candidate of a
-#: search on base episodes with open queries (:func:`tune` with ``open_queries``): the
-#: free components of BAVARDAGE's open mixture (its default 3, or none)
-OPEN_SEARCH_SPACES: dict[str, dict[str, list]] = {"bavardage": {"n_free": [0, 3]}}
+#: search on base episodes with open queries (:func:`tune` with ``open_queries``; a value
+#: given in ``fixed`` is kept): the free components of BAVARDAGE's open mixture (its
+#: default 3, or none); the frame of the background contrast of the BAVARDAGE mixtures
+#: (the base mean, their default, or the task's queries); and the VMP sweeps of vmp-gmm's
+#: nested open model after its soft k-means start, where open queries the contrast leaves
+#: "closed" pull the class factors a little more with every sweep
+OPEN_SEARCH_SPACES: dict[str, dict[str, list]] = {
+    "bavardage": {"n_free": [0, 3], "open_frame": ["base", "queries"]},
+    "bavardage-gamma": {"open_frame": ["base", "queries"]},
+    "vmp-gmm": {"max_iter": [1, 30]},
+}
 
 
 #: base episodes per candidate of ``preset="auto"`` where 300 would cost minutes: each
@@ -479,7 +487,7 @@ def tune(
         return _score(candidates, params, episodes, criterion)
 
     result = _search(method, space, criterion, refine, fixed, score, progress)
-    extra = OPEN_SEARCH_SPACES.get(method, {}) if open_queries else {}
+    extra = open_search_space(method, fixed) if open_queries else {}
     if extra:  # the open-set hyperparameters, at the search's best
         best = _best_row(result.trace, criterion)["params"]
         seen = [r["params"] for r in result.trace]
@@ -487,6 +495,13 @@ def tune(
         result.trace += [score(params) for params in todo if params not in seen]
         result.best = {**(fixed or {}), **_best_row(result.trace, criterion)["params"]}
     return result
+
+
+def open_search_space(method: str, fixed: Mapping | None = None) -> dict[str, list]:
+    """The values of :data:`OPEN_SEARCH_SPACES` tried at the best candidate of an
+    open-set search, less the hyperparameters ``fixed`` holds (those stay as given)."""
+    fixed = fixed or {}
+    return {k: v for k, v in OPEN_SEARCH_SPACES.get(method, {}).items() if k not in fixed}
 
 
 def tune_zero_shot(
@@ -841,13 +856,16 @@ def auto_preset(
     }
     if open_queries:  # closed searches keep their cache entries
         settings["open_queries"] = open_queries
-        settings["open_space"] = OPEN_SEARCH_SPACES.get(method, {})
+        open_space = open_search_space(method, fixed)
+        settings["open_space"] = open_space
         settings["open_scale"] = "brier"  # fit_open_scale on the chosen candidate
         settings["open_rank"] = "accuracy"  # of the known-class queries alone
-        # the frame of the open contrast that open_scale is learnt with (the method's own)
+        # the frames of the open contrast that open_scale may be learnt with: searched, or
+        # the given one, or the method's own
         frame = make_estimator(method).get_params().get("open_frame")
-        settings["open_frame"] = fixed.get("open_frame", frame)
-        if settings["open_frame"] == "queries":  # whose background's mean is the task's own
+        frames = open_space.get("open_frame", [fixed.get("open_frame", frame)])
+        settings["open_frame"] = frames[0] if len(frames) == 1 else frames
+        if "queries" in frames:  # whose background's mean is the task's own
             settings["open_background_mean"] = "inferred, read last"
     return _cached("few-shot", fs, settings, compute)
 

@@ -177,13 +177,14 @@ def test_open_frame_checked(method):
     [
         ("soft-kmeans", {}, "queries"),
         ("soft-kmeans", {"open_frame": "base"}, "base"),
-        ("bavardage", {}, "base"),
+        ("bavardage", {}, ["base", "queries"]),
+        ("bavardage", {"open_frame": "base"}, "base"),
         ("em-dirichlet", {}, None),
     ],
 )
 def test_auto_preset_cache_key_holds_the_frame(omniglot, monkeypatch, method, fixed, frame):
     """The open-set search's cached choice (with its ``open_scale``) is keyed by the frame
-    the scale is learnt in: the method's default or the one fixed."""
+    the scale is learnt in: the method's default, the one fixed, or the frames searched."""
     from probfsl import tuning
 
     seen = {}
@@ -196,7 +197,7 @@ def test_auto_preset_cache_key_holds_the_frame(omniglot, monkeypatch, method, fi
     tuning.auto_preset(method, omniglot, WAY, SHOT, QUERY, fixed=fixed, open_queries=N_OPEN)
     assert seen["open_frame"] == frame
     # the queries' frame infers the background's mean for the last reading: scales anew
-    want = "inferred, read last" if frame == "queries" else None
+    want = "inferred, read last" if "queries" in (frame or []) else None
     assert seen.get("open_background_mean") == want
     seen.clear()
     tuning.auto_preset(method, omniglot, WAY, SHOT, QUERY, fixed=fixed)

@@ -3,6 +3,8 @@ VB), and the open-set search on base-class episodes."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -261,9 +263,26 @@ def test_tune_with_open_queries(omniglot):
         open_queries=9,
     )
     assert all("auroc" in row for row in result.trace)
-    tried = [row["params"].get("n_free") for row in result.trace]
-    assert set(OPEN_SEARCH_SPACES["bavardage"]["n_free"]) <= set(tried)
+    tried = [(row["params"].get("n_free"), row["params"].get("open_frame")) for row in result.trace]
+    open_space = OPEN_SEARCH_SPACES["bavardage"]
+    assert set(itertools.product(open_space["n_free"], open_space["open_frame"])) <= set(tried)
     assert result.best["whitening"] == "global"
+    # a value the caller fixes is kept, not searched
+    kept = tune(
+        "bavardage",
+        omniglot,
+        {"temperature_vb": [1.0]},
+        way=WAY,
+        shot=1,
+        n_query=9,
+        n_episodes=8,
+        refine=False,
+        fixed={"whitening": "global", "scale": "relative", "n_free": 5},
+        open_queries=9,
+    )
+    assert {row["params"].get("n_free") for row in kept.trace} == {None}
+    assert kept.best["n_free"] == 5
+    assert {row["params"].get("open_frame") for row in kept.trace} >= {"base", "queries"}
     with pytest.raises(ValueError, match="criterion"):
         tune("bavardage", omniglot, space, n_episodes=8, criterion="objective", open_queries=9)
     with pytest.raises(ValueError, match="open_queries"):
