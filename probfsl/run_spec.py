@@ -93,8 +93,9 @@ class RunSpec:
     A value of the wrong type or out of range, an unknown method, data set, choice,
     hyperparameter name or preset, and options that do not go together (``engine`` on a
     method with one engine, a named preset, temperature calibration, open queries or a
-    task file with ``zero_shot``, open queries with a task file) are each a
-    ``ValueError``; the messages of the checks ``probfsl run`` shares name its options.
+    task file with ``zero_shot``, open queries with a task file or with temperature
+    calibration) are each a ``ValueError``; the messages of the checks ``probfsl run``
+    shares name its options.
     What needs the data, torch or the machine (the hyperparameters' values, whether the
     device exists, whether the data hold the tasks asked for, the task file's content)
     is checked when the run starts, before any work.
@@ -244,6 +245,12 @@ class RunSpec:
             raise ValueError("--calibrate temperature applies to few-shot runs, not --zero-shot")
         if self.open_queries and self.zero_shot:
             raise ValueError("--open-queries applies to few-shot runs, not --zero-shot")
+        if self.open_queries and self.calibrate == "temperature":
+            raise ValueError(
+                "--calibrate temperature tempers the closed-set probabilities and gives no "
+                "P(none of these classes); --open-queries scores the method's own open-set "
+                "posterior (use --calibrate none)"
+            )
         if self.open_queries and self.task_file is not None:
             raise ValueError(
                 "--open-queries draws open-set tasks; it does not apply to --task-file "

@@ -31,7 +31,11 @@ from probfsl.data import (
 from probfsl.data.simplex import zero_shot_probabilities
 from probfsl.data.task_files import TaskFile
 from probfsl.evaluation import text_table
-from probfsl.evaluation.open_set import evaluate_open_set_stream, open_set_baselines
+from probfsl.evaluation.open_set import (
+    evaluate_open_set_stream,
+    has_open_posterior,
+    open_set_baselines,
+)
 from probfsl.evaluation.protocol import evaluate_stream
 from probfsl.evaluation.zero_shot import evaluate_argmax, evaluate_zero_shot
 from probfsl.methods import DEFAULTS, method_info
@@ -497,7 +501,7 @@ def run_setting(
                 "--open-queries draws open-set tasks; it does not apply to --task-file "
                 "(task files hold closed tasks)"
             )
-        if not hasattr(estimator, "predict_proba_open"):
+        if not has_open_posterior(estimator):
             extra = " with --calibrate temperature (use --calibrate none)" * (
                 calibrate == "temperature"
             )

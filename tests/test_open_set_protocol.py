@@ -293,6 +293,25 @@ def test_evaluate_open_set_oracle_coin_and_wrong_shapes(open_episodes):
         evaluate_open_set(object(), open_episodes)
 
 
+def test_a_wrapper_without_an_open_posterior_is_refused_before_any_work(synthetic):
+    """Every estimator inherits a ``predict_proba_open`` that only raises: a wrapper
+    without its own (temperature scaling) is told apart before it is fitted or run."""
+    from probfsl.evaluation.open_set import OpenPosterior, has_open_posterior
+    from probfsl.running import run_setting
+    from probfsl.temperature import TemperatureScaled
+
+    assert has_open_posterior(NearestCentroid()) and has_open_posterior(_Oracle())
+    tempered = TemperatureScaled(NearestCentroid())
+    assert not has_open_posterior(tempered) and not has_open_posterior(object())
+    with pytest.raises(ValueError, match="has no open-set posterior"):
+        OpenPosterior(tempered)
+    with pytest.raises(ValueError, match="no open-set posterior with --calibrate temperature"):
+        run_setting(
+            "nearest-centroid", synthetic, 3, 1, 9, "balanced", 2.0, 4, 0, torch.device("cpu"),
+            torch.float32, progress=False, calibrate="temperature", open_queries=6,
+        )  # fmt: skip
+
+
 def test_baselines_detect_open_queries(synthetic, open_episodes, open_posterior):
     classifier = open_posterior().fit_featureset(synthetic)
     baselines = open_set_baselines(classifier)
@@ -342,6 +361,7 @@ def test_probfsl_run_open_queries_end_to_end(tmp_path, capsys, open_posterior):
         (["--open-queries", "75", "--zero-shot"], "applies to few-shot runs"),
         (["--open-queries", "3000"], "open queries"),
         (["--open-queries", "75", "--way", "106", "--query", "106"], "all taken"),
+        (["--open-queries", "75", "--calibrate", "temperature"], "use --calibrate none"),
     ],
 )
 def test_probfsl_run_open_queries_errors(capsys, extra, problem):

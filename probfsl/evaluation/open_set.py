@@ -227,11 +227,26 @@ class OpenSetOutputs(NamedTuple):
     p_open: torch.Tensor | None
 
 
+def has_open_posterior(model: Any) -> bool:
+    """Whether ``model`` gives an open-set posterior: a ``predict_proba_open`` of its own.
+
+    Every estimator inherits :meth:`~probfsl.models.base.FewShotClassifier.predict_proba_open`,
+    which only raises (a wrapper such as
+    :class:`~probfsl.temperature.TemperatureScaled` has no other), so ``hasattr`` cannot
+    tell; this can, before any work."""
+    method = getattr(model, "predict_proba_open", None)
+    if method is None:
+        return False
+    from probfsl.models.base import FewShotClassifier
+
+    return getattr(method, "__func__", method) is not FewShotClassifier.predict_proba_open
+
+
 class OpenPosterior:
     """A method scored through its ``predict_proba_open`` ``[T, Q, K+1]``."""
 
     def __init__(self, estimator: Any) -> None:
-        if not hasattr(estimator, "predict_proba_open"):
+        if not has_open_posterior(estimator):
             raise ValueError(
                 f"{type(estimator).__name__} has no open-set posterior (predict_proba_open)"
             )
