@@ -39,6 +39,7 @@ from probfsl.evaluation.open_set import (
 from probfsl.evaluation.protocol import evaluate_stream
 from probfsl.evaluation.zero_shot import evaluate_argmax, evaluate_zero_shot
 from probfsl.methods import DEFAULTS, method_info
+from probfsl.models.base import MIN_BACKGROUND_CLASSES
 from probfsl.run_spec import RunSpec
 from probfsl.temperature import TemperatureScaled
 from probfsl.tuning import (
@@ -284,6 +285,14 @@ def check_tasks_possible(spec: RunSpec, fs: FeatureSet) -> None:
                 sample_task_indices(*setting, n_open=n_open)
             except ValueError as err:
                 raise ValueError(f"--open-queries {n_open}: {err}") from None
+            n_base = fs.classes_in("base").size
+            if n_base < MIN_BACKGROUND_CLASSES:
+                raise ValueError(
+                    f"--open-queries {n_open}: P(none of these classes) weighs each query "
+                    "against a background density learnt from the base classes (the spread "
+                    f"of their class means), which needs at least {MIN_BACKGROUND_CLASSES}; "
+                    f"{fs.name} has {n_base} (split 'base')"
+                )
 
 
 def _task_shape_hint(fs: FeatureSet, way: int, shot: int, query: int, balance: str) -> str:

@@ -268,6 +268,25 @@ def test_needs_base_classes(name):
         est.predict_proba_open(episodes)
 
 
+@pytest.mark.parametrize("name", [m for m in METHODS if not m.startswith("bavardage")])
+def test_one_base_class_gives_no_background(name):
+    """One base class has no spread of class means (between-class covariance zero): a new
+    class's predictive would be the base mean's and P(open) the prior for every query, so
+    no background is stored and predict_proba_open says why; the closed set still runs."""
+    from tests.synthetic import make_featureset
+
+    one = make_featureset(n_base=1)
+    episodes = sample_episodes(one, 2, way=3, shot=1, n_query=9, n_open=6, seed=0)
+    est = build_estimator(name, **FAST.get(name, {})).fit_featureset(one)
+    assert not hasattr(est, "background_mean_")
+    with pytest.raises(ValueError, match="needs base classes \\(at least 2\\)"):
+        est.predict_proba_open(episodes)
+    assert est.predict_proba(episodes).shape == (2, 15, 3)
+    est.fit_featureset(make_featureset(n_base=2))  # two are enough
+    p = est.predict_proba_open(episodes)
+    assert bool(torch.isfinite(p).all()) and float(p[..., -1].std()) > 1e-3
+
+
 @pytest.mark.parametrize(
     "name", ["nearest-centroid", "soft-kmeans", "bavardage", "bavardage-gamma", "vmp-gmm", "slem"]
 )

@@ -374,6 +374,35 @@ def test_probfsl_run_open_queries_errors(capsys, extra, problem):
     assert problem in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("n_base", [0, 1])
+def test_open_queries_without_two_base_classes_are_refused_before_any_work(
+    tmp_path, capsys, n_base
+):
+    """P(open)'s background is learnt from the spread of the base classes' means: data
+    with fewer than two base classes are refused by probfsl run and by a sweep's checks,
+    before any task is scored (it failed at the first batch, or gave the prior for every
+    query with one base class)."""
+    from tests.synthetic import make_featureset
+
+    fs = make_featureset(n_base=n_base)
+    path = tmp_path / "few_base.npz"
+    split = np.where(fs.split == "base", "base", "novel")
+    np.savez(path, features=fs.features, labels=fs.labels, split=split)
+    argv = ["run", "--method", "nearest-centroid", "--features", str(path), "--way", "3"]
+    argv += ["--query", "9", "--tasks", "5", "--open-queries", "6"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"needs at least 2; few_base has {n_base} (split 'base')" in err
+    raw = {
+        "data": {"few": {"features": str(path)}},
+        "methods": ["nearest-centroid"],
+        "grid": {"way": 3, "query": 9, "open": [0, 6]},
+        "run": {"tasks": 5},
+    }
+    with pytest.raises(ValueError, match="grid.open = 6,.*needs at least 2"):
+        config_from_dict(raw)
+
+
 def test_sweep_open_axis_cells_rows_and_report(tmp_path, open_posterior):
     raw = {
         "data": {"omni": {"dataset": "omniglot"}},

@@ -56,6 +56,7 @@ __all__ = [
     "BaseMeanCentering",
     "FewShotClassifier",
     "Hyperparameters",
+    "MIN_BACKGROUND_CLASSES",
     "OPEN_PRIOR",
     "OpenSetBackground",
     "TaskProbabilities",
@@ -87,6 +88,9 @@ BASE_MEAN = Group("fit_base", {"base_mean_": Tensor("D", bound=FEATURE_BOUND)})
 #: the scale of the inductive open log-odds ``background_odds_scale_``, and the same three
 #: for the transductive reading in the queries' frame (``background_query_*``); all but
 #: the first three are absent from files saved before they were chosen (read as 0, 0, 1)
+#: the fewest base classes the open-set background is learnt from: with one, the spread of
+#: the class means (the between-class covariance) is zero
+MIN_BACKGROUND_CLASSES = 2
 BACKGROUND = Group(
     "fit_base",
     {
@@ -499,13 +503,20 @@ class OpenSetBackground:
         (``background_query_*``). Those six cost seconds on wide features and serve the
         open-set posterior alone, so they are chosen when it first needs them (or when the
         estimator is saved), from the base features kept until then; the numbers are the
-        same either way."""
+        same either way.
+
+        Fewer than :data:`MIN_BACKGROUND_CLASSES` base classes store no background: their
+        between-class covariance is zero, so a new class's predictive would be that of the
+        base classes' own mean and P(open) the prior ``open_prior`` for every query;
+        :meth:`predict_proba_open` then says so."""
         from probfsl.inference.background import fit_background
         from probfsl.inference.background_shrinkage import select_shrinkage
 
         labels = labels.to(features.device)
-        for name in self._CHOICES:  # a previous fit's choices
-            self.__dict__.pop(name, None)
+        for name in (*self._CHOICES, *BACKGROUND.attributes, "_background_base"):
+            self.__dict__.pop(name, None)  # a previous fit's background and choices
+        if int(labels.unique().numel()) < MIN_BACKGROUND_CLASSES:
+            return
         self._background_base = (features, labels)
         self.background_shrinkage_ = select_shrinkage(features, labels)
         stats = fit_background(features, labels, self.background_shrinkage_)
@@ -539,8 +550,10 @@ class OpenSetBackground:
 
         if getattr(self, "background_mean_", None) is None:
             raise ValueError(
-                f"{type(self).__name__}.predict_proba_open needs base classes: its "
-                "background density is learnt from them; call fit_base(features, labels) first"
+                f"{type(self).__name__}.predict_proba_open needs base classes (at least "
+                f"{MIN_BACKGROUND_CLASSES}): its background density, a new class's predictive, "
+                "is learnt from the spread of their class means; call fit_base(features, "
+                "labels) with them first"
             )
         self._choose_background()
         prefix = "background_query_" if query_centring else "background_"
