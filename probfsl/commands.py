@@ -149,7 +149,9 @@ def _pm_text(row: dict, key: str, half: str) -> str:
 
 def open_set_table(row: dict) -> str:
     """The open-set metrics of a run's row: the method's posterior, then the k-NN
-    distance and maximum softmax baselines on nearest centroid (the same tasks)."""
+    distance and maximum softmax baselines on nearest centroid (the same tasks). Where
+    the default search ran another method (``method_run``), its row says so, as the
+    closed-set table shows ``method_run`` beside ``method``."""
     header = (
         f"open-set: {row['tasks']} tasks, {row['way']}-way {row['shot']}-shot, "
         f"{row['query']} closed + {row['open_queries']} open queries "
@@ -157,7 +159,9 @@ def open_set_table(row: dict) -> str:
         "95% intervals over tasks"
     )
     base = row.get("baseline", BASELINE)
-    method = {"scorer": f"{row['method']} (P(open))"}
+    ran = row.get("method_run", row["method"])
+    what = "P(open)" if ran == row["method"] else f"ran {ran}, P(open)"
+    method = {"scorer": f"{row['method']} ({what})"}
     method["accuracy"] = _pm_text(row, "accuracy", "ci95")
     rows = [method]
     for name in (f"{row['knn_k']}-NN distance", "max softmax"):

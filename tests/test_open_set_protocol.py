@@ -432,6 +432,37 @@ def test_sweep_open_axis_cells_rows_and_report(tmp_path, open_posterior):
     assert "## Open-set recognition" in paths["markdown"].read_text()
 
 
+def _open_row(method: str, method_run: str) -> dict:
+    """A results row of an open-set run, as ``probfsl run --out`` writes it."""
+    row = {"method": method, "method_run": method_run, "baseline": "nearest-centroid"}
+    row.update(way=5, shot=1, query=75, balance="balanced", tasks=20, seed=0)
+    row.update(open_queries=75, open_way=5, knn_k=1)
+    for metric in ("accuracy", "baseline_accuracy", "ece_open", "ece", "nll", "brier"):
+        row[metric] = 0.5
+    row["ci95"] = row["baseline_ci95"] = row["ece_open_ci95"] = 0.1
+    for name in ("auroc", "aupr", "prec_at_90_recall"):
+        for prefix in ("", "knn_", "msp_"):
+            row[prefix + name], row[f"{prefix}{name}_ci95"] = 60.0, 1.0
+    return row
+
+
+def test_open_set_tables_say_where_the_search_ran_nearest_centroid():
+    """Where --preset auto ran nearest centroid, the open-set numbers are its: the run's
+    table and the sweep report's open-set and calibration tables say so, as the
+    accuracy table does, rather than naming them after the method asked for."""
+    from probfsl.commands import open_set_table as run_table
+    from probfsl.sweeps.report import calibration_table, method_table
+
+    assert "soft-kmeans (P(open))" in run_table(_open_row("soft-kmeans", "soft-kmeans"))
+    printed = run_table(_open_row("bavardage-gamma", "nearest-centroid"))
+    assert "bavardage-gamma (ran nearest-centroid, P(open))" in printed
+    row = _open_row("bavardage-gamma", "nearest-centroid")
+    row.update(status="ok", data="d", label="bavardage-gamma", zero_shot=False, alpha=2.0)
+    table = pd.DataFrame([row])
+    for make in (open_set_table, calibration_table, method_table):
+        assert "(ran nearest-centroid)" in make(table), make.__name__
+
+
 def test_omniglot_paper_setting_shapes():
     fs = load_dataset("omniglot")
     ep = sample_episodes(fs, 3, way=5, shot=5, n_query=75, n_open=75, seed=0)

@@ -542,7 +542,8 @@ def _fallback_note(row: pd.Series) -> str:
 
 def calibration_table(table: pd.DataFrame, fmt: str = "markdown") -> str:
     """ECE, NLL (nats) and Brier score with 95% half-widths per few-shot setting × method,
-    pooled over seeds like the accuracies. ``fmt``: ``"markdown"`` or ``"html"``."""
+    pooled over seeds like the accuracies; a method where the default search ran another
+    one says so, as in :func:`method_table`. ``fmt``: ``"markdown"`` or ``"html"``."""
     _check_fmt(fmt)
     frame = pooled(table)
     frame["variant"] = _variant_names(frame)
@@ -553,7 +554,8 @@ def calibration_table(table: pd.DataFrame, fmt: str = "markdown") -> str:
     for cells, group in groups:
         for _, row in group.iterrows():
             values = [_pm(row.get(m), row.get(f"{m}_ci95"), digits=3) for _, m in metrics]
-            rows.append([*cells, row["variant"], _int(row["seeds"]), *values])
+            name = row["variant"] + _fallback_note(row)
+            rows.append([*cells, name, _int(row["seeds"]), *values])
     names = [name for name, _ in metrics]
     return _render([*header, "method", "seeds", *names], rows, fmt, "no few-shot cell ran")
 
@@ -563,7 +565,9 @@ def open_set_table(table: pd.DataFrame, fmt: str = "markdown") -> str:
     AUROC, AUPR and precision at 90% recall of the outlier score (%), and ECE-open, each
     with its 95% half-width, pooled over seeds; then, per setting, the baselines on the
     same tasks (nearest centroid with the k-NN distance, and with the maximum softmax
-    probability, as outlier scores). ``fmt``: ``"markdown"`` or ``"html"``."""
+    probability, as outlier scores). A method where the default search ran another one
+    says so (" (ran nearest-centroid)"), as in :func:`method_table`. ``fmt``:
+    ``"markdown"`` or ``"html"``."""
     _check_fmt(fmt)
     frame = pooled(table)
     frame["variant"] = _variant_names(frame)
@@ -582,7 +586,8 @@ def open_set_table(table: pd.DataFrame, fmt: str = "markdown") -> str:
                 )
                 for _, column in OPEN_COLUMNS
             ]
-            rows.append([*cells, row["variant"], _int(row["seeds"]), *values])
+            name = row["variant"] + _fallback_note(row)
+            rows.append([*cells, name, _int(row["seeds"]), *values])
         base = _baseline_row(group)
         name = _baseline_name(base.get("baseline"))
         for prefix, detector in (("knn", "k-NN distance"), ("msp", "max softmax")):
