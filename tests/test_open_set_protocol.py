@@ -432,6 +432,26 @@ def test_sweep_open_axis_cells_rows_and_report(tmp_path, open_posterior):
     assert "## Open-set recognition" in paths["markdown"].read_text()
 
 
+def test_failed_open_cells_are_named_with_their_open_queries():
+    """probfsl sweep lists failed and lost cells by the name the cell gives itself: an
+    open-set cell's ``open N`` was left out, so it read as its closed twin."""
+    import math
+
+    from probfsl.sweeps.command import _describe
+
+    raw = {
+        "data": {"omni": {"dataset": "omniglot"}},
+        "methods": ["nearest-centroid"],
+        "grid": {"open": [0, 75]},
+    }
+    for cell in config_from_dict(raw).cells():
+        row = {**cell.fields(), "error": "RuntimeError: lost"}
+        assert _describe(row) == cell.describe()
+    assert "open" not in _describe({**row, "open_queries": math.nan})  # a row without it
+    row.pop("open_queries")
+    assert "open" not in _describe(row)
+
+
 def _open_row(method: str, method_run: str) -> dict:
     """A results row of an open-set run, as ``probfsl run --out`` writes it."""
     row = {"method": method, "method_run": method_run, "baseline": "nearest-centroid"}

@@ -77,11 +77,18 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _describe(row) -> str:
-    """A table row's cell in a few words: data, method label, setting and seed."""
+    """A table row's cell in a few words: data, method label, setting and seed, as
+    :meth:`~probfsl.sweeps.cell.Cell.describe` names it (``open N`` for open-set tasks)."""
     if bool(row.get("zero_shot")):
         setting = "zero-shot"
     else:
         setting = f"{row['way']}w{row['shot']}s {row['balance']}"
+        try:  # absent from rows stored before the axis, NaN beside rows that have it
+            n_open = int(row.get("open_queries") or 0)
+        except (TypeError, ValueError):
+            n_open = 0
+        if n_open:
+            setting += f" open {n_open}"
     return f"{row['data']}/{row['label']} {setting} seed {row['seed']}"
 
 
