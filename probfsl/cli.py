@@ -44,7 +44,10 @@ def _positive(kind: type):
 
 
 def _non_negative_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:  # argparse would name this function ("invalid _non_negative_int value")
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
     return value

@@ -358,6 +358,8 @@ def test_probfsl_run_open_queries_end_to_end(tmp_path, capsys, open_posterior):
     "extra, problem",
     [
         (["--open-queries", "-1"], "must be an integer >= 0"),
+        (["--open-queries", "2.5"], "--open-queries: must be an integer >= 0, got '2.5'"),
+        (["--open-queries", "many"], "--open-queries: must be an integer >= 0, got 'many'"),
         (["--open-queries", "75", "--zero-shot"], "applies to few-shot runs"),
         (["--open-queries", "3000"], "open queries"),
         (["--open-queries", "75", "--way", "106", "--query", "106"], "all taken"),
