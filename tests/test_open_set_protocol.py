@@ -262,6 +262,24 @@ def test_per_task_scores_use_closed_queries_for_accuracy():
         open_set_per_task(proba[..., :2], proba[..., 2], torch.tensor([[0, 1, 0, 1]]))
 
 
+@pytest.mark.parametrize("labels", [[[0, 1, 3, 2]], [[0, -1, 2, 2]]])
+def test_labels_outside_the_task_are_value_errors(labels):
+    """A label above K (an index error deep in the closed-set calibration) or below 0
+    (silently scored as a wrong closed query) is refused, naming the range."""
+    proba = torch.tensor([[[0.7, 0.2, 0.1], [0.6, 0.3, 0.1], [0.1, 0.1, 0.8], [0.5, 0.1, 0.4]]])
+    with pytest.raises(ValueError, match=r"labels must lie in 0\.\.2 for 2 known classes"):
+        open_set_scores(proba, torch.tensor(labels))
+
+
+def test_open_ece_refuses_scores_that_are_not_probabilities():
+    """A distance or a logit is not P(open): its values were clamped into the end bins
+    and scored as if they were probabilities."""
+    y = torch.tensor([[True, False, True]])
+    with pytest.raises(ValueError, match=r"p_open must be probabilities in \[0, 1\]"):
+        open_ece(torch.tensor([[2.0, -1.0, 0.5]]), y)
+    assert open_ece(torch.tensor([[1.0, 0.0, 1.0]]), y).item() == 0
+
+
 # --- evaluation with estimators and baselines ------------------------------------------------
 
 

@@ -141,10 +141,18 @@ def precision_at_recall(
 
 def open_ece(p_open: torch.Tensor, positive: torch.Tensor, n_bins: int = 15) -> torch.Tensor:
     """ECE of the binary open/closed probability per task ``[T]``: ``p_open`` in
-    ``n_bins`` equal-width bins of [0, 1], ``Σ_b |Σ_{i∈b} (1[open_i] − p_i)| / N``."""
+    ``n_bins`` equal-width bins of [0, 1], ``Σ_b |Σ_{i∈b} (1[open_i] − p_i)| / N``.
+    ``ValueError`` for a ``p_open`` outside [0, 1] (beyond rounding: an outlier score
+    that is not a probability has no ECE)."""
     _check_scores(p_open, positive)
     if n_bins < 1:
         raise ValueError(f"n_bins must be positive, got {n_bins}")
+    slack = 1e-6  # rounding of a probability computed in single precision
+    if p_open.numel() and bool(((p_open < -slack) | (p_open > 1 + slack)).any()):
+        raise ValueError(
+            f"p_open must be probabilities in [0, 1], got values from "
+            f"{float(p_open.min()):.4g} to {float(p_open.max()):.4g}"
+        )
     p = p_open.to(torch.float64)
     bins = (p * n_bins).long().clamp(0, n_bins - 1)
     return _binned_gap(positive.to(torch.float64), p, bins, n_bins)
@@ -170,7 +178,8 @@ def open_set_per_task(
     ``prec_at_90_recall`` and, with ``p_open``, ``ece_open``; and where every task has
     as many closed queries, the closed-set calibration of :data:`probfsl.evaluation.
     calibration.METRICS` on them (``closed_proba`` renormalised).
-    ``ValueError`` for a task without an open or a closed query.
+    ``ValueError`` for a label outside ``0..K`` or a task without an open or a closed
+    query.
     """
     if closed_proba.ndim != 3 or labels.shape != closed_proba.shape[:2]:
         raise ValueError(
@@ -179,6 +188,11 @@ def open_set_per_task(
         )
     labels = labels.to(closed_proba.device).long()
     way = closed_proba.shape[2]
+    if labels.numel() and bool(((labels < 0) | (labels > way)).any()):
+        raise ValueError(
+            f"labels must lie in 0..{way} for {way} known classes (K = {way} marks an open "
+            f"query), got values from {int(labels.min())} to {int(labels.max())}"
+        )
     is_open = labels == way
     n_open = is_open.sum(-1)
     if bool(((n_open == 0) | (n_open == labels.shape[1])).any()):
