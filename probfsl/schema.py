@@ -533,7 +533,8 @@ class Nested(Value):
 class Record(Value):
     """An instance of the dataclass ``cls`` (encoded as a tagged dict), its fields of the
     forms ``fields``; with ``by``, the field ``by`` (a :class:`Choice`, checked first)
-    selects further fields from ``variants[value]``."""
+    selects further fields from ``variants[value]``. A field with a default in ``cls``
+    may be absent (a file written before the field was added): it takes the default."""
 
     def __init__(
         self,
@@ -566,7 +567,7 @@ class Record(Value):
             _validate(self.fields[self.by], given.get(self.by), f"{path}.{self.by}", ctx)
             fields.update(self.variants.get(given[self.by], {}))
         for name in fields:
-            if name not in given:
+            if name not in given and name not in _defaulted(self.cls):
                 raise ValueError(
                     f"{ctx.where}: {path}.{name} is missing ({path} is a "
                     f"{self.cls.__name__} with fields {', '.join(fields)})"
@@ -578,8 +579,18 @@ class Record(Value):
                     f"(its fields: {', '.join(fields)})"
                 )
         for name, spec in fields.items():
-            if name != self.by:
+            if name != self.by and name in given:
                 _validate(spec, given[name], f"{path}.{name}", ctx)
+
+
+def _defaulted(cls: type) -> set[str]:
+    """The fields of the dataclass ``cls`` that have a default: a file written before
+    such a field was added lacks it, and the dataclass fills it in when rebuilt."""
+    return {
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+    }
 
 
 def _form(spec: Value | Param, ctx: _Context) -> str:

@@ -1256,7 +1256,9 @@ class ResolvedChoice:
     :class:`AutoChoice` (without its search table) and the estimators fitted with it.
 
     ``method`` is :attr:`AutoChoice.method` (``None``: the tuned method ran), ``searched``
-    whether a search ran (``False``: the documented fallback of :func:`auto_preset`)."""
+    whether a search ran (``False``: the documented fallback of :func:`auto_preset`).
+    ``n_open`` > 0: a choice for open-set tasks (:meth:`AutoPreset.predict_proba_open`),
+    searched on base episodes with ``n_query`` closed and ``n_open`` open queries."""
 
     way: int
     shot: int
@@ -1269,10 +1271,13 @@ class ResolvedChoice:
     baseline_accuracy: float | None
     searched: bool
     fitted: list[FittedEstimator] = field(default_factory=list)
+    n_open: int = 0
 
-    def shape(self) -> tuple[int, int, int]:
-        """The task shape ``(way, shot, n_query)`` the choice was made for."""
-        return (self.way, self.shot, self.n_query)
+    def shape(self) -> tuple[int, ...]:
+        """The key of the choice in :class:`AutoPreset`: the task shape ``(way, shot,
+        n_query)``, or ``(way, shot, n_query, n_open)`` for open-set tasks."""
+        closed = (self.way, self.shot, self.n_query)
+        return (*closed, self.n_open) if self.n_open else closed
 
     def choice(self) -> AutoChoice:
         """The :class:`AutoChoice` (its ``result``, the search table, is not saved)."""
@@ -1306,7 +1311,9 @@ class AutoPreset(FewShotClassifier):
     chosen estimator; ``methods_run_`` (task shape to method) and ``method_run_`` say
     which method ran. The search and the chosen estimator run in the dtype and on the
     device of the tasks (the estimator is refitted for a new dtype or device; the choice
-    is kept). Novel classes and query labels are never read. Built by name with
+    is kept). :meth:`predict_proba_open` makes a choice of its own for open-set tasks,
+    searched on base episodes with open queries (its key ``(way, shot, closed queries,
+    open queries)``). Novel classes and query labels are never read. Built by name with
     :func:`make_estimator` (``preset="auto"``).
 
     **Saving.** ``save(path)`` writes the hyperparameters, the base features and labels,
@@ -1352,6 +1359,7 @@ class AutoPreset(FewShotClassifier):
                                 "method": Text(optional=True),
                                 "baseline_accuracy": Real(optional=True),
                                 "searched": Flag(),
+                                "n_open": Int(low=0),
                                 "fitted": ListOf(
                                     Record(
                                         FittedEstimator,
@@ -1417,26 +1425,63 @@ class AutoPreset(FewShotClassifier):
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
         return self._estimator_for(episodes).predict_proba(episodes)
 
-    def _estimator_for(self, episodes: Episodes) -> FewShotClassifier:
+    def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
+        """``[T, Q, K + 1]``: the open-set posterior of the estimator chosen for open-set
+        tasks of this shape, P(none of these classes) in the last column
+        (:meth:`~probfsl.models.base.FewShotClassifier.predict_proba_open`).
+
+        Its search is that of ``probfsl run --open-queries`` (:func:`auto_preset` with
+        ``open_queries``), on base episodes whose queries are open in the proportion the
+        method expects a priori, ``open_prior`` (its default, or the value in ``fixed``):
+        of a task's Q queries, ``n_open`` = round(``open_prior`` Q) are drawn from other
+        base classes (:meth:`open_split`). Its choice is kept under the key ``(way, shot,
+        Q - n_open, n_open)``; the queries' labels are not read."""
+        return self._estimator_for(episodes, open_set=True).predict_proba_open(episodes)
+
+    def open_split(self, way: int, n_query: int) -> tuple[int, int]:
+        """``(closed, open)`` queries of the base episodes that choose for open-set tasks
+        of ``n_query`` queries: ``open`` = round(``open_prior`` n_query), kept between 1
+        and ``n_query`` - ``way`` (one closed query per class at least); balanced episodes
+        (``balance="balanced"``) have the nearest multiple of ``way`` closed queries."""
+        if n_query <= way:
+            raise ValueError(
+                f"AutoPreset.predict_proba_open tunes on base episodes with open queries "
+                f"beside at least one closed query per class: {n_query} queries for "
+                f"{way} classes are too few"
+            )
+        prior = self.fixed.get("open_prior")
+        if prior is None:
+            prior = methods.build_estimator(self.method).get_params().get("open_prior", 0.5)
+        closed = n_query - min(max(round(prior * n_query), 1), n_query - way)
+        if self.balance == "balanced":  # the nearest multiple of way that leaves one open
+            closed = way * max(1, min(round(closed / way), (n_query - 1) // way))
+        return closed, n_query - closed
+
+    def _estimator_for(self, episodes: Episodes, open_set: bool = False) -> FewShotClassifier:
         if getattr(self, "base_", None) is None:
             raise ValueError("base features missing: call fit_base(features, labels) first")
         shape = (episodes.way, episodes.shot, episodes.n_query)
+        n_open = 0
+        if open_set:
+            closed, n_open = self.open_split(episodes.way, episodes.n_query)
+            shape = (episodes.way, episodes.shot, closed, n_open)
         dtype, device = episodes.support.dtype, episodes.support.device
         if shape not in self.choices_:
             saved = getattr(self, "_loaded_shapes", None)
             if saved is not None:
                 warnings.warn(
                     f"AutoPreset({self.method!r}) was loaded with choices for task shapes "
-                    f"{list(saved)} (way, shot, queries); a {shape[0]}-way {shape[1]}-shot "
-                    f"task of {shape[2]} queries is new, so the search runs on the saved "
-                    "base features",
+                    f"{list(saved)} (way, shot, queries[, open queries]); a {shape[0]}-way "
+                    f"{shape[1]}-shot task of {episodes.n_query} queries"
+                    f"{' (open set)' if open_set else ''} is new, so the search runs on the "
+                    "saved base features",
                     UserWarning,
-                    stacklevel=2,
+                    stacklevel=3,
                 )
             self.choices_[shape] = choice = auto_preset(
                 self.method,
                 self.base_,
-                *shape,
+                *shape[:3],
                 balance=self.balance,
                 alpha=self.alpha,
                 n_episodes=self.n_episodes,
@@ -1445,14 +1490,16 @@ class AutoPreset(FewShotClassifier):
                 fixed=self.fixed,
                 dtype=dtype,
                 device=device,
+                open_queries=n_open,
             )
             self.tuning_[shape] = choice.result
             self.methods_run_[shape] = choice.method_run(self.method)
             log.info(
-                "preset auto, %s %d-way %d-shot: %s %s%s",
+                "preset auto, %s %d-way %d-shot%s: %s %s%s",
                 self.method,
                 shape[0],
                 shape[1],
+                f", {n_open} open queries" if n_open else "",
                 choice.method or self.method,
                 choice.params,
                 f" ({choice.note})" if choice.note else "",
@@ -1481,7 +1528,7 @@ class AutoPreset(FewShotClassifier):
                     fitted.append(FittedEstimator(_FLOAT_NAMES[dtype], estimator))
             resolved.append(
                 ResolvedChoice(
-                    *shape,
+                    *shape[:3],
                     params={k: _plain(v) for k, v in choice.params.items()},
                     preset=choice.preset,
                     note=choice.note,
@@ -1490,6 +1537,7 @@ class AutoPreset(FewShotClassifier):
                     baseline_accuracy=_plain(choice.baseline_accuracy),
                     searched=self._searched.get(shape, choice.result is not None),
                     fitted=fitted,
+                    n_open=shape[3] if len(shape) > 3 else 0,
                 )
             )
         return {

@@ -271,6 +271,61 @@ def test_auto_preset_saves_its_choices_and_loads_without_a_search(task, tmp_path
         METHODS["soft-kmeans"].load().load(tmp_path / "auto.pt")
 
 
+def test_auto_preset_open_set_choice_is_the_open_search_and_is_saved(tmp_path):
+    """predict_proba_open of preset="auto" tunes as ``probfsl run --open-queries`` does
+    (base episodes with open queries, in the method's prior open fraction of the task's
+    queries), keeps that choice apart from the closed one, saves it and loads it without
+    a search; a file written before open-set choices existed still loads."""
+    from probfsl.estimator_io import FORMAT, checksum, encode
+
+    fs = make_featureset(n_base=14, n_novel=8, per_class=25)
+    auto = probfsl.make_estimator("soft-kmeans", preset="auto").set_params(n_episodes=20)
+    auto.set_params(balance="balanced").fit(*fs.base())
+    episodes = sample_episodes(fs, 4, way=3, shot=1, n_query=9, seed=3, n_open=9, open_way=3)
+    assert episodes.n_query == 18 and auto.open_split(3, 18) == (9, 9)
+    proba = auto.predict_proba_open(episodes)
+    assert proba.shape == (4, 18, 4)
+    torch.testing.assert_close(proba.sum(-1), torch.ones(4, 18))
+    assert set(auto.choices_) == {(3, 1, 9, 9)}  # the closed choice is not made
+    expected = tuning.auto_preset(
+        "soft-kmeans", auto.base_, 3, 1, 9, balance="balanced", n_episodes=20, open_queries=9
+    )
+    assert auto.choices_[(3, 1, 9, 9)].params == expected.params
+    assert "open_scale" in expected.params  # learnt by the open search only
+    closed = auto.predict_proba(episodes)
+    assert set(auto.choices_) == {(3, 1, 9, 9), (3, 1, 18)}
+    assert "open_scale" not in auto.choices_[(3, 1, 18)].params
+    auto.save(tmp_path / "auto.pt")
+
+    back = tuning.AutoPreset.load(tmp_path / "auto.pt")
+    assert back.choices_.keys() == auto.choices_.keys()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # saved choices: no search, no warning
+        assert torch.equal(back.predict_proba_open(episodes), proba)
+        assert torch.equal(back.predict_proba(episodes), closed)
+    # the open fraction follows open_prior; too few queries for it is a ValueError
+    assert auto.set_params(fixed={"open_prior": 0.2}).open_split(3, 18) == (15, 3)
+    with pytest.raises(ValueError, match="too few"):
+        auto.open_split(3, 3)
+
+    # a file of the format before open-set choices (no n_open) loads as before
+    state = {k: encode(v, k) for k, v in back.fitted_state().items()}
+    state["resolved_"] = [r for r in state["resolved_"] if r["n_open"] == 0]
+    for record in state["resolved_"]:
+        del record["n_open"]
+    payload = {
+        "format": FORMAT,
+        "class": "probfsl.tuning:AutoPreset",
+        "params": encode(back.get_params(), "params"),
+        "state": state,
+    }
+    payload["checksum"] = checksum(payload)
+    torch.save(payload, tmp_path / "old.pt")
+    old = tuning.AutoPreset.load(tmp_path / "old.pt")
+    assert set(old.choices_) == {(3, 1, 18)}
+    assert torch.equal(old.predict_proba(episodes), closed)
+
+
 def test_auto_preset_file_is_checked(tmp_path):
     """The estimator saved inside an AutoPreset is checked against its own declaration."""
     from probfsl.estimator_io import FORMAT, checksum, encode
