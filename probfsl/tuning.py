@@ -115,8 +115,8 @@ SEARCH_SPACES: dict[str, dict[str, list]] = {
 
 #: hyperparameters of the open-set posterior alone, tried at the best candidate of a
 #: search on base episodes with open queries (:func:`tune` with ``open_queries``; a value
-#: given in ``fixed`` is kept): the free components of BAVARDAGE's open mixture (its
-#: default 3, or none); the frame of the background contrast of the BAVARDAGE mixtures
+#: given in ``fixed`` is kept): the free components of BAVARDAGE's open mixture (none,
+#: its default, or 3); the frame of the background contrast of the BAVARDAGE mixtures
 #: (the base mean, their default, or the task's queries); and the VMP sweeps of vmp-gmm's
 #: nested open model after its soft k-means start, where open queries the contrast leaves
 #: "closed" pull the class factors a little more with every sweep
