@@ -307,7 +307,7 @@ class FewShotBavardage(FewShotTaskClassifier):
         trace_elbo: bool = False,
         engine: str = "handwritten",
         open_prior: float = 0.5,
-        n_free: int = 3,
+        n_free: int = 0,
         open_scale: float = 1.0,
         open_frame: str = "base",
         base_features: Any = None,
