@@ -1054,8 +1054,10 @@ def _auto_preset(
         notes.append(below)
         choice.params, choice.preset, choice.method = {}, None, BASELINE
     if n_open and choice.method is None and "open_scale" not in fixed:
-        model = make_estimator(method, choice.preset, **choice.params)
-        if "open_scale" in model.get_params():
+        if "open_scale" in make_estimator(method).get_params():
+            # P(open) as inferred (a = 1), whose scale the open/closed labels then choose
+            params = {**choice.params, "open_scale": 1.0}
+            model = make_estimator(method, choice.preset, **params)
             model.fit_featureset(view, dtype, device)
             p_open = model.predict_proba_open(episodes)[..., -1]
             scale = fit_open_scale(p_open, episodes.open_mask)

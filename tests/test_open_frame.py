@@ -66,7 +66,9 @@ def test_soft_kmeans_one_pass_is_the_readings_posterior(omniglot, episodes, fram
     """One pass of soft k-means with the background: P(open) = σ(logit π_0 + ln p_0(x) -
     ln p_closed(x)), the reading's own log-odds in the chosen frame, then (queries' frame)
     read last under the background inferred from the queries."""
-    est = build_estimator("soft-kmeans", n_iter=1, open_prior=0.3, open_frame=frame)
+    est = build_estimator(
+        "soft-kmeans", n_iter=1, open_prior=0.3, open_frame=frame, open_scale=1.0
+    )  # P(open) as inferred
     est.fit_featureset(omniglot, torch.float64)
     x = center_and_normalize(episodes.points(), est.base_mean_.to(episodes.support))
     start = torch.sigmoid(_reading_odds(est, x, episodes, frame) + _logit(0.3))
@@ -82,7 +84,13 @@ def test_bavardage_open_contrast_is_the_readings(omniglot, episodes, frame):
     reading's posterior σ(logit π_0 + log-odds), read last (queries' frame) under the
     background inferred from the queries."""
     est = build_estimator(
-        "bavardage", whitening="global", open_frame=frame, n_free=0, n_km=1, mode="soft_kmeans"
+        "bavardage",
+        whitening="global",
+        open_frame=frame,
+        n_free=0,
+        n_km=1,
+        mode="soft_kmeans",
+        open_scale=1.0,
     ).fit_featureset(omniglot, torch.float64)
     x = center_and_normalize(episodes.points(), est.base_mean_.to(episodes.support))
     odds = _reading_odds(est, x, episodes, frame)
@@ -95,12 +103,34 @@ def test_bavardage_open_contrast_is_the_readings(omniglot, episodes, frame):
 
 
 @pytest.mark.parametrize("frame", FRAMES)
+@pytest.mark.parametrize("method", ["soft-kmeans", "vmp-gmm", "bavardage", "bavardage-gamma"])
+def test_default_open_scale_is_the_held_out_one(omniglot, episodes, method, frame):
+    """Without ``open_scale`` the last column's log-odds are scaled by the a that held-out
+    base classes give the contrast in the estimator's frame; the known classes keep their
+    ratios (``temper_open``)."""
+    from probfsl.inference.vb_mixture_open import temper_open
+
+    params = {"open_frame": frame}
+    if method != "bavardage-gamma":  # whose P(open) always takes the held-out scale
+        params["open_scale"] = None
+    est = build_estimator(method, **params).fit_featureset(omniglot, torch.float64)
+    got = est.predict_proba_open(episodes)
+    a = est.background_query_odds_scale_ if frame == "queries" else est.background_odds_scale_
+    assert a != 1.0
+    if method == "bavardage-gamma":
+        est.open_scale = 1.0  # the class attribute, as inferred
+    else:
+        est.set_params(open_scale=1.0)
+    torch.testing.assert_close(got, temper_open(est.predict_proba_open(episodes), a))
+
+
+@pytest.mark.parametrize("frame", FRAMES)
 def test_vmp_gmm_nested_one_sweep_is_one_update_of_the_open_fraction(omniglot, episodes, frame):
     """vmp-gmm's nested model with one soft k-means pass and one sweep: the start is
     σ(logit π_0 + log-odds), and the sweep's P(open) one update of q(π_0) from it
     (:func:`open_responsibility`) with the reading's log-odds in the chosen frame, then
     (queries' frame) one more under the background inferred from the queries."""
-    est = build_estimator("vmp-gmm", n_kmeans=1, max_iter=1, open_frame=frame)
+    est = build_estimator("vmp-gmm", n_kmeans=1, max_iter=1, open_frame=frame, open_scale=1.0)
     est.fit_featureset(omniglot, torch.float64)
     x, _, _ = est.engine_data(episodes)
     odds = _reading_odds(est, x, episodes, frame)

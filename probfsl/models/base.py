@@ -609,6 +609,28 @@ class OpenSetBackground:
         reading.infer_background_mean(scale, self.open_prior)
         return reread_open(proba, reading.open_log_odds().to(proba), self.open_prior)
 
+    def tempered_open(self, proba: torch.Tensor) -> torch.Tensor:
+        """A transductive method's ``[T, Q, K+1]`` with the last column's log-odds scaled
+        by a (:func:`~probfsl.inference.vb_mixture_open.temper_open`): ``open_scale``
+        where it is given, else (``None``, the default) the scale that held-out base
+        classes give the contrast's log-odds in the estimator's ``open_frame``
+        (``background_odds_scale_`` or ``background_query_odds_scale_``, chosen by
+        :meth:`fit_background`; a temperature, Guo et al., ICML 2017). The order of the
+        queries and the known-class argmax are unchanged."""
+        from probfsl.inference.vb_mixture_open import temper_open
+
+        return temper_open(proba, self.open_odds_scale())
+
+    def open_odds_scale(self) -> float:
+        """The a of :meth:`tempered_open`."""
+        given = getattr(self, "open_scale", None)
+        if given is not None:
+            return float(given)
+        self._choose_background()
+        queries = getattr(self, "open_frame", "base") == "queries"
+        name = "background_query_odds_scale_" if queries else "background_odds_scale_"
+        return float(getattr(self, name, 1.0))  # files saved before the choices: 1
+
     def inductive_open(
         self, episodes: Episodes, proba: torch.Tensor, support: torch.Tensor, query: torch.Tensor
     ) -> torch.Tensor:

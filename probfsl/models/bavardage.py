@@ -62,7 +62,6 @@ from probfsl.inference.vb_mixture_open import (
     OPEN_FRAMES,
     BavardageOpenVB,
     OpenBackground,
-    temper_open,
 )
 from probfsl.models.base import BACKGROUND, ENGINE, OPEN_PRIOR, FewShotClassifier, OpenSetBackground
 from probfsl.schema import (
@@ -244,7 +243,10 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         open_scale: a, the scale of the log-odds of the last column of
             :meth:`predict_proba_open`, P'(open) = σ(a logit P(open)) (a temperature 1 / a,
             :func:`~probfsl.inference.vb_mixture_open.temper_open`; ``preset="auto"``
-            learns it on base-class episodes with open queries); 1 leaves it as inferred.
+            learns it on base-class episodes with open queries); 1 leaves it as inferred;
+            ``None`` (the default): the scale held-out base classes give the contrast's
+            log-odds in ``open_frame``
+            (:meth:`~probfsl.models.base.OpenSetBackground.tempered_open`).
         open_frame: the frame of the open contrast of :meth:`predict_proba_open`:
             ``"queries"`` (the task re-centred on its queries' mean and normalised again,
             and, after the iterations, the background's mean inferred from the queries
@@ -305,7 +307,7 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
             "engine": ENGINE,
             "open_prior": OPEN_PRIOR,
             "n_free": Int(low=0),
-            "open_scale": Real(positive=True),
+            "open_scale": Real(positive=True, optional=True),
             "open_frame": Choice(OPEN_FRAMES),
         },
         fitted=(BASE_STATISTICS, BACKGROUND),
@@ -331,7 +333,7 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         engine: str = "handwritten",
         open_prior: float = 0.5,
         n_free: int = 0,
-        open_scale: float = 1.0,
+        open_scale: float | None = None,
         open_frame: str = "base",
     ) -> None:
         self.temperature_km = temperature_km
@@ -654,7 +656,7 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         resp = self.final_open(problem.reading, resp)
         way = episodes.way
         proba = torch.cat([resp[..., :way], resp[..., way:].sum(-1, keepdim=True)], -1)
-        return temper_open(proba, float(self.open_scale))
+        return self.tempered_open(proba)
 
     # ------------------------------------------------------------------ diagnostics
     def posterior_draws(

@@ -210,7 +210,7 @@ class BavardageGamma(Bavardage):
     count_support = False
     trace_elbo = True
     n_free = 0  # the open-set model here has the background component alone
-    open_scale = 1.0  # and its P(open) as inferred
+    open_scale = None  # its P(open) scaled as held-out base classes ask (tempered_open)
     #: Bavardage's declaration without the hyperparameters fixed here, with ``a0``
     schema = Bavardage.schema.derive(
         drop=("count_support", "mode", "trace_elbo", "engine", "n_free", "open_scale"),
@@ -296,9 +296,11 @@ class BavardageGamma(Bavardage):
         k-means with the background, the global whitening's rows), then n_vb blocks of
         :func:`run_open_blocks` on :func:`bavardage_gamma_model`: every query weighted by
         its closed share 1 - o_q0 in q(π), q(τ), q(μ) and the projection, o_q0 from the
-        full-space two-covariance contrast with π_0 inferred per task (class docstring).
-        Sets ``state_`` and ``elbo_trace_`` as :meth:`predict_proba` does. No free
-        components: this model has the background component alone."""
+        full-space two-covariance contrast with π_0 inferred per task (class docstring);
+        the last column's log-odds scaled as held-out base classes ask
+        (:meth:`~probfsl.models.base.OpenSetBackground.tempered_open`). Sets ``state_``
+        and ``elbo_trace_`` as :meth:`predict_proba` does. No free components: this model
+        has the background component alone."""
         problem = self.open_problem(episodes, n_free=0)
         model = self.declared_model(problem.engine)
         with pyro.validation_enabled(False):  # the inputs are checked (open_problem)
@@ -316,7 +318,8 @@ class BavardageGamma(Bavardage):
             )
         self.state_, self.elbo_trace_ = state, trace
         # the queries' frame: P(open) read last under the task's own background
-        return self.final_open(problem.reading, resp[:, episodes.support.shape[1] :])
+        proba = self.final_open(problem.reading, resp[:, episodes.support.shape[1] :])
+        return self.tempered_open(proba)
 
     def posterior(self) -> dict[str, torch.distributions.Distribution]:
         """The last batch's factors q(π), q(τ), q(μ), q(z) as batched distributions."""

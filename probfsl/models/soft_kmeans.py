@@ -7,7 +7,7 @@ import torch
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
 from probfsl.inference.soft_kmeans import soft_kmeans_gram, soft_kmeans_gram_open
-from probfsl.inference.vb_mixture_open import OPEN_FRAMES, temper_open
+from probfsl.inference.vb_mixture_open import OPEN_FRAMES
 from probfsl.models.base import (
     BACKGROUND,
     BASE_MEAN,
@@ -31,7 +31,10 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
         open_scale: a, the scale of the log-odds of the last column of
             :meth:`predict_proba_open`, P'(open) = σ(a logit P(open)) (a temperature 1 / a,
             :func:`~probfsl.inference.vb_mixture_open.temper_open`; ``preset="auto"``
-            learns it on base-class episodes with open queries); 1 leaves it as inferred.
+            learns it on base-class episodes with open queries); 1 leaves it as inferred;
+            ``None`` (the default): the scale held-out base classes give the contrast's
+            log-odds in ``open_frame``
+            (:meth:`~probfsl.models.base.OpenSetBackground.tempered_open`).
         open_frame: the frame of the open contrast of :meth:`predict_proba_open`:
             ``"queries"`` (the task re-centred on its queries' mean and normalised again,
             and, after the passes, the background's mean inferred from the queries for
@@ -61,7 +64,7 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
             "n_iter": Int(low=1),
             "center": Flag(),
             "open_prior": OPEN_PRIOR,
-            "open_scale": Real(positive=True),
+            "open_scale": Real(positive=True, optional=True),
             "open_frame": Choice(OPEN_FRAMES),
         },
         fitted=(BASE_MEAN, BACKGROUND),
@@ -73,7 +76,7 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
         n_iter: int = 5,
         center: bool = True,
         open_prior: float = 0.5,
-        open_scale: float = 1.0,
+        open_scale: float | None = None,
         open_frame: str = "queries",
     ) -> None:
         self.temperature = temperature
@@ -119,4 +122,4 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
             open_log_odds=reading.open_log_odds(),
         )
         p = self.final_open(reading, p[:, n_s:])  # the task's own background, read last
-        return temper_open(p, float(self.open_scale))
+        return self.tempered_open(p)

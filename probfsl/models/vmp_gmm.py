@@ -32,7 +32,7 @@ from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
 from probfsl.inference.background import TwoCovarianceReading, open_log_ratio
 from probfsl.inference.soft_kmeans import soft_kmeans_gram, soft_kmeans_gram_open
-from probfsl.inference.vb_mixture_open import OPEN_FRAMES, temper_open
+from probfsl.inference.vb_mixture_open import OPEN_FRAMES
 from probfsl.inference.vmp import VMP, VMPState
 from probfsl.models.base import BACKGROUND, OPEN_PRIOR, FewShotClassifier, OpenSetBackground
 from probfsl.schema import FEATURE_BOUND, Choice, EstimatorSchema, Group, Int, Real, Tensor
@@ -206,7 +206,10 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
         open_scale: a, the scale of the log-odds of the last column of
             :meth:`predict_proba_open`, P'(open) = σ(a logit P(open)) (a temperature 1 / a,
             :func:`~probfsl.inference.vb_mixture_open.temper_open`; ``preset="auto"``
-            learns it on base-class episodes with open queries); 1 leaves it as inferred.
+            learns it on base-class episodes with open queries); 1 leaves it as inferred;
+            ``None`` (the default): the scale held-out base classes give the contrast's
+            log-odds in ``open_frame``
+            (:meth:`~probfsl.models.base.OpenSetBackground.tempered_open`).
         open_frame: the frame of the open contrast of :meth:`predict_proba_open`:
             ``"queries"`` (the task re-centred on its queries' mean and normalised again,
             and, after the iterations, the background's mean inferred from the queries
@@ -235,7 +238,7 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
             "open_prior": OPEN_PRIOR,
             "open_model": Choice(("nested", "declared")),
             "background_weight": Real(positive=True),
-            "open_scale": Real(positive=True),
+            "open_scale": Real(positive=True, optional=True),
             "open_frame": Choice(OPEN_FRAMES),
         },
         # the base mean [D] and the average within-class variance of each normalised
@@ -266,7 +269,7 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
         open_prior: float = 0.5,
         open_model: str = "nested",
         background_weight: float = 10.0,
-        open_scale: float = 1.0,
+        open_scale: float | None = None,
         open_frame: str = "queries",
     ) -> None:
         self.alpha0, self.beta0, self.a0 = alpha0, beta0, a0
@@ -465,7 +468,7 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
         (:meth:`~probfsl.models.base.OpenSetBackground.inductive_open`); ``open_model`` is
         not read.
         """
-        return temper_open(self._open_proba(episodes), float(self.open_scale))
+        return self.tempered_open(self._open_proba(episodes))
 
     def _open_proba(self, episodes: Episodes) -> torch.Tensor:
         """:meth:`predict_proba_open` before ``open_scale``."""
