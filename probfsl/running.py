@@ -39,7 +39,7 @@ from probfsl.evaluation.open_set import (
 from probfsl.evaluation.protocol import evaluate_stream
 from probfsl.evaluation.zero_shot import evaluate_argmax, evaluate_zero_shot
 from probfsl.methods import DEFAULTS, method_info
-from probfsl.models.base import MIN_BACKGROUND_CLASSES
+from probfsl.models.base import MIN_BACKGROUND_CLASSES, shared_backgrounds
 from probfsl.run_spec import RunSpec
 from probfsl.temperature import TemperatureScaled
 from probfsl.tuning import (
@@ -515,9 +515,10 @@ def run_setting(
                 calibrate == "temperature"
             )
             raise ValueError(f"--open-queries: {method} has no open-set posterior{extra}")
-    estimator.fit_featureset(fs, dtype, device)
     baseline = make_estimator(BASELINE, center=bool(fs.classes_in("base").size))
-    baseline.fit_featureset(fs, dtype, device)
+    with shared_backgrounds():  # the method and nearest centroid may preprocess alike
+        estimator.fit_featureset(fs, dtype, device)
+        baseline.fit_featureset(fs, dtype, device)
     if task_file is not None:
         if not isinstance(task_file, TaskFile):  # read a batch at a time, checked once
             task_file = TaskFile(task_file, name=f"--task-file {task_file}")

@@ -56,7 +56,7 @@ from probfsl.data.featureset import FeatureSet
 from probfsl.data.simplex import zero_shot_probabilities
 from probfsl.data.tasks import Episodes, sample_episodes, sample_zero_shot_tasks
 from probfsl.evaluation.protocol import accuracy_ci
-from probfsl.models.base import FewShotClassifier
+from probfsl.models.base import FewShotClassifier, shared_backgrounds
 from probfsl.schema import (
     FEATURE_BOUND,
     Choice,
@@ -486,14 +486,15 @@ def tune(
     def score(params: dict) -> dict:
         return _score(candidates, params, episodes, criterion)
 
-    result = _search(method, space, criterion, refine, fixed, score, progress)
-    extra = open_search_space(method, fixed) if open_queries else {}
-    if extra:  # the open-set hyperparameters, at the search's best
-        best = _best_row(result.trace, criterion)["params"]
-        seen = [r["params"] for r in result.trace]
-        todo = [{**best, **params} for params in _grid(extra)]
-        result.trace += [score(params) for params in todo if params not in seen]
-        result.best = {**(fixed or {}), **_best_row(result.trace, criterion)["params"]}
+    with shared_backgrounds():  # every candidate's background from the same base classes
+        result = _search(method, space, criterion, refine, fixed, score, progress)
+        extra = open_search_space(method, fixed) if open_queries else {}
+        if extra:  # the open-set hyperparameters, at the search's best
+            best = _best_row(result.trace, criterion)["params"]
+            seen = [r["params"] for r in result.trace]
+            todo = [{**best, **params} for params in _grid(extra)]
+            result.trace += [score(params) for params in todo if params not in seen]
+            result.best = {**(fixed or {}), **_best_row(result.trace, criterion)["params"]}
     return result
 
 
@@ -824,21 +825,22 @@ def auto_preset(
     fixed = dict(fixed or {})
 
     def compute() -> AutoChoice:
-        return _auto_preset(
-            method,
-            fs,
-            (way, shot, n_query),
-            balance,
-            alpha,
-            n_episodes,
-            seed,
-            criterion,
-            fixed,
-            dtype,
-            device,
-            progress,
-            open_queries,
-        )
+        with shared_backgrounds():  # one background per base-class view and preprocessing
+            return _auto_preset(
+                method,
+                fs,
+                (way, shot, n_query),
+                balance,
+                alpha,
+                n_episodes,
+                seed,
+                criterion,
+                fixed,
+                dtype,
+                device,
+                progress,
+                open_queries,
+            )
 
     if not cache:
         return compute()

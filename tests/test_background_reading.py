@@ -287,7 +287,7 @@ def test_an_estimator_keeps_its_blends_and_older_files_read_them_as_none(tmp_pat
     assert not hasattr(est, "background_within_mix_")
     kept = est._background_base  # the preprocessed base features, kept until then
     state = est.fitted_state()
-    _, inductive, query = held_out_background_choices(*kept)
+    _, inductive, query = held_out_background_choices(kept.features, kept.labels)
     assert state["background_within_mix_"] == inductive.within_mix
     assert state["background_query_odds_scale_"] == query.odds_scale
     for frame in ("background_", "background_query_"):

@@ -44,6 +44,7 @@ from probfsl.inference.background import (
     BackgroundStats,
     BlendedBases,
     TwoCovarianceReading,
+    centre_on_queries,
     fit_background,
 )
 from probfsl.inference.background_shrinkage import FOLDS, class_folds
@@ -154,18 +155,39 @@ def _held_out_episodes(
     return out
 
 
+def _framed(
+    batch: _HeldOutEpisodes, frame: bool, framed: dict | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The support and queries of ``batch`` in the frame ``frame`` (``True``: re-centred on
+    the queries' mean, :func:`~probfsl.inference.background.centre_on_queries`), kept in
+    ``framed`` (by the batch's id) for calls at other blends to share."""
+    if not frame:
+        return batch.support, batch.query
+    if framed is None:
+        return centre_on_queries(batch.support, batch.query)
+    key = id(batch)
+    if key not in framed:
+        framed[key] = centre_on_queries(batch.support, batch.query)
+    return framed[key]
+
+
 def _open_log_odds(
     episodes: list[_HeldOutEpisodes],
     within_mix: float,
     between_mix: float,
     frames: tuple[bool, ...],
     bases: dict | None = None,
+    framed: dict | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The log-odds [M] and open labels [M] of ``episodes``, their backgrounds blended,
     read in each frame of ``frames`` (``query_centring`` of
     :class:`~probfsl.inference.background.TwoCovarianceReading`), one pair per frame.
     ``bases``: each fold's :class:`~probfsl.inference.background.BlendedBases` by the id of
-    its statistics, filled here, for calls at other blends to share."""
+    its statistics, filled here, for calls at other blends to share; ``framed``: the
+    episodes re-centred on their queries (:func:`_framed`), likewise.
+
+    The reading is given the blend's basis, so of the statistics it reads only the mean,
+    which the blend leaves as it is: the covariances are not blended here."""
     if not episodes:
         return [(torch.zeros(0), torch.zeros(0, dtype=torch.bool)) for _ in frames]
     bases = {} if bases is None else bases
@@ -176,16 +198,11 @@ def _open_log_odds(
             if key not in bases:
                 bases[key] = BlendedBases(batch.stats)
             blended[key] = bases[key].basis(within_mix, between_mix)
-        stats = batch.stats.blended(within_mix, between_mix)
         for frame in frames:
+            support, query = _framed(batch, frame, framed)
+            # the frame's re-centring is done: the reading takes the tasks as they come
             reading = TwoCovarianceReading(
-                batch.support,
-                batch.support_labels,
-                batch.query,
-                batch.way,
-                stats,
-                frame,
-                blended[key],
+                support, batch.support_labels, query, batch.way, batch.stats, False, blended[key]
             )
             odds[frame].append(reading.open_log_odds().reshape(-1))
         is_open.append(batch.open_mask.reshape(-1))
@@ -274,10 +291,10 @@ def select_open_readings(
         if not 0 <= mix <= 1:
             raise ValueError(f"mix_grid must lie in [0, 1], got {mix_grid}")
     episodes = _held_out_episodes(features, labels, shrinkage, 0, tasks)
-    best, bases = [OpenReading(0.0, 0.0, 1.0, math.inf) for _ in frames], {}
+    best, bases, framed = [OpenReading(0.0, 0.0, 1.0, math.inf) for _ in frames], {}, {}
     for within_mix in mix_grid:
         for between_mix in mix_grid:
-            read = _open_log_odds(episodes, within_mix, between_mix, frames, bases)
+            read = _open_log_odds(episodes, within_mix, between_mix, frames, bases, framed)
             for i, (odds, is_open) in enumerate(read):
                 scale, loss = scale_and_log_loss(odds, is_open)
                 if loss < best[i].log_loss:

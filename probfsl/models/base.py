@@ -28,6 +28,10 @@ import hashlib
 import inspect
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, Self
 
@@ -63,6 +67,7 @@ __all__ = [
     "check_engine_name",
     "encode_task_labels",
     "episodes_from_arrays",
+    "shared_backgrounds",
 ]
 
 #: the names of the inference engines of the five methods of the papers (the values of
@@ -443,14 +448,18 @@ def reading_basis(stats) -> tuple:
     return basis
 
 
-def held_out_background_choices(features: torch.Tensor, labels: torch.Tensor) -> tuple:
+def held_out_background_choices(
+    features: torch.Tensor, labels: torch.Tensor, shrinkage: float | None = None
+) -> tuple:
     """``(λ, inductive, query)``: the shrinkage that held-out base classes prefer
     (:func:`~probfsl.inference.background_shrinkage.select_shrinkage`) and the readings
     (:class:`~probfsl.inference.open_temperature.OpenReading`: blends and odds scale)
     chosen on their open-set episodes, inductive and in the queries' frame
     (:func:`~probfsl.inference.open_temperature.select_open_readings`). All are seeded
     functions of ``features`` and ``labels``, so the last few are kept by a digest of
-    them and handed back for the same base classes (the same numbers, computed once)."""
+    them and handed back for the same base classes (the same numbers, computed once).
+    ``shrinkage``: ``select_shrinkage(features, labels)`` where the caller has it already
+    (it is not computed again)."""
     from probfsl.inference.background_shrinkage import select_shrinkage
     from probfsl.inference.open_temperature import select_open_readings
 
@@ -458,12 +467,92 @@ def held_out_background_choices(features: torch.Tensor, labels: torch.Tensor) ->
     if key in _BACKGROUND_CHOICES:
         _BACKGROUND_CHOICES.move_to_end(key)
         return _BACKGROUND_CHOICES[key]
-    shrinkage = select_shrinkage(features, labels)
+    if shrinkage is None:
+        shrinkage = select_shrinkage(features, labels)
     choices = (shrinkage, *select_open_readings(features, labels, shrinkage, (False, True)))
     _BACKGROUND_CHOICES[key] = choices
     while len(_BACKGROUND_CHOICES) > _BACKGROUND_CHOICES_KEPT:
         _BACKGROUND_CHOICES.popitem(last=False)
     return choices
+
+
+@dataclass
+class SharedBackground:
+    """What :meth:`OpenSetBackground.fit_background` learns from preprocessed base
+    features and labels alone: the shrinkage λ, the background statistics (mean, within-
+    and between-class covariance, shrunk by λ) and, once the open-set posterior first
+    needs them, the held-out choices of :func:`held_out_background_choices`. Estimators
+    fitted on the same base features inside :func:`shared_backgrounds` hold the same
+    object (the choices are then made once for all of them)."""
+
+    shrinkage: float
+    mean: torch.Tensor
+    within: torch.Tensor
+    between: torch.Tensor
+    features: torch.Tensor
+    labels: torch.Tensor
+    choices: tuple | None = None
+
+    def held_out_choices(self) -> tuple:
+        """:func:`held_out_background_choices` of the base features, made at the first
+        call (with the λ already chosen) and kept."""
+        if self.choices is None:
+            self.choices = held_out_background_choices(self.features, self.labels, self.shrinkage)
+        return self.choices
+
+
+#: the backgrounds fitted inside the innermost :func:`shared_backgrounds` block, by the
+#: digest of their base features and labels and their device (``None`` outside any block)
+_SHARED_BACKGROUNDS: ContextVar[dict[tuple[str, str], SharedBackground] | None] = ContextVar(
+    "probfsl_shared_backgrounds", default=None
+)
+
+
+@contextmanager
+def shared_backgrounds() -> Iterator[None]:
+    """Inside the block, estimators whose ``fit_base`` hands
+    :meth:`OpenSetBackground.fit_background` the same preprocessed base features and
+    labels (bytes, dtype, shape and device) share one :class:`SharedBackground`: the
+    shrinkage λ chosen on class folds, the covariances and the held-out choices are
+    computed once instead of once per estimator. They are deterministic functions of
+    those tensors, so every estimator gets the numbers a fresh fit gives.
+
+    A search on base-class episodes (:func:`probfsl.tuning.tune`,
+    :func:`probfsl.tuning.auto_preset`) fits every candidate on the same base classes
+    with the same preprocessing, so it runs inside one block; the backgrounds are
+    forgotten when the block ends (a block inside another uses the outer one's). Keys
+    are digests of the tensors' contents, so data of another data set, another
+    preprocessing, dtype or device never meet a background fitted on other data."""
+    if _SHARED_BACKGROUNDS.get() is not None:
+        yield
+        return
+    token = _SHARED_BACKGROUNDS.set({})
+    try:
+        yield
+    finally:
+        _SHARED_BACKGROUNDS.reset(token)
+
+
+def fit_shared_background(features: torch.Tensor, labels: torch.Tensor) -> SharedBackground:
+    """The :class:`SharedBackground` of preprocessed base ``features`` [N, D] and
+    ``labels`` [N] (on the features' device): the one fitted on equal tensors earlier in
+    the current :func:`shared_backgrounds` block, else a fresh fit (kept in the block,
+    where there is one)."""
+    from probfsl.inference.background import fit_background
+    from probfsl.inference.background_shrinkage import select_shrinkage
+
+    shared = _SHARED_BACKGROUNDS.get()
+    key = None
+    if shared is not None:
+        key = (_digest(features, labels), str(features.device))
+        if key in shared:
+            return shared[key]
+    shrinkage = select_shrinkage(features, labels)
+    stats = fit_background(features, labels, shrinkage)
+    background = SharedBackground(shrinkage, *stats, features, labels)
+    if shared is not None:
+        shared[key] = background
+    return background
 
 
 class OpenSetBackground:
@@ -509,25 +598,24 @@ class OpenSetBackground:
         between-class covariance is zero, so a new class's predictive would be that of the
         base classes' own mean and P(open) the prior ``open_prior`` for every query;
         :meth:`predict_proba_open` then says so."""
-        from probfsl.inference.background import fit_background
-        from probfsl.inference.background_shrinkage import select_shrinkage
-
         labels = labels.to(features.device)
         for name in (*self._CHOICES, *BACKGROUND.attributes, "_background_base"):
             self.__dict__.pop(name, None)  # a previous fit's background and choices
         if int(labels.unique().numel()) < MIN_BACKGROUND_CLASSES:
             return
-        self._background_base = (features, labels)
-        self.background_shrinkage_ = select_shrinkage(features, labels)
-        stats = fit_background(features, labels, self.background_shrinkage_)
-        self.background_mean_, self.background_within_, self.background_between_ = stats
+        background = fit_shared_background(features, labels)
+        self._background_base = background
+        self.background_shrinkage_ = background.shrinkage
+        self.background_mean_ = background.mean
+        self.background_within_ = background.within
+        self.background_between_ = background.between
 
     def _choose_background(self) -> None:
         """Make the held-out choices of :meth:`fit_background` if they are still due."""
         base = self.__dict__.pop("_background_base", None)
         if base is None:  # made already, or loaded (older files: none, read as 0, 0, 1)
             return
-        _, inductive, query = held_out_background_choices(*base)
+        _, inductive, query = base.held_out_choices()
         self.background_within_mix_ = inductive.within_mix
         self.background_between_mix_ = inductive.between_mix
         self.background_odds_scale_ = inductive.odds_scale
