@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from probfsl import tuning
+from probfsl.data import sample_episodes
 from probfsl.inference import background_shrinkage
 from probfsl.models import base
 from probfsl.models.base import shared_backgrounds
@@ -118,3 +119,37 @@ def test_a_search_shares_the_background_and_chooses_as_without_it(monkeypatch):
     assert shared.best == alone.best
     strip = [{k: v for k, v in row.items() if k != "seconds"} for row in shared.trace]
     assert strip == [{k: v for k, v in row.items() if k != "seconds"} for row in alone.trace]
+
+
+def test_a_shared_reading_is_that_of_a_fresh_reading():
+    fs = make_featureset(n_base=12, n_novel=6, per_class=20, dim=6)
+    episodes = sample_episodes(fs, 4, way=3, shot=2, n_query=9, seed=1, n_open=6)
+    other = sample_episodes(fs, 4, way=3, shot=2, n_query=9, seed=2, n_open=6)
+    base_xy = fs.base()
+    fresh = make_estimator("soft-kmeans", temperature=3.0).fit_base(*base_xy)
+    want = [fresh.predict_proba_open(e) for e in (episodes, other, episodes)]
+    with shared_backgrounds():
+        models = [make_estimator("soft-kmeans", temperature=3.0).fit_base(*base_xy) for _ in "ab"]
+        got = [models[0].predict_proba_open(episodes), models[1].predict_proba_open(episodes)]
+        got.append(models[1].predict_proba_open(other))  # other tasks: read afresh
+        scope = base._SHARED_BACKGROUNDS.get()
+        assert len(scope.readings) == 2
+    for a, b in zip(got, [want[0], want[2], want[1]], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_copied_reading_keeps_the_base_background():
+    from probfsl.inference.background import TwoCovarianceReading, fit_background
+
+    x, labels = _base_tensors(dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    support, query = torch.randn(2, 6, 6, generator=g).double(), torch.randn(2, 8, 6).double()
+    support_labels = torch.arange(3).repeat(2).expand(2, -1)
+    reading = TwoCovarianceReading(
+        support, support_labels, query, 3, fit_background(x, labels), True
+    )
+    before = reading.background_log_lik()
+    copy = reading.copy()
+    copy.infer_background_mean(1.0, 0.5)
+    assert reading.background_shift is None and torch.equal(reading.background_log_lik(), before)
+    assert not torch.equal(copy.background_log_lik(), before)

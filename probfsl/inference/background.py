@@ -423,6 +423,15 @@ class TwoCovarianceReading:
         self.background_shift: torch.Tensor | None = None  # [T, 1, D], basis coordinates
         self.background_extra_var: torch.Tensor | None = None  # [T, 1, D]
 
+    def copy(self) -> TwoCovarianceReading:
+        """A reading of the same tasks under the same statistics, sharing this one's
+        projected support and queries (no method changes them in place) but with the base
+        classes' background: what :meth:`infer_background_mean` sets is not carried over."""
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        other.background_shift = other.background_extra_var = None
+        return other
+
     def infer_background_mean(self, odds_scale: float, open_prior: float) -> TwoCovarianceReading:
         """Infer the background's mean from the task's queries (in place; returns ``self``).
 

@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, Self
 
@@ -501,11 +501,24 @@ class SharedBackground:
         return self.choices
 
 
-#: the backgrounds fitted inside the innermost :func:`shared_backgrounds` block, by the
-#: digest of their base features and labels and their device (``None`` outside any block)
-_SHARED_BACKGROUNDS: ContextVar[dict[tuple[str, str], SharedBackground] | None] = ContextVar(
+@dataclass
+class _SharedScope:
+    """What one :func:`shared_backgrounds` block keeps: the backgrounds by the digest of
+    their base features and labels and their device, and the last few readings of tasks
+    (:func:`shared_reading`: their inputs, way, frame and the reading, most recent last)."""
+
+    backgrounds: dict[tuple[str, str], SharedBackground] = field(default_factory=dict)
+    readings: list[tuple] = field(default_factory=list)
+
+
+#: the innermost :func:`shared_backgrounds` block's :class:`_SharedScope` (``None`` outside
+#: any block)
+_SHARED_BACKGROUNDS: ContextVar[_SharedScope | None] = ContextVar(
     "probfsl_shared_backgrounds", default=None
 )
+#: readings a block keeps (each holds its tasks' projected queries, about three times the
+#: query tensor): the candidates of a search read the same episodes one after the other
+_SHARED_READINGS_KEPT = 2
 
 
 @contextmanager
@@ -522,11 +535,16 @@ def shared_backgrounds() -> Iterator[None]:
     with the same preprocessing, so it runs inside one block; the backgrounds are
     forgotten when the block ends (a block inside another uses the outer one's). Keys
     are digests of the tensors' contents, so data of another data set, another
-    preprocessing, dtype or device never meet a background fitted on other data."""
+    preprocessing, dtype or device never meet a background fitted on other data.
+
+    Likewise the candidates read the same episodes under the same background: the
+    projection of their support and queries onto the background's basis
+    (:class:`~probfsl.inference.background.TwoCovarianceReading`) is shared
+    (:func:`shared_reading`) where the tensors are equal."""
     if _SHARED_BACKGROUNDS.get() is not None:
         yield
         return
-    token = _SHARED_BACKGROUNDS.set({})
+    token = _SHARED_BACKGROUNDS.set(_SharedScope())
     try:
         yield
     finally:
@@ -541,18 +559,61 @@ def fit_shared_background(features: torch.Tensor, labels: torch.Tensor) -> Share
     from probfsl.inference.background import fit_background
     from probfsl.inference.background_shrinkage import select_shrinkage
 
-    shared = _SHARED_BACKGROUNDS.get()
+    scope = _SHARED_BACKGROUNDS.get()
     key = None
-    if shared is not None:
+    if scope is not None:
         key = (_digest(features, labels), str(features.device))
-        if key in shared:
-            return shared[key]
+        if key in scope.backgrounds:
+            return scope.backgrounds[key]
     shrinkage = select_shrinkage(features, labels)
     stats = fit_background(features, labels, shrinkage)
     background = SharedBackground(shrinkage, *stats, features, labels)
-    if shared is not None:
-        shared[key] = background
+    if scope is not None:
+        scope.backgrounds[key] = background
     return background
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same values in the same dtype, shape and device."""
+    return a is b or (
+        a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+    )
+
+
+def shared_reading(
+    support: torch.Tensor,
+    support_labels: torch.Tensor,
+    query: torch.Tensor,
+    way: int,
+    stats,
+    query_centring: bool,
+    basis: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+):
+    """``TwoCovarianceReading(support, support_labels, query, way, stats, query_centring,
+    basis)``; inside a :func:`shared_backgrounds` block, a copy of the reading made there
+    from equal tensors (the tasks, the background's mean and the basis: the reading
+    reads nothing else of ``stats``), whose projections are the same numbers. The
+    comparison is one look per call, none inside a method's iterations."""
+    from probfsl.inference.background import TwoCovarianceReading
+
+    scope = _SHARED_BACKGROUNDS.get()
+    if scope is None:
+        return TwoCovarianceReading(
+            support, support_labels, query, way, stats, query_centring, basis
+        )
+    inputs = (support, support_labels, query, stats.mean, *basis)
+    for i, (kept, kept_way, kept_frame, reading) in enumerate(scope.readings):
+        if (kept_way, kept_frame) == (way, query_centring) and all(
+            _equal(a, b) for a, b in zip(inputs, kept, strict=True)
+        ):
+            scope.readings.append(scope.readings.pop(i))
+            return reading.copy()
+    reading = TwoCovarianceReading(
+        support, support_labels, query, way, stats, query_centring, basis
+    )
+    scope.readings.append((inputs, way, query_centring, reading.copy()))
+    del scope.readings[:-_SHARED_READINGS_KEPT]
+    return reading
 
 
 class OpenSetBackground:
@@ -667,13 +728,9 @@ class OpenSetBackground:
         statistics (:func:`reading_basis`). Its background is the base classes'; in the
         queries' frame the transductive methods infer the task's own after their
         iterations (:meth:`final_open`)."""
-        from probfsl.inference.background import TwoCovarianceReading
-
         stats = self.background_stats(query, query_centring)
         basis = reading_basis(stats)
-        return TwoCovarianceReading(
-            support, support_labels, query, way, stats, query_centring, basis
-        )
+        return shared_reading(support, support_labels, query, way, stats, query_centring, basis)
 
     def final_open(self, reading, proba: torch.Tensor) -> torch.Tensor:
         """A transductive method's converged query responsibilities ``proba`` [T, Q, C + 1]
