@@ -121,20 +121,28 @@ def test_a_search_shares_the_background_and_chooses_as_without_it(monkeypatch):
     assert strip == [{k: v for k, v in row.items() if k != "seconds"} for row in alone.trace]
 
 
-def test_a_shared_reading_is_that_of_a_fresh_reading():
+def test_a_shared_reading_is_that_of_a_fresh_reading(monkeypatch):
+    from probfsl.inference.background import TwoCovarianceReading
+
     fs = make_featureset(n_base=12, n_novel=6, per_class=20, dim=6)
     episodes = sample_episodes(fs, 4, way=3, shot=2, n_query=9, seed=1, n_open=6)
     other = sample_episodes(fs, 4, way=3, shot=2, n_query=9, seed=2, n_open=6)
     base_xy = fs.base()
     fresh = make_estimator("soft-kmeans", temperature=3.0).fit_base(*base_xy)
-    want = [fresh.predict_proba_open(e) for e in (episodes, other, episodes)]
+    want = [fresh.predict_proba_open(e) for e in (episodes, episodes, other, episodes)]
+    made = []
+    init = TwoCovarianceReading.__init__
+    monkeypatch.setattr(
+        TwoCovarianceReading, "__init__", lambda self, *a: made.append(1) or init(self, *a)
+    )
     with shared_backgrounds():
-        models = [make_estimator("soft-kmeans", temperature=3.0).fit_base(*base_xy) for _ in "ab"]
+        models = [make_estimator("soft-kmeans", temperature=t).fit_base(*base_xy) for t in (3, 3)]
         got = [models[0].predict_proba_open(episodes), models[1].predict_proba_open(episodes)]
+        assert len(made) == 1  # the second candidate read the same tasks: shared
         got.append(models[1].predict_proba_open(other))  # other tasks: read afresh
-        scope = base._SHARED_BACKGROUNDS.get()
-        assert len(scope.readings) == 2
-    for a, b in zip(got, [want[0], want[2], want[1]], strict=True):
+        got.append(models[0].predict_proba_open(episodes))  # only the last tasks are kept
+        assert len(made) == 3
+    for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
 
 

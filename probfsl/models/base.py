@@ -505,7 +505,8 @@ class SharedBackground:
 class _SharedScope:
     """What one :func:`shared_backgrounds` block keeps: the backgrounds by the digest of
     their base features and labels and their device, and the last few readings of tasks
-    (:func:`shared_reading`: their inputs, way, frame and the reading, most recent last)."""
+    (:func:`shared_reading`: their inputs, way, frame and the reading, most recent last;
+    :data:`_SHARED_READINGS_KEPT` of them)."""
 
     backgrounds: dict[tuple[str, str], SharedBackground] = field(default_factory=dict)
     readings: list[tuple] = field(default_factory=list)
@@ -516,9 +517,9 @@ class _SharedScope:
 _SHARED_BACKGROUNDS: ContextVar[_SharedScope | None] = ContextVar(
     "probfsl_shared_backgrounds", default=None
 )
-#: readings a block keeps (each holds its tasks' projected queries, about three times the
-#: query tensor): the candidates of a search read the same episodes one after the other
-_SHARED_READINGS_KEPT = 2
+#: readings a block keeps (each holds its tasks and their projection, about three times
+#: the query tensor): the candidates of a search read the same episodes one after the other
+_SHARED_READINGS_KEPT = 1
 
 
 @contextmanager
