@@ -420,13 +420,17 @@ class TwoCovarianceReading:
         self.counts = onehot.sum(1)  # [T, K]
         self.sums = onehot.transpose(1, 2) @ ys  # [T, K, D]
         self.query_centring = query_centring
+        # ln p_0 of the queries under the base classes' background, computed at the first
+        # call and shared with copies (it depends on the projection alone)
+        self._base_background: dict[str, torch.Tensor] = {}
         self.background_shift: torch.Tensor | None = None  # [T, 1, D], basis coordinates
         self.background_extra_var: torch.Tensor | None = None  # [T, 1, D]
 
     def copy(self) -> TwoCovarianceReading:
         """A reading of the same tasks under the same statistics, sharing this one's
-        projected support and queries (no method changes them in place) but with the base
-        classes' background: what :meth:`infer_background_mean` sets is not carried over."""
+        projected support and queries (no method changes them in place) and its base-class
+        background log-likelihood, but with the base classes' background: what
+        :meth:`infer_background_mean` sets is not carried over."""
         other = object.__new__(type(self))
         other.__dict__.update(self.__dict__)
         other.background_shift = other.background_extra_var = None
@@ -484,12 +488,18 @@ class TwoCovarianceReading:
 
     def background_log_lik(self) -> torch.Tensor:
         """ln p_0(x_q) [T, Q], the predictive of a new class, N(mean, within + between), or,
-        after :meth:`infer_background_mean`, that of the task's background."""
+        after :meth:`infer_background_mean`, that of the task's background. The former
+        does not change with the iterations of a mixture: it is computed once per reading
+        (and its copies) and handed back; callers do not change it in place."""
         bg_var = 1 + self.lam
         d = self.yq.shape[-1]
         if self.background_shift is None:
-            quad = (self.yq_sq / bg_var).sum(-1)
-            return -0.5 * (quad + bg_var.log().sum() + d * LOG_2PI) + self.log_jac
+            if "log_lik" not in self._base_background:
+                quad = (self.yq_sq / bg_var).sum(-1)
+                self._base_background["log_lik"] = (
+                    -0.5 * (quad + bg_var.log().sum() + d * LOG_2PI) + self.log_jac
+                )
+            return self._base_background["log_lik"]
         bg_var = bg_var + self.background_extra_var  # [T, 1, D]
         quad = ((self.yq - self.background_shift).square() / bg_var).sum(-1)
         return -0.5 * (quad + bg_var.log().sum(-1) + d * LOG_2PI) + self.log_jac
