@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, NamedTuple, Self
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Self
 
 import numpy as np
 import torch
@@ -51,6 +51,9 @@ from probfsl.validation import (
     check_episodes,
     check_float_dtype,
 )
+
+if TYPE_CHECKING:  # the inference modules are imported where they are used
+    from probfsl.inference.background import BackgroundStats, TwoCovarianceReading
 
 __all__ = [
     "BACKGROUND",
@@ -586,10 +589,10 @@ def shared_reading(
     support_labels: torch.Tensor,
     query: torch.Tensor,
     way: int,
-    stats,
+    stats: BackgroundStats,
     query_centring: bool,
     basis: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-):
+) -> TwoCovarianceReading:
     """``TwoCovarianceReading(support, support_labels, query, way, stats, query_centring,
     basis)``; inside a :func:`shared_backgrounds` block, a copy of the reading made there
     from equal tensors (the tasks, the background's mean and the basis: the reading
