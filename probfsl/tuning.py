@@ -860,6 +860,10 @@ def auto_preset(
         settings["open_queries"] = open_queries
         open_space = open_search_space(method, fixed)
         settings["open_space"] = open_space
+        # the constructor defaults the candidates take (those of the open-set posterior
+        # have changed within a version: a choice made under others is not reused)
+        defaults = make_estimator(method).get_params()
+        settings["defaults"] = {k: v for k, v in defaults.items() if k not in fixed}
         settings["open_scale"] = "brier"  # fit_open_scale on the chosen candidate
         settings["open_rank"] = "accuracy"  # of the known-class queries alone
         # the frames of the open contrast that open_scale may be learnt with: searched, or
