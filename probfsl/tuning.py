@@ -868,8 +868,8 @@ def auto_preset(
         settings["open_rank"] = "accuracy"  # of the known-class queries alone
         # the frames of the open contrast that open_scale may be learnt with: searched, or
         # the given one, or the method's own
-        frame = make_estimator(method).get_params().get("open_frame")
-        frames = open_space.get("open_frame", [fixed.get("open_frame", frame)])
+        frame = fixed.get("open_frame", defaults.get("open_frame"))
+        frames = open_space.get("open_frame", [frame])
         settings["open_frame"] = frames[0] if len(frames) == 1 else frames
         if "queries" in frames:  # whose background's mean is the task's own
             settings["open_background_mean"] = "inferred, read last"

@@ -271,12 +271,27 @@ def test_auto_preset_saves_its_choices_and_loads_without_a_search(task, tmp_path
         METHODS["soft-kmeans"].load().load(tmp_path / "auto.pt")
 
 
+def _save_auto_state(auto, state: dict, path: Path) -> None:
+    """Write an AutoPreset file of ``auto``'s hyperparameters with the encoded ``state``
+    (as ``save`` would, checksum included, without its checks of the state)."""
+    from probfsl.estimator_io import FORMAT, checksum, encode
+
+    payload = {
+        "format": FORMAT,
+        "class": "probfsl.tuning:AutoPreset",
+        "params": encode(auto.get_params(), "params"),
+        "state": state,
+    }
+    payload["checksum"] = checksum(payload)
+    torch.save(payload, path)
+
+
 def test_auto_preset_open_set_choice_is_the_open_search_and_is_saved(tmp_path):
     """predict_proba_open of preset="auto" tunes as ``probfsl run --open-queries`` does
     (base episodes with open queries, in the method's prior open fraction of the task's
     queries), keeps that choice apart from the closed one, saves it and loads it without
     a search; a file written before open-set choices existed still loads."""
-    from probfsl.estimator_io import FORMAT, checksum, encode
+    from probfsl.estimator_io import encode
 
     fs = make_featureset(n_base=14, n_novel=8, per_class=25)
     auto = probfsl.make_estimator("soft-kmeans", preset="auto").set_params(n_episodes=20)
@@ -313,14 +328,7 @@ def test_auto_preset_open_set_choice_is_the_open_search_and_is_saved(tmp_path):
     state["resolved_"] = [r for r in state["resolved_"] if r["n_open"] == 0]
     for record in state["resolved_"]:
         del record["n_open"]
-    payload = {
-        "format": FORMAT,
-        "class": "probfsl.tuning:AutoPreset",
-        "params": encode(back.get_params(), "params"),
-        "state": state,
-    }
-    payload["checksum"] = checksum(payload)
-    torch.save(payload, tmp_path / "old.pt")
+    _save_auto_state(back, state, tmp_path / "old.pt")
     old = tuning.AutoPreset.load(tmp_path / "old.pt")
     assert set(old.choices_) == {(3, 1, 18)}
     assert torch.equal(old.predict_proba(episodes), closed)
@@ -328,7 +336,7 @@ def test_auto_preset_open_set_choice_is_the_open_search_and_is_saved(tmp_path):
 
 def test_auto_preset_file_is_checked(tmp_path):
     """The estimator saved inside an AutoPreset is checked against its own declaration."""
-    from probfsl.estimator_io import FORMAT, checksum, encode
+    from probfsl.estimator_io import encode
 
     fs = make_featureset(n_base=12, n_novel=6, per_class=25)
     auto = probfsl.make_estimator("soft-kmeans", preset="auto").set_params(n_episodes=30)
@@ -336,14 +344,7 @@ def test_auto_preset_file_is_checked(tmp_path):
     state = {k: encode(v, k) for k, v in auto.fitted_state().items()}
     inner = state["resolved_"][0]["fitted"][0]["estimator"]
     inner["state"]["base_mean_"] = torch.full((5,), float("nan"))  # not finite
-    payload = {
-        "format": FORMAT,
-        "class": "probfsl.tuning:AutoPreset",
-        "params": encode(auto.get_params(), "params"),
-        "state": state,
-    }
-    payload["checksum"] = checksum(payload)
-    torch.save(payload, tmp_path / "bad.pt")
+    _save_auto_state(auto, state, tmp_path / "bad.pt")
     with pytest.raises(ValueError, match=r"resolved_\[0\]\.fitted\[0\]\.estimator.*base_mean_"):
         tuning.AutoPreset.load(tmp_path / "bad.pt")
 
