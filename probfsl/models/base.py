@@ -73,6 +73,10 @@ __all__ = [
     "shared_backgrounds",
 ]
 
+#: the fewest base classes the open-set background is learnt from: with one, the spread of
+#: the class means (the between-class covariance) is zero
+MIN_BACKGROUND_CLASSES = 2
+
 #: the names of the inference engines of the five methods of the papers (the values of
 #: an estimator's ``engine``): ``"handwritten"``, the closed-form updates derived by hand
 #: for the method; ``"derived"``, the updates that variational message passing derives
@@ -96,9 +100,6 @@ BASE_MEAN = Group("fit_base", {"base_mean_": Tensor("D", bound=FEATURE_BOUND)})
 #: the scale of the inductive open log-odds ``background_odds_scale_``, and the same three
 #: for the transductive reading in the queries' frame (``background_query_*``); all but
 #: the first three are absent from files saved before they were chosen (read as 0, 0, 1)
-#: the fewest base classes the open-set background is learnt from: with one, the spread of
-#: the class means (the between-class covariance) is zero
-MIN_BACKGROUND_CLASSES = 2
 BACKGROUND = Group(
     "fit_base",
     {
