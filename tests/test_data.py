@@ -60,6 +60,22 @@ def test_npz_without_split_is_all_novel_or_uses_base_classes(tmp_path, synthetic
     assert list(fs.classes_in("base")) == [0, 1]
 
 
+def test_npz_train_test_split_reads_as_base_novel(tmp_path, synthetic, caplog):
+    meta = np.where(synthetic.split == "base", "train", "test")
+    meta[:3] = "val"
+    np.savez(tmp_path / "f.npz", features=synthetic.features, labels=synthetic.labels, split=meta)
+    with caplog.at_level("WARNING"):
+        fs = load_npz(tmp_path / "f.npz")
+    assert "'train' as 'base', 'test' as 'novel'" in caplog.text
+    np.testing.assert_array_equal(fs.split[3:], synthetic.split[3:])
+    assert set(fs.split[:3]) == {"val"}
+    # a file that names base and novel keeps every other name as it is
+    mixed = synthetic.split.copy()
+    mixed[:3] = "test"
+    np.savez(tmp_path / "g.npz", features=synthetic.features, labels=synthetic.labels, split=mixed)
+    np.testing.assert_array_equal(load_npz(tmp_path / "g.npz").split, mixed)
+
+
 @pytest.mark.parametrize(
     "fields, message",
     [

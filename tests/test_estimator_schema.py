@@ -241,6 +241,7 @@ def test_the_methods_without_a_second_d_keep_only_the_base_mean(saved):
             "background_between_",
             "background_shrinkage_",
             "background_odds_scale_",
+            "background_odds_shift_",
             "background_within_mix_",
             "background_between_mix_",
             "background_query_within_mix_",

@@ -212,6 +212,7 @@ def test_evidence_lssvm_fit_learns_the_base_classes(task):
         "background_within_",
         "background_shrinkage_",
         "background_odds_scale_",
+        "background_odds_shift_",
         "background_within_mix_",
         "background_between_mix_",
         "background_query_within_mix_",

@@ -325,8 +325,8 @@ def test_outlier_posterior_monotone_in_distance(name, fitted, omniglot):
 
 def test_inductive_open_column_is_the_formula(fitted, omniglot):
     """nearest centroid's last column is the two-covariance posterior of "open", its
-    log-odds scaled by the temperature learnt on held-out base classes, the known
-    columns its own probabilities times 1 - P(open)."""
+    log-odds scaled and shifted as held-out base classes ask, the known columns its own
+    probabilities times 1 - P(open)."""
     est: NearestCentroid = fitted["nearest-centroid"]
     episodes = open_episodes(omniglot, 2).to(dtype=torch.float64)
     got = est.predict_proba_open(episodes)
@@ -336,11 +336,11 @@ def test_inductive_open_column_is_the_formula(fitted, omniglot):
     q = center_and_normalize(episodes.query, est.base_mean_)
     stats = est.background_stats(q)
     class_ll, bg_ll = two_covariance_log_liks(s, episodes.support_labels, q, WAY, stats)
-    scale = est.background_odds_scale_
+    scale, shift = est.background_odds_scale_, est.background_odds_shift_
     assert 0 < scale < 1  # 64-d Gaussians are over-confident on held-out classes
     for t, i in itertools.product(range(2), range(3)):
         closed = float(np.log(np.exp(class_ll[t, i].numpy()).mean()))
-        odds = scale * (float(bg_ll[t, i]) - closed)  # prior odds 0.5 / 0.5 = 1
+        odds = scale * (float(bg_ll[t, i]) - closed) + shift  # prior odds 0.5 / 0.5 = 1
         want = torch.tensor(1 / (1 + np.exp(-odds)), dtype=torch.float64)
         torch.testing.assert_close(got[t, i, -1], want)
     proba = est.predict_proba(episodes)
@@ -449,8 +449,10 @@ def test_em_dirichlet_open_column_is_inductive(fitted, omniglot):
     class_ll, bg_ll = two_covariance_log_liks(
         s, episodes.support_labels, q, WAY, est.background_stats(q)
     )
-    scale = est.background_odds_scale_
-    torch.testing.assert_close(got[..., -1], open_posterior(class_ll, bg_ll, 0.5, scale)[..., -1])
+    scale, shift = est.background_odds_scale_, est.background_odds_shift_
+    torch.testing.assert_close(
+        got[..., -1], open_posterior(class_ll, bg_ll, 0.5, scale, shift)[..., -1]
+    )
     proba = est.predict_proba(episodes)
     torch.testing.assert_close(got[..., :WAY], proba * (1 - got[..., -1:]))
 

@@ -62,6 +62,27 @@ def _split_from_base_classes(labels: np.ndarray, base_classes: Sequence[int] | N
     return np.where(base, "base", "novel")
 
 
+SPLIT_ALIASES = {"train": "base", "test": "novel"}
+
+
+def _base_novel_split(split: np.ndarray, source: str) -> np.ndarray:
+    """``split`` with the meta-learning names ``"train"``/``"test"`` read as
+    ``"base"``/``"novel"`` (with a warning), when the file uses neither of the latter.
+
+    Other values (``"val"``, Omniglot's one-shot rows) stay as they are: tasks draw from
+    no split but ``"novel"``, statistics from none but ``"base"``.
+    """
+    names = set(np.unique(split).tolist())
+    if names & {"base", "novel"} or not names & set(SPLIT_ALIASES):
+        return split
+    renamed = split.copy()
+    for old, new in SPLIT_ALIASES.items():
+        renamed[split == old] = new
+    read_as = ", ".join(f"{old!r} as {new!r}" for old, new in SPLIT_ALIASES.items() if old in names)
+    log.warning("%s: split %s (rows of other splits are not used)", source, read_as)
+    return renamed
+
+
 def from_arrays(
     fields: Mapping[str, np.ndarray],
     source: str,
@@ -80,7 +101,7 @@ def from_arrays(
         raise ValueError(f"{source}: 'labels' must be integers, got {labels.dtype}")
     labels = labels.astype(np.int64)
     if "split" in fields:
-        split = np.asarray(fields["split"]).astype(str)
+        split = _base_novel_split(np.asarray(fields["split"]).astype(str), source)
     else:
         split = _split_from_base_classes(labels, base_classes)
     validate_features(features, labels, split, source)

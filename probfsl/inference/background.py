@@ -195,15 +195,17 @@ def open_posterior(
     background_log_lik: torch.Tensor,
     open_prior: float,
     odds_scale: float = 1.0,
+    odds_shift: float = 0.0,
 ) -> torch.Tensor:
     """P(z = k | x) for k = 1..K and 0 (last column), [T, Q, K + 1], by enumeration.
 
     ``class_log_lik`` [T, Q, K] ln p_k(x), ``background_log_lik`` [T, Q] ln p_0(x),
     ``open_prior`` π_0 in (0, 1); the known classes share 1 - π_0 equally:
-    P(z = 0 | x) = σ(a (ln p_0(x) - ln p̄(x)) + logit π_0), p̄ = (1/K) Σ_k p_k and a =
-    ``odds_scale`` (1: Bayes' rule, π_0 p_0 / (π_0 p_0 + Σ_k (1 - π_0) / K p_k); below 1:
-    the tempered odds of :mod:`probfsl.inference.open_temperature`); the known classes
-    get 1 - P(z = 0 | x) in proportion to p_k(x).
+    P(z = 0 | x) = σ(a (ln p_0(x) - ln p̄(x)) + b + logit π_0), p̄ = (1/K) Σ_k p_k, a =
+    ``odds_scale`` and b = ``odds_shift`` (1 and 0: Bayes' rule, π_0 p_0 / (π_0 p_0 +
+    Σ_k (1 - π_0) / K p_k); else the calibrated odds of
+    :mod:`probfsl.inference.open_temperature`); the known classes get 1 - P(z = 0 | x) in
+    proportion to p_k(x).
     """
     if not 0 < open_prior < 1:
         raise ValueError(f"open_prior must be in (0, 1), got {open_prior}")
@@ -212,7 +214,9 @@ def open_posterior(
     k = class_log_lik.shape[-1]
     closed = torch.logsumexp(class_log_lik, -1) - math.log(k)
     prior_odds = math.log(open_prior) - math.log1p(-open_prior)
-    p_open = torch.sigmoid(odds_scale * (background_log_lik - closed) + prior_odds)
+    if not math.isfinite(odds_shift):
+        raise ValueError(f"odds_shift must be finite, got {odds_shift}")
+    p_open = torch.sigmoid(odds_scale * (background_log_lik - closed) + odds_shift + prior_odds)
     return attach_open(torch.softmax(class_log_lik, -1), p_open)
 
 

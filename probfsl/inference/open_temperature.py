@@ -31,6 +31,16 @@ mostly outside it, and the held-out classes ask for nearly isotropic covariances
 anisotropic within-class covariance that describes each class's samples best, not the
 one that tells a new class from the known ones. The transductive reading in the
 queries' frame (``query_centring``) has its own choice.
+
+Once the blends and a are chosen, the inductive reading also gets a shift b of its
+log-odds, P(open | x) = σ(a (ln p_0 - ln p̄) + b + logit π_0), fitted by the same log
+loss with a held (Platt's intercept, "Probabilistic Outputs for Support Vector Machines",
+1999): the two-covariance densities can sit too wide or too narrow for new classes as a
+whole, so that P(open) is too low or too high on average whatever its scale, and b takes
+that out. It is fitted on episodes with as many open queries as closed, with their open
+fraction as the prior, so it is a correction of the densities, not of π_0 (``open_prior``
+still sets the latter). The transductive methods infer π_0 per task, which absorbs such a
+shift, and do not use b.
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ __all__ = [
     "MIX_GRID",
     "OpenReading",
     "fit_scale",
+    "fit_shift",
     "held_out_open_log_odds",
     "scale_and_log_loss",
     "select_open_reading",
@@ -69,6 +80,8 @@ TASKS, WAY, SHOTS, QUERIES = 16, 5, (1, 5), 5
 MIX_GRID = (0.0, 0.3, 0.6, 0.9, 1.0)
 #: episodes per fold and shot when the blends are chosen
 SELECTION_TASKS = 32
+#: the largest shift of the inductive log-odds (:func:`fit_shift`) in either direction
+MAX_SHIFT = 5.0
 
 
 def _episodes(
@@ -258,6 +271,26 @@ def scale_and_log_loss(
     return float(grid[best]), float(loss[best])
 
 
+def fit_shift(odds: torch.Tensor, is_open: torch.Tensor, scale: float, steps: int = 25) -> float:
+    """The b with the smallest mean log loss of σ(``scale`` · odds + b + logit f) against
+    ``is_open`` (f the episodes' open fraction), over the finite odds: Platt's intercept
+    (1999) with the slope held, by Newton's method on the convex loss, clamped to
+    [-:data:`MAX_SHIFT`, :data:`MAX_SHIFT`]; 0 where no odds are finite or the labels are
+    all one kind."""
+    finite = torch.isfinite(odds)
+    odds, target = odds[finite], is_open[finite].to(odds)
+    if odds.numel() == 0 or bool(target.min() == target.max()):
+        return 0.0
+    fraction = target.mean()
+    logits = scale * odds + torch.logit(fraction)
+    shift = torch.zeros((), dtype=odds.dtype, device=odds.device)
+    for _ in range(steps):
+        p = torch.sigmoid(logits + shift)
+        curvature = (p * (1 - p)).sum().clamp_min(torch.finfo(odds.dtype).tiny)
+        shift = (shift - (p - target).sum() / curvature).clamp(-MAX_SHIFT, MAX_SHIFT)
+    return float(shift)
+
+
 def select_open_temperature(
     features: torch.Tensor, labels: torch.Tensor, shrinkage: float
 ) -> float:
@@ -269,12 +302,14 @@ def select_open_temperature(
 class OpenReading(NamedTuple):
     """The background's isotropic blends (:func:`~probfsl.inference.background.
     fit_background`'s ``within_mix`` and ``between_mix``), the scale of its open
-    log-odds, and the held-out log loss (nats per query) that chose them."""
+    log-odds, the held-out log loss (nats per query) that chose them, and the shift of the
+    scaled log-odds fitted after them (:func:`fit_shift`)."""
 
     within_mix: float
     between_mix: float
     odds_scale: float
     log_loss: float
+    odds_shift: float = 0.0
 
 
 def select_open_readings(
@@ -286,7 +321,8 @@ def select_open_readings(
     tasks: int = SELECTION_TASKS,
 ) -> list[OpenReading]:
     """:func:`select_open_reading` for each frame of ``frames`` (``query_centring``), on
-    the same episodes and with one basis per fold and blend for all of them."""
+    the same episodes and with one basis per fold and blend for all of them; each with
+    the shift of its chosen reading (:func:`fit_shift`)."""
     for mix in mix_grid:
         if not 0 <= mix <= 1:
             raise ValueError(f"mix_grid must lie in [0, 1], got {mix_grid}")
@@ -299,6 +335,12 @@ def select_open_readings(
                 scale, loss = scale_and_log_loss(odds, is_open)
                 if loss < best[i].log_loss:
                     best[i] = OpenReading(within_mix, between_mix, scale, loss)
+    for i, frame in enumerate(frames):
+        if math.isfinite(best[i].log_loss):
+            [(odds, is_open)] = _open_log_odds(
+                episodes, best[i].within_mix, best[i].between_mix, (frame,), bases, framed
+            )
+            best[i] = best[i]._replace(odds_shift=fit_shift(odds, is_open, best[i].odds_scale))
     return best
 
 
@@ -315,7 +357,8 @@ def select_open_reading(
     episodes of held-out base classes (``tasks`` per fold and shot, the same episodes for
     every pair; ``query_centring`` reads them in their queries' frame): the predictive
     likelihood of the open/closed labels of classes the background has not seen (module
-    docstring). The first pair of the grid wins ties; (0, 0, 1) with an infinite loss
-    where the base classes cannot be split."""
+    docstring), and the shift b of that reading (:func:`fit_shift`). The first pair of
+    the grid wins ties; (0, 0, 1) with an infinite loss and no shift where the base
+    classes cannot be split."""
     [best] = select_open_readings(features, labels, shrinkage, (query_centring,), mix_grid, tasks)
     return best

@@ -97,9 +97,10 @@ BASE_MEAN = Group("fit_base", {"base_mean_": Tensor("D", bound=FEATURE_BOUND)})
 #: and, chosen on episodes of held-out base classes
 #: (:func:`probfsl.inference.open_temperature.select_open_reading`), the isotropic blends
 #: of the two covariances ``background_within_mix_`` and ``background_between_mix_`` and
-#: the scale of the inductive open log-odds ``background_odds_scale_``, and the same three
-#: for the transductive reading in the queries' frame (``background_query_*``); all but
-#: the first three are absent from files saved before they were chosen (read as 0, 0, 1)
+#: the scale and shift of the inductive open log-odds ``background_odds_scale_`` and
+#: ``background_odds_shift_``, and the blends and scale for the transductive reading in the
+#: queries' frame (``background_query_*``); all but the first three are absent from files
+#: saved before they were chosen (read as 0, 0, 1 and a shift of 0)
 BACKGROUND = Group(
     "fit_base",
     {
@@ -108,6 +109,7 @@ BACKGROUND = Group(
         "background_between_": Tensor("D", "D", bound=FEATURE_BOUND),
         "background_shrinkage_": Real(nonnegative=True),
         "background_odds_scale_": Real(positive=True),
+        "background_odds_shift_": Real(),
         "background_within_mix_": Real(low=0.0, high=1.0),
         "background_between_mix_": Real(low=0.0, high=1.0),
         "background_query_within_mix_": Real(low=0.0, high=1.0),
@@ -118,6 +120,7 @@ BACKGROUND = Group(
         {
             "background_shrinkage_",
             "background_odds_scale_",
+            "background_odds_shift_",
             "background_within_mix_",
             "background_between_mix_",
             "background_query_within_mix_",
@@ -629,8 +632,8 @@ class OpenSetBackground:
     The inductive posterior (:meth:`inductive_open`) reads the method's features through
     the two-covariance model of the base classes (:meth:`open_reading`): the last column is
     P(z = 0 | x) with prior π_0 = ``open_prior``, its log-odds scaled by
-    ``background_odds_scale_`` (:mod:`probfsl.inference.open_temperature`), and the known
-    columns are the method's
+    ``background_odds_scale_`` and shifted by ``background_odds_shift_``
+    (:mod:`probfsl.inference.open_temperature`), and the known columns are the method's
     own closed-set probabilities times 1 - P(z = 0 | x), so their argmax is
     :meth:`predict_proba`'s.
     """
@@ -642,6 +645,7 @@ class OpenSetBackground:
         "background_within_mix_",
         "background_between_mix_",
         "background_odds_scale_",
+        "background_odds_shift_",
         "background_query_within_mix_",
         "background_query_between_mix_",
         "background_query_odds_scale_",
@@ -654,11 +658,11 @@ class OpenSetBackground:
         ``background_shrinkage_``, and, learnt on episodes of held-out base classes
         (:func:`held_out_background_choices`), the isotropic blends of the covariances and
         the scale of the open log-odds, inductive (``background_within_mix_``,
-        ``background_between_mix_``, ``background_odds_scale_``) and in the queries' frame
-        (``background_query_*``). Those six cost seconds on wide features and serve the
-        open-set posterior alone, so they are chosen when it first needs them (or when the
-        estimator is saved), from the base features kept until then; the numbers are the
-        same either way.
+        ``background_between_mix_``, ``background_odds_scale_``, ``background_odds_shift_``)
+        and in the queries' frame (``background_query_*``). These choices cost seconds on
+        wide features and serve the open-set posterior alone, so they are made when it
+        first needs them (or when the estimator is saved), from the base features kept
+        until then; the numbers are the same either way.
 
         Fewer than :data:`MIN_BACKGROUND_CLASSES` base classes store no background: their
         between-class covariance is zero, so a new class's predictive would be that of the
@@ -685,6 +689,7 @@ class OpenSetBackground:
         self.background_within_mix_ = inductive.within_mix
         self.background_between_mix_ = inductive.between_mix
         self.background_odds_scale_ = inductive.odds_scale
+        self.background_odds_shift_ = inductive.odds_shift
         self.background_query_within_mix_ = query.within_mix
         self.background_query_between_mix_ = query.between_mix
         self.background_query_odds_scale_ = query.odds_scale
@@ -790,8 +795,9 @@ class OpenSetBackground:
 
         reading = self.open_reading(support, episodes.support_labels, query, episodes.way)
         class_ll, background_ll = reading.class_log_lik(), reading.background_log_lik()
-        scale = getattr(self, "background_odds_scale_", 1.0)  # 1 for older saved files
-        p_open = open_posterior(class_ll, background_ll, self.open_prior, scale)[..., -1]
+        scale = getattr(self, "background_odds_scale_", 1.0)  # older saved files: 1, 0
+        shift = getattr(self, "background_odds_shift_", 0.0)
+        p_open = open_posterior(class_ll, background_ll, self.open_prior, scale, shift)[..., -1]
         return attach_open(proba, p_open.to(proba))
 
 
