@@ -16,7 +16,15 @@ METHOD_TABLE: dict[str, dict] = {
         "tunable": False,
     },
     "soft-kmeans": {
-        "params": ("temperature", "n_iter", "center", "open_prior", "open_scale", "open_frame"),
+        "params": (
+            "temperature",
+            "n_iter",
+            "center",
+            "open_prior",
+            "open_scale",
+            "open_shift",
+            "open_frame",
+        ),
         "presets": (),
         "tunable": True,
     },
@@ -41,6 +49,7 @@ METHOD_TABLE: dict[str, dict] = {
             "open_prior",
             "n_free",
             "open_scale",
+            "open_shift",
             "open_frame",
         ),
         "presets": (
@@ -93,6 +102,7 @@ METHOD_TABLE: dict[str, dict] = {
             "open_model",
             "background_weight",
             "open_scale",
+            "open_shift",
             "open_frame",
         ),
         "presets": (),

@@ -104,10 +104,11 @@ def test_bavardage_open_contrast_is_the_readings(omniglot, episodes, frame):
 
 @pytest.mark.parametrize("frame", FRAMES)
 @pytest.mark.parametrize("method", ["soft-kmeans", "vmp-gmm", "bavardage", "bavardage-gamma"])
-def test_default_open_scale_is_the_held_out_one(omniglot, episodes, method, frame):
-    """Without ``open_scale`` the last column's log-odds are scaled by the a that held-out
-    base classes give the contrast in the estimator's frame; the known classes keep their
-    ratios (``temper_open``)."""
+def test_default_open_calibration_is_the_held_out_one(omniglot, episodes, method, frame):
+    """Without ``open_scale`` the last column's log-odds are scaled by the a and moved by
+    the b that held-out base classes give the contrast in the estimator's frame; the known
+    classes keep their ratios (``temper_open``). A given ``open_scale`` takes no b unless
+    ``open_shift`` is given too."""
     from probfsl.inference.vb_mixture_open import temper_open
 
     params = {"open_frame": frame}
@@ -115,13 +116,24 @@ def test_default_open_scale_is_the_held_out_one(omniglot, episodes, method, fram
         params["open_scale"] = None
     est = build_estimator(method, **params).fit_featureset(omniglot, torch.float64)
     got = est.predict_proba_open(episodes)
-    a = est.background_query_odds_scale_ if frame == "queries" else est.background_odds_scale_
-    assert a != 1.0
+    prefix = "background_query_" if frame == "queries" else "background_"
+    a, b = getattr(est, prefix + "odds_scale_"), getattr(est, prefix + "odds_shift_")
+    assert a != 1.0 and b != 0.0
+    assert est.open_calibration() == (a, b)
     if method == "bavardage-gamma":
         est.open_scale = 1.0  # the class attribute, as inferred
     else:
         est.set_params(open_scale=1.0)
-    torch.testing.assert_close(got, temper_open(est.predict_proba_open(episodes), a))
+    assert est.open_calibration() == (1.0, 0.0)
+    inferred = est.predict_proba_open(episodes)
+    torch.testing.assert_close(got, temper_open(inferred, a, b))
+    if method != "bavardage-gamma":
+        est.set_params(open_scale=0.5, open_shift=-0.25)
+        torch.testing.assert_close(
+            est.predict_proba_open(episodes), temper_open(inferred, 0.5, -0.25)
+        )
+        est.set_params(open_scale=None)  # the held-out scale with the shift given
+        assert est.open_calibration() == (a, -0.25)
 
 
 @pytest.mark.parametrize("frame", FRAMES)

@@ -290,65 +290,83 @@ def test_tune_with_open_queries(omniglot):
 
 
 # ------------------------------------------------------------------ P(open)'s temperature
-def test_temper_open_scales_the_log_odds_and_keeps_the_known_ratios():
+def test_temper_open_scales_and_shifts_the_log_odds_and_keeps_the_known_ratios():
     from probfsl.inference.vb_mixture_open import temper_open
 
     gen = torch.Generator().manual_seed(3)
     proba = torch.softmax(torch.randn(2, 7, WAY + 1, generator=gen, dtype=torch.float64), -1)
     assert temper_open(proba, 1.0) is proba
-    out = temper_open(proba, 0.3)
-    torch.testing.assert_close(out.sum(-1), torch.ones_like(out[..., 0]))
+    assert temper_open(proba, 1.0, 0.0) is proba
     logit = torch.logit(proba[..., -1])
-    torch.testing.assert_close(torch.logit(out[..., -1]), 0.3 * logit)
     ratios = proba[..., :-1] / proba[..., :-1].sum(-1, keepdim=True)
-    torch.testing.assert_close(out[..., :-1] / out[..., :-1].sum(-1, keepdim=True), ratios)
-    assert torch.equal(out[..., -1].argsort(-1), proba[..., -1].argsort(-1))
+    for scale, shift in ((0.3, 0.0), (1.0, 0.7), (0.3, -1.2)):
+        out = temper_open(proba, scale, shift)
+        torch.testing.assert_close(out.sum(-1), torch.ones_like(out[..., 0]))
+        torch.testing.assert_close(torch.logit(out[..., -1]), scale * logit + shift)
+        torch.testing.assert_close(out[..., :-1] / out[..., :-1].sum(-1, keepdim=True), ratios)
+        assert torch.equal(out[..., -1].argsort(-1), proba[..., -1].argsort(-1))
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="positive"):
             temper_open(proba, bad)
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="finite"):
+            temper_open(proba, 1.0, bad)
 
 
-def test_fit_open_scale_recovers_the_scale_of_the_labels():
-    """Labels drawn with P(open) = σ(a0 l) for log-odds l: the Brier score (a proper
-    score) of σ(a logit p) with p = σ(l) is least near a = a0."""
-    from probfsl.tuning import fit_open_scale
+def test_fit_open_calibration_recovers_the_scale_and_shift_of_the_labels():
+    """Labels drawn with P(open) = σ(a0 l + b0) for log-odds l: the Brier score (a proper
+    score) of σ(a logit p + b) with p = σ(l) is least near (a0, b0); a value given is
+    held."""
+    from probfsl.tuning import SHIFT_GRID, fit_open_calibration
 
     gen = torch.Generator().manual_seed(0)
     logit = 4 * torch.randn(200, 500, generator=gen, dtype=torch.float64)
-    is_open = torch.rand(logit.shape, generator=gen, dtype=torch.float64) < torch.sigmoid(
-        0.25 * logit
-    )
-    assert fit_open_scale(torch.sigmoid(logit), is_open) == pytest.approx(0.25, rel=0.15)
+    for b0 in (0.0, 0.8, -1.5):
+        is_open = torch.rand(logit.shape, generator=gen, dtype=torch.float64) < torch.sigmoid(
+            0.25 * logit + b0
+        )
+        scale, shift = fit_open_calibration(torch.sigmoid(logit), is_open)
+        assert scale == pytest.approx(0.25, rel=0.15)
+        assert shift in SHIFT_GRID and abs(shift - b0) <= 0.15, (b0, shift)
+    # with the scale held at a wrong value the shift is fitted for it, and the other way
+    assert fit_open_calibration(torch.sigmoid(logit), is_open, scale=1.0)[0] == 1.0
+    assert fit_open_calibration(torch.sigmoid(logit), is_open, shift=0.0)[1] == 0.0
+    assert fit_open_calibration(torch.sigmoid(logit), is_open, 0.5, 0.1) == (0.5, 0.1)
     with pytest.raises(ValueError, match="is_open"):
-        fit_open_scale(torch.sigmoid(logit), is_open[:1])
+        fit_open_calibration(torch.sigmoid(logit), is_open[:1])
 
 
-def test_auto_preset_with_open_queries_learns_open_scale(omniglot, monkeypatch):
+def test_auto_preset_with_open_queries_learns_the_calibration_of_p_open(omniglot, monkeypatch):
     """preset auto for an open-set run: the search on base episodes with open queries
-    says so, and the choice carries the scale of P(open) learnt there."""
+    says so, and the choice carries the scale and shift of P(open) learnt there; a value
+    given is kept."""
     from probfsl.inference.open_temperature import GRID
-    from probfsl.tuning import SEARCH_SPACES, auto_preset
+    from probfsl.tuning import SEARCH_SPACES, SHIFT_GRID, auto_preset
 
     monkeypatch.setitem(SEARCH_SPACES, "soft-kmeans", {"temperature": [10.0]})  # one fit
     choice = auto_preset(
         "soft-kmeans", omniglot, WAY, 1, 9, n_episodes=20, open_queries=9, cache=False
     )
-    assert "open queries" in choice.note
+    assert "open queries" in choice.note and "open_shift" in choice.note
     assert all("auroc" in row for row in choice.result.trace)
     assert choice.method is None  # soft k-means runs (not nearest centroid)
     assert choice.params["open_scale"] in GRID
-    fixed = auto_preset(
-        "soft-kmeans",
-        omniglot,
-        WAY,
-        1,
-        9,
-        n_episodes=20,
-        fixed={"open_scale": 1.0},
-        open_queries=9,
-        cache=False,
-    )
-    assert fixed.params["open_scale"] == 1.0
+    assert choice.params["open_shift"] in SHIFT_GRID
+    for given in ({"open_scale": 1.0}, {"open_scale": 1.0, "open_shift": 0.0}):
+        fixed = auto_preset(
+            "soft-kmeans",
+            omniglot,
+            WAY,
+            1,
+            9,
+            n_episodes=20,
+            fixed=given,
+            open_queries=9,
+            cache=False,
+        )
+        assert fixed.params["open_scale"] == 1.0
+        assert fixed.params["open_shift"] in SHIFT_GRID
+        assert all(fixed.params[k] == v for k, v in given.items())
 
 
 def test_cli_tune_with_open_queries(capsys, monkeypatch):

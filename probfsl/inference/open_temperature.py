@@ -39,8 +39,10 @@ loss with a held (Platt's intercept, "Probabilistic Outputs for Support Vector M
 whole, so that P(open) is too low or too high on average whatever its scale, and b takes
 that out. It is fitted on episodes with as many open queries as closed, with their open
 fraction as the prior, so it is a correction of the densities, not of π_0 (``open_prior``
-still sets the latter). The transductive methods infer π_0 per task, which absorbs such a
-shift, and do not use b.
+still sets the latter). The transductive methods infer π_0 per task, but a bias of the
+contrast of tens of nats (a small a) is beyond what π_0 can take up, so their last reading
+takes the scale and shift of their frame too
+(:meth:`~probfsl.models.base.OpenSetBackground.open_calibration`).
 """
 
 from __future__ import annotations

@@ -96,29 +96,31 @@ __all__ = ["BavardageOpenVB", "OpenBackground", "OpenVBMixtureState", "temper_op
 OPEN_FRAMES = ("queries", "base")
 
 
-def temper_open(proba: torch.Tensor, scale: float) -> torch.Tensor:
+def temper_open(proba: torch.Tensor, scale: float, shift: float = 0.0) -> torch.Tensor:
     """``proba`` [..., K + 1] (P(none of the K classes) last) with the log-odds of the last
     column multiplied by ``scale`` a (a temperature 1 / a, Guo et al., "On Calibration of
-    Modern Neural Networks", ICML 2017):
+    Modern Neural Networks", ICML 2017) and moved by ``shift`` b (Platt's intercept,
+    "Probabilistic Outputs for Support Vector Machines", 1999):
 
-        P'(open) = σ(a (ln P(open) - ln(1 - P(open)))),
+        P'(open) = σ(a (ln P(open) - ln(1 - P(open))) + b),
         P'(k) = (1 - P'(open)) P(k) / Σ_j P(j),
 
     so the known columns keep their ratios (their argmax) and the order of the queries by
-    P(open) is unchanged (the AUROC); ``scale`` = 1 returns ``proba``. A query whose
-    known columns are all zero keeps them so."""
+    P(open) is unchanged (the AUROC); a = 1, b = 0 returns ``proba``. A query whose known
+    columns are all zero keeps them so."""
     if not scale > 0:
         raise ValueError(f"scale must be positive, got {scale!r}")
-    if scale == 1:
+    if not math.isfinite(shift):
+        raise ValueError(f"shift must be finite, got {shift!r}")
+    if scale == 1 and shift == 0:
         return proba
     tiny = torch.finfo(proba.dtype).tiny
     p_open = proba[..., -1]
     known = proba[..., :-1]
     closed = known.sum(-1)
-    logit = p_open.clamp_min(tiny).log() - closed.clamp_min(tiny).log()
-    new_open = torch.sigmoid(scale * logit)
-    ratio = (torch.sigmoid(-scale * logit) / closed.clamp_min(tiny)).unsqueeze(-1)
-    return torch.cat([known * ratio, new_open.unsqueeze(-1)], -1)
+    logit = scale * (p_open.clamp_min(tiny).log() - closed.clamp_min(tiny).log()) + shift
+    ratio = (torch.sigmoid(-logit) / closed.clamp_min(tiny)).unsqueeze(-1)
+    return torch.cat([known * ratio, torch.sigmoid(logit).unsqueeze(-1)], -1)
 
 
 @dataclass

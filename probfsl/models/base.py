@@ -98,7 +98,7 @@ BASE_MEAN = Group("fit_base", {"base_mean_": Tensor("D", bound=FEATURE_BOUND)})
 #: (:func:`probfsl.inference.open_temperature.select_open_reading`), the isotropic blends
 #: of the two covariances ``background_within_mix_`` and ``background_between_mix_`` and
 #: the scale and shift of the inductive open log-odds ``background_odds_scale_`` and
-#: ``background_odds_shift_``, and the blends and scale for the transductive reading in the
+#: ``background_odds_shift_``, and the same four for the transductive reading in the
 #: queries' frame (``background_query_*``); all but the first three are absent from files
 #: saved before they were chosen (read as 0, 0, 1 and a shift of 0)
 BACKGROUND = Group(
@@ -115,6 +115,7 @@ BACKGROUND = Group(
         "background_query_within_mix_": Real(low=0.0, high=1.0),
         "background_query_between_mix_": Real(low=0.0, high=1.0),
         "background_query_odds_scale_": Real(positive=True),
+        "background_query_odds_shift_": Real(),
     },
     optional=frozenset(
         {
@@ -126,6 +127,7 @@ BACKGROUND = Group(
             "background_query_within_mix_",
             "background_query_between_mix_",
             "background_query_odds_scale_",
+            "background_query_odds_shift_",
         }
     ),
 )
@@ -649,6 +651,7 @@ class OpenSetBackground:
         "background_query_within_mix_",
         "background_query_between_mix_",
         "background_query_odds_scale_",
+        "background_query_odds_shift_",
     )
 
     def fit_background(self, features: torch.Tensor, labels: torch.Tensor) -> None:
@@ -693,6 +696,7 @@ class OpenSetBackground:
         self.background_query_within_mix_ = query.within_mix
         self.background_query_between_mix_ = query.between_mix
         self.background_query_odds_scale_ = query.odds_scale
+        self.background_query_odds_shift_ = query.odds_shift
 
     def fitted_state(self) -> dict[str, Any]:
         """The fitted attributes, the held-out choices made first (:meth:`fit_background`)."""
@@ -766,25 +770,35 @@ class OpenSetBackground:
 
     def tempered_open(self, proba: torch.Tensor) -> torch.Tensor:
         """A transductive method's ``[T, Q, K+1]`` with the last column's log-odds scaled
-        by a (:func:`~probfsl.inference.vb_mixture_open.temper_open`): ``open_scale``
-        where it is given, else (``None``, the default) the scale that held-out base
-        classes give the contrast's log-odds in the estimator's ``open_frame``
-        (``background_odds_scale_`` or ``background_query_odds_scale_``, chosen by
-        :meth:`fit_background`; a temperature, Guo et al., ICML 2017). The order of the
-        queries and the known-class argmax are unchanged."""
+        by a and moved by b (:func:`~probfsl.inference.vb_mixture_open.temper_open`; a
+        temperature, Guo et al., ICML 2017, and Platt's intercept, 1999), those of
+        :meth:`open_calibration`. The order of the queries and the known-class argmax are
+        unchanged."""
         from probfsl.inference.vb_mixture_open import temper_open
 
-        return temper_open(proba, self.open_odds_scale())
+        return temper_open(proba, *self.open_calibration())
 
-    def open_odds_scale(self) -> float:
-        """The a of :meth:`tempered_open`."""
+    def open_calibration(self) -> tuple[float, float]:
+        """(a, b) of :meth:`tempered_open`: ``open_scale`` and ``open_shift`` where
+        ``open_scale`` is given (b = 0 where ``open_shift`` is not); else (``None``, the
+        default) the scale and shift that held-out base classes give the contrast's
+        log-odds in the estimator's ``open_frame`` (``background_odds_scale_`` and
+        ``background_odds_shift_``, or their ``background_query_*`` counterparts, chosen
+        by :meth:`fit_background`), b replaced by ``open_shift`` where that is given."""
         given = getattr(self, "open_scale", None)
+        shift = getattr(self, "open_shift", None)
         if given is not None:
-            return float(given)
+            return float(given), 0.0 if shift is None else float(shift)
         self._choose_background()
-        queries = getattr(self, "open_frame", "base") == "queries"
-        name = "background_query_odds_scale_" if queries else "background_odds_scale_"
-        return float(getattr(self, name, 1.0))  # files saved before the choices: 1
+        prefix = (
+            "background_query_"
+            if getattr(self, "open_frame", "base") == "queries"
+            else ("background_")
+        )
+        scale = getattr(self, prefix + "odds_scale_", 1.0)  # older saved files: 1, 0
+        if shift is None:
+            shift = getattr(self, prefix + "odds_shift_", 0.0)
+        return float(scale), float(shift)
 
     def inductive_open(
         self, episodes: Episodes, proba: torch.Tensor, support: torch.Tensor, query: torch.Tensor

@@ -241,12 +241,16 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
             with open queries at 1 and 5 shots on WordNet and at 1 shot on Omniglot;
             ``preset="auto"`` tries 0 and 3 (docs/methods/open-set.md).
         open_scale: a, the scale of the log-odds of the last column of
-            :meth:`predict_proba_open`, P'(open) = σ(a logit P(open)) (a temperature 1 / a,
-            :func:`~probfsl.inference.vb_mixture_open.temper_open`; ``preset="auto"``
-            learns it on base-class episodes with open queries); 1 leaves it as inferred;
-            ``None`` (the default): the scale held-out base classes give the contrast's
-            log-odds in ``open_frame``
-            (:meth:`~probfsl.models.base.OpenSetBackground.tempered_open`).
+            :meth:`predict_proba_open`, P'(open) = σ(a logit P(open) + b) (a temperature
+            1 / a, :func:`~probfsl.inference.vb_mixture_open.temper_open`;
+            ``preset="auto"`` learns it on base-class episodes with open queries); 1 (and
+            b = 0) leaves it as inferred; ``None`` (the default): the scale held-out base
+            classes give the contrast's log-odds in ``open_frame``
+            (:meth:`~probfsl.models.base.OpenSetBackground.open_calibration`).
+        open_shift: b of ``open_scale``'s formula (Platt's intercept; ``preset="auto"``
+            learns it with a); ``None`` (the default): the shift held-out base classes
+            give the contrast's log-odds in ``open_frame`` where ``open_scale`` is ``None``
+            too, else 0.
         open_frame: the frame of the open contrast of :meth:`predict_proba_open`:
             ``"queries"`` (the task re-centred on its queries' mean and normalised again,
             and, after the iterations, the background's mean inferred from the queries
@@ -308,6 +312,7 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
             "open_prior": OPEN_PRIOR,
             "n_free": Int(low=0),
             "open_scale": Real(positive=True, optional=True),
+            "open_shift": Real(optional=True),
             "open_frame": Choice(OPEN_FRAMES),
         },
         fitted=(BASE_STATISTICS, BACKGROUND),
@@ -334,6 +339,7 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         open_prior: float = 0.5,
         n_free: int = 0,
         open_scale: float | None = None,
+        open_shift: float | None = None,
         open_frame: str = "base",
     ) -> None:
         self.temperature_km = temperature_km
@@ -355,6 +361,7 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         self.open_prior = open_prior
         self.n_free = n_free
         self.open_scale = open_scale
+        self.open_shift = open_shift
         self.open_frame = open_frame
 
     @classmethod

@@ -210,10 +210,18 @@ class BavardageGamma(Bavardage):
     count_support = False
     trace_elbo = True
     n_free = 0  # the open-set model here has the background component alone
-    open_scale = None  # its P(open) scaled as held-out base classes ask (tempered_open)
+    open_scale = open_shift = None  # P(open) calibrated as held-out base classes ask
     #: Bavardage's declaration without the hyperparameters fixed here, with ``a0``
     schema = Bavardage.schema.derive(
-        drop=("count_support", "mode", "trace_elbo", "engine", "n_free", "open_scale"),
+        drop=(
+            "count_support",
+            "mode",
+            "trace_elbo",
+            "engine",
+            "n_free",
+            "open_scale",
+            "open_shift",
+        ),
         params={"a0": Real(positive=True)},
     )
 

@@ -29,12 +29,16 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
         center: centre the features on the base-class mean first (needs ``fit_base``).
         open_prior: prior mean of the open fraction π_0 (:meth:`predict_proba_open`).
         open_scale: a, the scale of the log-odds of the last column of
-            :meth:`predict_proba_open`, P'(open) = σ(a logit P(open)) (a temperature 1 / a,
-            :func:`~probfsl.inference.vb_mixture_open.temper_open`; ``preset="auto"``
-            learns it on base-class episodes with open queries); 1 leaves it as inferred;
-            ``None`` (the default): the scale held-out base classes give the contrast's
-            log-odds in ``open_frame``
-            (:meth:`~probfsl.models.base.OpenSetBackground.tempered_open`).
+            :meth:`predict_proba_open`, P'(open) = σ(a logit P(open) + b) (a temperature
+            1 / a, :func:`~probfsl.inference.vb_mixture_open.temper_open`;
+            ``preset="auto"`` learns it on base-class episodes with open queries); 1 (and
+            b = 0) leaves it as inferred; ``None`` (the default): the scale held-out base
+            classes give the contrast's log-odds in ``open_frame``
+            (:meth:`~probfsl.models.base.OpenSetBackground.open_calibration`).
+        open_shift: b of ``open_scale``'s formula (Platt's intercept; ``preset="auto"``
+            learns it with a); ``None`` (the default): the shift held-out base classes
+            give the contrast's log-odds in ``open_frame`` where ``open_scale`` is ``None``
+            too, else 0.
         open_frame: the frame of the open contrast of :meth:`predict_proba_open`:
             ``"queries"`` (the task re-centred on its queries' mean and normalised again,
             and, after the passes, the background's mean inferred from the queries for
@@ -65,6 +69,7 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
             "center": Flag(),
             "open_prior": OPEN_PRIOR,
             "open_scale": Real(positive=True, optional=True),
+            "open_shift": Real(optional=True),
             "open_frame": Choice(OPEN_FRAMES),
         },
         fitted=(BASE_MEAN, BACKGROUND),
@@ -77,6 +82,7 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
         center: bool = True,
         open_prior: float = 0.5,
         open_scale: float | None = None,
+        open_shift: float | None = None,
         open_frame: str = "queries",
     ) -> None:
         self.temperature = temperature
@@ -84,6 +90,7 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
         self.center = center
         self.open_prior = open_prior
         self.open_scale = open_scale
+        self.open_shift = open_shift
         self.open_frame = open_frame
 
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:

@@ -204,12 +204,16 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
         background_weight: pseudo-observations of the declared background's prior
             (:meth:`background_prior`).
         open_scale: a, the scale of the log-odds of the last column of
-            :meth:`predict_proba_open`, P'(open) = σ(a logit P(open)) (a temperature 1 / a,
-            :func:`~probfsl.inference.vb_mixture_open.temper_open`; ``preset="auto"``
-            learns it on base-class episodes with open queries); 1 leaves it as inferred;
-            ``None`` (the default): the scale held-out base classes give the contrast's
-            log-odds in ``open_frame``
-            (:meth:`~probfsl.models.base.OpenSetBackground.tempered_open`).
+            :meth:`predict_proba_open`, P'(open) = σ(a logit P(open) + b) (a temperature
+            1 / a, :func:`~probfsl.inference.vb_mixture_open.temper_open`;
+            ``preset="auto"`` learns it on base-class episodes with open queries); 1 (and
+            b = 0) leaves it as inferred; ``None`` (the default): the scale held-out base
+            classes give the contrast's log-odds in ``open_frame``
+            (:meth:`~probfsl.models.base.OpenSetBackground.open_calibration`).
+        open_shift: b of ``open_scale``'s formula (Platt's intercept; ``preset="auto"``
+            learns it with a); ``None`` (the default): the shift held-out base classes
+            give the contrast's log-odds in ``open_frame`` where ``open_scale`` is ``None``
+            too, else 0.
         open_frame: the frame of the open contrast of :meth:`predict_proba_open`:
             ``"queries"`` (the task re-centred on its queries' mean and normalised again,
             and, after the iterations, the background's mean inferred from the queries
@@ -239,6 +243,7 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
             "open_model": Choice(("nested", "declared")),
             "background_weight": Real(positive=True),
             "open_scale": Real(positive=True, optional=True),
+            "open_shift": Real(optional=True),
             "open_frame": Choice(OPEN_FRAMES),
         },
         # the base mean [D] and the average within-class variance of each normalised
@@ -270,6 +275,7 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
         open_model: str = "nested",
         background_weight: float = 10.0,
         open_scale: float | None = None,
+        open_shift: float | None = None,
         open_frame: str = "queries",
     ) -> None:
         self.alpha0, self.beta0, self.a0 = alpha0, beta0, a0
@@ -279,6 +285,7 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
         self.open_prior, self.open_model = open_prior, open_model
         self.background_weight = background_weight
         self.open_scale = open_scale
+        self.open_shift = open_shift
         self.open_frame = open_frame
 
     def fit_base(self, features: Any, labels: Any) -> Self:
