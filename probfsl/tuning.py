@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -116,13 +115,14 @@ SEARCH_SPACES: dict[str, dict[str, list]] = {
 
 #: hyperparameters of the open-set posterior alone, tried at the best candidate of a
 #: search on base episodes with open queries (:func:`tune` with ``open_queries``; a value
-#: given in ``fixed`` is kept): the free components of BAVARDAGE's open mixture (none,
-#: its default, or 3); the frame of the background contrast of the BAVARDAGE mixtures
-#: (the base mean, their default, or the task's queries); and the VMP sweeps of vmp-gmm's
-#: nested open model after its soft k-means start, where open queries the contrast leaves
-#: "closed" pull the class factors a little more with every sweep
+#: given in ``fixed`` is kept): the frame of the background contrast of the BAVARDAGE
+#: mixtures (the base mean, their default, or the task's queries); and the VMP sweeps of
+#: vmp-gmm's nested open model after its soft k-means start, where open queries the
+#: contrast leaves "closed" pull the class factors a little more with every sweep.
+#: BAVARDAGE's free components (``n_free``) are not tried: the mass they take of closed
+#: queries enters P(open), whose calibration then fails (docs/methods/open-set.md)
 OPEN_SEARCH_SPACES: dict[str, dict[str, list]] = {
-    "bavardage": {"n_free": [0, 3], "open_frame": ["base", "queries"]},
+    "bavardage": {"open_frame": ["base", "queries"]},
     "bavardage-gamma": {"open_frame": ["base", "queries"]},
     "vmp-gmm": {"max_iter": [1, 30]},
 }
@@ -813,10 +813,9 @@ def auto_preset(
     screen, the reference and nearest centroid held against it) get that many open
     queries from other base classes of the half that plays the novel classes, and the
     candidates are scored by ``predict_proba_open`` on the accuracy of the known-class
-    queries (:func:`tune`); the chosen one's ``open_scale`` and ``open_shift``, where the
-    method has them, are learnt on the same episodes (:func:`fit_open_calibration`). Where
-    the base classes cannot hold the open queries the search runs on closed episodes and
-    ``note`` says so.
+    queries (:func:`tune`); the chosen one's ``open_scale``, where the method has one, is
+    learnt on the same episodes (:func:`fit_open_scale`). Where the base classes cannot
+    hold the open queries the search runs on closed episodes and ``note`` says so.
     """
     _checked(method, None, criterion)  # ValueError for a method without a search space
     n_episodes = search_episodes(method, n_episodes)
@@ -866,8 +865,8 @@ def auto_preset(
         # have changed within a version: a choice made under others is not reused)
         defaults = make_estimator(method).get_params()
         settings["defaults"] = {k: v for k, v in defaults.items() if k not in fixed}
-        # fit_open_calibration on the chosen candidate
-        settings["open_scale"] = "brier, scale and shift"
+        # fit_open_scale on the chosen candidate, the held-out bias taken out
+        settings["open_scale"] = "brier, held-out bias"
         settings["open_rank"] = "accuracy"  # of the known-class queries alone
         # the frames of the open contrast that open_scale may be learnt with: searched, or
         # the given one, or the method's own
@@ -1062,45 +1061,38 @@ def _auto_preset(
     if below is not None:
         notes.append(below)
         choice.params, choice.preset, choice.method = {}, None, BASELINE
-    calibration = {"open_scale", "open_shift"}
-    if n_open and choice.method is None and not calibration <= fixed.keys():
-        if calibration <= make_estimator(method).get_params().keys():
-            # P(open) as inferred (a = 1, b = 0), whose scale and shift the open/closed
-            # labels then choose (a value given with --param is kept)
+    if n_open and choice.method is None and "open_scale" not in fixed:
+        if {"open_scale", "open_shift"} <= make_estimator(method).get_params().keys():
+            # P(open) as inferred (a = 1, b = 0), whose scale the open/closed labels then
+            # choose, applied to its log-odds with the held-out base classes' bias taken
+            # out (or with the open_shift given)
             params = {**choice.params, "open_scale": 1.0, "open_shift": 0.0}
             model = make_estimator(method, choice.preset, **params)
             model.fit_featureset(view, dtype, device)
             p_open = model.predict_proba_open(episodes)[..., -1]
-            scale, shift = fit_open_calibration(
-                p_open, episodes.open_mask, fixed.get("open_scale"), fixed.get("open_shift")
+            held_scale, held_shift = model.held_out_calibration()
+            scale = fit_open_scale(
+                p_open, episodes.open_mask, held_shift / held_scale, fixed.get("open_shift")
             )
-            choice.params = {**choice.params, "open_scale": scale, "open_shift": shift}
+            choice.params = {**choice.params, "open_scale": scale}
             notes.append(
-                f"open_scale {scale:.3g}, open_shift {shift:.3g}: the scale and shift of "
-                "P(open)'s log-odds that those episodes' open/closed labels prefer (Brier "
-                "score)"
+                f"open_scale {scale:.3g}: the scale of P(open)'s log-odds that those "
+                "episodes' open/closed labels prefer (Brier score)"
             )
     choice.note = "; ".join(notes)
     return choice
 
 
-#: the shifts b of P(open)'s log-odds tried by :func:`fit_open_calibration`
-SHIFT_GRID = tuple(round(-3 + 0.1 * i, 1) for i in range(61))
-
-
-def fit_open_calibration(
-    p_open: torch.Tensor,
-    is_open: torch.Tensor,
-    scale: float | None = None,
-    shift: float | None = None,
-) -> tuple[float, float]:
-    """The (a, b) of :data:`probfsl.inference.open_temperature.GRID` x :data:`SHIFT_GRID`
-    minimising the Brier score of σ(a logit P(open) + b) against ``is_open`` (both
-    [T, Q]): the temperature (Guo et al., ICML 2017) and intercept (Platt, 1999) of a
-    transductive method's P(open), ``open_scale`` and ``open_shift``
-    (:func:`probfsl.inference.vb_mixture_open.temper_open`), learnt on base-class
-    episodes with open queries; a ``scale`` or ``shift`` given is held. The order of the
-    queries (the AUROC) is unchanged.
+def fit_open_scale(
+    p_open: torch.Tensor, is_open: torch.Tensor, bias: float = 0.0, shift: float | None = None
+) -> float:
+    """The a of :data:`probfsl.inference.open_temperature.GRID` minimising the Brier score
+    of σ(a (logit P(open) + ``bias``)) against ``is_open`` (both [T, Q]), or of
+    σ(a logit P(open) + ``shift``) where ``shift`` is given: the temperature (Guo et al.,
+    ICML 2017) of a transductive method's P(open), ``open_scale``
+    (:meth:`probfsl.models.base.OpenSetBackground.open_calibration`, whose ``bias`` is
+    the held-out base classes' b_h / a_h), learnt on base-class episodes with open
+    queries. The order of the queries (the AUROC) is unchanged.
 
     The Brier score (mean squared error of the probability) is a proper score bounded by
     1 per query; the log loss is not, and the few open queries a mixture holds for closed
@@ -1113,17 +1105,14 @@ def fit_open_calibration(
     p = p_open.double().flatten()
     tiny = torch.finfo(torch.float64).tiny
     logit = p.clamp_min(tiny).log() - (1 - p).clamp_min(tiny).log()
+    scales = torch.tensor(GRID, dtype=logit.dtype, device=logit.device).unsqueeze(1)
+    if shift is None:
+        logits = scales * (logit + bias)
+    else:
+        logits = scales * logit + shift
     target = is_open.flatten().to(logit)
-    scales = GRID if scale is None else (scale,)
-    shifts = torch.tensor(SHIFT_GRID if shift is None else (shift,), dtype=logit.dtype)
-    best = (math.inf, 1.0, 0.0)
-    for a in scales:  # one scale at a time: [shifts, queries] at once
-        logits = a * logit.unsqueeze(0) + shifts.to(logit.device).unsqueeze(1)
-        brier = (torch.sigmoid(logits) - target).square().mean(1)
-        i = int(brier.argmin())
-        if float(brier[i]) < best[0]:
-            best = (float(brier[i]), float(a), float(shifts[i]))
-    return best[1], best[2]
+    brier = (torch.sigmoid(logits) - target).square().mean(1)
+    return float(GRID[int(brier.argmin())])
 
 
 def _way_dependent(method: str) -> bool:

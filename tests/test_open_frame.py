@@ -67,7 +67,7 @@ def test_soft_kmeans_one_pass_is_the_readings_posterior(omniglot, episodes, fram
     ln p_closed(x)), the reading's own log-odds in the chosen frame, then (queries' frame)
     read last under the background inferred from the queries."""
     est = build_estimator(
-        "soft-kmeans", n_iter=1, open_prior=0.3, open_frame=frame, open_scale=1.0
+        "soft-kmeans", n_iter=1, open_prior=0.3, open_frame=frame, open_scale=1.0, open_shift=0.0
     )  # P(open) as inferred
     est.fit_featureset(omniglot, torch.float64)
     x = center_and_normalize(episodes.points(), est.base_mean_.to(episodes.support))
@@ -91,6 +91,7 @@ def test_bavardage_open_contrast_is_the_readings(omniglot, episodes, frame):
         n_km=1,
         mode="soft_kmeans",
         open_scale=1.0,
+        open_shift=0.0,
     ).fit_featureset(omniglot, torch.float64)
     x = center_and_normalize(episodes.points(), est.base_mean_.to(episodes.support))
     odds = _reading_odds(est, x, episodes, frame)
@@ -105,25 +106,26 @@ def test_bavardage_open_contrast_is_the_readings(omniglot, episodes, frame):
 @pytest.mark.parametrize("frame", FRAMES)
 @pytest.mark.parametrize("method", ["soft-kmeans", "vmp-gmm", "bavardage", "bavardage-gamma"])
 def test_default_open_calibration_is_the_held_out_one(omniglot, episodes, method, frame):
-    """Without ``open_scale`` the last column's log-odds are scaled by the a and moved by
-    the b that held-out base classes give the contrast in the estimator's frame; the known
-    classes keep their ratios (``temper_open``). A given ``open_scale`` takes no b unless
+    """Without ``open_scale`` and ``open_shift`` the last column's log-odds are scaled by
+    the a and moved by the b that held-out base classes give the contrast in the
+    estimator's frame; the known classes keep their ratios (``temper_open``). A given
+    ``open_scale`` applies to the log-odds with the held-out bias b / a taken out, unless
     ``open_shift`` is given too."""
     from probfsl.inference.vb_mixture_open import temper_open
 
     params = {"open_frame": frame}
     if method != "bavardage-gamma":  # whose P(open) always takes the held-out scale
-        params["open_scale"] = None
+        params.update(open_scale=None, open_shift=None)
     est = build_estimator(method, **params).fit_featureset(omniglot, torch.float64)
     got = est.predict_proba_open(episodes)
     prefix = "background_query_" if frame == "queries" else "background_"
     a, b = getattr(est, prefix + "odds_scale_"), getattr(est, prefix + "odds_shift_")
     assert a != 1.0 and b != 0.0
-    assert est.open_calibration() == (a, b)
+    assert est.held_out_calibration() == est.open_calibration() == (a, b)
     if method == "bavardage-gamma":
-        est.open_scale = 1.0  # the class attribute, as inferred
+        est.open_scale, est.open_shift = 1.0, 0.0  # the class attributes, as inferred
     else:
-        est.set_params(open_scale=1.0)
+        est.set_params(open_scale=1.0, open_shift=0.0)
     assert est.open_calibration() == (1.0, 0.0)
     inferred = est.predict_proba_open(episodes)
     torch.testing.assert_close(got, temper_open(inferred, a, b))
@@ -132,7 +134,9 @@ def test_default_open_calibration_is_the_held_out_one(omniglot, episodes, method
         torch.testing.assert_close(
             est.predict_proba_open(episodes), temper_open(inferred, 0.5, -0.25)
         )
-        est.set_params(open_scale=None)  # the held-out scale with the shift given
+        est.set_params(open_shift=None)  # the held-out bias, at the scale given
+        assert est.open_calibration() == pytest.approx((0.5, 0.5 * b / a))
+        est.set_params(open_scale=None, open_shift=-0.25)
         assert est.open_calibration() == (a, -0.25)
 
 
@@ -142,7 +146,9 @@ def test_vmp_gmm_nested_one_sweep_is_one_update_of_the_open_fraction(omniglot, e
     σ(logit π_0 + log-odds), and the sweep's P(open) one update of q(π_0) from it
     (:func:`open_responsibility`) with the reading's log-odds in the chosen frame, then
     (queries' frame) one more under the background inferred from the queries."""
-    est = build_estimator("vmp-gmm", n_kmeans=1, max_iter=1, open_frame=frame, open_scale=1.0)
+    est = build_estimator(
+        "vmp-gmm", n_kmeans=1, max_iter=1, open_frame=frame, open_scale=1.0, open_shift=0.0
+    )
     est.fit_featureset(omniglot, torch.float64)
     x, _, _ = est.engine_data(episodes)
     odds = _reading_odds(est, x, episodes, frame)

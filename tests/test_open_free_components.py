@@ -3,8 +3,6 @@ VB), and the open-set search on base-class episodes."""
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
@@ -263,9 +261,9 @@ def test_tune_with_open_queries(omniglot):
         open_queries=9,
     )
     assert all("auroc" in row for row in result.trace)
-    tried = [(row["params"].get("n_free"), row["params"].get("open_frame")) for row in result.trace]
-    open_space = OPEN_SEARCH_SPACES["bavardage"]
-    assert set(itertools.product(open_space["n_free"], open_space["open_frame"])) <= set(tried)
+    tried = {row["params"].get("open_frame") for row in result.trace}
+    assert set(OPEN_SEARCH_SPACES["bavardage"]["open_frame"]) <= tried
+    assert "n_free" not in OPEN_SEARCH_SPACES["bavardage"]  # P(open) of free components
     assert result.best["whitening"] == "global"
     # a value the caller fixes is kept, not searched
     kept = tune(
@@ -277,12 +275,11 @@ def test_tune_with_open_queries(omniglot):
         n_query=9,
         n_episodes=8,
         refine=False,
-        fixed={"whitening": "global", "scale": "relative", "n_free": 5},
+        fixed={"whitening": "global", "scale": "relative", "open_frame": "queries"},
         open_queries=9,
     )
-    assert {row["params"].get("n_free") for row in kept.trace} == {None}
-    assert kept.best["n_free"] == 5
-    assert {row["params"].get("open_frame") for row in kept.trace} >= {"base", "queries"}
+    assert {row["params"].get("open_frame") for row in kept.trace} == {None}
+    assert kept.best["open_frame"] == "queries"
     with pytest.raises(ValueError, match="criterion"):
         tune("bavardage", omniglot, space, n_episodes=8, criterion="objective", open_queries=9)
     with pytest.raises(ValueError, match="open_queries"):
@@ -313,45 +310,42 @@ def test_temper_open_scales_and_shifts_the_log_odds_and_keeps_the_known_ratios()
             temper_open(proba, 1.0, bad)
 
 
-def test_fit_open_calibration_recovers_the_scale_and_shift_of_the_labels():
-    """Labels drawn with P(open) = σ(a0 l + b0) for log-odds l: the Brier score (a proper
-    score) of σ(a logit p + b) with p = σ(l) is least near (a0, b0); a value given is
-    held."""
-    from probfsl.tuning import SHIFT_GRID, fit_open_calibration
+def test_fit_open_scale_recovers_the_scale_of_the_labels():
+    """Labels drawn with P(open) = σ(a0 (l + β)) for log-odds l: the Brier score (a proper
+    score) of σ(a (logit p + β)) with p = σ(l) is least near a = a0; with a shift b given,
+    of σ(a logit p + b)."""
+    from probfsl.tuning import fit_open_scale
 
     gen = torch.Generator().manual_seed(0)
     logit = 4 * torch.randn(200, 500, generator=gen, dtype=torch.float64)
-    for b0 in (0.0, 0.8, -1.5):
+    for bias in (0.0, 3.0, -6.0):
         is_open = torch.rand(logit.shape, generator=gen, dtype=torch.float64) < torch.sigmoid(
-            0.25 * logit + b0
+            0.25 * (logit + bias)
         )
-        scale, shift = fit_open_calibration(torch.sigmoid(logit), is_open)
-        assert scale == pytest.approx(0.25, rel=0.15)
-        assert shift in SHIFT_GRID and abs(shift - b0) <= 0.15, (b0, shift)
-    # with the scale held at a wrong value the shift is fitted for it, and the other way
-    assert fit_open_calibration(torch.sigmoid(logit), is_open, scale=1.0)[0] == 1.0
-    assert fit_open_calibration(torch.sigmoid(logit), is_open, shift=0.0)[1] == 0.0
-    assert fit_open_calibration(torch.sigmoid(logit), is_open, 0.5, 0.1) == (0.5, 0.1)
+        got = fit_open_scale(torch.sigmoid(logit), is_open, bias)
+        assert got == pytest.approx(0.25, rel=0.15), bias
+        if bias:  # the bias not taken out: another scale fits the labels best
+            assert fit_open_scale(torch.sigmoid(logit), is_open) != got
+        assert fit_open_scale(torch.sigmoid(logit), is_open, shift=0.25 * bias) == got
     with pytest.raises(ValueError, match="is_open"):
-        fit_open_calibration(torch.sigmoid(logit), is_open[:1])
+        fit_open_scale(torch.sigmoid(logit), is_open[:1])
 
 
-def test_auto_preset_with_open_queries_learns_the_calibration_of_p_open(omniglot, monkeypatch):
+def test_auto_preset_with_open_queries_learns_open_scale(omniglot, monkeypatch):
     """preset auto for an open-set run: the search on base episodes with open queries
-    says so, and the choice carries the scale and shift of P(open) learnt there; a value
-    given is kept."""
+    says so, and the choice carries the scale of P(open) learnt there (its shift, a times
+    the held-out bias, is the estimator's default); a value given is kept."""
     from probfsl.inference.open_temperature import GRID
-    from probfsl.tuning import SEARCH_SPACES, SHIFT_GRID, auto_preset
+    from probfsl.tuning import SEARCH_SPACES, auto_preset
 
     monkeypatch.setitem(SEARCH_SPACES, "soft-kmeans", {"temperature": [10.0]})  # one fit
     choice = auto_preset(
         "soft-kmeans", omniglot, WAY, 1, 9, n_episodes=20, open_queries=9, cache=False
     )
-    assert "open queries" in choice.note and "open_shift" in choice.note
+    assert "open queries" in choice.note
     assert all("auroc" in row for row in choice.result.trace)
     assert choice.method is None  # soft k-means runs (not nearest centroid)
-    assert choice.params["open_scale"] in GRID
-    assert choice.params["open_shift"] in SHIFT_GRID
+    assert choice.params["open_scale"] in GRID and "open_shift" not in choice.params
     for given in ({"open_scale": 1.0}, {"open_scale": 1.0, "open_shift": 0.0}):
         fixed = auto_preset(
             "soft-kmeans",
@@ -364,9 +358,8 @@ def test_auto_preset_with_open_queries_learns_the_calibration_of_p_open(omniglot
             open_queries=9,
             cache=False,
         )
-        assert fixed.params["open_scale"] == 1.0
-        assert fixed.params["open_shift"] in SHIFT_GRID
         assert all(fixed.params[k] == v for k, v in given.items())
+        assert fixed.params.keys() <= {"temperature", *given}
 
 
 def test_cli_tune_with_open_queries(capsys, monkeypatch):

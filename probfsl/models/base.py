@@ -779,26 +779,32 @@ class OpenSetBackground:
         return temper_open(proba, *self.open_calibration())
 
     def open_calibration(self) -> tuple[float, float]:
-        """(a, b) of :meth:`tempered_open`: ``open_scale`` and ``open_shift`` where
-        ``open_scale`` is given (b = 0 where ``open_shift`` is not); else (``None``, the
-        default) the scale and shift that held-out base classes give the contrast's
-        log-odds in the estimator's ``open_frame`` (``background_odds_scale_`` and
+        """(a, b) of :meth:`tempered_open`. The held-out base classes give the contrast's
+        log-odds in the estimator's ``open_frame`` a scale a_h and a shift b_h
+        (:meth:`held_out_calibration`), so a bias of β = b_h / a_h nats; a is
+        ``open_scale``, or a_h where that is ``None`` (the default), and b is
+        ``open_shift``, or a β where that is ``None``: the scale applies to the log-odds
+        with the held-out bias taken out, σ(a (logit P(open) + β)). ``open_scale=1`` with
+        ``open_shift=0`` leaves P(open) as inferred."""
+        scale, shift = self.held_out_calibration()
+        given_scale = getattr(self, "open_scale", None)
+        given_shift = getattr(self, "open_shift", None)
+        a = scale if given_scale is None else float(given_scale)
+        b = a * shift / scale if given_shift is None else float(given_shift)
+        return a, b
+
+    def held_out_calibration(self) -> tuple[float, float]:
+        """(a_h, b_h): the scale and shift of the contrast's log-odds that held-out base
+        classes give in the estimator's ``open_frame`` (``background_odds_scale_`` and
         ``background_odds_shift_``, or their ``background_query_*`` counterparts, chosen
-        by :meth:`fit_background`), b replaced by ``open_shift`` where that is given."""
-        given = getattr(self, "open_scale", None)
-        shift = getattr(self, "open_shift", None)
-        if given is not None:
-            return float(given), 0.0 if shift is None else float(shift)
+        by :meth:`fit_background`; 1 and 0 for files saved before them)."""
         self._choose_background()
-        prefix = (
-            "background_query_"
-            if getattr(self, "open_frame", "base") == "queries"
-            else ("background_")
+        queries = getattr(self, "open_frame", "base") == "queries"
+        prefix = "background_query_" if queries else "background_"
+        return (
+            float(getattr(self, prefix + "odds_scale_", 1.0)),
+            float(getattr(self, prefix + "odds_shift_", 0.0)),
         )
-        scale = getattr(self, prefix + "odds_scale_", 1.0)  # older saved files: 1, 0
-        if shift is None:
-            shift = getattr(self, prefix + "odds_shift_", 0.0)
-        return float(scale), float(shift)
 
     def inductive_open(
         self, episodes: Episodes, proba: torch.Tensor, support: torch.Tensor, query: torch.Tensor
