@@ -330,6 +330,7 @@ def select_open_readings(
             raise ValueError(f"mix_grid must lie in [0, 1], got {mix_grid}")
     episodes = _held_out_episodes(features, labels, shrinkage, 0, tasks)
     best, bases, framed = [OpenReading(0.0, 0.0, 1.0, math.inf) for _ in frames], {}, {}
+    best_odds: list[tuple[torch.Tensor, torch.Tensor] | None] = [None for _ in frames]
     for within_mix in mix_grid:
         for between_mix in mix_grid:
             read = _open_log_odds(episodes, within_mix, between_mix, frames, bases, framed)
@@ -337,12 +338,10 @@ def select_open_readings(
                 scale, loss = scale_and_log_loss(odds, is_open)
                 if loss < best[i].log_loss:
                     best[i] = OpenReading(within_mix, between_mix, scale, loss)
-    for i, frame in enumerate(frames):
-        if math.isfinite(best[i].log_loss):
-            [(odds, is_open)] = _open_log_odds(
-                episodes, best[i].within_mix, best[i].between_mix, (frame,), bases, framed
-            )
-            best[i] = best[i]._replace(odds_shift=fit_shift(odds, is_open, best[i].odds_scale))
+                    best_odds[i] = (odds, is_open)
+    for i, kept in enumerate(best_odds):
+        if kept is not None:
+            best[i] = best[i]._replace(odds_shift=fit_shift(*kept, best[i].odds_scale))
     return best
 
 

@@ -28,17 +28,10 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
         n_iter: number of passes (5 in the reference code; a positive integer).
         center: centre the features on the base-class mean first (needs ``fit_base``).
         open_prior: prior mean of the open fraction π_0 (:meth:`predict_proba_open`).
-        open_scale: a, the scale of the log-odds of the last column of
-            :meth:`predict_proba_open`, P'(open) = σ(a logit P(open) + b) (a temperature
-            1 / a, :func:`~probfsl.inference.vb_mixture_open.temper_open`;
-            ``preset="auto"`` learns it on base-class episodes with open queries);
-            ``None`` (the default): the scale held-out base classes give the contrast's
-            log-odds in ``open_frame``
+        open_scale, open_shift: a and b of P'(open) = σ(a logit P(open) + b), the
+            calibration of :meth:`predict_proba_open`'s last column (``preset="auto"``
+            learns a); ``None`` (the defaults): as held-out base classes ask
             (:meth:`~probfsl.models.base.OpenSetBackground.open_calibration`).
-        open_shift: b of ``open_scale``'s formula (Platt's intercept); ``None`` (the
-            default): a times the bias of the contrast's log-odds that held-out base
-            classes give in ``open_frame``. ``open_scale=1, open_shift=0`` leaves P(open)
-            as inferred.
         open_frame: the frame of the open contrast of :meth:`predict_proba_open`:
             ``"queries"`` (the task re-centred on its queries' mean and normalised again,
             and, after the passes, the background's mean inferred from the queries for
