@@ -345,7 +345,8 @@ def build_parser(parser_class: type[_Parser] = _Parser) -> argparse.ArgumentPars
         metavar="PATH",
         help="explicit task file (.npz of row indices) instead of sampling; it sets way, "
         "shot and queries, is checked once before the run (with progress) and is made "
-        "into tasks a batch at a time",
+        "into tasks a batch at a time; one with an 'open_classes' field holds open-set "
+        "tasks (queries labelled `way` are open) and is scored as --open-queries is",
     )
     run.add_argument(
         "--preset",

@@ -252,10 +252,15 @@ class RunSpec:
                 "posterior (use --calibrate none)"
             )
         if self.open_queries and self.task_file is not None:
-            raise ValueError(
-                "--open-queries draws open-set tasks; it does not apply to --task-file "
-                "(task files hold closed tasks)"
-            )
+            raise ValueError(OPEN_QUERIES_WITH_FILE)
+
+
+#: why ``--open-queries`` and ``--task-file`` do not go together
+OPEN_QUERIES_WITH_FILE = (
+    "--open-queries draws open-set tasks; it does not apply to --task-file: a task file "
+    "fixes its tasks, and open-set ones carry their open queries (labelled `way`) and their "
+    "open classes (an 'open_classes' field)"
+)
 
 
 def _count(name: str, value: Any, low: int | None) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -28,6 +29,8 @@ from probfsl.data import (
     sample_task_indices,
     sample_zero_shot_tasks,
 )
+from probfsl.data.episodes import Episodes
+from probfsl.data.open_set import default_open_way
 from probfsl.data.simplex import zero_shot_probabilities
 from probfsl.data.task_files import TaskFile
 from probfsl.evaluation import text_table
@@ -40,7 +43,7 @@ from probfsl.evaluation.protocol import evaluate_stream
 from probfsl.evaluation.zero_shot import evaluate_argmax, evaluate_zero_shot
 from probfsl.methods import DEFAULTS, method_info
 from probfsl.models.base import MIN_BACKGROUND_CLASSES, shared_backgrounds
-from probfsl.run_spec import RunSpec
+from probfsl.run_spec import OPEN_QUERIES_WITH_FILE, RunSpec
 from probfsl.temperature import TemperatureScaled
 from probfsl.tuning import (
     BASELINE,
@@ -122,8 +125,9 @@ def run(spec: RunSpec, *, progress: bool = True) -> dict:
     fs = load_data(spec)
     way, shot, query = spec.way, spec.shot, spec.query
     if task_file is not None:  # one pass over its values (shown), then the tasks' shape
-        task_file.check(len(fs.labels), progress=progress)
+        task_file.check(len(fs.labels), progress=progress, labels=fs.labels)
         way, shot, query = task_file.shape
+        open_queries, query = _split_file_queries(task_file, query)
     check_tasks_possible(spec, fs)  # before any search on the base classes
     _check_batch_memory(
         fs, dtype, way, shot, query, open_queries, batch_size, spec.tasks, spec.zero_shot
@@ -201,7 +205,7 @@ def run(spec: RunSpec, *, progress: bool = True) -> dict:
             preset=run_preset,
             params=params,
             calibrate=calibrate,
-            open_queries=open_queries,
+            open_queries=spec.open_queries,  # a task file's own are read from it
         )
     if preset == "auto":
         row["method"] = spec.method
@@ -285,14 +289,28 @@ def check_tasks_possible(spec: RunSpec, fs: FeatureSet) -> None:
                 sample_task_indices(*setting, n_open=n_open)
             except ValueError as err:
                 raise ValueError(f"--open-queries {n_open}: {err}") from None
-            n_base = fs.classes_in("base").size
-            if n_base < MIN_BACKGROUND_CLASSES:
-                raise ValueError(
-                    f"--open-queries {n_open}: P(none of these classes) weighs each query "
-                    "against a background density learnt from the base classes (the spread "
-                    f"of their class means), which needs at least {MIN_BACKGROUND_CLASSES}; "
-                    f"{fs.name} has {n_base} (split 'base')"
-                )
+            _check_background_classes(fs, f"--open-queries {n_open}")
+    elif TaskFile(spec.task_file).is_open:
+        _check_background_classes(fs, f"--task-file {spec.task_file} (open-set tasks)")
+
+
+def _check_background_classes(fs: FeatureSet, what: str) -> None:
+    """``ValueError`` when ``fs`` has too few base classes for the background density
+    that every open-set posterior reads."""
+    n_base = fs.classes_in("base").size
+    if n_base < MIN_BACKGROUND_CLASSES:
+        raise ValueError(
+            f"{what}: P(none of these classes) weighs each query against a background "
+            "density learnt from the base classes (the spread of their class means), which "
+            f"needs at least {MIN_BACKGROUND_CLASSES}; {fs.name} has {n_base} (split 'base')"
+        )
+
+
+def _split_file_queries(task_file: TaskFile, n_query: int) -> tuple[int, int]:
+    """``(open_queries, closed_queries)`` per task of a checked task file's ``n_query``
+    queries: the open ones rounded to their mean over tasks (0 for closed tasks)."""
+    open_queries = round(task_file.n_open)
+    return open_queries, n_query - open_queries
 
 
 def _task_shape_hint(fs: FeatureSet, way: int, shot: int, query: int, balance: str) -> str:
@@ -498,33 +516,34 @@ def run_setting(
 
     ``open_queries > 0`` adds that many open queries to each task (the open-set
     protocol, :mod:`probfsl.data.open_set`) and scores the method's
-    ``predict_proba_open`` beside two baselines on nearest centroid.
+    ``predict_proba_open`` beside two baselines on nearest centroid; an open-set
+    ``task_file`` (one with ``open_classes``) is scored so with its own open queries
+    (``open_queries`` is then the mean number per task).
     """
     estimator = make_estimator(method, preset, **(params or {}))
     if calibrate == "temperature":
         # base episodes of the search's seed, not the run's: one temperature per setting
         estimator = TemperatureScaled(estimator, balance=balance, alpha=alpha, seed=SEARCH_SEED)
-    if open_queries:
-        if task_file is not None:
-            raise ValueError(
-                "--open-queries draws open-set tasks; it does not apply to --task-file "
-                "(task files hold closed tasks)"
-            )
-        if not has_open_posterior(estimator):
-            extra = " with --calibrate temperature (use --calibrate none)" * (
-                calibrate == "temperature"
-            )
-            raise ValueError(f"--open-queries: {method} has no open-set posterior{extra}")
+    open_set = f"--open-queries {open_queries}"
+    if task_file is not None:
+        if not isinstance(task_file, TaskFile):  # read a batch at a time, checked once
+            task_file = TaskFile(task_file, name=f"--task-file {task_file}")
+        if open_queries:
+            raise ValueError(OPEN_QUERIES_WITH_FILE)
+        task_file.check(len(fs.labels), progress=progress, labels=fs.labels)
+        tasks = len(task_file)
+        way, shot, query = task_file.shape
+        open_queries, query = _split_file_queries(task_file, query)
+        open_set = f"{task_file.name} (open-set tasks)"
+    if open_queries and not has_open_posterior(estimator):
+        tempered = calibrate == "temperature"
+        extra = " with --calibrate temperature (use --calibrate none)" * tempered
+        raise ValueError(f"{open_set}: {method} has no open-set posterior{extra}")
     baseline = make_estimator(BASELINE, center=bool(fs.classes_in("base").size))
     with shared_backgrounds():  # the method and nearest centroid may preprocess alike
         estimator.fit_featureset(fs, dtype, device)
         baseline.fit_featureset(fs, dtype, device)
     if task_file is not None:
-        if not isinstance(task_file, TaskFile):  # read a batch at a time, checked once
-            task_file = TaskFile(task_file, name=f"--task-file {task_file}")
-        task_file.check(len(fs.labels), progress=progress)
-        tasks = len(task_file)
-        way, shot, query = task_file.shape
 
         def batch(start: int, stop: int):
             return task_file.episodes(fs, start, stop, dtype)
@@ -532,8 +551,9 @@ def run_setting(
 
         def batch(start: int, stop: int):
             return sample_episodes(
-                fs, stop - start, way, shot, query, balance, alpha, seed, start, dtype=dtype
-            )
+                fs, stop - start, way, shot, query, balance, alpha, seed, start,
+                dtype=dtype, n_open=open_queries,
+            )  # fmt: skip
 
     calibration = {"calibrate": calibrate}
     if calibrate == "temperature":  # fitted before the timed run
@@ -542,9 +562,13 @@ def run_setting(
             note(f"--calibrate temperature: {estimator.notes_[(way, shot, query)]}")
     open_row = None
     if open_queries:
+        if task_file is not None:
+            open_way = task_file.open_way
+        else:
+            open_way = default_open_way(fs.classes_in("novel").size, way, open_queries)
         open_row = _run_open_set(
-            estimator, baseline, fs, way, shot, query, balance, alpha, tasks, seed,
-            open_queries, batch_size, progress, device, dtype,
+            estimator, baseline, batch, tasks, shot, open_queries, open_way,
+            batch_size, progress, device, dtype,
         )  # fmt: skip
     else:
         results = evaluate_stream(
@@ -596,15 +620,11 @@ def run_setting(
 def _run_open_set(
     estimator,
     baseline,
-    fs: FeatureSet,
-    way: int,
-    shot: int,
-    query: int,
-    balance: str,
-    alpha: float,
+    batch: Callable[[int, int], Episodes],
     tasks: int,
-    seed: int,
+    shot: int,
     open_queries: int,
+    open_way: int,
     batch_size: int,
     progress: bool,
     device: torch.device,
@@ -612,20 +632,12 @@ def _run_open_set(
 ) -> dict:
     """The open-set fields of a row: the method's ``predict_proba_open`` and the two
     baselines on nearest centroid (:func:`probfsl.evaluation.open_set.open_set_baselines`)
-    on the same open-set tasks, made a batch at a time. Returns the method's metrics
-    (closed ``accuracy`` and ``ci95``, ``auroc``, ``aupr``, ``prec_at_90_recall``,
-    ``ece_open`` and the closed-set calibration, each with ``_ci95``), ``tasks``,
-    ``seconds``, ``tasks_per_second``, ``baseline_accuracy`` / ``baseline_ci95``, and
-    ``knn_*`` and ``msp_*`` fields of the baselines, with ``open_queries``,
-    ``open_way`` and ``knn_k``."""
-    from probfsl.data.open_set import default_open_way
-
-    def batch(start: int, stop: int):
-        return sample_episodes(
-            fs, stop - start, way, shot, query, balance, alpha, seed, start,
-            dtype=dtype, n_open=open_queries,
-        )  # fmt: skip
-
+    on the same open-set tasks, made a batch at a time by ``batch(start, stop)``. Returns
+    the method's metrics (closed ``accuracy`` and ``ci95``, ``auroc``, ``aupr``,
+    ``prec_at_90_recall``, ``ece_open`` and the closed-set calibration, each with
+    ``_ci95``), ``tasks``, ``seconds``, ``tasks_per_second``, ``baseline_accuracy`` /
+    ``baseline_ci95``, and ``knn_*`` and ``msp_*`` fields of the baselines, with
+    ``open_queries``, ``open_way`` and ``knn_k``."""
     baselines = open_set_baselines(baseline)
     results = evaluate_open_set_stream(
         {"method": estimator, **baselines}, batch, tasks, batch_size, progress, device, dtype
@@ -634,7 +646,7 @@ def _run_open_set(
     row = {"tasks": method.n_tasks, **method.summary()}
     row["baseline_accuracy"], row["baseline_ci95"] = results["msp"].metrics["accuracy"]
     row["open_queries"] = open_queries
-    row["open_way"] = default_open_way(fs.classes_in("novel").size, way, open_queries)
+    row["open_way"] = open_way
     for name in baselines:
         for metric in BASELINE_OPEN_METRICS:
             row[f"{name}_{metric}"], row[f"{name}_{metric}_ci95"] = results[name].metrics[metric]

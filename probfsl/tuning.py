@@ -51,6 +51,7 @@ from probfsl.data.base_episodes import (
     class_sizes,
     class_subset_views,
     hardest_episode_shape,
+    open_base_episode_shape,
 )
 from probfsl.data.featureset import FeatureSet
 from probfsl.data.simplex import zero_shot_probabilities
@@ -815,7 +816,9 @@ def auto_preset(
     candidates are scored by ``predict_proba_open`` on the accuracy of the known-class
     queries (:func:`tune`); the chosen one's ``open_scale``, where the method has one, is
     learnt on the same episodes (:func:`fit_open_scale`). Where the base classes cannot
-    hold the open queries the search runs on closed episodes and ``note`` says so.
+    hold the open queries, the episodes have fewer known classes or fewer queries
+    (:func:`probfsl.data.base_episodes.open_base_episode_shape`), and where not even
+    those fit the search runs on closed episodes; ``note`` says which.
     """
     _checked(method, None, criterion)  # ValueError for a method without a search space
     n_episodes = search_episodes(method, n_episodes)
@@ -875,6 +878,14 @@ def auto_preset(
         settings["open_frame"] = frames[0] if len(frames) == 1 else frames
         if "queries" in frames:  # whose background's mean is the task's own
             settings["open_background_mean"] = "inferred, read last"
+        # where the base classes cannot hold the open queries asked, the episodes they can
+        # (choices made on closed episodes before this rule are not reused)
+        shape = base_episode_shape(fs, way, shot, n_query, balance, seed)
+        if shape is not None:
+            view = base_episode_split(fs, seed)
+            found = open_base_episode_shape(view, shape, open_queries, balance, alpha, seed)
+            if found != (shape, open_queries):
+                settings["open_episodes"] = None if found is None else [*found[0], found[1]]
     return _cached("few-shot", fs, settings, compute)
 
 
@@ -919,22 +930,27 @@ def _auto_preset(
         )
     view = base_episode_split(fs, seed)
     n_open = open_queries
-    try:
-        episodes = sample_episodes(  # tune's
-            view, n_episodes, *shape, balance, alpha, seed, dtype=dtype, device=device,
-            n_open=n_open,
-        )  # fmt: skip
-    except ValueError as err:
-        if not n_open:
-            raise
-        notes.append(
-            f"the base classes cannot hold {n_open} open queries beside {w}-way base "
-            f"episodes ({err}): tuned on closed episodes"
-        )
-        n_open = 0
-        episodes = sample_episodes(
-            view, n_episodes, *shape, balance, alpha, seed, dtype=dtype, device=device
-        )
+    if n_open:
+        found = open_base_episode_shape(view, shape, n_open, balance, alpha, seed)
+        if found is None:
+            notes.append(
+                f"the {n_base} base classes cannot hold open queries beside {w}-way base "
+                "episodes (half of them play the known and open classes): tuned on closed "
+                "episodes"
+            )
+            n_open = 0
+        elif found != (shape, n_open):
+            (w, s, q), n_open = found
+            notes.append(
+                f"the {n_base} base classes cannot hold {open_queries} open queries beside "
+                f"{shape[0]}-way {shape[2]}-query base episodes (half of them play the known "
+                f"and open classes): tuned on {w}-way {s}-shot {q}-query ones"
+            )
+            shape = found[0]
+    episodes = sample_episodes(  # tune's
+        view, n_episodes, *shape, balance, alpha, seed, dtype=dtype, device=device,
+        n_open=n_open,
+    )  # fmt: skip
     if n_open:
         notes.append(
             f"tuned on base episodes with {n_open} open queries from other base classes "

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from probfsl import tuning
 from probfsl.data import load_dataset, sample_episodes
 from probfsl.inference.soft_kmeans import soft_kmeans_gram_open
 from probfsl.inference.vb_mixture import BavardageVB
@@ -360,6 +361,33 @@ def test_auto_preset_with_open_queries_learns_open_scale(omniglot, monkeypatch):
         )
         assert all(fixed.params[k] == v for k, v in given.items())
         assert fixed.params.keys() <= {"temperature", *given}
+
+
+def test_auto_preset_with_few_base_classes_searches_fewer_known_classes(monkeypatch):
+    """With 10 base classes, 5 play novel ones in the search: 5-way base episodes leave
+    no class for open queries, so the search runs on 3-way ones with 2 open classes (and
+    learns open_scale there) instead of on closed episodes; the note says so, and the
+    cache tells the two apart."""
+    from probfsl.inference.open_temperature import GRID
+    from probfsl.tuning import SEARCH_SPACES, auto_preset
+    from tests.conftest import make_featureset
+
+    monkeypatch.setitem(SEARCH_SPACES, "soft-kmeans", {"temperature": [10.0]})
+    fs = make_featureset(n_base=10, n_novel=8, per_class=40, dim=16, spread=1.5)
+    seen = []
+    real = tuning.tune
+
+    def spy(*args, **kwargs):
+        seen.append((args[3:6], kwargs["open_queries"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tuning, "tune", spy)
+    choice = auto_preset("soft-kmeans", fs, 5, 1, 75, n_episodes=10, open_queries=75)
+    assert seen == [((3, 1, 45), 45)]
+    assert "cannot hold 75 open queries" in choice.note and "3-way 1-shot 45-query" in choice.note
+    assert choice.params["open_scale"] in GRID
+    again = auto_preset("soft-kmeans", fs, 5, 1, 75, n_episodes=10, open_queries=75)
+    assert again.params == choice.params and len(seen) == 1  # read from the cache
 
 
 def test_cli_tune_with_open_queries(capsys, monkeypatch):

@@ -5,6 +5,7 @@ metrics of probfsl.evaluation.open_set (against scikit-learn), ``probfsl run
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pandas as pd
@@ -14,8 +15,17 @@ from scipy.stats import rankdata
 from sklearn.metrics import average_precision_score, precision_recall_curve, roc_auc_score
 
 from probfsl.cli import main
-from probfsl.data import load_dataset, sample_episodes, sample_task_indices, save_task_file
+from probfsl.data import (
+    episodes_from_indices,
+    iter_episodes,
+    load_dataset,
+    load_task_file,
+    sample_episodes,
+    sample_task_indices,
+    save_task_file,
+)
 from probfsl.data.preprocess import center_and_normalize
+from probfsl.data.task_files import TaskFile
 from probfsl.data.tasks import Episodes
 from probfsl.evaluation.open_set import (
     KNNDistanceBaseline,
@@ -175,14 +185,164 @@ def test_bad_open_settings_are_value_errors_before_any_work(synthetic, kwargs, p
         sample_episodes(synthetic, 10**9, max_bytes=2**62, **args)
 
 
-def test_task_files_refuse_open_tasks(synthetic, tmp_path):
-    idx = sample_task_indices(synthetic, 3, way=3, shot=1, n_query=9, n_open=6)
-    with pytest.raises(ValueError, match="task files hold closed tasks only"):
-        save_task_file(tmp_path / "open.npz", idx)
-    without = {k: v for k, v in idx.items() if k != "open_classes"}
-    with pytest.raises(ValueError, match="task files hold closed tasks only"):
-        save_task_file(tmp_path / "open.npz", without)
-    assert not (tmp_path / "open.npz").exists()
+# --- open-set tasks fixed in advance (task indices and task files) -------------------------
+
+
+def _same_episodes(a: Episodes, b: Episodes) -> None:
+    for name in ("support", "support_labels", "query", "query_labels", "classes"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert torch.equal(a.open_mask, b.open_mask) and a.open_mask.any()
+
+
+def test_open_task_files_round_trip_to_the_sampled_tasks(synthetic, tmp_path):
+    """Open-set task indices written to a task file come back as the same open-set
+    tasks, by every reader: the file, the loaded dict and the batches."""
+    setting = {"way": 3, "shot": 2, "n_query": 9, "seed": 4, "n_open": 6}
+    idx = sample_task_indices(synthetic, 7, **setting)
+    sampled = sample_episodes(synthetic, 7, **setting)
+    path = save_task_file(tmp_path / "open.npz", idx)
+    task_file = TaskFile(path)
+    assert task_file.is_open and task_file.open_way == 3
+    assert task_file.shape == (3, 2, 15) and task_file.n_open == 6
+    _same_episodes(task_file.episodes(synthetic), sampled)
+    loaded = load_task_file(path)
+    np.testing.assert_array_equal(loaded["open_classes"], idx["open_classes"])
+    _same_episodes(episodes_from_indices(synthetic, loaded), sampled)
+    batches = list(iter_episodes(synthetic, path, batch_size=3))
+    assert [len(b) for b in batches] == [3, 3, 1]
+    for batch, start in zip(batches, (0, 3, 6), strict=True):
+        _same_episodes(batch, sampled[start : start + len(batch)])
+    closed = TaskFile(save_task_file(tmp_path / "closed.npz", sample_task_indices(synthetic, 2)))
+    assert not closed.is_open and closed.open_way == 0 and closed.n_open == 0
+
+
+def _open_indices(fs, n_tasks=4):
+    return sample_task_indices(fs, n_tasks, way=3, shot=1, n_query=9, seed=0, n_open=6)
+
+
+def _row_of_class(fs, label, avoid=()):
+    return int(next(r for r in np.flatnonzero(fs.labels == label) if r not in avoid))
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        ("drop_open_classes", "open classes, a field 'open_classes'"),
+        ("no_open_query", "task 1 has no open query"),
+        ("no_closed_query", "task 1 has no closed query"),
+        ("label_above_open", "must lie in 0..3 (the tasks are 3-way, 3 an open query)"),
+        ("open_classes_1d", "'open_classes' must be"),
+        ("open_classes_empty", "names no open class"),
+        ("open_of_a_known_class", "task 2 has an open query of one of its known classes"),
+        ("open_of_another_class", "task 2 has an open query of a class not in its"),
+        ("known_open_class", "task 0 names an open class that is one of its known classes"),
+    ],
+)
+def test_bad_open_task_indices_are_refused_naming_the_task(synthetic, tmp_path, change, problem):
+    """Every reader refuses malformed open-set tasks with the same message, the task
+    file before any batch is made."""
+    idx = {k: v.copy() for k, v in _open_indices(synthetic).items()}
+    is_open = idx["query_labels"] == 3
+    if change == "drop_open_classes":
+        del idx["open_classes"]
+    elif change == "no_open_query":
+        idx["query_labels"][1, is_open[1]] = 0
+    elif change == "no_closed_query":
+        idx["query_labels"][1] = 3
+    elif change == "label_above_open":
+        idx["query_labels"][0, 0] = 4
+    elif change == "open_classes_1d":
+        idx["open_classes"] = idx["open_classes"][:, 0]
+    elif change == "open_classes_empty":
+        idx["open_classes"] = idx["open_classes"][:, :0]
+    elif change == "open_of_a_known_class":
+        j = int(np.flatnonzero(is_open[2])[0])
+        idx["query"][2, j] = _row_of_class(synthetic, idx["classes"][2, 0], idx["support"][2])
+    elif change == "open_of_another_class":
+        others = set(np.unique(synthetic.labels[synthetic.split == "novel"]).tolist())
+        others -= set(idx["classes"][2].tolist()) | set(idx["open_classes"][2].tolist())
+        j = int(np.flatnonzero(is_open[2])[0])
+        idx["query"][2, j] = _row_of_class(synthetic, min(others))
+    elif change == "known_open_class":
+        idx["open_classes"][0, -1] = idx["classes"][0, 1]
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        episodes_from_indices(synthetic, idx)
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        next(iter_episodes(synthetic, idx))
+    path = tmp_path / "bad.npz"
+    np.savez(path, **idx)
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        TaskFile(path).episodes(synthetic)
+
+
+def test_open_task_files_with_varying_open_counts(synthetic, tmp_path):
+    """A task file may hold tasks with different numbers of open queries: each task is
+    scored on its own, and the run reports the mean number per task."""
+    idx = {k: v.copy() for k, v in _open_indices(synthetic, 6).items()}
+    # task t keeps 6 - t open queries; the others become closed queries of class 0
+    for t in range(1, 6):
+        used = set(idx["support"][t].tolist()) | set(idx["query"][t].tolist())
+        rows = [r for r in np.flatnonzero(synthetic.labels == idx["classes"][t, 0])
+                if r not in used]  # fmt: skip
+        for j, row in zip(np.flatnonzero(idx["query_labels"][t] == 3)[:t], rows, strict=False):
+            idx["query"][t, j], idx["query_labels"][t, j] = row, 0
+    path = tmp_path / "varying.npz"
+    np.savez(path, **idx)
+    task_file = TaskFile(path)
+    assert task_file.n_open == pytest.approx(np.mean([6 - t for t in range(6)]))
+    episodes = task_file.episodes(synthetic)
+    assert episodes.open_mask.sum(1).tolist() == [6, 5, 4, 3, 2, 1]
+    result = evaluate_open_set(_Oracle(), episodes)
+    assert result.metrics["auroc"][0] == pytest.approx(100.0)
+    assert result.metrics["accuracy"][0] == pytest.approx(100.0)
+    assert result.metrics["ece_open"][0] == pytest.approx(0.0)
+
+
+def test_probfsl_run_open_task_file_scores_the_sampled_run(tmp_path, capsys, open_posterior):
+    """``probfsl run --task-file`` with open-set tasks gives the row of ``--open-queries``
+    on the same tasks, whatever tasks the file holds; ``--open-queries`` beside it is
+    refused."""
+    fs = load_dataset("omniglot")
+    idx = sample_task_indices(fs, 30, way=5, shot=1, n_query=75, seed=3, n_open=75)
+    path = save_task_file(tmp_path / "open.npz", idx)
+    argv = ["run", "--method", "nearest-centroid", "--dataset", "omniglot"]
+    sampled, fixed = tmp_path / "sampled.json", tmp_path / "fixed.json"
+    assert main([*argv, "--open-queries", "75", "--tasks", "30", "--seed", "3",
+                 "--out", str(sampled)]) == 0  # fmt: skip
+    assert main([*argv, "--task-file", str(path), "--out", str(fixed)]) == 0
+    a, b = json.loads(sampled.read_text()), json.loads(fixed.read_text())
+    assert b["balance"] == "file" and a["balance"] == "balanced"
+    for key in ("accuracy", "auroc", "aupr", "prec_at_90_recall", "ece_open", "knn_auroc",
+                "msp_auroc", "query", "open_queries", "open_way", "tasks"):  # fmt: skip
+        assert a[key] == b[key], key
+    capsys.readouterr()
+    assert main([*argv, "--task-file", str(path), "--open-queries", "75"]) == 2
+    assert "a task file fixes its tasks" in capsys.readouterr().err
+
+
+def test_open_task_files_need_an_open_posterior_and_base_classes(tmp_path, capsys):
+    """An open-set task file is scored by the method's open-set posterior: a run that
+    has none, or data with too few base classes for its background, is refused before
+    any task is scored."""
+    from tests.synthetic import make_featureset
+
+    fs = make_featureset(n_base=1)
+    data = tmp_path / "few_base.npz"
+    np.savez(data, features=fs.features, labels=fs.labels, split=fs.split)
+    idx = sample_task_indices(fs, 3, way=3, shot=1, n_query=9, seed=0, n_open=6)
+    path = save_task_file(tmp_path / "open.npz", idx)
+    argv = ["run", "--method", "nearest-centroid", "--features", str(data)]
+    assert main([*argv, "--task-file", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--task-file {path} (open-set tasks): P(none of these classes)" in err
+    assert "needs at least 2; few_base has 1" in err
+    omniglot = sample_task_indices(load_dataset("omniglot"), 3, 5, 1, 15, seed=0, n_open=15)
+    path = save_task_file(tmp_path / "omniglot.npz", omniglot)
+    argv = ["run", "--method", "nearest-centroid", "--dataset", "omniglot", "--task-file"]
+    assert main([*argv, str(path), "--calibrate", "temperature"]) == 2
+    assert "(open-set tasks): nearest-centroid has no open-set posterior" in (
+        capsys.readouterr().err
+    )
 
 
 # --- metrics --------------------------------------------------------------------------------

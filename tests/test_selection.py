@@ -220,3 +220,19 @@ def test_cli_reports_impossible_options_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.count("\n") == 0
     assert "need 13 samples per class" in err and "use a smaller --shot or --query" in err
+
+
+def test_open_set_episodes_are_refused_before_any_computation():
+    """The episode evidence regresses every query on its class's one-hot target: open-set
+    tasks (their open queries have no class of the task) are refused, not one-hot
+    encoded out of range."""
+    g, labels = _rows()
+    pool = FeatureSet(
+        features=np.zeros((labels.size, 1)),
+        labels=labels,
+        class_names=[str(c) for c in range(labels.max() + 1)],
+        split=np.full(labels.size, "novel"),
+    )
+    idx = sample_task_indices(pool, 4, 3, 2, 9, seed=0, n_open=6)
+    with pytest.raises(ValueError, match="open-set tasks"):
+        episode_evidence([_separable(g, labels)], idx)

@@ -6,7 +6,11 @@ import torch
 
 from probfsl import methods, tuning
 from probfsl.data import FeatureSet, sample_episodes
-from probfsl.data.base_episodes import base_episode_shape, base_episode_split
+from probfsl.data.base_episodes import (
+    base_episode_shape,
+    base_episode_split,
+    open_base_episode_shape,
+)
 from probfsl.data.tasks import BALANCES
 from probfsl.methods import METHODS, MethodInfo
 from probfsl.models.base import FewShotClassifier
@@ -296,6 +300,32 @@ def test_base_episode_shape_keeps_the_target_when_it_fits_and_shrinks_otherwise(
         for balance in BALANCES:
             w, s, q = base_episode_shape(f, 5, 5, 75, balance)
             sample_episodes(base_episode_split(f), 5, w, s, q, balance)
+
+
+def test_open_base_episode_shape_makes_room_for_open_classes():
+    """Open-set base episodes keep the asked shape where the pseudo-novel classes hold it;
+    else fewer known classes leave two open ones (queries scaled alike), then fewer
+    queries, and None where not even that fits. Every shape returned can be sampled."""
+    many = make_featureset(n_base=20, n_novel=6, per_class=40)
+    view = base_episode_split(many)  # 10 pseudo-novel classes: 5 known + 5 open
+    assert open_base_episode_shape(view, (5, 1, 75), 75) == ((5, 1, 75), 75)
+    ten = base_episode_split(make_featureset(n_base=10, n_novel=6, per_class=40))
+    assert open_base_episode_shape(ten, (5, 1, 75), 75) == ((3, 1, 45), 45)
+    assert open_base_episode_shape(ten, (5, 5, 50), 25) == ((3, 5, 30), 15)
+    # 6 pseudo-novel classes of 25: 5 known + 1 open, which holds 75 // 4 open queries
+    six = base_episode_split(make_featureset(n_base=12, n_novel=6, per_class=25))
+    assert open_base_episode_shape(six, (5, 1, 75), 75) == ((5, 1, 15), 18)
+    assert open_base_episode_shape(six, (5, 1, 75), 75, "dirichlet") == ((5, 1, 15), 18)
+    three = base_episode_split(make_featureset(n_base=6, n_novel=6, per_class=40))
+    assert open_base_episode_shape(three, (3, 1, 30), 30) == ((2, 1, 20), 20)
+    two = base_episode_split(make_featureset(n_base=4, n_novel=6, per_class=40))
+    assert open_base_episode_shape(two, (2, 1, 20), 20) is None
+    for v in (view, ten, six, three):
+        for balance in BALANCES:
+            found = open_base_episode_shape(v, (5, 1, 75), 75, balance)
+            (w, s, q), n_open = found
+            episodes = sample_episodes(v, 4, w, s, q, balance, n_open=n_open)
+            assert episodes.open_mask.sum(1).eq(n_open).all() and w <= 5
 
 
 def test_zero_shot_auto_shrinks_or_falls_back(monkeypatch):

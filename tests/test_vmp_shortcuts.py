@@ -41,6 +41,18 @@ def assert_same_fit(one: tuple, other: tuple) -> None:
             assert torch.equal(x, y), name
 
 
+def assert_close_fit(one: tuple, other: tuple) -> None:
+    """Two fits ``(state, info)`` agree to float64 rounding: the same sweeps, the bound's
+    trace and every factor within 1e-12 relative (a reordered sum rounds differently on
+    another CPU's vector width)."""
+    (a, a_info), (b, b_info) = one, other
+    assert torch.equal(a_info.n_steps, b_info.n_steps)
+    torch.testing.assert_close(a_info.trace, b_info.trace, rtol=1e-12, atol=1e-12, equal_nan=True)
+    for name, factor in a.q.items():
+        for x, y in zip(factor, b.q[name], strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12, msg=name)
+
+
 def lda(w, topics=3, vocabulary=7):
     """Latent Dirichlet allocation (Blei, Ng & Jordan, 2003): φ_k ~ Dirichlet(1), per
     document θ_d ~ Dirichlet(1), per word z_dn ~ Categorical(θ_d), w_dn ~ Categorical(φ_z)."""
@@ -103,8 +115,9 @@ def test_sweeps_with_the_label_lookup_equal_sweeps_with_the_sum(monkeypatch):
 
 @pytest.mark.parametrize("size", ["small", "large"])  # the softmax by torch, by slices
 def test_sweeps_with_the_folded_update_and_counts_equal_sweeps_with_the_sums(monkeypatch, size):
-    """Whole fits, batched, to a tolerance: the softmax on the table and the counts at the
-    labels give the factors, bounds and sweeps of the plain sums, bit for bit."""
+    """Whole fits, batched: the softmax on the table and the counts at the labels give
+    the sweeps of the plain sums, and their factors and bounds to float64 rounding (the
+    counts sum in another order)."""
     from probfsl.inference.vmp.families import categorical
 
     words = _words(t=5, docs=3, n=11) if size == "small" else _words(t=40, docs=10, n=20)
@@ -120,7 +133,7 @@ def test_sweeps_with_the_folded_update_and_counts_equal_sweeps_with_the_sums(mon
     monkeypatch.setattr(categorical, "label_counts", lambda *args: None)
     monkeypatch.setattr(categorical, "label_lookup", lambda *args: None)
     summed, summed_info = fit()
-    assert_same_fit((fast, fast_info), (summed, summed_info))
+    assert_close_fit((fast, fast_info), (summed, summed_info))
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,7 @@ __all__ = [
     "class_sizes",
     "class_subset_views",
     "hardest_episode_shape",
+    "open_base_episode_shape",
 ]
 
 #: base classes kept for the statistics (centring, scatter, negatives) in
@@ -114,6 +115,46 @@ def base_episode_shape(
         room = int(np.sort(sizes)[:w].sum()) - w * s
         q = min(max(round(n_query * w / way), 1), room)
     return w, s, q
+
+
+def open_base_episode_shape(
+    view: FeatureSet,
+    shape: tuple[int, int, int],
+    n_open: int,
+    balance: str = "balanced",
+    alpha: float = 2.0,
+    seed: int = 0,
+) -> tuple[tuple[int, int, int], int] | None:
+    """``((way, shot, queries), open queries)`` of open-set base episodes that the
+    pseudo-novel classes of ``view`` (:func:`base_episode_split`) can hold, for ``shape``
+    with ``n_open`` open queries asked.
+
+    ``shape`` and ``n_open`` where they fit. Otherwise open queries need classes beside
+    the known ones, so the way drops to leave two open classes (``min(way, classes - 2)``,
+    at least 2; one open class with 3 classes), the closed and open queries scaled by the
+    same ratio; at either way the queries are then halved, three times at most, until
+    the classes hold them. ``None`` when nothing fits (fewer than 3 pseudo-novel
+    classes, or classes too small): the search then runs on closed episodes.
+    """
+    from probfsl.data.tasks import sample_task_indices
+
+    way, shot, n_query = shape
+    n_classes = class_sizes(view, "novel").size
+    ways = [way]
+    fewer = max(2, min(way, n_classes - 2)) if n_classes >= 4 else n_classes - 1
+    if 2 <= fewer < way:
+        ways.append(fewer)
+    for w in ways:
+        per_class = max(1, n_query // way)
+        o = max(1, round(n_open * w / way))
+        for _ in range(4):
+            try:
+                sample_task_indices(view, 1, w, shot, w * per_class, balance, alpha, seed, n_open=o)
+            except ValueError:
+                per_class, o = max(1, per_class // 2), max(1, o // 2)
+                continue
+            return (w, shot, w * per_class), o
+    return None
 
 
 def _view(fs: FeatureSet, novel: np.ndarray, name: str) -> FeatureSet:

@@ -28,7 +28,11 @@ from probfsl.validation import (
 )
 
 #: the fields of a task file that are task indices (:func:`probfsl.data.tasks.save_task_file`)
-TASK_FIELDS = ("support", "support_labels", "query", "query_labels", "classes")
+TASK_FIELDS = ("support", "support_labels", "query", "query_labels", "classes", "open_classes")
+
+#: the field that makes task indices open-set tasks: ``[T, J]``, the data-set labels of each
+#: task's J open classes (:mod:`probfsl.data.open_set`); its queries labelled ``way`` are open
+OPEN_FIELD = "open_classes"
 
 
 @dataclass
@@ -177,6 +181,7 @@ def check_task_values(
     n_rows: int | None,
     way: int | None = None,
     first: int = 0,
+    open_set: bool = False,
 ) -> int:
     """Check the values of a block of tasks (int64 arrays ``[B, S]``, ``[B, S]``,
     ``[B, Q]``, ``[B, Q]``) whose first task is number ``first``; returns the way.
@@ -185,7 +190,9 @@ def check_task_values(
     task's support labels must be exactly the classes ``0..way-1`` (each with at least one
     support sample), with ``way >= 2`` and the same for every task (``way`` of earlier
     blocks, or taken from this block's first task when ``None``); query labels must lie
-    in ``0..way-1``. ``ValueError`` prefixed by ``name`` that names the first bad task.
+    in ``0..way-1``. Open-set tasks (``open_set``) also have open queries, labelled
+    ``way``: every task needs at least one of them and one closed query.
+    ``ValueError`` prefixed by ``name`` that names the first bad task.
     One vectorised pass: a block of many tasks is checked without a loop over tasks.
     """
     for key, rows in (("support", support), ("query", query)):
@@ -229,13 +236,31 @@ def check_task_values(
             f"labels of the first task); every task needs a support sample of each class "
             f"0..{way - 1} and no other label"
         )
-    if query_labels.min() < 0 or query_labels.max() >= way:
-        t = _first((query_labels < 0) | (query_labels >= way))
-        values = query_labels[t][(query_labels[t] < 0) | (query_labels[t] >= way)]
+    top = way if open_set else way - 1
+    if query_labels.min() < 0 or query_labels.max() > top:
+        bad = (query_labels < 0) | (query_labels > top)
+        t = _first(bad)
+        value = int(query_labels[t][bad[t]][0])
+        meaning = f", {way} an open query" if open_set else ""
+        hint = ""
+        if value == way and not open_set:
+            hint = (
+                f"; open-set tasks (label {way}: none of the task's classes) also need the "
+                f"data-set labels of their open classes, a field {OPEN_FIELD!r} [T, J]"
+            )
         raise ValueError(
-            f"{name}: 'query_labels' must lie in 0..{way - 1} (the tasks are {way}-way); "
-            f"task {first + t} holds {int(values[0])}"
+            f"{name}: 'query_labels' must lie in 0..{top} (the tasks are {way}-way{meaning}); "
+            f"task {first + t} holds {value}{hint}"
         )
+    if open_set:
+        n_open = (query_labels == way).sum(1)
+        for bad, kind in ((n_open == 0, "open"), (n_open == query_labels.shape[1], "closed")):
+            if bad.any():
+                raise ValueError(
+                    f"{name}: task {first + _first(bad)} has no {kind} query; every open-set "
+                    f"task needs closed queries (labels 0..{way - 1}) and open ones "
+                    f"(label {way})"
+                )
     return way
 
 
@@ -246,7 +271,11 @@ def check_task_indices(indices: Any, n_rows: int) -> dict[str, np.ndarray]:
     width: int16/int32 task files are cast to int64); ``support_labels`` [T, S] and
     ``query_labels`` [T, Q] are task-local labels: every task's support holds each class
     ``0..way-1`` (``way`` >= 2, the same for every task) and its queries lie in
-    ``0..way-1``; the optional ``classes`` is [T, way]. ``TypeError`` for float or
+    ``0..way-1``; the optional ``classes`` is [T, way]. With ``open_classes`` [T, J]
+    (J >= 1 data-set labels per task, :data:`OPEN_FIELD`) they are open-set tasks: the
+    queries labelled ``way`` are open, and each task has open and closed queries (their
+    classes are checked against the features' labels by
+    :func:`probfsl.data.open_set.check_open_rows`). ``TypeError`` for float or
     string arrays, ``ValueError`` for a missing field, no tasks, a shape that does not
     fit or a value out of range (:func:`check_task_values`, naming the first bad task).
     """
@@ -274,9 +303,26 @@ def check_task_indices(indices: Any, n_rows: int) -> dict[str, np.ndarray]:
                 f"{key.removesuffix('_labels')!r} {ref.shape}, got {labels.shape}"
             )
         out[key] = labels
+    open_set = OPEN_FIELD in indices
     way = check_task_values(
-        "task indices", support, out["support_labels"], query, out["query_labels"], n_rows
+        "task indices",
+        support,
+        out["support_labels"],
+        query,
+        out["query_labels"],
+        n_rows,
+        open_set=open_set,
     )
+    if open_set:
+        open_classes = as_label_array(indices[OPEN_FIELD], f"task indices: {OPEN_FIELD!r}")
+        if open_classes.ndim != 2 or open_classes.shape[0] != support.shape[0]:
+            raise ValueError(
+                f"task indices: {OPEN_FIELD!r} must be [T, J] with T={support.shape[0]}, "
+                f"got shape {open_classes.shape}"
+            )
+        if open_classes.shape[1] == 0:
+            raise ValueError(f"task indices: {OPEN_FIELD!r} names no open class (J = 0)")
+        out[OPEN_FIELD] = open_classes
     if "classes" in indices:
         classes = as_label_array(indices["classes"], "task indices: 'classes'")
         if classes.shape != (support.shape[0], way):

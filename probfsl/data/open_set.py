@@ -29,6 +29,13 @@ default) and ``open_way`` (open classes per task) and hand them to this module:
 
 Every problem with ``n_open`` or ``open_way`` is a ``ValueError`` raised by
 :func:`check_open_setting` before any task is drawn.
+
+**Fixed tasks.** Open-set tasks can also be given, as task indices or a task file
+(:func:`~probfsl.data.tasks.save_task_file`): what makes them open-set is the
+``open_classes`` field ``[T, J]``, the data-set labels of each task's open classes, which
+:func:`~probfsl.data.tasks.sample_task_indices` returns with ``n_open``. Their queries
+labelled ``way`` are the open ones (a task may hold any number, at least one, beside at
+least one closed query); :func:`check_open_rows` checks them against the features' labels.
 """
 
 from __future__ import annotations
@@ -42,6 +49,9 @@ from probfsl.validation import check_count
 
 #: the last entry of the seed sequence of the open queries' random stream
 OPEN_STREAM = 1
+
+#: tasks compared at once by :func:`check_open_rows` (its [B, Q, S] comparisons stay small)
+_CHECK_ROWS_BLOCK = 2048
 
 
 def check_open_setting(
@@ -162,29 +172,37 @@ def add_open_queries(
     return {**out, "query": query, "query_labels": labels, "open_classes": open_classes}
 
 
-def refuse_open_tasks(indices: Any, what: str) -> None:
-    """``ValueError`` when task indices are those of open-set tasks (an ``open_classes``
-    array, or query labels that reach exactly ``way``, one above the largest support
-    label): task files hold closed tasks only. Anything else is left to the caller's
-    own checks."""
-    if not hasattr(indices, "keys"):
-        return
-    has_open = "open_classes" in indices
-    if not has_open and "support_labels" in indices and "query_labels" in indices:
-        support = np.asarray(indices["support_labels"])
-        query = np.asarray(indices["query_labels"])
-        fits = support.ndim == query.ndim == 2 and support.shape[0] == query.shape[0]
-        fits = fits and support.size > 0 and query.size > 0
-        if fits and support.dtype.kind in "iu" and query.dtype.kind in "iu":
-            way = support.max(1)
-            has_open = bool((query.max(1) == way + 1).all())
-    if has_open:
-        raise ValueError(
-            f"{what}: these tasks have open queries (open-set tasks: query label == way); "
-            "task files hold closed tasks only. Open-set tasks need no file to be "
-            "reproduced: sample_task_indices or sample_episodes with the same seed and "
-            "n_open draw the same tasks"
-        )
+def check_open_rows(name: str, labels: np.ndarray, indices: dict, first: int = 0) -> None:
+    """The open queries of open-set task indices (int64 arrays already checked by
+    :func:`~probfsl.data.episodes.check_task_values`, ``open_classes`` among them) against
+    the features' data-set ``labels``: every open query is a row of one of its task's
+    ``open_classes``, and no open class is one of the task's known classes (the labels of
+    its support rows). ``ValueError`` prefixed by ``name`` naming the first bad task
+    (numbered from ``first``); vectorised over blocks of tasks."""
+    way = int(indices["support_labels"][0].max()) + 1
+    for lo in range(0, len(indices["support"]), _CHECK_ROWS_BLOCK):
+        block = {k: v[lo : lo + _CHECK_ROWS_BLOCK] for k, v in indices.items()}
+        known = labels[block["support"]]  # [B, S]
+        query = labels[block["query"]]  # [B, Q]
+        open_classes = block["open_classes"]  # [B, J]
+        is_open = block["query_labels"] == way
+        in_task = (query[:, :, None] == known[:, None, :]).any(-1) & is_open
+        outside = ~(query[:, :, None] == open_classes[:, None, :]).any(-1) & is_open
+        taken = (open_classes[:, :, None] == known[:, None, :]).any(-1)
+        for bad, what in (
+            (taken, "names an open class that is one of its known classes"),
+            (in_task, "has an open query of one of its known classes"),
+            (outside, "has an open query of a class not in its 'open_classes'"),
+        ):
+            if bad.any():
+                t = int(np.flatnonzero(bad.any(1))[0])
+                j = int(np.flatnonzero(bad[t])[0])
+                if bad is taken:
+                    detail = f"class {int(open_classes[t, j])}"
+                else:
+                    row, label = int(block["query"][t, j]), int(query[t, j])
+                    detail = f"query {j}: row {row} of class {label}"
+                raise ValueError(f"{name}: task {first + lo + t} {what} ({detail})")
 
 
 def default_open_way(n_classes: int, way: int, n_open: int) -> int:

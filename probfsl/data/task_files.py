@@ -4,6 +4,9 @@ A task file is an ``.npz`` of integer arrays: ``support`` [T, S] and ``query`` [
 (rows of the feature file), ``support_labels`` [T, S] and ``query_labels`` [T, Q]
 (task-local labels ``0..way-1``) and optionally ``classes`` [T, way] (the data-set
 label of each task-local class); :func:`probfsl.data.tasks.save_task_file` writes one.
+A file with ``open_classes`` [T, J] (the data-set labels of each task's open classes)
+holds open-set tasks, whose queries labelled ``way`` are open
+(:mod:`probfsl.data.open_set`).
 
 :class:`TaskFile` opens one by reading only the array headers, so that a file of
 millions of tasks costs nothing to open and a malformed one (a missing field, no tasks,
@@ -34,12 +37,14 @@ import numpy as np
 import torch
 
 from probfsl.data.episodes import (
+    OPEN_FIELD,
     TASK_FIELDS,
     Episodes,
     check_dense_size,
     check_task_values,
     gather_episodes,
 )
+from probfsl.data.open_set import check_open_rows
 from probfsl.progress import progress as progress_display
 from probfsl.validation import as_device, check_count, check_float_dtype
 
@@ -97,6 +102,8 @@ class TaskFile:
         self._arrays: dict[str, np.ndarray] = {}
         self._way: int | None = None
         self._max_row: int | None = None
+        self._n_open = 0.0
+        self._open_rows_checked = False
 
     # ------------------------------------------------------------------ headers
     def _read_headers(self) -> dict[str, _Member]:
@@ -161,6 +168,18 @@ class TaskFile:
                     f"{self.name}: tasks have no {key} rows ({key!r} has shape "
                     f"{self._members[key].shape})"
                 )
+        if self.is_open and self._members[OPEN_FIELD].shape[1] == 0:
+            raise ValueError(f"{self.name}: {OPEN_FIELD!r} names no open class (J = 0)")
+
+    @property
+    def is_open(self) -> bool:
+        """Whether these are open-set tasks (the file has ``open_classes``)."""
+        return OPEN_FIELD in self._members
+
+    @property
+    def open_way(self) -> int:
+        """Open classes per task: J of ``open_classes`` [T, J] (0 for closed tasks)."""
+        return self._members[OPEN_FIELD].shape[1] if self.is_open else 0
 
     # ------------------------------------------------------------------ arrays
     def _array(self, key: str) -> np.ndarray:
@@ -208,38 +227,57 @@ class TaskFile:
         return {key: np.array(self._array(key)[start:stop], dtype=np.int64) for key in keys}
 
     # ------------------------------------------------------------------ checks
-    def check(self, n_rows: int | None = None, progress: bool = False) -> TaskFile:
+    def check(
+        self, n_rows: int | None = None, progress: bool = False, labels: np.ndarray | None = None
+    ) -> TaskFile:
         """Check the values of every task, a block of :data:`CHECK_BLOCK` tasks at a time
         (:func:`probfsl.data.episodes.check_task_values`); returns ``self``.
 
         Rows must be ``>= 0`` and, when ``n_rows`` is given, below it (the number of rows
         of the features); every task's support holds each class ``0..way-1`` (the same
         way for every task, at least 2) and its queries lie in ``0..way-1``; ``classes``,
-        when present, is [T, way]. The pass runs once: later calls only compare
+        when present, is [T, way]. Open-set tasks (:attr:`is_open`) also have open
+        queries, labelled ``way``: at least one per task, beside a closed one; with the
+        features' ``labels``, each must be a row of one of its task's ``open_classes``,
+        none of which is a known class (:func:`probfsl.data.open_set.check_open_rows`).
+        The pass runs once (and once more for ``labels``): later calls only compare
         ``n_rows`` with the largest row seen (and look again only to name a bad task).
         ``progress`` shows the pass (:func:`probfsl.progress.progress`).
         """
         if n_rows is not None:
             n_rows = check_count("n_rows", n_rows)
         if self._way is None:
-            way, max_row = None, -1
+            way, max_row, n_open = None, -1, 0
             with progress_display(self.n_tasks, "task file", "tasks", progress) as bar:
                 for start in range(0, self.n_tasks, CHECK_BLOCK):
                     stop = min(start + CHECK_BLOCK, self.n_tasks)
                     block = self._block(start, stop, REQUIRED)
-                    way = check_task_values(self.name, **block, n_rows=n_rows, way=way, first=start)
+                    way = check_task_values(
+                        self.name, **block, n_rows=n_rows, way=way, first=start,
+                        open_set=self.is_open,
+                    )  # fmt: skip
                     max_row = max(max_row, int(block["support"].max()), int(block["query"].max()))
+                    n_open += int((block["query_labels"] == way).sum()) if self.is_open else 0
                     bar.update(stop - start)
             if "classes" in self._members and self._members["classes"].shape[1] != way:
                 raise ValueError(
                     f"{self.name}: 'classes' must be [T, way]={(self.n_tasks, way)}, "
                     f"got {self._members['classes'].shape}"
                 )
-            self._way, self._max_row = way, max_row
+            self._way, self._max_row, self._n_open = way, max_row, n_open / self.n_tasks
         elif n_rows is not None and self._max_row >= n_rows:
             for start in range(0, self.n_tasks, CHECK_BLOCK):  # find the task to name
                 block = self._block(start, start + CHECK_BLOCK, REQUIRED)
-                check_task_values(self.name, **block, n_rows=n_rows, way=self._way, first=start)
+                check_task_values(
+                    self.name, **block, n_rows=n_rows, way=self._way, first=start,
+                    open_set=self.is_open,
+                )  # fmt: skip
+        if labels is not None and self.is_open and not self._open_rows_checked:
+            keys = (*REQUIRED, OPEN_FIELD)
+            for start in range(0, self.n_tasks, CHECK_BLOCK):
+                block = self._block(start, start + CHECK_BLOCK, keys)
+                check_open_rows(self.name, labels, block, first=start)
+            self._open_rows_checked = True
         return self
 
     @property
@@ -249,9 +287,16 @@ class TaskFile:
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        """(way, shot, queries) of the tasks; shot is S // way."""
+        """(way, shot, queries) of the tasks; shot is S // way and the queries are all Q,
+        open ones included."""
         way = self.way
         return way, self.n_support // way, self.n_query
+
+    @property
+    def n_open(self) -> float:
+        """Open queries per task, on average over the tasks (0 for closed tasks); checks
+        the values first (:meth:`check`)."""
+        return self.check()._n_open
 
     def __len__(self) -> int:
         return self.n_tasks
@@ -311,7 +356,7 @@ class TaskFile:
             raise TypeError(f"fs must be a FeatureSet, got {type(fs).__name__}")
         check_float_dtype("dtype", dtype)
         device = as_device(device)
-        self.check(len(fs.labels))
+        self.check(len(fs.labels), labels=fs.labels)
         start, stop = self._range(start, stop)
         source = torch.as_tensor(fs.features[:0]).dtype
         rows = self.n_support + self.n_query

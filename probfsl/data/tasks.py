@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from probfsl.data.episodes import (
+    OPEN_FIELD,
     TASK_FIELDS,
     Episodes,
     check_dense_size,
@@ -31,7 +32,7 @@ from probfsl.data.episodes import (
     gather_episodes,
 )
 from probfsl.data.featureset import FeatureSet
-from probfsl.data.open_set import add_open_queries, check_open_setting, refuse_open_tasks
+from probfsl.data.open_set import add_open_queries, check_open_rows, check_open_setting
 from probfsl.data.query_counts import dirichlet_query_counts
 from probfsl.data.task_files import TaskFile
 from probfsl.fileio import atomic_path
@@ -183,7 +184,8 @@ def episodes_from_indices(
     """Gather the features of task indices (sampled, or read from a task file) into
     tensors of ``dtype`` on ``device`` (default the CPU).
 
-    ``indices`` is checked by :func:`check_task_indices`. Without ``classes``, the
+    ``indices`` is checked by :func:`check_task_indices` (the open queries of open-set
+    tasks by :func:`~probfsl.data.open_set.check_open_rows`). Without ``classes``, the
     data-set class of task-local class k is the label of its first support row.
 
     Every task is made at once, so a large task set is refused before anything is
@@ -201,8 +203,17 @@ def episodes_from_indices(
             source = torch.as_tensor(fs.features[:0]).dtype
             rows = shapes[0][1] + shapes[1][1]
             check_dense_size(shapes[0][0], rows, fs.dim, dtype, source, max_bytes)
-    indices = check_task_indices(indices, len(fs.labels))
+    indices = _checked_for(fs, indices)
     return gather_episodes(fs, indices, dtype, device)
+
+
+def _checked_for(fs: FeatureSet, indices: Any) -> dict[str, np.ndarray]:
+    """Task indices checked against ``fs``: rows in range, and the open queries of
+    open-set tasks of their open classes (:func:`check_open_rows`)."""
+    checked = check_task_indices(indices, len(fs.labels))
+    if OPEN_FIELD in checked:
+        check_open_rows("task indices", fs.labels, checked)
+    return checked
 
 
 def iter_episodes(
@@ -233,8 +244,7 @@ def iter_episodes(
     if isinstance(tasks, TaskFile):
         tasks.check(len(fs.labels), progress=progress)
         return _task_file_batches(fs, tasks, batch_size, dtype, device)
-    checked = check_task_indices(tasks, len(fs.labels))
-    return _index_batches(fs, checked, batch_size, dtype, device)
+    return _index_batches(fs, _checked_for(fs, tasks), batch_size, dtype, device)
 
 
 def _index_batches(
@@ -374,10 +384,11 @@ def save_task_file(path: str | os.PathLike, indices: dict[str, np.ndarray]) -> P
     As :func:`numpy.savez`, ``.npz`` is appended to a path without it. The indices are
     checked first (:func:`check_task_indices`, rows not bounded) and written atomically
     (:func:`probfsl.fileio.atomic_path`): a failure leaves an existing file as it was.
+    Open-set tasks (``sample_task_indices(..., n_open=N)``) keep their ``open_classes``,
+    which marks them as such when the file is read.
     """
     if not isinstance(indices, dict):
         raise TypeError(f"indices must be a dict of arrays, got {type(indices).__name__}")
-    refuse_open_tasks(indices, "save_task_file")
     checked = check_task_indices(indices, np.iinfo(np.int64).max)
     path = Path(path)
     if path.suffix != ".npz":

@@ -36,6 +36,7 @@ from typing import Any, Self
 import numpy as np
 import torch
 
+from probfsl.data.episodes import OPEN_FIELD
 from probfsl.data.tasks import Episodes, check_task_indices
 from probfsl.derived.evidence import ENGINES
 from probfsl.inference.evidence import (
@@ -658,6 +659,11 @@ def episode_evidence(
     names, tensors = _feature_list(feature_sets)
     device = tensors[0].device
     idx = check_task_indices(dict(indices), tensors[0].shape[0])
+    if OPEN_FIELD in idx:
+        raise ValueError(
+            "episodes: open-set tasks (an 'open_classes' field): the episode evidence scores "
+            "closed tasks; drop their open queries or sample them without n_open"
+        )
     support, query = idx["support"], idx["query"]
     way = int(idx["support_labels"].max()) + 1
     present = (idx["support_labels"][:, None, :] == np.arange(way)[None, :, None]).any(-1)
