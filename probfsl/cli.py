@@ -381,7 +381,8 @@ def build_parser(parser_class: type[_Parser] = _Parser) -> argparse.ArgumentPars
         choices=list(CALIBRATIONS),
         default=None,
         help="temper the query probabilities by one temperature fitted on base-class "
-        "episodes (accuracy unchanged); default: temperature with --preset auto, else none",
+        "episodes (accuracy unchanged; in open-set tasks the known classes' columns, "
+        "P(open) as it is); default: temperature with --preset auto, else none",
     )
     run.add_argument(
         "--zero-shot",

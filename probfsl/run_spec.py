@@ -245,12 +245,6 @@ class RunSpec:
             raise ValueError("--calibrate temperature applies to few-shot runs, not --zero-shot")
         if self.open_queries and self.zero_shot:
             raise ValueError("--open-queries applies to few-shot runs, not --zero-shot")
-        if self.open_queries and self.calibrate == "temperature":
-            raise ValueError(
-                "--calibrate temperature tempers the closed-set probabilities and gives no "
-                "P(none of these classes); --open-queries scores the method's own open-set "
-                "posterior (use --calibrate none)"
-            )
         if self.open_queries and self.task_file is not None:
             raise ValueError(OPEN_QUERIES_WITH_FILE)
 

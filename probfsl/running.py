@@ -87,8 +87,8 @@ def run(spec: RunSpec, *, progress: bool = True) -> dict:
        base classes is tuned on base-class episodes (``"auto"``, with a note on stderr);
        ``"defaults"`` keeps the constructor's defaults.
     5. Calibration: ``calibrate=None`` means a temperature fitted on base-class episodes
-       where ``"auto"`` is used on closed tasks (nothing to fit without base classes),
-       else none.
+       where ``"auto"`` is used (nothing to fit without base classes; in open-set tasks
+       it tempers the known classes' columns), else none.
     6. Without base classes, a method whose only use of them is centring runs with
        ``center=False`` (a note); another is a ``ValueError`` (:func:`params_without_base`).
     7. ``"auto"``: the search on base-class episodes of the run's setting, with its own
@@ -138,10 +138,8 @@ def run(spec: RunSpec, *, progress: bool = True) -> dict:
             f"(hyperparameters tuned on base-class episodes; --preset {DEFAULTS} opts out)"
         )
         preset = "auto"
-    # the temperature is fitted to the closed-set probabilities: an open-set run leaves
-    # its posterior untempered unless asked
-    tempered = preset == "auto" and not open_queries
-    calibrate = spec.calibrate or ("temperature" if tempered else "none")
+    # in open-set tasks the temperature applies to the known classes' columns
+    calibrate = spec.calibrate or ("temperature" if preset == "auto" else "none")
     if calibrate == "temperature" and fs.classes_in("base").size == 0:
         if spec.calibrate == "temperature":
             raise ValueError(f"--calibrate temperature needs base classes; {fs.name} has none")
@@ -512,7 +510,8 @@ def run_setting(
     columns) before the next batch is made, so memory stays flat in ``tasks``.
 
     ``calibrate="temperature"`` tempers the query probabilities by one temperature
-    fitted on base-class episodes of the same setting (:mod:`probfsl.temperature`).
+    fitted on base-class episodes of the same setting (:mod:`probfsl.temperature`; in
+    open-set tasks the known classes' columns, P(open) as it is).
 
     ``open_queries > 0`` adds that many open queries to each task (the open-set
     protocol, :mod:`probfsl.data.open_set`) and scores the method's
@@ -521,9 +520,6 @@ def run_setting(
     (``open_queries`` is then the mean number per task).
     """
     estimator = make_estimator(method, preset, **(params or {}))
-    if calibrate == "temperature":
-        # base episodes of the search's seed, not the run's: one temperature per setting
-        estimator = TemperatureScaled(estimator, balance=balance, alpha=alpha, seed=SEARCH_SEED)
     open_set = f"--open-queries {open_queries}"
     if task_file is not None:
         if not isinstance(task_file, TaskFile):  # read a batch at a time, checked once
@@ -536,9 +532,12 @@ def run_setting(
         open_queries, query = _split_file_queries(task_file, query)
         open_set = f"{task_file.name} (open-set tasks)"
     if open_queries and not has_open_posterior(estimator):
-        tempered = calibrate == "temperature"
-        extra = " with --calibrate temperature (use --calibrate none)" * tempered
-        raise ValueError(f"{open_set}: {method} has no open-set posterior{extra}")
+        raise ValueError(f"{open_set}: {method} has no open-set posterior")
+    if calibrate == "temperature":
+        # base episodes of the search's seed, not the run's: one temperature per setting
+        estimator = TemperatureScaled(
+            estimator, balance=balance, alpha=alpha, seed=SEARCH_SEED, n_open=open_queries
+        )
     baseline = make_estimator(BASELINE, center=bool(fs.classes_in("base").size))
     with shared_backgrounds():  # the method and nearest centroid may preprocess alike
         estimator.fit_featureset(fs, dtype, device)

@@ -320,10 +320,9 @@ def test_probfsl_run_open_task_file_scores_the_sampled_run(tmp_path, capsys, ope
     assert "a task file fixes its tasks" in capsys.readouterr().err
 
 
-def test_open_task_files_need_an_open_posterior_and_base_classes(tmp_path, capsys):
-    """An open-set task file is scored by the method's open-set posterior: a run that
-    has none, or data with too few base classes for its background, is refused before
-    any task is scored."""
+def test_open_task_files_need_base_classes(tmp_path, capsys):
+    """An open-set task file is scored by the method's open-set posterior: data with too
+    few base classes for its background are refused before any task is scored."""
     from tests.synthetic import make_featureset
 
     fs = make_featureset(n_base=1)
@@ -336,13 +335,6 @@ def test_open_task_files_need_an_open_posterior_and_base_classes(tmp_path, capsy
     err = capsys.readouterr().err
     assert f"--task-file {path} (open-set tasks): P(none of these classes)" in err
     assert "needs at least 2; few_base has 1" in err
-    omniglot = sample_task_indices(load_dataset("omniglot"), 3, 5, 1, 15, seed=0, n_open=15)
-    path = save_task_file(tmp_path / "omniglot.npz", omniglot)
-    argv = ["run", "--method", "nearest-centroid", "--dataset", "omniglot", "--task-file"]
-    assert main([*argv, str(path), "--calibrate", "temperature"]) == 2
-    assert "(open-set tasks): nearest-centroid has no open-set posterior" in (
-        capsys.readouterr().err
-    )
 
 
 # --- metrics --------------------------------------------------------------------------------
@@ -472,22 +464,65 @@ def test_evaluate_open_set_oracle_coin_and_wrong_shapes(open_episodes):
 
 
 def test_a_wrapper_without_an_open_posterior_is_refused_before_any_work(synthetic):
-    """Every estimator inherits a ``predict_proba_open`` that only raises: a wrapper
-    without its own (temperature scaling) is told apart before it is fitted or run."""
+    """Every estimator inherits a ``predict_proba_open`` that only raises: a wrapper says
+    for itself whether it has its own (temperature scaling: only for open-set tasks,
+    ``n_open``, of an estimator that has one), before it is fitted or run."""
     from probfsl.evaluation.open_set import OpenPosterior, has_open_posterior
-    from probfsl.running import run_setting
     from probfsl.temperature import TemperatureScaled
 
     assert has_open_posterior(NearestCentroid()) and has_open_posterior(_Oracle())
     tempered = TemperatureScaled(NearestCentroid())
     assert not has_open_posterior(tempered) and not has_open_posterior(object())
+    assert has_open_posterior(TemperatureScaled(NearestCentroid(), n_open=6))
+    assert not has_open_posterior(TemperatureScaled(object(), n_open=6))
     with pytest.raises(ValueError, match="has no open-set posterior"):
         OpenPosterior(tempered)
-    with pytest.raises(ValueError, match="no open-set posterior with --calibrate temperature"):
-        run_setting(
-            "nearest-centroid", synthetic, 3, 1, 9, "balanced", 2.0, 4, 0, torch.device("cpu"),
-            torch.float32, progress=False, calibrate="temperature", open_queries=6,
-        )  # fmt: skip
+    with pytest.raises(ValueError, match="n_open=6: object has no open-set posterior"):
+        TemperatureScaled(object(), n_open=6).fit_featureset(synthetic)
+
+
+def test_temperature_tempers_the_known_columns_of_open_set_tasks(synthetic):
+    """In open-set tasks the temperature applies to the known classes given "known":
+    P(open) and each query's known mass are the wrapped estimator's, the known columns
+    are its renormalised ones tempered by the τ fitted on base episodes with as many open
+    queries (closed queries only), and the argmax stays. Where the base classes cannot
+    hold the open queries, τ comes from closed episodes and the note says so."""
+    from probfsl.evaluation.calibration import apply_temperature, fit_temperature
+    from probfsl.models.soft_kmeans import SoftKMeans
+    from probfsl.temperature import TemperatureScaled
+    from tests.conftest import make_featureset
+
+    fs = make_featureset(n_base=24, n_novel=8, per_class=30, dim=6, spread=1.5)
+    tasks = sample_episodes(fs, 20, way=3, shot=1, n_query=9, seed=2, n_open=6)
+    scaled = TemperatureScaled(SoftKMeans(), n_episodes=60, n_open=6).fit_featureset(
+        fs, torch.float64
+    )
+    tempered = scaled.predict_proba_open(tasks.to(dtype=torch.float64))
+    tau = scaled.temperature_[(3, 1, 9)]
+    assert tau != pytest.approx(1.0) and (3, 1, 9) not in scaled.notes_
+    plain = scaled.estimator_.predict_proba_open(tasks.to(dtype=torch.float64))
+    torch.testing.assert_close(tempered[..., -1], plain[..., -1])
+    torch.testing.assert_close(tempered[..., :-1].sum(-1), plain[..., :-1].sum(-1))
+    known = plain[..., :-1] / plain[..., :-1].sum(-1, keepdim=True)
+    given_known = tempered[..., :-1] / tempered[..., :-1].sum(-1, keepdim=True)
+    torch.testing.assert_close(given_known, apply_temperature(known, tau))
+    assert torch.equal(tempered[..., :-1].argmax(-1), plain[..., :-1].argmax(-1))
+    # τ is the NLL-optimal one of the closed queries of open base episodes
+    from probfsl.data.base_episodes import base_episode_split
+
+    view = base_episode_split(fs)
+    base = sample_episodes(view, 60, 3, 1, 9, "dirichlet", 2.0, 0, dtype=torch.float64, n_open=6)
+    model = SoftKMeans().fit_featureset(view, torch.float64)
+    p = model.predict_proba_open(base)[..., :-1]
+    closed = ~base.open_mask
+    p = (p / p.sum(-1, keepdim=True))[closed].view(60, 9, 3)
+    assert tau == pytest.approx(fit_temperature(p, base.query_labels[closed].view(60, 9)))
+    # 300 open queries a task: more than the other base classes hold, so closed episodes
+    crowded = TemperatureScaled(SoftKMeans(), n_episodes=60, n_open=300).fit_featureset(fs)
+    assert crowded.fit_shape(3, 1, 9, torch.float64) != 1.0
+    assert "cannot hold 300 open queries" in crowded.notes_[(3, 1, 9)]
+    with pytest.raises(ValueError, match="set n_open"):
+        TemperatureScaled(SoftKMeans()).fit_featureset(fs).predict_proba_open(tasks)
 
 
 def test_baselines_detect_open_queries(synthetic, open_episodes, open_posterior):
@@ -541,7 +576,6 @@ def test_probfsl_run_open_queries_end_to_end(tmp_path, capsys, open_posterior):
         (["--open-queries", "75", "--zero-shot"], "applies to few-shot runs"),
         (["--open-queries", "3000"], "open queries"),
         (["--open-queries", "75", "--way", "106", "--query", "106"], "all taken"),
-        (["--open-queries", "75", "--calibrate", "temperature"], "use --calibrate none"),
     ],
 )
 def test_probfsl_run_open_queries_errors(capsys, extra, problem):
@@ -552,6 +586,29 @@ def test_probfsl_run_open_queries_errors(capsys, extra, problem):
         status = stop.code
     assert status == 2
     assert problem in capsys.readouterr().err
+
+
+def test_probfsl_run_open_queries_tempers_the_known_columns_by_default(tmp_path, monkeypatch):
+    """With ``--preset auto`` (the default) an open-set run tempers the known classes'
+    columns as a closed run tempers its probabilities; ``--calibrate none`` does not, and
+    P(open) is the same either way."""
+    from probfsl.tuning import SEARCH_SPACES
+
+    monkeypatch.setitem(SEARCH_SPACES, "soft-kmeans", {"temperature": [10.0]})
+    argv = ["run", "--method", "soft-kmeans", "--dataset", "omniglot", "--tasks", "10"]
+    argv += ["--query", "15", "--open-queries", "15"]
+    rows = {}
+    for calibrate in ("default", "none"):
+        out = tmp_path / f"{calibrate}.json"
+        extra = [] if calibrate == "default" else ["--calibrate", "none"]
+        assert main([*argv, *extra, "--out", str(out)]) == 0
+        rows[calibrate] = json.loads(out.read_text())
+    tempered, plain = rows["default"], rows["none"]
+    assert tempered["calibrate"] == "temperature" and plain["calibrate"] == "none"
+    assert tempered["temperature"] != pytest.approx(1.0)
+    assert tempered["nll"] != plain["nll"] and tempered["accuracy"] == plain["accuracy"]
+    for key in ("auroc", "ece_open"):
+        assert tempered[key] == pytest.approx(plain[key])
 
 
 @pytest.mark.parametrize("n_base", [0, 1])

@@ -97,10 +97,6 @@ def test_values_are_normalised_and_params_copied(tmp_path):
         ({"preset": "cub"}, "method 'nearest-centroid' has no presets"),
         ({"preset": "auto"}, "no search space for method 'nearest-centroid'"),
         ({"open_queries": 15, "task_file": "t.npz"}, "it does not apply to --task-file"),
-        (
-            {"open_queries": 15, "calibrate": "temperature"},
-            "--calibrate temperature tempers the closed-set probabilities",
-        ),
     ],
 )
 def test_a_bad_value_is_a_value_error_that_names_it(fields, message):

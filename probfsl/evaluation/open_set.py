@@ -245,9 +245,12 @@ def has_open_posterior(model: Any) -> bool:
     """Whether ``model`` gives an open-set posterior: a ``predict_proba_open`` of its own.
 
     Every estimator inherits :meth:`~probfsl.models.base.FewShotClassifier.predict_proba_open`,
-    which only raises (a wrapper such as
-    :class:`~probfsl.temperature.TemperatureScaled` has no other), so ``hasattr`` cannot
-    tell; this can, before any work."""
+    which only raises, so ``hasattr`` cannot tell; this can, before any work. A wrapper
+    says for itself (its ``has_open_posterior()``, as
+    :class:`~probfsl.temperature.TemperatureScaled`)."""
+    own = getattr(model, "has_open_posterior", None)
+    if callable(own):
+        return bool(own())
     method = getattr(model, "predict_proba_open", None)
     if method is None:
         return False
