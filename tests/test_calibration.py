@@ -217,3 +217,25 @@ def test_no_temperature_from_a_handful_of_base_classes():
     enough = make_featureset(n_base=MIN_CLASSES, n_novel=4, per_class=10, dim=4, spread=1.0)
     scaled = TemperatureScaled(SoftKMeans(), n_episodes=60).fit_featureset(enough)
     assert scaled.fit_shape(3, 1, 15, torch.float64) != 1.0
+
+
+def test_masked_calibration_is_each_tasks_own_on_its_queries():
+    """With a mask, each task's metrics are those of its marked queries alone (tasks of
+    different numbers of queries, as the closed queries of open-set tasks); an all-true
+    mask gives the unmasked numbers."""
+    proba, labels = _random_task(t=5, q=30, k=4, seed=2)
+    g = torch.Generator().manual_seed(3)
+    mask = torch.rand(5, 30, generator=g) < 0.6
+    mask[:, 0] = True
+    masked = calibration_per_task(proba, labels, mask=mask)
+    for t in range(5):
+        keep = mask[t]
+        alone = calibration_per_task(proba[t : t + 1, keep], labels[t : t + 1, keep])
+        for name, value in alone.items():
+            assert masked[name][t] == pytest.approx(float(value[0]), rel=1e-12), name
+    full = calibration_per_task(proba, labels, mask=torch.ones(5, 30, dtype=torch.bool))
+    plain = calibration_per_task(proba, labels)
+    for name in plain:
+        torch.testing.assert_close(full[name], plain[name], rtol=1e-12, atol=1e-15)
+    with pytest.raises(ValueError, match="mask must be a bool"):
+        calibration_per_task(proba, labels, mask=mask.double())

@@ -296,6 +296,15 @@ def test_open_task_files_with_varying_open_counts(synthetic, tmp_path):
     assert result.metrics["auroc"][0] == pytest.approx(100.0)
     assert result.metrics["accuracy"][0] == pytest.approx(100.0)
     assert result.metrics["ece_open"][0] == pytest.approx(0.0)
+    # the closed-set calibration too, each task on its own closed queries
+    coin = evaluate_open_set(_Coin(), episodes).metrics
+    proba = _Coin().predict_proba_open(episodes)[..., :-1]
+    nll = []
+    for t in range(6):
+        closed = ~episodes.open_mask[t]
+        p = proba[t, closed] / proba[t, closed].sum(-1, keepdim=True)
+        nll.append(-p.gather(-1, episodes.query_labels[t, closed, None]).log().mean())
+    assert coin["nll"][0] == pytest.approx(float(torch.stack(nll).mean()), rel=1e-6)
 
 
 def test_probfsl_run_open_task_file_scores_the_sampled_run(tmp_path, capsys, open_posterior):

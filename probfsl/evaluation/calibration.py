@@ -44,35 +44,67 @@ def _check(proba: torch.Tensor, labels: torch.Tensor) -> None:
         raise TypeError(f"proba must be a floating-point tensor, got {proba.dtype}")
 
 
-def _binned_gap(correct: torch.Tensor, conf: torch.Tensor, bins: torch.Tensor, n_bins: int):
-    """``Σ_b |Σ_{i∈b} (correct_i − conf_i)| / Q`` per task, from bin indices [T, Q]."""
+def _binned_gap(
+    correct: torch.Tensor,
+    conf: torch.Tensor,
+    bins: torch.Tensor,
+    n_bins: int,
+    count: torch.Tensor | int | None = None,
+):
+    """``Σ_b |Σ_{i∈b} (correct_i − conf_i)| / Q`` per task, from bin indices [T, Q]
+    (``count`` [T]: each task's Q where not every query counts; those that do not carry
+    ``correct`` = ``conf`` = 0)."""
     gap = torch.zeros(conf.shape[0], n_bins, dtype=conf.dtype, device=conf.device)
     gap.scatter_add_(1, bins, correct - conf)
-    return gap.abs().sum(1) / conf.shape[1]
+    return gap.abs().sum(1) / (conf.shape[1] if count is None else count)
 
 
 def calibration_per_task(
-    proba: torch.Tensor, labels: torch.Tensor, n_bins: int = 15
+    proba: torch.Tensor,
+    labels: torch.Tensor,
+    n_bins: int = 15,
+    mask: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """ECE, adaptive ECE, NLL and Brier score of each task, each ``[T]`` (see module doc)."""
+    """ECE, adaptive ECE, NLL and Brier score of each task, each ``[T]`` (see module doc).
+
+    ``mask`` [T, Q] (bool): only the queries it marks count, so tasks may have different
+    numbers of them (the closed queries of open-set tasks, :mod:`probfsl.evaluation.
+    open_set`); each task needs one."""
     _check(proba, labels)
     if n_bins < 1:
         raise ValueError(f"n_bins must be positive, got {n_bins}")
     labels = labels.to(proba.device).long()
     conf, pred = proba.max(-1)
     correct = (pred == labels).to(proba.dtype)
-    n_query = proba.shape[1]
-    width_bins = (conf * n_bins).long().clamp(0, n_bins - 1)
-    ranks = conf.argsort(-1).argsort(-1)
-    mass_bins = (ranks * n_bins) // n_query
     p_true = proba.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     tiny = torch.finfo(proba.dtype).tiny
     onehot = torch.nn.functional.one_hot(labels, proba.shape[-1]).to(proba.dtype)
+    nll = -p_true.clamp_min(tiny).log()
+    brier = (proba - onehot).pow(2).sum(-1)
+    width_bins = (conf * n_bins).long().clamp(0, n_bins - 1)
+    if mask is None:
+        ranks = conf.argsort(-1).argsort(-1)
+        mass_bins = (ranks * n_bins) // proba.shape[1]
+        return {
+            "ece": _binned_gap(correct, conf, width_bins, n_bins),
+            "adaptive_ece": _binned_gap(correct, conf, mass_bins, n_bins),
+            "nll": nll.mean(-1),
+            "brier": brier.mean(-1),
+        }
+    if mask.shape != labels.shape or mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a bool [T, Q] {tuple(labels.shape)}, got {mask.shape}")
+    mask = mask.to(proba.device)
+    weight = mask.to(proba.dtype)
+    count = weight.sum(-1)
+    # the queries left out rank last, so the others' equal-mass bins are their own
+    ranks = conf.masked_fill(~mask, torch.inf).argsort(-1).argsort(-1)
+    mass_bins = ((ranks * n_bins) // mask.sum(-1, keepdim=True)).clamp(max=n_bins - 1)
+    correct, conf = correct * weight, conf * weight
     return {
-        "ece": _binned_gap(correct, conf, width_bins, n_bins),
-        "adaptive_ece": _binned_gap(correct, conf, mass_bins, n_bins),
-        "nll": -p_true.clamp_min(tiny).log().mean(-1),
-        "brier": (proba - onehot).pow(2).sum(-1).mean(-1),
+        "ece": _binned_gap(correct, conf, width_bins, n_bins, count),
+        "adaptive_ece": _binned_gap(correct, conf, mass_bins, n_bins, count),
+        "nll": (nll * weight).sum(-1) / count,
+        "brier": (brier * weight).sum(-1) / count,
     }
 
 

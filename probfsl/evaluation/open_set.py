@@ -18,9 +18,8 @@ Per task:
   values in ``n_bins`` equal-width bins, ``Σ_b |Σ_{i∈b} (1[open_i] − p_i)| / Q``
   (with 150 queries a perfectly calibrated probability still scores above 0: see
   :mod:`probfsl.evaluation.calibration`);
-* and, where the closed queries are as many in every task, the closed-set calibration
-  (ECE, adaptive ECE, NLL, Brier) of the first K columns renormalised, on the closed
-  queries.
+* and the closed-set calibration (ECE, adaptive ECE, NLL, Brier) of the first K
+  columns renormalised, on the closed queries.
 
 Every metric is computed batched over tasks in torch and reported as its mean over tasks
 and 95% half-width ``1.96·std/√T``; accuracy, AUROC, AUPR and precision in percent.
@@ -175,9 +174,9 @@ def open_set_per_task(
     ``labels`` ``[T, Q]``: task-local labels, ``K`` for an open query; ``p_open``
     ``[T, Q]``: the probability that a query is open, scored for ECE-open where given.
     Returns ``accuracy`` (on the closed queries), ``auroc``, ``aupr``,
-    ``prec_at_90_recall`` and, with ``p_open``, ``ece_open``; and where every task has
-    as many closed queries, the closed-set calibration of :data:`probfsl.evaluation.
-    calibration.METRICS` on them (``closed_proba`` renormalised).
+    ``prec_at_90_recall`` and, with ``p_open``, ``ece_open``; and the closed-set
+    calibration of :data:`probfsl.evaluation.calibration.METRICS` on the closed queries
+    (``closed_proba`` renormalised; tasks may hold different numbers of them).
     ``ValueError`` for a label outside ``0..K`` or a task without an open or a closed
     query.
     """
@@ -209,11 +208,9 @@ def open_set_per_task(
     out["prec_at_90_recall"] = precision_at_recall(outlier_score, is_open, RECALL)
     if p_open is not None:
         out["ece_open"] = open_ece(p_open.to(closed_proba.device), is_open, n_bins)
-    if bool((n_open == n_open[0]).all()):
-        n_closed = labels.shape[1] - int(n_open[0])
-        proba = closed_proba[closed].reshape(labels.shape[0], n_closed, way)
-        proba = proba / proba.sum(-1, keepdim=True).clamp_min(torch.finfo(proba.dtype).tiny)
-        out.update(calibration_per_task(proba, labels[closed].reshape(-1, n_closed), n_bins))
+    tiny = torch.finfo(closed_proba.dtype).tiny
+    proba = closed_proba / closed_proba.sum(-1, keepdim=True).clamp_min(tiny)
+    out.update(calibration_per_task(proba, labels.clamp(max=way - 1), n_bins, mask=closed))
     return out
 
 
