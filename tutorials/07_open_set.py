@@ -288,4 +288,11 @@ for name, model in (("nearest centroid", centroid), ("BAVARDAGE", bavardage)):
     )
 
 # %% [markdown]
-# From the command line, `probfsl run --open-queries 75` runs the same protocol.
+# From the command line, `probfsl run --open-queries 75` runs the same protocol. Tasks
+# fixed in advance (to score another method on exactly the same ones) are a task file:
+# `save_task_file("open_tasks.npz", sample_task_indices(fs, 500, 5, 1, 75, n_open=75))`
+# writes them with their open classes (the `open_classes` field, which marks a file of
+# open-set tasks), and `probfsl run --method bavardage --dataset omniglot --task-file
+# open_tasks.npz` scores them. Its known columns are then tempered as a closed run's
+# probabilities are (`--calibrate temperature`, the default with `--preset auto`), and
+# P(none of these classes) keeps its own calibration.
