@@ -146,6 +146,9 @@ SEPARATING_ERRORS = 5
 SATURATED_ACCURACY = 99.0
 #: class draws of the harder episodes (:func:`probfsl.data.base_episodes.class_subset_views`)
 HARDER_DRAWS = 10
+#: the most ways of the harder episodes (or the tasks' way, if more): with 400 base classes
+#: of 20 samples, 398-way episodes of 7,960 points asked for 7.6 GB Gram matrices
+HARDER_MAX_WAY = 20
 #: the share of the base episodes (at least :data:`SCREEN_MIN` episodes) on which the
 #: coarse grid is first held against nearest centroid: a search whose every candidate
 #: loses there by more than its 95% interval stops
@@ -707,12 +710,12 @@ def _view_episodes(
     return parts
 
 
-def _harder_pool(fs, shot, balance, alpha, seed, n_episodes, dtype, device) -> _Pool | None:
+def _harder_pool(fs, way, shot, balance, alpha, seed, n_episodes, dtype, device) -> _Pool | None:
     """Episodes as hard as the base classes allow: as many ways as leave two base classes
-    for the statistics, the most queries the smallest class allows, over
-    :data:`HARDER_DRAWS` draws of classes (:func:`class_subset_views`); ``None`` when
-    they cannot be formed."""
-    shape = hardest_episode_shape(fs, shot)
+    for the statistics (at most :data:`HARDER_MAX_WAY` or ``way``), the most queries the
+    smallest class allows, over :data:`HARDER_DRAWS` draws of classes
+    (:func:`class_subset_views`); ``None`` when they cannot be formed."""
+    shape = hardest_episode_shape(fs, shot, max_way=max(HARDER_MAX_WAY, way))
     if shape is None:
         return None
     views = class_subset_views(fs, shape[0], HARDER_DRAWS, seed)
@@ -790,18 +793,18 @@ def auto_preset(
     shot, or EM-Dirichlet on embeddings that are not class probabilities): the choice is
     then to run the baseline (``method``), and ``note`` says so with both accuracies.
 
-    Where the base episodes cannot separate the candidates (neither the best candidate
-    nor nearest centroid misclassifies :data:`SEPARATING_ERRORS` queries, or both score
+    Where the base episodes cannot separate the candidates (neither the best candidate nor
+    nearest centroid misclassifies :data:`SEPARATING_ERRORS` queries, or both score
     :data:`SATURATED_ACCURACY`), the search runs again on the hardest episodes the base
-    classes allow (:func:`_harder_pool`) and ranks by query NLL among the candidates
-    within the most accurate one's 95% interval; the reference and nearest centroid are
-    then held to the same rule (:func:`_prefer`). Wherever the episodes searched have
-    fewer ways than the target, the choice of any method is held against nearest
-    centroid at the target way (:func:`_full_way_comparison`). With fewer base classes
-    than a temperature needs (:data:`probfsl.temperature.MIN_CLASSES`) the probabilities
-    are used as they come, so there too a choice not clearly more accurate than nearest
-    centroid must have the lower query NLL (:func:`_prefer`). A search whose every
-    coarse candidate scores below nearest centroid on its first episodes
+    classes allow, up to :data:`HARDER_MAX_WAY` ways (:func:`_harder_pool`), and ranks by
+    query NLL among the candidates within the most accurate one's 95% interval; the
+    reference and nearest centroid are then held to the same rule (:func:`_prefer`).
+    Wherever the episodes searched have fewer ways than the target, the choice of any method
+    is held against nearest centroid at the target way (:func:`_full_way_comparison`). With
+    fewer base classes than a temperature needs (:data:`probfsl.temperature.MIN_CLASSES`)
+    the probabilities are used as they come, so there too a choice not clearly more accurate
+    than nearest centroid must have the lower query NLL (:func:`_prefer`). A search whose
+    every coarse candidate scores below nearest centroid on its first episodes
     (:data:`SCREEN_SHARE`) stops there and runs nearest centroid (``result`` ``None``).
 
     ``fixed`` hyperparameters are kept in every case. Novel classes are never read.
@@ -994,7 +997,7 @@ def _auto_preset(
     best = _best_row(result.trace, criterion)
     ranked_by_nll = False
     if criterion == "accuracy" and not _separates(best, baseline):
-        harder = _harder_pool(fs, shot, balance, alpha, seed, n_episodes, dtype, device)
+        harder = _harder_pool(fs, way, shot, balance, alpha, seed, n_episodes, dtype, device)
         if harder is not None:
             candidates = [_Candidates(method, v, fixed, dtype, device) for v, _ in harder.parts]
             result = _search(

@@ -9,6 +9,7 @@ from probfsl.data import FeatureSet, sample_episodes
 from probfsl.data.base_episodes import (
     base_episode_shape,
     base_episode_split,
+    hardest_episode_shape,
     open_base_episode_shape,
 )
 from probfsl.data.tasks import BALANCES
@@ -579,6 +580,13 @@ def test_separable_base_episodes_search_on_harder_ones_by_nll():
     assert "4-way 1-shot 28-query episodes of 10 draws of the 6 base classes" in choice.note
     assert choice.result.criterion == "nll among the most accurate"
     assert all("nll" in row and "errors" in row for row in choice.result.trace)
+    # many base classes: at most HARDER_MAX_WAY ways (398-way episodes once took 7.6 GB),
+    # or the tasks' way where that is more
+    many = _separable(n_base=40)
+    choice = auto_preset("soft-kmeans", many, 3, 1, 15, n_episodes=20)
+    assert f"{tuning.HARDER_MAX_WAY}-way 1-shot" in choice.note, choice.note
+    assert hardest_episode_shape(many, 1, max_way=25) == (25, 1, 25 * 7)
+    assert hardest_episode_shape(many, 1) == (38, 1, 38 * 7)
 
 
 def test_ranking_by_nll_among_the_most_accurate():

@@ -221,16 +221,19 @@ def hardest_episode_shape(
     shot: int,
     max_query_per_class: int = 15,
     min_base: int = MIN_STATISTICS_CLASSES,
+    max_way: int | None = None,
 ) -> tuple[int, int, int] | None:
     """The hardest (way, shot, queries) of the episodes of :func:`class_subset_views`.
 
-    As many ways as leave ``min_base`` base classes for the statistics, the target
-    ``shot`` (capped by the smallest base class), and as many queries per class as the
-    smallest class leaves (at most ``max_query_per_class``). ``None`` when not even
-    2-way 1-shot episodes fit.
+    As many ways as leave ``min_base`` base classes for the statistics (at most
+    ``max_way``), the target ``shot`` (capped by the smallest base class), and as many
+    queries per class as the smallest class leaves (at most ``max_query_per_class``).
+    ``None`` when not even 2-way 1-shot episodes fit.
     """
     sizes = class_sizes(fs, "base")
     way = sizes.size - min_base
+    if max_way is not None:
+        way = min(way, max_way)
     if way < 2 or sizes.min() < 2:
         return None
     s = min(shot, int(sizes.min()) - 1)
