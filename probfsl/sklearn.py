@@ -49,6 +49,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
 
 from probfsl.methods import method_info
 from probfsl.models.base import FewShotClassifier, episodes_from_arrays
+from probfsl.validation import check_flag
 
 __all__ = [
     "CLASSIFIERS",
@@ -196,16 +197,30 @@ class FewShotTaskClassifier(ClassifierMixin, BaseEstimator):
         self.support_labels_ = codes.astype(np.int64)
         return self
 
-    def predict_proba(self, X: Any) -> np.ndarray:
+    def predict_proba(self, X: Any, open_set: bool = False) -> np.ndarray:
         """Class probabilities ``[Q, K]`` of the queries ``X`` [Q, D] of the task
         (columns in ``classes_`` order), in the support's dtype. Transductive methods
-        classify the rows of ``X`` jointly, as one task's queries."""
+        classify the rows of ``X`` jointly, as one task's queries.
+
+        ``open_set=True``: the queries may belong to none of the task's classes; the
+        probabilities are ``[Q, K + 1]``, the last column P(none of these classes), the
+        method's open-set posterior (its background learnt from the base classes, so
+        ``base_features`` with at least two classes are needed)."""
+        check_flag("open_set", open_set)
         check_is_fitted(self)
         X = validate_data(self, X, reset=False, dtype=_FLOAT_DTYPES)
         support = _tensor(self.support_)
         query = _tensor(X).to(support.dtype)
         episodes, _, _ = episodes_from_arrays(support, self.support_labels_, query)
-        proba = self.estimator_.predict_proba(episodes)[0]
+        if open_set:
+            if self.base_features is None:
+                raise ValueError(
+                    "open_set=True weighs each query against a background learnt from the "
+                    "base classes: give base_features and base_labels, or call fit_base"
+                )
+            proba = self.estimator_.predict_proba_open(episodes)[0]
+        else:
+            proba = self.estimator_.predict_proba(episodes)[0]
         return proba.detach().cpu().numpy()
 
     def predict(self, X: Any) -> np.ndarray:

@@ -140,6 +140,34 @@ def test_string_labels_and_the_wrapped_estimator_agree(name, omniglot, task):
     assert clf.score(xq, yq) > 0.5  # far above chance (1/3) on this task
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_open_set_probabilities_are_the_methods_open_posterior(name, omniglot, task):
+    """``predict_proba(X, open_set=True)``: K + 1 columns, the K in ``classes_`` order and
+    P(none of these classes) last, as the wrapped estimator's ``fit_predict_proba(...,
+    open_set=True)`` gives them on the same task with integer labels; queries of other
+    classes get the higher P(open) on average."""
+    base_x, base_y, x, y = omniglot
+    xs, ys, xq, _ = task
+    others = np.concatenate([np.flatnonzero(y == c)[:10] for c in np.unique(y)[[30, 40, 50]]])
+    queries = np.concatenate([xq, x[others]])
+    clf = small(name, base_features=base_x, base_labels=base_y).fit(xs, ys)
+    proba = clf.predict_proba(queries, open_set=True)
+    assert proba.shape == (len(queries), 4) and np.allclose(proba.sum(1), 1)
+    assert (proba >= 0).all() and (proba <= 1).all()
+    wrapped = make_estimator(name, **SMALL.get(name, {})).fit_base(base_x, base_y)
+    codes = np.searchsorted(clf.classes_, ys)
+    classes, expected = wrapped.fit_predict_proba(xs, codes, queries, open_set=True)
+    assert list(classes) == [0, 1, 2]
+    np.testing.assert_allclose(proba, expected, rtol=1e-5, atol=1e-6)
+    assert proba[len(xq) :, -1].mean() > proba[: len(xq), -1].mean()
+    assert clf.predict_proba(queries).shape == (len(queries), 3)  # closed by default
+    with pytest.raises(TypeError, match="open_set must be True or False"):
+        clf.predict_proba(queries, open_set="yes")
+    no_base = small(name).fit(xs, ys)
+    with pytest.raises(ValueError, match="give base_features and base_labels"):
+        no_base.predict_proba(queries, open_set=True)
+
+
 @pytest.mark.parametrize("kind", ["ints", "objects", "categorical", "series"])
 def test_any_hashable_labels(kind, task):
     """Integers, Python objects, pandas categories: classes_ sorted, predictions in them."""

@@ -49,6 +49,7 @@ from probfsl.validation import (
     as_user_array,
     check_base,
     check_episodes,
+    check_flag,
     check_float_dtype,
 )
 
@@ -222,7 +223,8 @@ class TaskProbabilities(NamedTuple):
     #: the task's classes, its sorted distinct support labels in the caller's values:
     #: ``[K]`` for one task, ``[T, K]`` for a batch
     classes: np.ndarray | torch.Tensor
-    #: query probabilities ``[Q, K]`` (batch: ``[T, Q, K]``), each row summing to 1
+    #: query probabilities ``[Q, K]`` (batch: ``[T, Q, K]``), each row summing to 1; with
+    #: ``open_set=True`` one more column, last: P(none of these classes)
     proba: np.ndarray | torch.Tensor
 
     def labels(self) -> np.ndarray | torch.Tensor:
@@ -351,7 +353,9 @@ class FewShotClassifier(Hyperparameters, ABC):
         labels = labels[0] if single else labels
         return labels if isinstance(query, torch.Tensor) else labels.cpu().numpy()
 
-    def fit_predict_proba(self, support: Any, support_labels: Any, query: Any) -> TaskProbabilities:
+    def fit_predict_proba(
+        self, support: Any, support_labels: Any, query: Any, open_set: bool = False
+    ) -> TaskProbabilities:
         """Class probabilities of the queries of one task (or a batch) given as arrays.
 
         The arrays are those of :meth:`fit_predict` (``support`` [n, D], ``support_labels``
@@ -367,9 +371,14 @@ class FewShotClassifier(Hyperparameters, ABC):
         not changed (as :meth:`predict_proba`, which takes an
         :class:`~probfsl.data.tasks.Episodes` batch and returns ``[T, Q, K]`` in task-local
         class order).
+
+        ``open_set=True``: the queries may belong to none of the task's classes, and
+        ``proba`` has K + 1 columns, the last P(none of these classes)
+        (:meth:`predict_proba_open`; ``classes`` still lists the K classes).
         """
+        check_flag("open_set", open_set)
         episodes, classes, values, single = _task_arrays(support, support_labels, query)
-        proba = self.predict_proba(episodes)
+        proba = self.predict_proba_open(episodes) if open_set else self.predict_proba(episodes)
         proba = proba[0] if single else proba
         if values is not None:
             task_classes: np.ndarray | torch.Tensor = values[0] if single else values
