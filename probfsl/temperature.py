@@ -66,6 +66,7 @@ from probfsl.data.base_episodes import (
     base_episode_split,
     class_sizes,
     class_subset_views,
+    open_base_episode_shape,
 )
 from probfsl.data.featureset import FeatureSet
 from probfsl.data.tasks import Episodes, sample_episodes
@@ -215,8 +216,11 @@ class TemperatureScaled(FewShotClassifier):
         if fitted_on is not None and fitted_on[0] == way:
             where = None if fitted_on == shape else f"{fitted_on} (way, shot, queries)"
             split = [base_episode_split(self.base_, self.seed)]  # half the classes each
-            if n_open and not self._holds_open(split[0], fitted_on):
-                n_open = 0
+            if n_open:  # the tasks' shape with their open queries, or closed episodes
+                held = open_base_episode_shape(
+                    split[0], fitted_on, n_open, self.balance, self.alpha, self.seed
+                )
+                n_open = n_open if held == (fitted_on, n_open) else 0
             parts = self._view_parts(split, fitted_on, dtype, device, n_open)
         else:
             n_open = 0
@@ -263,19 +267,6 @@ class TemperatureScaled(FewShotClassifier):
         tau, note = fit_base_temperature(torch.cat(probas), torch.cat(labels))
         tuning_cache.store(key, {"temperature": tau, "note": note})
         return tau, where, "; ".join(n for n in (open_note, note) if n)
-
-    def _holds_open(self, view: FeatureSet, shape: tuple[int, int, int]) -> bool:
-        """Whether ``view``'s novel classes hold :attr:`n_open` open queries beside
-        episodes of ``shape``."""
-        from probfsl.data.tasks import sample_task_indices
-
-        try:
-            sample_task_indices(
-                view, 1, *shape, self.balance, self.alpha, self.seed, n_open=self.n_open
-            )
-        except ValueError:
-            return False
-        return True
 
     def _way_shape(self, shape: tuple[int, int, int]) -> tuple[int, int, int] | None:
         """Episodes of the tasks' way with the shot and queries per class the smallest
