@@ -40,6 +40,7 @@ def main() -> None:
         if args.reuse:  # a cache folder, or a folder of entries (the shipped ones)
             for entry in [*args.reuse.glob("*.json"), *(args.reuse / "auto").glob("*.json")]:
                 shutil.copy(entry, Path(tmp) / "auto" / entry.name)
+        from probfsl import __version__ as version
         from probfsl import tuning_cache
         from probfsl.data import load_dataset
         from probfsl.tuning import SEARCH_SPACES, auto_preset, auto_preset_zero_shot
@@ -59,7 +60,10 @@ def main() -> None:
         TARGET.mkdir(parents=True)
         kept = 0
         for entry in (Path(tmp) / "auto").glob("*.json"):
-            if json.loads(entry.read_text())["key"]["data"] in prints:
+            key = json.loads(entry.read_text())["key"]
+            # a reused entry of an older search space or version is never read again
+            current = json.loads(json.dumps(SEARCH_SPACES.get(key["method"])))
+            if key["data"] in prints and key["space"] == current and key["probfsl"] == version:
                 shutil.copy(entry, TARGET / entry.name)
                 kept += 1
         print(f"wrote {kept} entries to {TARGET}")
