@@ -375,3 +375,153 @@ def test_a_store_lists_the_last_sweep_in_its_order(local_table):
 
     assert read_table(root)["cell_key"].tolist() == table["cell_key"].tolist()
     assert table["label"].tolist() == ["nearest-centroid"] * 4 + ["soft-kmeans"] * 4
+
+
+# -- task files -------------------------------------------------------------------------
+
+
+def _task_files(folder: Path) -> tuple[Path, Path]:
+    """A closed 5-way 5-shot and an open-set 5-way 1-shot task file of built-in Omniglot."""
+    from probfsl.data import load_dataset, sample_task_indices, save_task_file
+
+    fs = load_dataset("omniglot")
+    closed = sample_task_indices(fs, 12, way=5, shot=5, n_query=20, seed=3)
+    opened = sample_task_indices(fs, 12, way=5, shot=1, n_query=15, seed=4, n_open=10)
+    return (
+        save_task_file(folder / "closed.npz", closed),
+        save_task_file(folder / "open.npz", opened),
+    )
+
+
+def _task_file_sweep(folder: Path) -> dict:
+    return {
+        "data": {"om": {"dataset": "omniglot", "tasks": ["closed.npz", "open.npz"]}},
+        "methods": ["nearest-centroid", {"method": "soft-kmeans", "preset": "defaults"}],
+        "grid": {"shot": [1, 5], "seed": [0, 1], "open": [0, 75], "balance": ["dirichlet"]},
+        "run": {"tasks": 500, "device": "cpu"},
+    }
+
+
+def test_task_files_replace_the_axes_they_fix(tmp_path):
+    """One cell per task file and method: way, shot, queries and open queries are the
+    file's, and the grid's axes but the engine (and run.tasks) do not multiply them."""
+    _task_files(tmp_path)
+    config = config_from_dict(_task_file_sweep(tmp_path), tmp_path)
+    cells = config.cells()
+    assert len(cells) == 2 * 2
+    shapes = {(Path(c.task_file).name, c.way, c.shot, c.query, c.open_queries) for c in cells}
+    assert shapes == {("closed.npz", 5, 5, 20, 0), ("open.npz", 5, 1, 15, 10)}
+    assert {(c.seed, c.balance, c.tasks) for c in cells} == {(0, "balanced", 12)}
+    argv = cells[0].argv()
+    assert argv[argv.index("--task-file") + 1] == str(tmp_path / "closed.npz")
+    for flag in ("--way", "--shot", "--query", "--seed", "--tasks", "--open-queries", "--alpha"):
+        assert flag not in argv
+    raw = _task_file_sweep(tmp_path)
+    raw["methods"] = [{"method": "bavardage", "preset": "defaults"}]
+    raw["grid"]["engine"] = ["handwritten", "derived"]
+    assert len(config_from_dict(raw, tmp_path).cells()) == 2 * 2  # files × engines
+    spec = cells[1].spec()
+    assert spec.task_file == str(tmp_path / "open.npz") and spec.open_queries == 0
+
+
+def test_zero_shot_entries_draw_their_tasks_beside_task_files(tmp_path):
+    from probfsl.data import load_dataset, sample_task_indices, save_task_file
+
+    fs = load_dataset("wordnet")
+    save_task_file(tmp_path / "t.npz", sample_task_indices(fs, 4, way=3, shot=1, n_query=6))
+    raw = {
+        "data": {"w": {"dataset": "wordnet", "tasks": "t.npz"}},
+        "methods": [{"method": "em-dirichlet", "zero_shot": True}, "nearest-centroid"],
+        "grid": {"seed": [0, 1]},
+    }
+    cells = config_from_dict(raw, tmp_path).cells()
+    zero = [c for c in cells if c.zero_shot]
+    assert len(zero) == 2 and all(c.task_file is None for c in zero)
+    assert [c.task_file for c in cells if not c.zero_shot] == [str(tmp_path / "t.npz")]
+
+
+def test_task_file_cells_keep_drawn_cells_keys_and_follow_the_file(tmp_path):
+    """A task file is part of its cells' identity by content (not by place); the cells
+    of drawn tasks keep the keys they had without task files."""
+    from probfsl.sweeps.runner import plan
+
+    closed, _ = _task_files(tmp_path)
+    (tmp_path / "b").mkdir()
+    for name in ("closed.npz", "open.npz"):
+        (tmp_path / "b" / name).write_bytes((tmp_path / name).read_bytes())
+
+    def keys(folder, tasks=("closed.npz", "open.npz")):
+        raw = _task_file_sweep(folder)
+        raw["data"]["om"]["tasks"] = list(tasks)
+        raw["data"]["drawn"] = {"dataset": "omniglot"}
+        return plan(config_from_dict(raw, folder), ResultsStore(tmp_path / "r"))[1]
+
+    here, there = keys(tmp_path), keys(tmp_path / "b")
+    assert here == there
+    drawn = {"data": {"drawn": {"dataset": "omniglot"}}}
+    drawn_keys = plan(
+        config_from_dict({**_task_file_sweep(tmp_path), **drawn}, tmp_path),
+        ResultsStore(tmp_path / "r"),
+    )[1]
+    assert set(drawn_keys) <= set(here) and len(here) == len(drawn_keys) + 4
+    from probfsl.data import load_dataset, sample_task_indices, save_task_file
+
+    other = sample_task_indices(load_dataset("omniglot"), 12, way=5, shot=5, n_query=20, seed=9)
+    save_task_file(tmp_path / "b" / "closed.npz", other)
+    changed = keys(tmp_path / "b")
+    assert len(set(changed) - set(here)) == 2  # the two cells of the changed file
+
+
+@pytest.mark.parametrize(
+    ("problem", "message"),
+    [
+        ("absent", "data.x.tasks: file not found"),
+        ("rows", "data.x.tasks: .*must hold row indices in 0..119"),
+        ("open without base classes", "data.x.tasks = .*needs at least 2"),
+    ],
+)
+def test_task_file_errors_name_the_source(tmp_path, problem, message):
+    from probfsl.data import load_features, sample_task_indices, save_task_file
+
+    features = _three_class_file(tmp_path / "f.npz", novel=6)
+    fs = load_features(features)
+    if problem == "rows":
+        idx = sample_task_indices(fs, 2, way=3, shot=1, n_query=6)
+        idx["query"] = idx["query"] + 1000
+        save_task_file(tmp_path / "t.npz", idx)
+    elif problem == "open without base classes":
+        np.savez(features, **{**np.load(features), "split": np.array(["novel"] * 120)})
+        fs = load_features(features)
+        save_task_file(
+            tmp_path / "t.npz", sample_task_indices(fs, 2, way=3, shot=1, n_query=6, n_open=3)
+        )
+    raw = {"data": {"x": {"features": "f.npz", "tasks": "t.npz"}}, "methods": ["nearest-centroid"]}
+    with pytest.raises(ValueError, match=message) as err:
+        config_from_dict(raw, tmp_path)
+    assert str(err.value).startswith("sweep: ")
+
+
+@pytest.mark.slow
+def test_a_task_file_cell_is_probfsl_run_with_the_file(tmp_path):
+    """The stored row of a task-file cell is ``probfsl run --task-file``'s, closed and
+    open; the report names the file in its settings."""
+    _task_files(tmp_path)
+    raw = _task_file_sweep(tmp_path)
+    raw["methods"] = ["nearest-centroid"]
+    table = sweep(config_from_dict(raw, tmp_path), tmp_path / "r", workers=1)
+    assert (table["status"] == "ok").all() and len(table) == 2
+    for name in ("closed.npz", "open.npz"):
+        out = tmp_path / f"{name}.json"
+        argv = ["run", "--method", "nearest-centroid", "--dataset", "omniglot"]
+        assert main([*argv, "--task-file", str(tmp_path / name), "--out", str(out)]) == 0
+        ran = json.loads(out.read_text())
+        row = table[table["task_file"] == os.path.join("..", name)].iloc[0]
+        assert row["tasks"] == ran["tasks"] == 12
+        for key in ("accuracy", "ci95", "ece", "auroc", "ece_open"):
+            if key in ran:
+                assert row[key] == pytest.approx(ran[key], rel=1e-12), key
+    assert "auroc" in ran  # the open-set file was scored as such
+    assert main(["report", str(tmp_path / "r"), "--out", str(tmp_path / "rep")]) == 0
+    text = (tmp_path / "rep" / "report.md").read_text()
+    assert "| om | 5 | 1 | file | 15 | 10 | open.npz |" in text
+    assert "| om | 5 | 5 | file | 20 | 0 | closed.npz |" in text

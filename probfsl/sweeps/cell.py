@@ -52,13 +52,17 @@ class Cell:
     max_classes: int
     #: open queries per task (the grid's ``open`` axis; 0: closed tasks)
     open_queries: int = 0
+    #: a task file whose tasks the cell runs (``None``: tasks drawn from the setting);
+    #: tasks, way, shot, query and open_queries are then the file's, for tables
+    task_file: str | None = None
 
     def spec(self, device: str | None = None, fs: Any = None) -> RunSpec:
         """The run of this cell (``device`` replaces ``auto``, which is ``cpu`` without
         one); ``fs``, a :class:`~probfsl.data.FeatureSet` the worker already holds,
         replaces the cell's source. The options a cell does not use (way, shot and
         balance of a zero-shot cell, alpha of a balanced one, the zero-shot class range
-        of a few-shot one) keep the run's defaults, as :meth:`argv` leaves them out."""
+        of a few-shot one, the balance and open queries of a task file's cell, which
+        its file holds) keep the run's defaults, as :meth:`argv` leaves them out."""
         from probfsl.run_spec import RunSpec
 
         if fs is not None:
@@ -67,20 +71,22 @@ class Cell:
             source = {"dataset": self.dataset}
         else:
             source = {"features": str(self.features), "allow_pickle": self.allow_pickle}
-        if self.zero_shot:
+        if self.task_file is not None:  # the file holds the tasks and their open queries
+            setting = {"task_file": self.task_file, "way": self.way, "shot": self.shot}
+        elif self.zero_shot:
             setting = {"zero_shot": True, "min_classes": self.min_classes}
             setting["max_classes"] = self.max_classes
         else:
             setting = {"way": self.way, "shot": self.shot, "balance": self.balance}
             if self.balance != "balanced":
                 setting["alpha"] = self.alpha
+            setting["open_queries"] = self.open_queries
         return RunSpec(
             method=self.method,
             **source,
             **setting,
             query=self.query,
             seed=self.seed,
-            open_queries=self.open_queries,
             tasks=self.tasks,
             dtype=self.dtype,
             device=device or ("cpu" if self.device == "auto" else self.device),
@@ -102,18 +108,22 @@ class Cell:
             args += ["--features", str(self.features)]
             if self.allow_pickle:
                 args.append("--allow-pickle")
-        if self.zero_shot:
-            args += ["--zero-shot", "--min-classes", str(self.min_classes)]
-            args += ["--max-classes", str(self.max_classes)]
+        if self.task_file is not None:  # the file sets way, shot, queries and the tasks
+            args += ["--task-file", self.task_file]
         else:
-            args += ["--way", str(self.way), "--shot", str(self.shot)]
-            args += ["--balance", self.balance]
-            if self.balance != "balanced":
-                args += ["--alpha", repr(self.alpha)]
-        args += ["--query", str(self.query), "--seed", str(self.seed)]
-        if self.open_queries:
-            args += ["--open-queries", str(self.open_queries)]
-        args += ["--tasks", str(self.tasks), "--dtype", self.dtype]
+            if self.zero_shot:
+                args += ["--zero-shot", "--min-classes", str(self.min_classes)]
+                args += ["--max-classes", str(self.max_classes)]
+            else:
+                args += ["--way", str(self.way), "--shot", str(self.shot)]
+                args += ["--balance", self.balance]
+                if self.balance != "balanced":
+                    args += ["--alpha", repr(self.alpha)]
+            args += ["--query", str(self.query), "--seed", str(self.seed)]
+            if self.open_queries:
+                args += ["--open-queries", str(self.open_queries)]
+            args += ["--tasks", str(self.tasks)]
+        args += ["--dtype", self.dtype]
         args += ["--device", device or ("cpu" if self.device == "auto" else self.device)]
         for flag, value in (
             ("--preset", self.preset),
@@ -139,17 +149,27 @@ class Cell:
         setting = "zero-shot" if self.zero_shot else f"{self.way}w{self.shot}s {self.balance}"
         if self.open_queries:
             setting += f" open {self.open_queries}"
+        if self.task_file is not None:
+            return f"{self.data}/{self.label} {setting} tasks {Path(self.task_file).name}"
         return f"{self.data}/{self.label} {setting} seed {self.seed}"
 
-    def key(self, code: str, data_digest: str) -> str:
+    def key(self, code: str, data_digest: str, tasks_digest: str | None = None) -> str:
         """The cell's identity in a results store: its options (the device ``auto``
-        included as written), the content of its features (not where the file lies) and
-        the code version."""
-        options = {**self.fields(), "features": None}
+        included as written), the content of its features and of its task file
+        (``tasks_digest``, :func:`file_digest`; not where the files lie) and the code
+        version."""
+        options = {**self.fields(), "features": None, "task_file": None}
         if not self.open_queries:  # closed cells keep the identity they had before the axis
             options.pop("open_queries")
-        payload = json.dumps({"cell": options, "data": data_digest, "code": code}, sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:24]
+        payload = {"cell": options, "data": data_digest, "code": code}
+        if self.task_file is None:  # cells of drawn tasks keep theirs too
+            options.pop("task_file")
+        else:
+            if tasks_digest is None:
+                raise ValueError(f"{self.describe()}: the key needs its task file's digest")
+            payload["tasks"] = tasks_digest
+        text = json.dumps(payload, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 @functools.cache
@@ -172,8 +192,13 @@ def data_digest(dataset: str | None, features: str | None) -> str:
     of :func:`code_version`) or the SHA-256 of a feature file."""
     if dataset is not None:
         return f"builtin:{dataset}"
+    return file_digest(features)
+
+
+def file_digest(path: str) -> str:
+    """The SHA-256 of a file's bytes (a feature file, a task file)."""
     digest = hashlib.sha256()
-    with open(features, "rb") as f:
+    with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()

@@ -7,6 +7,7 @@ The YAML file (every key but ``data`` and ``methods`` optional)::
       omniglot: {dataset: omniglot}
       mine: {features: features/mine.npz}   # relative to the YAML file's folder
       big: {features: /data/big.npz, optional: true}   # left out where absent
+      fixed: {features: features/mine.npz, tasks: [tasks_1shot.npz, tasks_5shot.npz]}
     methods:                     # a name, or a mapping with the method's options
       - nearest-centroid
       - {method: bavardage, preset: [defaults, auto]}
@@ -98,6 +99,9 @@ class Source:
     #: a feature file that may be absent: the sweep then leaves the source out (with a
     #: note) instead of refusing to start
     optional: bool = False
+    #: task files (``.npz`` of row indices, :func:`probfsl.data.save_task_file`) whose
+    #: tasks the source's few-shot cells run instead of drawing tasks from the grid
+    tasks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -167,19 +171,53 @@ class SweepConfig:
         return list(dict.fromkeys(cell for _, _, cell in self._combinations()))
 
     def _combinations(self) -> Iterator[tuple[int, Source, Cell]]:
-        """``(index of the method entry, source, cell)`` of every combination."""
+        """``(index of the method entry, source, cell)`` of every combination; a source's
+        task files replace the grid's axes but ``engine`` in its few-shot cells."""
         axes = {k: _as_list(self.grid.get(k, v)) for k, v in GRID_DEFAULTS.items()}
         for source in self.data:
             for i, entry in enumerate(self.methods):
-                for preset, engine_entry in itertools.product(
-                    _as_list(entry.preset), _as_list(entry.engine)
+                settings = _settings_of(axes, source, entry.zero_shot)
+                for preset, engine_entry, setting in itertools.product(
+                    _as_list(entry.preset), _as_list(entry.engine), settings
                 ):
-                    for values in itertools.product(*axes.values()):
-                        setting = dict(zip(axes, values, strict=True))
-                        engine = engine_entry
-                        if engine is None and _has_engines(entry.method):
-                            engine = setting["engine"]  # the grid's axis: one-engine methods
-                        yield i, source, _cell(source, entry, preset, engine, setting, self.run)
+                    engine = engine_entry
+                    if engine is None and _has_engines(entry.method):
+                        engine = setting["engine"]  # the grid's axis: one-engine methods
+                    yield i, source, _cell(source, entry, preset, engine, setting, self.run)
+
+
+def _settings_of(axes: Mapping[str, list], source: Source, zero_shot: bool) -> list[dict]:
+    """Every task setting of the grid's ``axes`` for one source: with task files (for
+    few-shot cells), one setting per file and engine, its way, shot, queries and open
+    queries read from the file, its other axes those of ``probfsl run --task-file``."""
+    if not source.tasks or zero_shot:
+        combinations = itertools.product(*axes.values())
+        return [dict(zip(axes, values, strict=True)) for values in combinations]
+    settings = []
+    for path, engine in itertools.product(source.tasks, axes["engine"]):
+        tasks, way, shot, query, n_open = task_file_shape(path)
+        setting = {**GRID_DEFAULTS, "way": way, "shot": shot, "query": query, "open": n_open}
+        settings.append({**setting, "engine": engine, "task_file": path, "tasks": tasks})
+    return settings
+
+
+def task_file_shape(path: str) -> tuple[int, int, int, int, int]:
+    """``(tasks, way, shot, closed queries, open queries)`` of a task file (its values
+    checked once, :meth:`probfsl.data.TaskFile.check`; open queries as their mean over
+    tasks, rounded, as ``probfsl run`` reports them); ``ValueError`` for a file that is
+    absent or malformed. Cached while the file is unchanged."""
+    stat = Path(path).stat()
+    return _task_file_shape(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _task_file_shape(path: str, mtime_ns: int, size: int) -> tuple[int, int, int, int, int]:
+    from probfsl.data import TaskFile
+
+    task_file = TaskFile(path).check()
+    way, shot, query = task_file.shape
+    n_open = round(task_file.n_open)
+    return len(task_file), way, shot, query - n_open, n_open
 
 
 def _as_list(value: Any) -> list:
@@ -216,7 +254,7 @@ def _cell(
         balance="natural" if zero else setting["balance"],
         alpha=0.0 if zero or setting["balance"] == "balanced" else float(setting["alpha"]),
         seed=setting["seed"],
-        tasks=run.tasks,
+        tasks=setting.get("tasks", run.tasks),
         device=run.device,
         dtype=run.dtype,
         batch_size=run.batch_size,
@@ -224,6 +262,7 @@ def _cell(
         min_classes=run.min_classes if zero else 0,
         max_classes=run.max_classes if zero else 0,
         open_queries=0 if zero else setting["open"],
+        task_file=setting.get("task_file"),
     )
 
 
@@ -366,6 +405,15 @@ class SourceSpec(BaseModel):
     optional: Bool = Field(
         False,
         description="`true` or `false`: `true` leaves an absent feature file out, with a note",
+    )
+    tasks: Annotated[
+        list[Annotated[Text, BeforeValidator(_path_text)]], BeforeValidator(_listed)
+    ] = Field(
+        default_factory=list,
+        description="a task file's path (`probfsl run --task-file`), relative to the sweep "
+        "file, or a list of them: the source's few-shot cells run each file's tasks (one "
+        "cell per file) instead of drawing them; the file fixes the tasks, and the grid's "
+        "axes but `engine` (and `run.tasks`) do not apply to them",
     )
 
     @model_validator(mode="after")
@@ -700,10 +748,12 @@ def _sources(spec: SweepFile, base_dir: Path | None) -> list[Source]:
     is not ``None``) made absolute."""
     sources = []
     for name, s in spec.data.items():
-        features = s.features
-        if features is not None and base_dir is not None:
-            features = str((base_dir / features).resolve())
-        sources.append(Source(name, s.dataset, features, s.allow_pickle, s.optional))
+        features, tasks = s.features, tuple(dict.fromkeys(s.tasks))
+        if base_dir is not None:
+            if features is not None:
+                features = str((base_dir / features).resolve())
+            tasks = tuple(str((base_dir / path).resolve()) for path in tasks)
+        sources.append(Source(name, s.dataset, features, s.allow_pickle, s.optional, tasks))
     return sources
 
 
@@ -755,9 +805,14 @@ def check_config(config: SweepConfig) -> None:
     for s in config.data:
         if s.features is not None and not Path(s.features).is_file():
             _fail(f"data.{s.name}.features", f"file not found: {s.features}")
+        for path in s.tasks:
+            if not Path(path).is_file():
+                _fail(f"data.{s.name}.tasks", f"file not found: {path}")
     for i, entry in enumerate(config.methods):
         _check_entry(i, entry, config.grid)
     loaded = {s.name: _load(s) for s in config.data}
+    for s in config.data:
+        _check_task_files(s, loaded[s.name])
     checked: set = set()
     for i, source, cell in config._combinations():
         try:
@@ -844,6 +899,19 @@ def _load(source: Source) -> Any:
         )
 
 
+def _check_task_files(source: Source, fs: Any) -> None:
+    """Each task file of ``source`` against its features, as ``probfsl run --task-file``
+    checks it: rows within the features, labels and open queries as they must be."""
+    from probfsl.data import TaskFile
+
+    for path in source.tasks:
+        try:
+            task_file_shape(path)
+            TaskFile(path).check(len(fs.labels), labels=fs.labels)
+        except ValueError as err:
+            _fail(f"data.{source.name}.tasks", str(err))
+
+
 def _check_cell(i: int, source: Source, cell: Cell, spec: Any, fs: Any, checked: set) -> None:
     """What ``probfsl run`` checks on the data before its work, for one cell (its run
     ``spec``): the task setting can be drawn (:func:`probfsl.running.check_tasks_possible`),
@@ -854,6 +922,7 @@ def _check_cell(i: int, source: Source, cell: Cell, spec: Any, fs: Any, checked:
 
     setting = (source.name, cell.zero_shot, cell.way, cell.shot, cell.query, cell.balance)
     setting += (cell.alpha, cell.seed, cell.min_classes, cell.max_classes, cell.open_queries)
+    setting += (cell.task_file,)
     if setting not in checked:
         checked.add(setting)
         try:
@@ -884,6 +953,8 @@ def _check_cell(i: int, source: Source, cell: Cell, spec: Any, fs: Any, checked:
 
 def _setting_keys(cell: Cell) -> str:
     """The keys and values that make a cell's task setting, for messages."""
+    if cell.task_file is not None:
+        return f"data.{cell.data}.tasks = {cell.task_file}"
     if cell.zero_shot:
         keys = [
             f"run.min_classes = {cell.min_classes}",

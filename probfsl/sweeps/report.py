@@ -64,6 +64,8 @@ IDENTITY = ("status", "data", "label", "zero_shot", "way", "shot", "query", "bal
 RESULTS = ("tasks", "accuracy", "ci95", "baseline", "baseline_accuracy", "baseline_ci95")
 #: what makes a task setting: the tasks drawn (with the seed), hence also the baseline
 SETTING = ("data", "zero_shot", "way", "shot", "query", "balance", "alpha", "open_queries")
+#: a task file, where a cell ran one (its tasks instead of drawn ones)
+SETTING += ("task_file",)
 SETTING_EXTRA = ("min_classes", "max_classes")
 #: what makes a method variant (``label`` first)
 VARIANT = ("label", "method", "preset", "params", "engine", "calibrate", "dtype", "episodes")
@@ -371,7 +373,14 @@ def _setting_text(row: pd.Series) -> str:
     if _truthy(row.get("zero_shot")):
         return f"zero-shot{_classes_text(row)}"
     text = f"{_way_text(row)}-way {_shot_text(row)}-shot {_balance_text(row)}"
-    return text + (f", {_open_count(row)} open" if _open_count(row) else "")
+    text += f", {_open_count(row)} open" if _open_count(row) else ""
+    return text + (f", tasks {_tasks_text(row)}" if _tasks_text(row) else "")
+
+
+def _tasks_text(row: pd.Series) -> str:
+    """The name of a row's task file (``""`` where its tasks were drawn)."""
+    value = row.get("task_file")
+    return "" if _missing(value) or value == "" else Path(str(value)).name
 
 
 def _has_open(frame: pd.DataFrame) -> bool:
@@ -408,6 +417,8 @@ def _settings(frame: pd.DataFrame) -> tuple[list[str], Iterator[tuple[list[str],
     show_open = _has_open(frame)
     header = ["data", "way", "shot", "balance"] + (["query"] if show_query else [])
     header += ["open"] if show_open else []
+    show_tasks = "task_file" in frame.columns and frame["task_file"].notna().any()
+    header += ["tasks"] if show_tasks else []
     order = {d: i for i, d in enumerate(dict.fromkeys(frame["data"]))}
     sort = ["_data"] + [c for c in SETTING[1:] if c in frame.columns]
     frame = frame.assign(_data=frame["data"].map(order)).sort_values(sort, kind="stable")
@@ -419,6 +430,7 @@ def _settings(frame: pd.DataFrame) -> tuple[list[str], Iterator[tuple[list[str],
             cells = [str(first["data"]), _way_text(first), _shot_text(first)]
             cells += [_balance_text(first)] + ([_int(first["query"])] if show_query else [])
             cells += [str(_open_count(first))] if show_open else []
+            cells += [_tasks_text(first) or "drawn"] if show_tasks else []
             yield cells, group.drop(columns="_data")
 
     return header, groups()

@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from probfsl.progress import progress as progress_bar
-from probfsl.sweeps.cell import Cell, cell_job, code_version, data_digest, source_of
+from probfsl.sweeps.cell import (
+    Cell,
+    cell_job,
+    code_version,
+    data_digest,
+    file_digest,
+    source_of,
+)
 from probfsl.sweeps.config import SweepConfig, load_config
 from probfsl.sweeps.executors import make_executor
 from probfsl.sweeps.store import ResultsStore
@@ -47,10 +54,11 @@ def plan(
     ``retry_failed``; and all the sweep's keys."""
     code = code_version()
     digests = {s.name: data_digest(s.dataset, s.features) for s in config.data}
+    task_digests = {path: file_digest(path) for s in config.data for path in s.tasks}
     stored, _ = store.scan()
     jobs, keys = [], []
     for cell in config.cells():
-        key = cell.key(code, digests[cell.data])
+        key = cell.key(code, digests[cell.data], task_digests.get(cell.task_file))
         keys.append(key)
         row = stored.get(key)
         if (
@@ -171,8 +179,11 @@ def _full_row(cell, row: dict, code: str, root: Path) -> dict:
     for key, value in fields.items():
         if key in _CELL_WINS or key not in out:
             out[key] = value
-    if cell.features is not None:
-        out["features"] = os.path.relpath(cell.features, root.resolve())
+    if cell.task_file is not None:  # as probfsl run's row: the tasks' balance is the file's
+        out["balance"] = "file"
+    for name in ("features", "task_file"):  # files named from the store's folder
+        if getattr(cell, name) is not None:
+            out[name] = os.path.relpath(getattr(cell, name), root.resolve())
     out["device_requested"] = cell.device
     if cell.device != "auto":
         out.setdefault("device", cell.device)
