@@ -11,7 +11,9 @@ Where: ``$PROBFSL_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/probfsl``, else
 ``~/.cache/probfsl``; ``PROBFSL_CACHE_DIR=off`` turns the cache off. Entries are small
 JSON files written atomically (a crash leaves no partial entry); an entry that cannot be
 read is ignored and searched again. The temperatures of temperature scaling
-(:mod:`probfsl.temperature`) are stored alike, beside the choices.
+(:mod:`probfsl.temperature`) and the open-set background's held-out choices
+(:func:`probfsl.models.base.held_out_background_choices`) are stored alike, beside the
+choices.
 
 The cache holds at most :func:`max_entries` entries (``$PROBFSL_CACHE_MAX_ENTRIES``,
 default :data:`MAX_ENTRIES`): each write removes the least recently used beyond that

@@ -342,6 +342,46 @@ def test_the_held_out_choices_are_computed_once_per_base_classes(monkeypatch):
     assert len(calls) == 2
 
 
+def test_the_held_out_choices_are_read_back_from_the_disk_cache(monkeypatch, tuning_cache_dir):
+    """Another process (here: an emptied memory) reads the choices of the same base
+    classes from the disk cache, exactly; another λ has choices of its own; a damaged
+    entry is computed again; without a cache they are computed every time."""
+    import json
+
+    import probfsl.inference.open_temperature as open_temperature
+    from probfsl.models import base
+
+    x, labels = _many_classes()
+    base._BACKGROUND_CHOICES.clear()
+    fresh = base.held_out_background_choices(x, labels)
+    [entry] = (tuning_cache_dir / "auto").glob("*.json")
+    calls = []
+    select = open_temperature.select_open_readings
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return select(*args, **kwargs)
+
+    monkeypatch.setattr(open_temperature, "select_open_readings", counted)
+    base._BACKGROUND_CHOICES.clear()
+    assert base.held_out_background_choices(x.clone(), labels.clone()) == fresh
+    assert calls == []
+    base._BACKGROUND_CHOICES.clear()
+    other = base.held_out_background_choices(x, labels, shrinkage=fresh[0] * 3)
+    assert len(calls) == 1 and other[0] == fresh[0] * 3
+    assert len(list((tuning_cache_dir / "auto").glob("*.json"))) == 2
+    stored = json.loads(entry.read_text())
+    stored["value"]["readings"] = [{"within_mix": "?"}]
+    entry.write_text(json.dumps(stored))
+    base._BACKGROUND_CHOICES.clear()
+    assert base.held_out_background_choices(x, labels) == fresh
+    assert len(calls) == 2
+    monkeypatch.setenv("PROBFSL_CACHE_DIR", "off")
+    base._BACKGROUND_CHOICES.clear()
+    assert base.held_out_background_choices(x, labels) == fresh
+    assert len(calls) == 3
+
+
 # --------------------------------------------------------------------- shared bases
 @pytest.mark.parametrize("mixes", [(0.0, 0.0), (0.3, 0.6), (0.6, 1.0), (1.0, 0.3), (1.0, 1.0)])
 def test_a_blended_basis_diagonalises_the_blend_as_the_cholesky_basis_does(mixes):

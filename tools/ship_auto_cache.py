@@ -61,9 +61,14 @@ def main() -> None:
         kept = 0
         for entry in (Path(tmp) / "auto").glob("*.json"):
             key = json.loads(entry.read_text())["key"]
-            # a reused entry of an older search space or version is never read again
-            current = json.loads(json.dumps(SEARCH_SPACES.get(key["method"])))
-            if key["data"] in prints and key["space"] == current and key["probfsl"] == version:
+            # a reused entry of an older search space or version is never read again (nor
+            # one of another kind: the open-set background's choices are made on first use)
+            current = json.loads(json.dumps(SEARCH_SPACES.get(key.get("method"))))
+            if (
+                key.get("data") in prints
+                and key.get("space") == current
+                and key.get("probfsl") == version
+            ):
                 shutil.copy(entry, TARGET / entry.name)
                 kept += 1
         print(f"wrote {kept} entries to {TARGET}")
