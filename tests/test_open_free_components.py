@@ -332,6 +332,55 @@ def test_fit_open_scale_recovers_the_scale_of_the_labels():
         fit_open_scale(torch.sigmoid(logit), is_open[:1])
 
 
+def test_fit_open_scale_and_shift_recovers_platts_parameters():
+    """Labels drawn with P(open) = σ(a0 l + b0): the (a, b) of least Brier score lie near
+    (a0, b0), the Brier score returned is that of σ(a logit p + b), and no point of the
+    grid scores lower (brute force)."""
+    from probfsl.inference.open_temperature import GRID
+    from probfsl.tuning import fit_open_scale_and_shift, open_brier
+
+    gen = torch.Generator().manual_seed(1)
+    logit = 4 * torch.randn(300, 150, generator=gen, dtype=torch.float64)
+    for a0, b0 in ((0.25, 2.5), (1.0, -1.0), (0.1, 0.0)):
+        is_open = torch.rand(logit.shape, generator=gen, dtype=torch.float64) < torch.sigmoid(
+            a0 * logit + b0
+        )
+        a, b, brier = fit_open_scale_and_shift(torch.sigmoid(logit), is_open)
+        assert a == pytest.approx(a0, rel=0.3) and b == pytest.approx(b0, abs=0.3), (a0, b0)
+        assert brier == pytest.approx(open_brier(torch.sigmoid(logit), is_open, a, b))
+        for scale in GRID:
+            for shift in (-5.0, -2.5, -1.0, 0.0, 1.0, 2.5, 5.0, b0 - 0.1, b0 + 0.1):
+                assert brier <= open_brier(torch.sigmoid(logit), is_open, scale, shift) + 1e-12
+    with pytest.raises(ValueError, match="is_open"):
+        fit_open_scale_and_shift(torch.sigmoid(logit), is_open[:1])
+
+
+@pytest.mark.parametrize(("b0", "learns_shift"), [(0.0, False), (3.0, True)])
+def test_the_search_learns_a_shift_only_where_the_episodes_clearly_ask(b0, learns_shift):
+    """learn_open_calibration keeps the scale with the held-out bias where a shift of its
+    own lowers the Brier score little (labels of σ(0.5 (l + β))), and learns (a, b) where
+    the posterior is biased beyond it (labels of σ(0.5 l + b0), b0 = 3); a shift given is
+    kept, never learnt."""
+    from probfsl.tuning import SHIFT_GAIN, learn_open_calibration, open_brier
+
+    gen = torch.Generator().manual_seed(2)
+    logit = 3 * torch.randn(300, 150, generator=gen, dtype=torch.float64)
+    bias = 0.4
+    truth = 0.5 * logit + (b0 if b0 else 0.5 * bias)
+    is_open = torch.rand(logit.shape, generator=gen, dtype=torch.float64) < torch.sigmoid(truth)
+    p_open = torch.sigmoid(logit)
+    params, note = learn_open_calibration(p_open, is_open, bias)
+    assert ("open_shift" in params) == learns_shift, note
+    scale = params["open_scale"]
+    held = open_brier(p_open, is_open, scale, scale * bias)
+    if learns_shift:
+        assert params["open_shift"] == pytest.approx(b0, abs=0.3)
+        assert open_brier(p_open, is_open, scale, params["open_shift"]) < (1 - SHIFT_GAIN) * held
+        assert "open_shift" in note
+    given, _ = learn_open_calibration(p_open, is_open, bias, shift=1.0)
+    assert list(given) == ["open_scale"]
+
+
 def test_auto_preset_with_open_queries_learns_open_scale(omniglot, monkeypatch):
     """preset auto for an open-set run: the search on base episodes with open queries
     says so, and the choice carries the scale of P(open) learnt there (its shift, a times
