@@ -315,15 +315,10 @@ def test_an_estimator_keeps_its_blends_and_older_files_read_them_as_none(tmp_pat
         torch.testing.assert_close(got, w)
 
 
-def test_the_held_out_choices_are_computed_once_per_base_classes(monkeypatch):
-    """A search fits many estimators on the same base classes: the choices are the ones
-    computed afresh, and computed once; other base classes are computed again."""
+def _count_selections(monkeypatch) -> list:
+    """The calls of ``select_open_readings`` from now on (each still computes)."""
     import probfsl.inference.open_temperature as open_temperature
-    from probfsl.models import base
 
-    x, labels = _many_classes()
-    base._BACKGROUND_CHOICES.clear()
-    fresh = base.held_out_background_choices(x, labels)
     calls = []
     select = open_temperature.select_open_readings
 
@@ -332,6 +327,18 @@ def test_the_held_out_choices_are_computed_once_per_base_classes(monkeypatch):
         return select(*args, **kwargs)
 
     monkeypatch.setattr(open_temperature, "select_open_readings", counted)
+    return calls
+
+
+def test_the_held_out_choices_are_computed_once_per_base_classes(monkeypatch):
+    """A search fits many estimators on the same base classes: the choices are the ones
+    computed afresh, and computed once; other base classes are computed again."""
+    from probfsl.models import base
+
+    x, labels = _many_classes()
+    base._BACKGROUND_CHOICES.clear()
+    fresh = base.held_out_background_choices(x, labels)
+    calls = _count_selections(monkeypatch)
     assert base.held_out_background_choices(x.clone(), labels.clone()) == fresh
     assert calls == []
     moved = x.clone()
@@ -348,21 +355,13 @@ def test_the_held_out_choices_are_read_back_from_the_disk_cache(monkeypatch, tun
     entry is computed again; without a cache they are computed every time."""
     import json
 
-    import probfsl.inference.open_temperature as open_temperature
     from probfsl.models import base
 
     x, labels = _many_classes()
     base._BACKGROUND_CHOICES.clear()
     fresh = base.held_out_background_choices(x, labels)
     [entry] = (tuning_cache_dir / "auto").glob("*.json")
-    calls = []
-    select = open_temperature.select_open_readings
-
-    def counted(*args, **kwargs):
-        calls.append(args)
-        return select(*args, **kwargs)
-
-    monkeypatch.setattr(open_temperature, "select_open_readings", counted)
+    calls = _count_selections(monkeypatch)
     base._BACKGROUND_CHOICES.clear()
     assert base.held_out_background_choices(x.clone(), labels.clone()) == fresh
     assert calls == []

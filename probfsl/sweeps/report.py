@@ -62,10 +62,11 @@ log = logging.getLogger("probfsl.sweep")
 IDENTITY = ("status", "data", "label", "zero_shot", "way", "shot", "query", "balance", "seed")
 #: the columns needed as soon as one cell ran
 RESULTS = ("tasks", "accuracy", "ci95", "baseline", "baseline_accuracy", "baseline_ci95")
-#: what makes a task setting: the tasks drawn (with the seed), hence also the baseline
-SETTING = ("data", "zero_shot", "way", "shot", "query", "balance", "alpha", "open_queries")
-#: a task file, where a cell ran one (its tasks instead of drawn ones)
-SETTING += ("task_file",)
+#: what makes a task setting: the tasks drawn (with the seed) or read from a task file,
+#: hence also the baseline
+SETTING = (
+    "data", "zero_shot", "way", "shot", "query", "balance", "alpha", "open_queries", "task_file",
+)  # fmt: skip
 SETTING_EXTRA = ("min_classes", "max_classes")
 #: what makes a method variant (``label`` first)
 VARIANT = ("label", "method", "preset", "params", "engine", "calibrate", "dtype", "episodes")
