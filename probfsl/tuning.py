@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -1182,13 +1181,13 @@ def fit_open_scale_and_shift(
     steps = round(2 * MAX_SHIFT / 0.1)
     shifts = torch.linspace(-MAX_SHIFT, MAX_SHIFT, steps + 1, dtype=torch.float64)
     shifts = shifts.to(logit.device).unsqueeze(1)
-    best = (math.inf, 1.0, 0.0)
-    for scale in GRID:  # one scale at a time: [shifts, queries] at once
-        brier = (torch.sigmoid(scale * logit + shifts) - target).square().mean(1)
-        k = int(brier.argmin())
-        if float(brier[k]) < best[0]:
-            best = (float(brier[k]), scale, float(shifts[k]))
-    return best[1], round(best[2], 10), best[0]
+    # one scale at a time ([shifts, queries] at once), read back once: [scales, shifts]
+    brier = torch.stack(
+        [(torch.sigmoid(a * logit + shifts) - target).square().mean(1) for a in GRID]
+    )
+    best = int(brier.argmin())
+    i, k = divmod(best, shifts.shape[0])
+    return GRID[i], round(float(shifts[k]), 10), float(brier[i, k])
 
 
 def fit_open_scale(

@@ -411,7 +411,7 @@ def test_task_files_replace_the_axes_they_fix(tmp_path):
     assert len(cells) == 2 * 2
     shapes = {(Path(c.task_file).name, c.way, c.shot, c.query, c.open_queries) for c in cells}
     assert shapes == {("closed.npz", 5, 5, 20, 0), ("open.npz", 5, 1, 15, 10)}
-    assert {(c.seed, c.balance, c.tasks) for c in cells} == {(0, "balanced", 12)}
+    assert {(c.seed, c.balance, c.alpha, c.tasks) for c in cells} == {(0, "file", 0.0, 12)}
     argv = cells[0].argv()
     assert argv[argv.index("--task-file") + 1] == str(tmp_path / "closed.npz")
     for flag in ("--way", "--shot", "--query", "--seed", "--tasks", "--open-queries", "--alpha"):

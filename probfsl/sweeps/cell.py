@@ -53,7 +53,8 @@ class Cell:
     #: open queries per task (the grid's ``open`` axis; 0: closed tasks)
     open_queries: int = 0
     #: a task file whose tasks the cell runs (``None``: tasks drawn from the setting);
-    #: tasks, way, shot, query and open_queries are then the file's, for tables
+    #: tasks, way, shot, query and open_queries are then the file's, for tables, and
+    #: balance ``"file"``, as ``probfsl run``'s row says
     task_file: str | None = None
 
     def spec(self, device: str | None = None, fs: Any = None) -> RunSpec:

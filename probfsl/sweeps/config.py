@@ -197,7 +197,8 @@ def _settings_of(axes: Mapping[str, list], source: Source, zero_shot: bool) -> l
     for path, engine in itertools.product(source.tasks, axes["engine"]):
         tasks, way, shot, query, n_open = task_file_shape(path)
         setting = {**GRID_DEFAULTS, "way": way, "shot": shot, "query": query, "open": n_open}
-        settings.append({**setting, "engine": engine, "task_file": path, "tasks": tasks})
+        setting.update(balance="file", engine=engine, task_file=path, tasks=tasks)
+        settings.append(setting)
     return settings
 
 
@@ -252,7 +253,7 @@ def _cell(
         shot=0 if zero else setting["shot"],
         query=setting["query"],
         balance="natural" if zero else setting["balance"],
-        alpha=0.0 if zero or setting["balance"] == "balanced" else float(setting["alpha"]),
+        alpha=0.0 if zero or setting["balance"] != "dirichlet" else float(setting["alpha"]),
         seed=setting["seed"],
         tasks=setting.get("tasks", run.tasks),
         device=run.device,

@@ -179,8 +179,6 @@ def _full_row(cell, row: dict, code: str, root: Path) -> dict:
     for key, value in fields.items():
         if key in _CELL_WINS or key not in out:
             out[key] = value
-    if cell.task_file is not None:  # as probfsl run's row: the tasks' balance is the file's
-        out["balance"] = "file"
     for name in ("features", "task_file"):  # files named from the store's folder
         if getattr(cell, name) is not None:
             out[name] = os.path.relpath(getattr(cell, name), root.resolve())
