@@ -409,6 +409,32 @@ def test_a_blended_basis_diagonalises_the_blend_as_the_cholesky_basis_does(mixes
     assert torch.allclose(odds[0], odds[1], rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("mixes", [(0.0, 0.0), (0.6, 0.3), (1.0, 0.9)])
+def test_held_out_odds_from_the_projected_rows_are_the_readings_of_the_episodes(mixes):
+    """The held-out episodes are read off each fold's rows projected once per blend; their
+    log-odds are those of a reading built from the episodes' own features, the blended
+    statistics and, in the queries' frame, the features re-centred by hand."""
+    from probfsl.inference.open_temperature import _held_out_episodes, _open_log_odds
+
+    x, labels = _many_classes()
+    x = x - x.mean(0)
+    episodes = _held_out_episodes(x, labels, 1e-2, 0, 4)
+    got = _open_log_odds(episodes, *mixes, (False, True))
+    for frame, (odds, is_open) in zip((False, True), got, strict=True):
+        want, opened = [], []
+        for batch in episodes:
+            support, query = batch.rows[batch.support], batch.rows[batch.query]
+            if frame:
+                support, query = centre_on_queries(support, query)
+            reading = TwoCovarianceReading(
+                support, batch.support_labels, query, batch.way, batch.stats.blended(*mixes)
+            )
+            want.append(reading.open_log_odds().reshape(-1))
+            opened.append(batch.open_mask.reshape(-1))
+        torch.testing.assert_close(odds, torch.cat(want), rtol=1e-9, atol=1e-9)
+        assert torch.equal(is_open, torch.cat(opened))
+
+
 def test_the_frames_chosen_together_are_the_frames_chosen_alone():
     """select_open_readings shares the episodes and one basis per fold and blend between
     the two frames; each frame's choice is the one select_open_reading makes alone."""

@@ -414,16 +414,44 @@ class TwoCovarianceReading:
         if basis is None:
             basis = two_covariance_basis(stats)
         w, lam, log_jac = (t.to(query) for t in basis)
-        self.basis = w, lam, log_jac
-        self.way, self.lam = way, lam
-        self.log_jac = log_jac
         ys = (support - stats.mean) @ w  # [T, S, D]
-        self.yq = (query - stats.mean) @ w  # [T, Q, D]
-        self.yq_sq = self.yq.square()
+        self._hold(ys, support_labels, (query - stats.mean) @ w, way, (w, lam, log_jac))
+        self.query_centring = query_centring
+
+    @classmethod
+    def from_coordinates(
+        cls,
+        support: torch.Tensor,
+        support_labels: torch.Tensor,
+        query: torch.Tensor,
+        way: int,
+        basis: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> TwoCovarianceReading:
+        """A reading of tasks given in the coordinates of ``basis`` (W, λ, ln|det W|):
+        ``support`` [T, S, D] and ``query`` [T, Q, D] are (x - mean) W, as the constructor
+        would compute them (in the frame it reads, ``query_centring=False``). For callers
+        that project many tasks' rows once and read them at once."""
+        reading = object.__new__(cls)
+        reading._hold(support, support_labels, query, way, basis)
+        reading.query_centring = False
+        return reading
+
+    def _hold(
+        self,
+        ys: torch.Tensor,
+        support_labels: torch.Tensor,
+        yq: torch.Tensor,
+        way: int,
+        basis: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> None:
+        """Keep the projected queries and the support's per-class counts and sums."""
+        self.basis = basis
+        self.way, self.lam, self.log_jac = way, basis[1], basis[2]
+        self.yq = yq  # [T, Q, D]
+        self.yq_sq = yq.square()
         onehot = torch.nn.functional.one_hot(support_labels, way).to(ys)  # [T, S, K]
         self.counts = onehot.sum(1)  # [T, K]
         self.sums = onehot.transpose(1, 2) @ ys  # [T, K, D]
-        self.query_centring = query_centring
         # ln p_0 of the queries under the base classes' background, computed at the first
         # call and shared with copies (it depends on the projection alone)
         self._base_background: dict[str, torch.Tensor] = {}

@@ -56,7 +56,6 @@ from probfsl.inference.background import (
     BackgroundStats,
     BlendedBases,
     TwoCovarianceReading,
-    centre_on_queries,
     fit_background,
 )
 from probfsl.inference.background_shrinkage import FOLDS, class_folds
@@ -132,9 +131,14 @@ def _episodes(
 
 
 class _HeldOutEpisodes(NamedTuple):
-    """One batch of held-out-class episodes and the background of the other folds."""
+    """One batch of held-out-class episodes and the background of the other folds.
+
+    ``rows`` [R, D] are the held-out fold's samples, shared by the fold's batches;
+    ``support`` [T, S] and ``query`` [T, Q] index them, so that each basis projects the
+    fold's rows once, not every episode's (:func:`_open_log_odds`)."""
 
     stats: BackgroundStats
+    rows: torch.Tensor
     support: torch.Tensor
     support_labels: torch.Tensor
     query: torch.Tensor
@@ -156,6 +160,10 @@ def _held_out_episodes(
         if int(torch.unique(inverse[train]).numel()) < 2:
             continue
         stats = fit_background(features[train], inverse[train], shrinkage)
+        held = (~train).nonzero().squeeze(1)  # the fold's samples, in order
+        local = torch.full_like(inverse, -1)
+        local[held] = torch.arange(held.shape[0], device=held.device)
+        rows = features[held]
         for shot in SHOTS:
             drawn = _episodes(fold_classes, inverse, WAY, shot, generator, tasks)
             if drawn is None:
@@ -164,25 +172,24 @@ def _held_out_episodes(
             way = int(support_labels.max()) + 1
             out.append(
                 _HeldOutEpisodes(
-                    stats, features[support], support_labels, features[query], way, open_mask
+                    stats, rows, local[support], support_labels, local[query], way, open_mask
                 )
             )
     return out
 
 
-def _framed(
-    batch: _HeldOutEpisodes, frame: bool, framed: dict | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The support and queries of ``batch`` in the frame ``frame`` (``True``: re-centred on
-    the queries' mean, :func:`~probfsl.inference.background.centre_on_queries`), kept in
-    ``framed`` (by the batch's id) for calls at other blends to share."""
-    if not frame:
-        return batch.support, batch.query
-    if framed is None:
-        return centre_on_queries(batch.support, batch.query)
+def _query_frame(batch: _HeldOutEpisodes, framed: dict) -> tuple[torch.Tensor, ...]:
+    """The reciprocal norms [T, S] and [T, Q] of ``batch``'s support and query rows less
+    their task's query mean (the queries' frame of
+    :func:`~probfsl.inference.background.centre_on_queries`), kept in ``framed`` by the
+    batch's id for other blends: they do not depend on the basis."""
     key = id(batch)
     if key not in framed:
-        framed[key] = centre_on_queries(batch.support, batch.query)
+        centre = batch.rows[batch.query].mean(-2, keepdim=True)  # [T, 1, D]
+        framed[key] = tuple(
+            (batch.rows[index] - centre).norm(dim=-1).clamp_min(1e-12).reciprocal()
+            for index in (batch.support, batch.query)
+        )
     return framed[key]
 
 
@@ -199,25 +206,38 @@ def _open_log_odds(
     :class:`~probfsl.inference.background.TwoCovarianceReading`), one pair per frame.
     ``bases``: each fold's :class:`~probfsl.inference.background.BlendedBases` by the id of
     its statistics, filled here, for calls at other blends to share; ``framed``: the
-    episodes re-centred on their queries (:func:`_framed`), likewise.
+    norms of the queries' frame (:func:`_query_frame`), likewise.
 
-    The reading is given the blend's basis, so of the statistics it reads only the mean,
-    which the blend leaves as it is: the covariances are not blended here."""
+    Each fold's rows are projected once per blend, P = X W, and every episode and frame
+    read off P: in the base frame y = P_i - m W; in the queries' frame, where a row is
+    (x_i - x̄_Q) / ||x_i - x̄_Q||, y = (P_i - x̄_Q W) / ||x_i - x̄_Q|| - m W, x̄_Q W the mean
+    of the task's query rows of P (m the background's mean, which the blend leaves as it
+    is: the covariances are not blended here, the basis is the blend's)."""
     if not episodes:
         return [(torch.zeros(0), torch.zeros(0, dtype=torch.bool)) for _ in frames]
     bases = {} if bases is None else bases
-    odds, is_open, blended = {f: [] for f in frames}, [], {}
+    framed = {} if framed is None else framed
+    odds, is_open, projected = {f: [] for f in frames}, [], {}
     for batch in episodes:
         key = id(batch.stats)
-        if key not in blended:  # one basis per fold and blend, shared by shots and frames
+        if key not in projected:  # one basis and projection per fold and blend
             if key not in bases:
                 bases[key] = BlendedBases(batch.stats)
-            blended[key] = bases[key].basis(within_mix, between_mix)
+            basis = bases[key].basis(within_mix, between_mix)
+            w = basis[0]
+            projected[key] = basis, batch.rows @ w, batch.stats.mean @ w
+        basis, rows, mean = projected[key]
+        support, query = rows[batch.support], rows[batch.query]  # [T, S, D], [T, Q, D]
         for frame in frames:
-            support, query = _framed(batch, frame, framed)
-            # the frame's re-centring is done: the reading takes the tasks as they come
-            reading = TwoCovarianceReading(
-                support, batch.support_labels, query, batch.way, batch.stats, False, blended[key]
+            if frame:
+                centre = query.mean(-2, keepdim=True)
+                inv_s, inv_q = _query_frame(batch, framed)
+                ys = (support - centre) * inv_s.unsqueeze(-1) - mean
+                yq = (query - centre) * inv_q.unsqueeze(-1) - mean
+            else:
+                ys, yq = support - mean, query - mean
+            reading = TwoCovarianceReading.from_coordinates(
+                ys, batch.support_labels, yq, batch.way, basis
             )
             odds[frame].append(reading.open_log_odds().reshape(-1))
         is_open.append(batch.open_mask.reshape(-1))
