@@ -182,14 +182,14 @@ def _query_frame(batch: _HeldOutEpisodes, framed: dict) -> tuple[torch.Tensor, .
     """The reciprocal norms [T, S] and [T, Q] of ``batch``'s support and query rows less
     their task's query mean (the queries' frame of
     :func:`~probfsl.inference.background.centre_on_queries`), kept in ``framed`` by the
-    batch's id for other blends: they do not depend on the basis."""
+    batch's id for other blends: they do not depend on the basis. A row equal to its
+    task's query mean gets 0, so that it stays at the frame's origin however the
+    projection rounds it."""
     key = id(batch)
     if key not in framed:
         centre = batch.rows[batch.query].mean(-2, keepdim=True)  # [T, 1, D]
-        framed[key] = tuple(
-            (batch.rows[index] - centre).norm(dim=-1).clamp_min(1e-12).reciprocal()
-            for index in (batch.support, batch.query)
-        )
+        norms = [(batch.rows[i] - centre).norm(dim=-1) for i in (batch.support, batch.query)]
+        framed[key] = tuple(torch.where(n > 0, n.reciprocal(), 0.0) for n in norms)
     return framed[key]
 
 
