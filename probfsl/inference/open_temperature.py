@@ -133,9 +133,10 @@ def _episodes(
 class _HeldOutEpisodes(NamedTuple):
     """One batch of held-out-class episodes and the background of the other folds.
 
-    ``rows`` [R, D] are the held-out fold's samples, shared by the fold's batches;
-    ``support`` [T, S] and ``query`` [T, Q] index them, so that each basis projects the
-    fold's rows once, not every episode's (:func:`_open_log_odds`)."""
+    ``rows`` [R, D] are the held-out fold's samples that its episodes use, each once,
+    shared by the fold's batches; ``support`` [T, S] and ``query`` [T, Q] index them, so
+    that each basis projects a row once, not once per episode and frame
+    (:func:`_open_log_odds`)."""
 
     stats: BackgroundStats
     rows: torch.Tensor
@@ -160,15 +161,16 @@ def _held_out_episodes(
         if int(torch.unique(inverse[train]).numel()) < 2:
             continue
         stats = fit_background(features[train], inverse[train], shrinkage)
-        held = (~train).nonzero().squeeze(1)  # the fold's samples, in order
+        drawn = [_episodes(fold_classes, inverse, WAY, shot, generator, tasks) for shot in SHOTS]
+        drawn = [d for d in drawn if d is not None]
+        if not drawn:
+            continue
+        # the rows the fold's episodes use, each once (not the whole fold: it may be large)
+        used = torch.cat([torch.cat([d[0], d[1]], 1).reshape(-1) for d in drawn]).unique()
         local = torch.full_like(inverse, -1)
-        local[held] = torch.arange(held.shape[0], device=held.device)
-        rows = features[held]
-        for shot in SHOTS:
-            drawn = _episodes(fold_classes, inverse, WAY, shot, generator, tasks)
-            if drawn is None:
-                continue
-            support, query, support_labels, open_mask = drawn
+        local[used] = torch.arange(used.shape[0], device=used.device)
+        rows = features[used]
+        for support, query, support_labels, open_mask in drawn:
             way = int(support_labels.max()) + 1
             out.append(
                 _HeldOutEpisodes(
