@@ -168,13 +168,16 @@ def search_episodes(method: str, n_episodes: int | None) -> int:
     return SEARCH_EPISODES.get(method, 300) if n_episodes is None else n_episodes
 
 
-def search_space(method: str) -> dict[str, list]:
-    """The default coarse search space of ``method``; ``ValueError`` if it has none."""
+def search_space(method: str, fixed: Mapping | None = None) -> dict[str, list]:
+    """The default coarse search space of ``method`` less the hyperparameters ``fixed``
+    holds (those stay as the user gave them; ``{}`` where every one is fixed: the one
+    candidate is then ``fixed`` itself); ``ValueError`` if the method has none."""
     if method not in SEARCH_SPACES:
         raise ValueError(
             f"no search space for method {method!r}; tunable: {', '.join(SEARCH_SPACES)}"
         )
-    return SEARCH_SPACES[method]
+    fixed = fixed or {}
+    return {k: v for k, v in SEARCH_SPACES[method].items() if k not in fixed}
 
 
 @dataclass
@@ -339,17 +342,20 @@ def _check_data(
 
 
 def _checked(
-    method: str, space: Mapping[str, Sequence] | None, criterion: str
+    method: str, space: Mapping[str, Sequence] | None, criterion: str, fixed: Mapping | None
 ) -> Mapping[str, Sequence]:
     if criterion not in CRITERIA:
         raise ValueError(f"criterion must be one of {CRITERIA}, got {criterion!r}")
-    if space is None:
-        return search_space(method)  # may be {}: the defaults are the one candidate
+    if space is None:  # may be {}: the defaults (with ``fixed``) are the one candidate
+        return search_space(method, fixed)
     if not isinstance(space, Mapping) or not space:
         raise ValueError(f"space must be a non-empty mapping of name -> values, got {space!r}")
     for name, values in space.items():
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
             raise ValueError(f"space[{name!r}] must be a non-empty list of values, got {values!r}")
+    both = sorted(set(space) & set(fixed or {}))
+    if both:
+        raise ValueError(f"{', '.join(both)}: both fixed and in the search space; give one")
     return space
 
 
@@ -482,7 +488,7 @@ def tune(
             (:func:`_row`; the open queries' AUROC is in the trace), and the values of
             :data:`OPEN_SEARCH_SPACES` are tried at the best one.
     """
-    space = _checked(method, space, criterion)  # before any sampling
+    space = _checked(method, space, criterion, fixed)  # before any sampling
     device = _check_data(fs, n_episodes, seed, dtype, device)
     check_count("open_queries", open_queries, low=0)
     if open_queries and criterion != "accuracy":
@@ -540,7 +546,7 @@ def tune_zero_shot(
     cluster-to-class matching. ``temperature`` (of the probabilities) may be tuned.
     The probabilities are computed in ``dtype`` and the candidates run on ``device``.
     """
-    space = _checked(method, space, "accuracy")
+    space = _checked(method, space, "accuracy", fixed)
     device = _check_data(fs, n_tasks, seed, dtype, device)
     view = base_classes_only(fs)
     max_classes = min(max_classes, view.classes_in("base").size)
@@ -748,7 +754,7 @@ def _screen(method, preset, fixed, view, episodes, n_episodes, dtype, device) ->
     candidates = [_Candidates(method, view, fixed, dtype, device)]
     rows = [
         _pool_row(method, None, {**fixed, **params}, pool, dtype, device, candidates)
-        for params in _grid(search_space(method))
+        for params in _grid(search_space(method, fixed))
     ]
     if preset is not None:
         rows.append(_pool_row(method, preset, dict(fixed), pool, dtype, device))
@@ -830,7 +836,7 @@ def auto_preset(
     (:func:`probfsl.data.base_episodes.open_base_episode_shape`), and where not even
     those fit the search runs on closed episodes; ``note`` says which.
     """
-    _checked(method, None, criterion)  # ValueError for a method without a search space
+    _checked(method, None, criterion, fixed)  # ValueError for a method without a search space
     n_episodes = search_episodes(method, n_episodes)
     device = _check_data(fs, n_episodes, seed, dtype, device)
     check_count("open_queries", open_queries, low=0)
@@ -860,7 +866,7 @@ def auto_preset(
         return compute()
     settings = {
         "method": method,
-        "space": search_space(method),
+        "space": search_space(method, fixed),
         "baseline": BASELINE,
         "shape": [way, shot, n_query],
         "balance": balance,
@@ -1011,7 +1017,7 @@ def _auto_preset(
             candidates = [_Candidates(method, v, fixed, dtype, device) for v, _ in harder.parts]
             result = _search(
                 method,
-                search_space(method),
+                search_space(method, fixed),
                 "accuracy",
                 True,
                 fixed,
@@ -1346,7 +1352,7 @@ def auto_preset_zero_shot(
         return compute()
     settings = {
         "method": method,
-        "space": search_space(method),
+        "space": search_space(method, fixed),
         "classes": [min_classes, max_classes],
         "n_query": n_query,
         "n_tasks": n_tasks,

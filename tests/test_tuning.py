@@ -90,6 +90,37 @@ def test_tuning_finds_a_known_best_setting(monkeypatch):
     assert max(r["accuracy"] for r in result.trace) == pytest.approx(90.0)
 
 
+class TwoKnobs(Noisy):
+    """:class:`Noisy` with a second hyperparameter that changes nothing."""
+
+    def __init__(self, flip: float = 0.5, knob: float = 1.0) -> None:
+        super().__init__(flip)
+        self.knob = knob
+
+
+def test_a_fixed_hyperparameter_stays_as_given_and_the_rest_is_searched(monkeypatch):
+    """A hyperparameter the user fixes is never searched over, even where the method's
+    search space holds it: every candidate, the choice and the cache key keep the user's
+    value (the search would have chosen flip 0.1 here); every one fixed leaves one
+    candidate; a space that also lists a fixed one is a ValueError."""
+    monkeypatch.setitem(METHODS, "knobs", MethodInfo("knobs", "tests.test_tuning:TwoKnobs", "toy"))
+    monkeypatch.setitem(SEARCH_SPACES, "knobs", {"flip": [0.8, 0.1], "knob": [1.0, 2.0]})
+    fs = make_featureset(n_base=12, n_novel=4, per_class=25)
+    fixed = {"flip": 0.8}
+    choice = auto_preset("knobs", fs, 4, 1, 20, n_episodes=10, fixed=fixed, cache=False)
+    assert {r["params"].get("flip") for r in choice.result.trace} == {None}
+    assert {r["params"]["knob"] for r in choice.result.trace} >= {1.0, 2.0}
+    assert choice.result.best["flip"] == 0.8
+    if choice.method is None:
+        assert choice.params["flip"] == 0.8
+    assert tuning.search_space("knobs", fixed) == {"knob": [1.0, 2.0]}
+    every = {"flip": 0.4, "knob": 2.0}
+    result = tune("knobs", fs, None, 4, 1, 20, n_episodes=10, fixed=every)
+    assert [r["params"] for r in result.trace] == [{}] and result.best == every
+    with pytest.raises(ValueError, match="flip: both fixed and in the search space"):
+        tune("knobs", fs, {"flip": [0.1]}, 4, 1, 20, n_episodes=10, fixed=fixed)
+
+
 def test_bad_criterion_and_unknown_method():
     fs = make_featureset(n_base=8, n_novel=4)
     with pytest.raises(ValueError, match="criterion"):
