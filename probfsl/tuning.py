@@ -1185,8 +1185,9 @@ def fit_open_scale_and_shift(
         raise ValueError(f"p_open {tuple(p_open.shape)} and is_open {tuple(is_open.shape)}")
     logit, target = _logit(p_open), is_open.flatten().to(torch.float64)
     steps = round(2 * MAX_SHIFT / 0.1)
-    shifts = torch.linspace(-MAX_SHIFT, MAX_SHIFT, steps + 1, dtype=torch.float64)
-    shifts = shifts.to(logit.device).unsqueeze(1)
+    shifts = torch.linspace(
+        -MAX_SHIFT, MAX_SHIFT, steps + 1, dtype=logit.dtype, device=logit.device
+    ).unsqueeze(1)
     # one scale at a time ([shifts, queries] at once), read back once: [scales, shifts]
     brier = torch.stack(
         [(torch.sigmoid(a * logit + shifts) - target).square().mean(1) for a in GRID]
