@@ -517,7 +517,9 @@ def run_setting(
     protocol, :mod:`probfsl.data.open_set`) and scores the method's
     ``predict_proba_open`` beside two baselines on nearest centroid; an open-set
     ``task_file`` (one with ``open_classes``) is scored so with its own open queries
-    (``open_queries`` is then the mean number per task).
+    (``open_queries`` is then the mean number per task). The row's ``open_note`` is
+    empty, or says that P(open) could not be tuned on held-out base classes (too few to
+    split); the same line goes to stderr.
     """
     estimator = make_estimator(method, preset, **(params or {}))
     open_set = f"--open-queries {open_queries}"
@@ -569,6 +571,11 @@ def run_setting(
             estimator, baseline, batch, tasks, shot, open_queries, open_way,
             batch_size, progress, device, dtype,
         )  # fmt: skip
+        inner = getattr(estimator, "estimator", estimator)  # under the temperature
+        open_note = getattr(inner, "open_background_note", lambda: None)()
+        open_row["open_note"] = open_note or ""
+        if open_note:
+            note(open_note)
     else:
         results = evaluate_stream(
             {"method": estimator, "baseline": baseline},

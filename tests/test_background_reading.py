@@ -24,10 +24,12 @@ from probfsl.inference.background import (
 from probfsl.inference.open_temperature import (
     MIX_GRID,
     TASKS,
+    UNSPLIT_READING,
     fit_scale,
     held_out_open_log_odds,
     scale_and_log_loss,
     select_open_reading,
+    select_open_readings,
 )
 from probfsl.models.base import FewShotClassifier, held_out_background_choices
 
@@ -272,11 +274,43 @@ def test_the_choice_in_float32_is_the_choice_in_float64():
     assert high.within_mix in MIX_GRID and high.between_mix in MIX_GRID
 
 
-def test_classes_that_cannot_be_split_keep_the_background_as_it_was():
+def test_classes_that_cannot_be_split_get_the_fixed_reading_in_both_frames():
     x, labels = _base(n_classes=4, per_class=6, dim=3)  # folds of one or two classes
-    got = select_open_reading(x, labels, 1e-3)
-    assert (got.within_mix, got.between_mix, got.odds_scale) == (0.0, 0.0, 1.0)
-    assert got.log_loss == math.inf
+    for got in select_open_readings(x, labels, 1e-3, (False, True)):
+        assert got == UNSPLIT_READING
+        assert (got.within_mix, got.between_mix, got.odds_scale, got.odds_shift) == (
+            0.5,
+            1.0,
+            1.0,
+            0.0,
+        )
+        assert got.log_loss == math.inf
+
+
+@pytest.mark.parametrize("n_classes, held_out", [(5, False), (30, True)])
+def test_an_estimator_says_when_its_background_was_not_chosen_on_held_out_classes(
+    n_classes, held_out, tmp_path
+):
+    x, labels = _base(n_classes=n_classes, per_class=12, dim=6, seed=2)
+    est = make_estimator("nearest-centroid").fit_base(x, labels)
+    note = est.open_background_note()
+    assert est.background_held_out_ is held_out
+    assert (note is None) is held_out
+    if not held_out:
+        assert "too few" in note
+        raw = BackgroundStats(est.background_mean_, est.background_within_, est.background_between_)
+        want = raw.blended(0.5, 1.0)  # the reading a user is told about
+        for query_centring in (False, True):
+            for got, w in zip(est.background_stats(x, query_centring), want, strict=True):
+                torch.testing.assert_close(got, w)
+    path = tmp_path / "nc.pt"
+    est.save(path)
+    loaded = FewShotClassifier.load(path)
+    assert loaded.background_held_out_ is held_out
+    assert loaded.open_background_note() == note
+    del est.background_held_out_  # as a file saved before the flag: no note
+    est.save(path)
+    assert FewShotClassifier.load(path).open_background_note() is None
 
 
 # ------------------------------------------------------------------ the estimator

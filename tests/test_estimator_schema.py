@@ -248,6 +248,7 @@ def test_the_methods_without_a_second_d_keep_only_the_base_mean(saved):
             "background_query_between_mix_",
             "background_query_odds_scale_",
             "background_query_odds_shift_",
+            "background_held_out_",
         }, name
 
 

@@ -219,6 +219,7 @@ def test_evidence_lssvm_fit_learns_the_base_classes(task):
         "background_query_between_mix_",
         "background_query_odds_scale_",
         "background_query_odds_shift_",
+        "background_held_out_",
     }
     torch.testing.assert_close(est.base_mean_, ref.base_mean_)
     assert not hasattr(est, "coef_")

@@ -570,6 +570,8 @@ def test_probfsl_run_open_queries_end_to_end(tmp_path, capsys, open_posterior):
         assert 0 <= row[key] <= 100 and row[f"{key}_ci95"] > 0
     assert 0 <= row["ece_open"] <= 1 and row["tasks"] == 40
     assert row["accuracy"] == row["baseline_accuracy"]  # the same argmax on the same tasks
+    assert row["open_note"] == ""  # P(open) chosen on held-out base classes
+    assert "P(open)" not in capsys.readouterr().err
     # the closed-set run of the same seed has the same support and closed queries
     closed = tmp_path / "closed.json"
     assert main([*argv, "--tasks", "40", "--out", str(closed)]) == 0
@@ -618,6 +620,21 @@ def test_probfsl_run_open_queries_tempers_the_known_columns_by_default(tmp_path,
     assert tempered["nll"] != plain["nll"] and tempered["accuracy"] == plain["accuracy"]
     for key in ("auroc", "ece_open"):
         assert tempered[key] == pytest.approx(plain[key])
+
+
+def test_a_run_on_too_few_base_classes_to_hold_out_says_p_open_was_not_tuned(tmp_path, capsys):
+    from tests.synthetic import make_featureset
+
+    fs = make_featureset(n_base=4)  # folds of one or two classes
+    path = tmp_path / "four_base.npz"
+    np.savez(path, features=fs.features, labels=fs.labels, split=fs.split)
+    out = tmp_path / "open.json"
+    argv = ["run", "--method", "nearest-centroid", "--features", str(path), "--way", "3"]
+    argv += ["--query", "9", "--tasks", "5", "--open-queries", "6", "--out", str(out)]
+    assert main(argv) == 0
+    note = json.loads(out.read_text())["open_note"]
+    assert "too few to hold some out" in note
+    assert f"probfsl: note: {note}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("n_base", [0, 1])
@@ -674,6 +691,9 @@ def test_sweep_open_axis_cells_rows_and_report(tmp_path, open_posterior):
     text = open_set_table(table)
     assert "AUROC" in text and "k-NN distance" in text and "max softmax" in text
     assert text.count("| omni |") == 3  # the method and the two baselines, open cells only
+    assert "not tuned" not in text  # Omniglot's base classes are enough to hold out
+    untuned = table.assign(open_note=["", "P(open): the base classes are too few"])
+    assert "nearest-centroid (P(open) not tuned: too few" in open_set_table(untuned)
     paths = write_report(table, tmp_path / "report", code_version="test")
     assert "## Open-set recognition" in paths["markdown"].read_text()
 

@@ -15,7 +15,10 @@ of classes (:func:`~probfsl.inference.background_shrinkage.class_folds`) the bac
 fitted without the fold, and open-set episodes are drawn from the fold's classes (K of
 them known, the rest open, as many open queries as closed; 1 and 5 shots); a minimises
 the log loss of their open/closed labels over a grid. Without enough held-out classes
-(three, each with the samples an episode needs) a stays 1.
+(three in a fold, each with the samples an episode needs, and samples of the fold's other
+classes for the open queries: about nine base classes in all) a stays 1, and the
+background reads its covariances half (within-class) and fully (between-class) isotropic
+(:data:`UNSPLIT_READING`).
 
 The same held-out log loss, the predictive likelihood of the open/closed labels of
 classes the background has not seen, chooses how far each background covariance is
@@ -64,6 +67,7 @@ __all__ = [
     "GRID",
     "MIX_GRID",
     "OpenReading",
+    "UNSPLIT_READING",
     "fit_scale",
     "fit_shift",
     "held_out_open_log_odds",
@@ -336,6 +340,16 @@ class OpenReading(NamedTuple):
     odds_shift: float = 0.0
 
 
+#: the reading where the base classes cannot be split into held-out folds (too few of
+#: them), so nothing measures how their covariances carry over to new classes: C base
+#: classes give a between-class covariance of rank C - 1, which misses most directions
+#: in which a new class can differ, so it is read isotropic (a_B = 1); how well the
+#: within-class covariance carries over depends on the features, so it is read half
+#: isotropic (a_W = 0.5); the odds keep scale 1 and no shift (measurements:
+#: docs/methods/open-set.md, "Too few base classes to hold out")
+UNSPLIT_READING = OpenReading(0.5, 1.0, 1.0, math.inf)
+
+
 def select_open_readings(
     features: torch.Tensor,
     labels: torch.Tensor,
@@ -351,6 +365,8 @@ def select_open_readings(
         if not 0 <= mix <= 1:
             raise ValueError(f"mix_grid must lie in [0, 1], got {mix_grid}")
     episodes = _held_out_episodes(features, labels, shrinkage, 0, tasks)
+    if not episodes:
+        return [UNSPLIT_READING for _ in frames]
     best, bases, framed = [OpenReading(0.0, 0.0, 1.0, math.inf) for _ in frames], {}, {}
     best_odds: list[tuple[torch.Tensor, torch.Tensor] | None] = [None for _ in frames]
     for within_mix in mix_grid:
@@ -381,7 +397,7 @@ def select_open_reading(
     every pair; ``query_centring`` reads them in their queries' frame): the predictive
     likelihood of the open/closed labels of classes the background has not seen (module
     docstring), and the shift b of that reading (:func:`fit_shift`). The first pair of
-    the grid wins ties; (0, 0, 1) with an infinite loss and no shift where the base
-    classes cannot be split."""
+    the grid wins ties; :data:`UNSPLIT_READING` (an infinite loss) where the base classes
+    cannot be split."""
     [best] = select_open_readings(features, labels, shrinkage, (query_centring,), mix_grid, tasks)
     return best

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -41,7 +42,7 @@ import torch
 from probfsl.data.featureset import FeatureSet
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
-from probfsl.schema import FEATURE_BOUND, Choice, EstimatorSchema, Group, Real, Tensor
+from probfsl.schema import FEATURE_BOUND, Choice, EstimatorSchema, Flag, Group, Real, Tensor
 from probfsl.validation import (
     as_device,
     as_float_tensor,
@@ -100,8 +101,10 @@ BASE_MEAN = Group("fit_base", {"base_mean_": Tensor("D", bound=FEATURE_BOUND)})
 #: of the two covariances ``background_within_mix_`` and ``background_between_mix_`` and
 #: the scale and shift of the inductive open log-odds ``background_odds_scale_`` and
 #: ``background_odds_shift_``, and the same four for the transductive reading in the
-#: queries' frame (``background_query_*``); all but the first three are absent from files
-#: saved before they were chosen (read as 0, 0, 1 and a shift of 0)
+#: queries' frame (``background_query_*``), and ``background_held_out_``, whether they
+#: were (``False``: too few base classes to hold out; the fallback of
+#: :data:`probfsl.inference.open_temperature.UNSPLIT_READING`); all but the first three are
+#: absent from files saved before they were chosen (read as 0, 0, 1 and a shift of 0)
 BACKGROUND = Group(
     "fit_base",
     {
@@ -117,9 +120,11 @@ BACKGROUND = Group(
         "background_query_between_mix_": Real(low=0.0, high=1.0),
         "background_query_odds_scale_": Real(positive=True),
         "background_query_odds_shift_": Real(),
+        "background_held_out_": Flag(),
     },
     optional=frozenset(
         {
+            "background_held_out_",
             "background_shrinkage_",
             "background_odds_scale_",
             "background_odds_shift_",
@@ -716,6 +721,7 @@ class OpenSetBackground:
         "background_query_between_mix_",
         "background_query_odds_scale_",
         "background_query_odds_shift_",
+        "background_held_out_",
     )
 
     def fit_background(self, features: torch.Tensor, labels: torch.Tensor) -> None:
@@ -761,6 +767,25 @@ class OpenSetBackground:
         self.background_query_between_mix_ = query.between_mix
         self.background_query_odds_scale_ = query.odds_scale
         self.background_query_odds_shift_ = query.odds_shift
+        self.background_held_out_ = math.isfinite(inductive.log_loss)
+
+    def open_background_note(self) -> str | None:
+        """A one-line notice where the open-set posterior could not be tuned on held-out
+        base classes (too few of them to split: the covariances read partly isotropic and
+        P(open) uncalibrated, :data:`~probfsl.inference.open_temperature.UNSPLIT_READING`);
+        ``None`` where it was, where there is no background, and for files saved before
+        the flag."""
+        if getattr(self, "background_mean_", None) is None:
+            return None
+        self._choose_background()
+        if getattr(self, "background_held_out_", True):
+            return None
+        return (
+            "P(open): the base classes are too few to hold some out (about nine are "
+            "needed), so its background was not tuned on held-out classes: covariances "
+            "read half (within-class) and fully (between-class) isotropic, odds unscaled "
+            "(ECE-open may be high)"
+        )
 
     def fitted_state(self) -> dict[str, Any]:
         """The fitted attributes, the held-out choices made first (:meth:`fit_background`)."""

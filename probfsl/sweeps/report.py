@@ -97,6 +97,7 @@ TEXTS = (
     "baseline",
     "ran_preset",
     "method_run",
+    "open_note",
     "device",
     "gpu",
     "machine",
@@ -579,7 +580,8 @@ def open_set_table(table: pd.DataFrame, fmt: str = "markdown") -> str:
     with its 95% half-width, pooled over seeds; then, per setting, the baselines on the
     same tasks (nearest centroid with the k-NN distance, and with the maximum softmax
     probability, as outlier scores). A method where the default search ran another one
-    says so (" (ran nearest-centroid)"), as in :func:`method_table`. ``fmt``:
+    says so (" (ran nearest-centroid)"), as in :func:`method_table`, and one whose P(open)
+    could not be tuned on held-out base classes (the row's ``open_note``) says that. ``fmt``:
     ``"markdown"`` or ``"html"``."""
     _check_fmt(fmt)
     frame = pooled(table)
@@ -600,6 +602,8 @@ def open_set_table(table: pd.DataFrame, fmt: str = "markdown") -> str:
                 for _, column in OPEN_COLUMNS
             ]
             name = row["variant"] + _fallback_note(row)
+            if not _missing(row.get("open_note")) and str(row.get("open_note")):
+                name += " (P(open) not tuned: too few base classes to hold out)"
             rows.append([*cells, name, _int(row["seeds"]), *values])
         base = _baseline_row(group)
         name = _baseline_name(base.get("baseline"))
