@@ -415,6 +415,31 @@ def test_the_held_out_choices_are_read_back_from_the_disk_cache(monkeypatch, tun
     assert len(calls) == 3
 
 
+def test_the_fallback_of_too_few_classes_is_neither_stored_nor_read_back(tuning_cache_dir):
+    """Base classes too few to hold out get UNSPLIT_READING, computed at once and not
+    stored; a fallback an older version stored (other blends, an infinite loss) is not
+    read back as if it had been chosen."""
+    import json
+
+    from probfsl.models import base
+
+    x, labels = _many_classes()
+    few = labels < 4  # four classes: folds of one or two
+    base._BACKGROUND_CHOICES.clear()
+    shrinkage, *readings = base.held_out_background_choices(x[few], labels[few])
+    assert readings == [UNSPLIT_READING, UNSPLIT_READING]
+    assert not list((tuning_cache_dir / "auto").glob("*.json"))
+    base.held_out_background_choices(x, labels)  # chosen on held-out classes: stored
+    [entry] = (tuning_cache_dir / "auto").glob("*.json")
+    stored = json.loads(entry.read_text())
+    for reading in stored["value"]["readings"]:
+        reading.update(within_mix=0.0, between_mix=0.0, log_loss=math.inf)
+    entry.write_text(json.dumps(stored))
+    base._BACKGROUND_CHOICES.clear()
+    again = base.held_out_background_choices(x, labels)
+    assert all(math.isfinite(r.log_loss) for r in again[1:])
+
+
 # --------------------------------------------------------------------- shared bases
 @pytest.mark.parametrize("mixes", [(0.0, 0.0), (0.3, 0.6), (0.6, 1.0), (1.0, 0.3), (1.0, 1.0)])
 def test_a_blended_basis_diagonalises_the_blend_as_the_cholesky_basis_does(mixes):

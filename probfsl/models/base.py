@@ -501,7 +501,8 @@ def held_out_background_choices(
     choices = _stored_choices(stored_key)
     if choices is None:
         choices = (shrinkage, *select_open_readings(features, labels, shrinkage, (False, True)))
-        _store_choices(stored_key, choices)
+        if all(math.isfinite(r.log_loss) for r in choices[1:]):  # not the cheap fallback
+            _store_choices(stored_key, choices)
     _BACKGROUND_CHOICES[key] = choices
     while len(_BACKGROUND_CHOICES) > _BACKGROUND_CHOICES_KEPT:
         _BACKGROUND_CHOICES.popitem(last=False)
@@ -543,7 +544,11 @@ def _stored_choices(key: dict) -> tuple | None:
         choices = (float(stored["shrinkage"]), *(OpenReading(**r) for r in stored["readings"]))
     except (KeyError, TypeError, ValueError):
         return None
-    return choices if len(choices) == 3 and choices[0] == key["shrinkage"] else None
+    if len(choices) != 3 or choices[0] != key["shrinkage"]:
+        return None
+    # choices made on held-out classes only: a fallback stored by an older version may
+    # differ from today's (:data:`~probfsl.inference.open_temperature.UNSPLIT_READING`)
+    return choices if all(math.isfinite(r.log_loss) for r in choices[1:]) else None
 
 
 def _store_choices(key: dict, choices: tuple) -> None:
