@@ -25,7 +25,7 @@ test: $(VENV)/.docs
 	$(VENV)/bin/ruff check probfsl tests benchmarks tools
 	$(PY) -m pytest -q
 
-# every test module but not the slow and GPU tests: a few minutes on two cores
+# every test module but not the slow and GPU tests: about 15 minutes on two cores
 test-quick: $(VENV)/.dev
 	$(PY) -m pytest -q -m "not slow and not gpu"
 
