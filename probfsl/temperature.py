@@ -18,13 +18,16 @@ only when the base episodes hold at least :data:`MIN_ERRORS` misclassified queri
 making at least :data:`MIN_ERROR_RATE` of them (:func:`fit_base_temperature`);
 otherwise the probabilities are left as they are (``τ`` = 1) and ``notes_`` says why.
 
-A temperature is fitted only from :data:`MIN_CLASSES` base classes or more. How hard
-episodes are varies from class to class, and with a handful of base classes the base
-episodes are as likely to be much harder than the novel tasks as much easier (on draws
-of 4-5 classes of the built-in sets, nearest centroid's base error rate was 0.4 to 2.2
-times its novel one), so the temperature fitted on them flattens or sharpens the novel
-probabilities by chance: on those draws, a temperature fitted on episodes of all their
-base classes raised nearest centroid's novel NLL in five of six.
+A temperature is applied whatever it does only from :data:`MIN_CLASSES` base classes or
+more. How hard episodes are varies from class to class, and with a handful of base
+classes the base episodes are as likely to be much harder than the novel tasks as much
+easier (on draws of 4-5 classes of the built-in sets, nearest centroid's base error rate
+was 0.4 to 2.2 times its novel one), so the temperature fitted on them flattens or
+sharpens the novel probabilities by chance: on those draws, a temperature fitted on
+episodes of all their base classes raised nearest centroid's novel NLL in five of six.
+From fewer base classes it is applied only where it at least halves the NLL of their
+episodes (:data:`FEW_CLASSES_GAIN`): probabilities that far off (a transductive mixture
+in hundreds of dimensions, sure of every answer) are far off on the novel tasks too.
 
 A temperature sets the spread of the probabilities over the task's classes, so it is
 fitted at the tasks' way. Where the base classes are too few for base episodes of the
@@ -81,8 +84,12 @@ log = logging.getLogger(__name__)
 MIN_ERRORS = 20
 #: lowest share of misclassified base queries a temperature is fitted from
 MIN_ERROR_RATE = 0.02
-#: fewest base classes a temperature is fitted from (below, ``τ`` = 1)
+#: fewest base classes a temperature is applied from whatever it does (below, only where
+#: it divides their episodes' NLL by :data:`FEW_CLASSES_GAIN` or more)
 MIN_CLASSES = 10
+#: the largest NLL ratio (tempered / as given) on the episodes of fewer than
+#: :data:`MIN_CLASSES` base classes at which their temperature is applied
+FEW_CLASSES_GAIN = 0.5
 #: class draws of the episodes of the tasks' way where the base classes cannot form
 #: episodes of the tasks' shape
 WAY_DRAWS = 10
@@ -111,6 +118,32 @@ def fit_base_temperature(
             "fitted, the probabilities are left as the method gives them"
         )
     return fit_temperature(proba, labels), ""
+
+
+def _few_classes_temperature(
+    proba: torch.Tensor, labels: torch.Tensor, tau: float, n_base: int
+) -> tuple[float | None, str]:
+    """``(τ, note)`` on fewer than :data:`MIN_CLASSES` base classes: ``tau`` (fitted on
+    their episodes ``proba`` [T, Q, K], ``labels`` [T, Q]) where it at least halves their
+    NLL (:data:`FEW_CLASSES_GAIN`), else ``None``; the note says which."""
+    target = labels.to(proba.device).reshape(-1)
+
+    def nll(p: torch.Tensor) -> float:
+        logp = p.double().clamp_min(torch.finfo(torch.float64).tiny).log()
+        return float(torch.nn.functional.nll_loss(logp.reshape(-1, p.shape[-1]), target))
+
+    before, after = nll(proba), nll(apply_temperature(proba, tau))
+    change = f"NLL {before:.3g} -> {after:.3g} on their episodes"
+    if after <= FEW_CLASSES_GAIN * before:
+        return tau, (
+            f"fitted on only {n_base} base classes ({change}: the probabilities were far "
+            "off, by more than a few classes' chance)"
+        )
+    return None, (
+        f"{n_base} base classes are too few to fit a temperature that carries over to "
+        f"other classes (it needs {MIN_CLASSES}, or to at least halve their episodes' "
+        f"NLL: {change}): not applied (temperature 1)"
+    )
 
 
 class TemperatureScaled(FewShotClassifier):
@@ -202,15 +235,6 @@ class TemperatureScaled(FewShotClassifier):
         from the tasks' shape, and a note, for tasks of ``shape``."""
         way, shot, n_query = shape
         n_base = class_sizes(self.base_, "base").size
-        if n_base < MIN_CLASSES:
-            return (
-                None,
-                None,
-                (
-                    f"{n_base} base classes are too few to fit a temperature that carries over "
-                    f"to other classes (it needs {MIN_CLASSES}): not applied (temperature 1)"
-                ),
-            )
         fitted_on = base_episode_shape(self.base_, way, shot, n_query, self.balance, self.seed)
         n_open, open_note = self.n_open, ""
         if fitted_on is not None and fitted_on[0] == way:
@@ -265,6 +289,8 @@ class TemperatureScaled(FewShotClassifier):
                 probas.append(model.predict_proba(episodes))
                 labels.append(episodes.query_labels)
         tau, note = fit_base_temperature(torch.cat(probas), torch.cat(labels))
+        if tau is not None and n_base < MIN_CLASSES:
+            tau, note = _few_classes_temperature(torch.cat(probas), torch.cat(labels), tau, n_base)
         tuning_cache.store(key, {"temperature": tau, "note": note})
         return tau, where, "; ".join(n for n in (open_note, note) if n)
 

@@ -1,5 +1,7 @@
 """Calibration metrics against brute-force definitions, and temperature scaling."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -203,17 +205,41 @@ def test_the_temperature_is_fitted_at_the_tasks_way_or_not_at_all():
     assert (4, 1, 20) not in scaled.notes_
 
 
-def test_no_temperature_from_a_handful_of_base_classes():
+def test_a_handful_of_base_classes_give_a_temperature_only_where_it_halves_their_nll():
     """With few base classes, how hard their episodes are says little of the novel tasks:
-    no temperature below MIN_CLASSES base classes, and the note says why."""
+    below MIN_CLASSES base classes a temperature is applied only where it at least halves
+    the NLL of their episodes (probabilities far off, as a soft k-means at a temperature
+    far too sharp for these overlapping classes), and then it lowers the novel tasks' NLL
+    too; a mild correction is not applied. Each note says which."""
+    from probfsl.data import sample_episodes
+    from probfsl.models.nearest_centroid import NearestCentroid
     from probfsl.models.soft_kmeans import SoftKMeans
-    from probfsl.temperature import MIN_CLASSES, TemperatureScaled
+    from probfsl.temperature import FEW_CLASSES_GAIN, MIN_CLASSES, TemperatureScaled
     from tests.conftest import make_featureset
 
     few = make_featureset(n_base=MIN_CLASSES - 1, n_novel=4, per_class=10, dim=4, spread=1.0)
-    scaled = TemperatureScaled(SoftKMeans(), n_episodes=60).fit_featureset(few)
-    assert scaled.fit_shape(3, 1, 15, torch.float64) == 1.0
-    assert f"{MIN_CLASSES - 1} base classes are too few" in scaled.notes_[(3, 1, 15)]
+    mild = TemperatureScaled(NearestCentroid(temperature=3.0), n_episodes=60).fit_featureset(few)
+    assert mild.fit_shape(3, 1, 15, torch.float64) == 1.0
+    note = mild.notes_[(3, 1, 15)]
+    assert f"{MIN_CLASSES - 1} base classes are too few" in note and "halve" in note
+    sharp = TemperatureScaled(SoftKMeans(), n_episodes=60).fit_featureset(few)
+    tau = sharp.fit_shape(3, 1, 15, torch.float64)
+    assert tau > 1  # flattens
+    assert f"fitted on only {MIN_CLASSES - 1} base classes" in sharp.notes_[(3, 1, 15)]
+    before, after = (
+        float(x) for x in re.findall(r"NLL ([\d.]+) -> ([\d.]+)", sharp.notes_[(3, 1, 15)])[0]
+    )
+    assert after <= FEW_CLASSES_GAIN * before
+    novel = sample_episodes(few, 40, 3, 1, 15, seed=5, dtype=torch.float64)
+    proba = SoftKMeans().fit_featureset(few).predict_proba(novel)
+    labels = novel.query_labels.reshape(-1)
+
+    def nll(p):
+        return float(torch.nn.functional.nll_loss(p.clamp_min(1e-300).log().reshape(-1, 3), labels))
+
+    tempered = sharp.predict_proba(novel)  # the wrapper, on the novel tasks
+    torch.testing.assert_close(tempered, apply_temperature(proba, tau))
+    assert nll(tempered) < 0.5 * nll(proba)
     enough = make_featureset(n_base=MIN_CLASSES, n_novel=4, per_class=10, dim=4, spread=1.0)
     scaled = TemperatureScaled(SoftKMeans(), n_episodes=60).fit_featureset(enough)
     assert scaled.fit_shape(3, 1, 15, torch.float64) != 1.0
