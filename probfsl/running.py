@@ -571,8 +571,7 @@ def run_setting(
             estimator, baseline, batch, tasks, shot, open_queries, open_way,
             batch_size, progress, device, dtype,
         )  # fmt: skip
-        inner = getattr(estimator, "estimator", estimator)  # under the temperature
-        open_note = getattr(inner, "open_background_note", lambda: None)()
+        open_note = estimator.open_background_note()
         open_row["open_note"] = open_note or ""
         if open_note:
             note(open_note)

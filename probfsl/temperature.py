@@ -387,6 +387,12 @@ class TemperatureScaled(FewShotClassifier):
         wrapped estimator with an open-set posterior."""
         return bool(self.n_open) and has_open_posterior(self.estimator)
 
+    def open_background_note(self) -> str | None:
+        """The fitted wrapped estimator's note on P(open) (the temperature leaves P(open)
+        as it is)."""
+        fitted = getattr(self, "estimator_", None)
+        return None if fitted is None else fitted.open_background_note()
+
     def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
         """``[T, Q, K+1]``: the wrapped estimator's open-set posterior with its known
         columns tempered given "known" (P(open) as it is; the module's doc). Needs

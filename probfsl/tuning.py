@@ -1573,6 +1573,17 @@ class AutoPreset(FewShotClassifier):
         Q - n_open, n_open)``; the queries' labels are not read."""
         return self._estimator_for(episodes, open_set=True).predict_proba_open(episodes)
 
+    def open_background_note(self) -> str | None:
+        """The note of :meth:`~probfsl.models.base.FewShotClassifier.open_background_note`
+        of the estimators chosen for open-set tasks so far (``None`` when they have
+        none)."""
+        notes = [
+            estimator.open_background_note()
+            for (shape, _, _), estimator in self.estimators_.items()
+            if len(shape) == 4  # (way, shot, closed queries, open queries)
+        ]
+        return "; ".join(dict.fromkeys(n for n in notes if n)) or None
+
     def open_split(self, way: int, n_query: int) -> tuple[int, int]:
         """``(closed, open)`` queries of the base episodes that choose for open-set tasks
         of ``n_query`` queries: ``open`` = round(``open_prior`` n_query), kept between 1

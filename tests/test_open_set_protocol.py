@@ -622,14 +622,19 @@ def test_probfsl_run_open_queries_tempers_the_known_columns_by_default(tmp_path,
         assert tempered[key] == pytest.approx(plain[key])
 
 
-def test_a_run_on_too_few_base_classes_to_hold_out_says_p_open_was_not_tuned(tmp_path, capsys):
+@pytest.mark.parametrize("method", ["nearest-centroid", "soft-kmeans"])
+def test_a_run_on_too_few_base_classes_to_hold_out_says_p_open_was_not_tuned(
+    method, tmp_path, capsys
+):
+    """The note reaches the run through the wrappers (soft-kmeans: its search's choice
+    under the temperature)."""
     from tests.synthetic import make_featureset
 
     fs = make_featureset(n_base=4)  # folds of one or two classes
     path = tmp_path / "four_base.npz"
     np.savez(path, features=fs.features, labels=fs.labels, split=fs.split)
     out = tmp_path / "open.json"
-    argv = ["run", "--method", "nearest-centroid", "--features", str(path), "--way", "3"]
+    argv = ["run", "--method", method, "--features", str(path), "--way", "3"]
     argv += ["--query", "9", "--tasks", "5", "--open-queries", "6", "--out", str(out)]
     assert main(argv) == 0
     note = json.loads(out.read_text())["open_note"]

@@ -264,6 +264,12 @@ class FewShotClassifier(Hyperparameters, ABC):
         method reduces to a simpler one (``""`` when nothing needs saying)."""
         return ""
 
+    def open_background_note(self) -> str | None:
+        """One line a user should read beside open-set results: where P(open) could not
+        be tuned on held-out base classes (``None`` when nothing needs saying; methods
+        with a background, :class:`OpenSetBackground`, and wrappers say more)."""
+        return None
+
     def fit_base(self, features: Any, labels: Any) -> Self:
         """Learn base-class statistics from ``features`` [N, D] and ``labels`` [N]
         (tensors or NumPy arrays; checked by :func:`~probfsl.validation.check_base`)."""
