@@ -73,7 +73,11 @@ from probfsl.data.base_episodes import (
 )
 from probfsl.data.featureset import FeatureSet
 from probfsl.data.tasks import Episodes, sample_episodes
-from probfsl.evaluation.calibration import apply_temperature, fit_temperature
+from probfsl.evaluation.calibration import (
+    apply_temperature,
+    calibration_per_task,
+    fit_temperature,
+)
 from probfsl.evaluation.open_set import has_open_posterior
 from probfsl.models.base import FewShotClassifier
 from probfsl.validation import check_base, check_choice, check_hyperparameter
@@ -126,11 +130,9 @@ def _few_classes_temperature(
     """``(τ, note)`` on fewer than :data:`MIN_CLASSES` base classes: ``tau`` (fitted on
     their episodes ``proba`` [T, Q, K], ``labels`` [T, Q]) where it at least halves their
     NLL (:data:`FEW_CLASSES_GAIN`), else ``None``; the note says which."""
-    target = labels.to(proba.device).reshape(-1)
 
-    def nll(p: torch.Tensor) -> float:
-        logp = p.double().clamp_min(torch.finfo(torch.float64).tiny).log()
-        return float(torch.nn.functional.nll_loss(logp.reshape(-1, p.shape[-1]), target))
+    def nll(p: torch.Tensor) -> float:  # the episodes hold as many queries each
+        return float(calibration_per_task(p.double(), labels)["nll"].mean())
 
     before, after = nll(proba), nll(apply_temperature(proba, tau))
     change = f"NLL {before:.3g} -> {after:.3g} on their episodes"
