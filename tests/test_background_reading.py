@@ -440,54 +440,72 @@ def test_the_fallback_of_too_few_classes_is_neither_stored_nor_read_back(tuning_
     assert all(math.isfinite(r.log_loss) for r in again[1:])
 
 
-# --------------------------------------------------------------------- shared bases
+# ------------------------------------------------------------ the held-out log-odds
 @pytest.mark.parametrize("mixes", [(0.0, 0.0), (0.3, 0.6), (0.6, 1.0), (1.0, 0.3), (1.0, 1.0)])
-def test_a_blended_basis_diagonalises_the_blend_as_the_cholesky_basis_does(mixes):
-    """BlendedBases(stats).basis(a_w, a_b) whitens the blended within-class covariance and
-    diagonalises the blended between-class one (the shortcuts at a_b = 1 and a_w = 1
-    included), with the eigenvalues and ln|det W| of two_covariance_basis, and gives a reading
-    the same open log-odds."""
-    from probfsl.inference.background import BlendedBases, two_covariance_basis
+@pytest.mark.parametrize("shot", [1, 3])
+@pytest.mark.parametrize("n_classes, dim", [(8, 6), (3, 7)])
+def test_the_low_rank_odds_are_the_reading_of_the_blended_statistics(mixes, shot, n_classes, dim):
+    """BlendedOdds reads tasks at any blend, in the base frame and the queries' frame, as
+    TwoCovarianceReading reads them under the blended statistics, with more classes than
+    dimensions (a square factor) and fewer (a factor of rank C, the between-class
+    covariance mostly the shrinkage's multiple of I)."""
+    from probfsl.inference.blended_odds import BlendedOdds, HeldTasks, between_factor
 
-    x, labels = _base(dim=6)
+    x, labels = _base(n_classes=n_classes, dim=dim)
     stats = fit_background(x, labels, 1e-2)
-    blended = stats.blended(*mixes)
-    w, lam, log_det = BlendedBases(stats).basis(*mixes)
-    eye = torch.eye(6, dtype=torch.float64)
-    assert torch.allclose(w.T @ blended.within @ w, eye, atol=1e-10)
-    assert torch.allclose(w.T @ blended.between @ w, torch.diag(lam), atol=1e-10)
-    w0, lam0, log_det0 = two_covariance_basis(blended)
-    assert torch.allclose(lam.sort().values, lam0.sort().values, rtol=1e-10, atol=1e-12)
-    assert torch.allclose(log_det, log_det0, rtol=1e-12)
-    assert torch.allclose(log_det0, torch.linalg.slogdet(w0)[1], rtol=1e-12)
-    support, task_labels, query = _task(dim=6)
-    odds = [
-        TwoCovarianceReading(support, task_labels, query, 2, blended, basis=b).open_log_odds()
-        for b in ((w, lam, log_det), None)
-    ]
-    assert torch.allclose(odds[0], odds[1], rtol=1e-10, atol=1e-10)
+    odds = BlendedOdds(stats, between_factor(x, labels), 1e-2)
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(12, dim, generator=g, dtype=torch.float64)
+    support = torch.randint(12, (4, 2 * shot), generator=g)
+    query = torch.randint(12, (4, 5), generator=g)
+    task_labels = torch.arange(2).repeat_interleave(shot).expand(4, -1)
+    projected = odds.project(rows), odds.project(stats.mean)
+    for frame in (False, True):
+        s, q = rows[support], rows[query]
+        norms = None
+        if frame:
+            centre = q.mean(-2, keepdim=True)
+            norms = ((s - centre).norm(dim=-1).reciprocal(), (q - centre).norm(dim=-1).reciprocal())
+            s, q = centre_on_queries(s, q)
+        tasks = HeldTasks(*projected, support, query, norms)
+        got = odds.open_log_odds(tasks, task_labels, 2, shot, *mixes)
+        reading = TwoCovarianceReading(s, task_labels, q, 2, stats.blended(*mixes))
+        torch.testing.assert_close(got, reading.open_log_odds(), rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("mixes", [(0.0, 0.0), (0.6, 0.3), (1.0, 0.9)])
-def test_held_out_odds_from_the_projected_rows_are_the_readings_of_the_episodes(mixes):
-    """The held-out episodes are read off each fold's rows projected once per blend; their
-    log-odds are those of a reading built from the episodes' own features, the blended
-    statistics and, in the queries' frame, the features re-centred by hand."""
+def test_the_between_factor_is_the_unshrunk_between_class_covariance():
+    from probfsl.inference.blended_odds import between_factor
+
+    x, labels = _base(n_classes=5, dim=7)
+    factor = between_factor(x, labels)
+    assert factor.shape == (7, 5)
+    torch.testing.assert_close(factor @ factor.T, fit_background(x, labels, 0.0).between)
+
+
+@pytest.mark.parametrize("mixes", [(0.0, 0.0), (0.6, 0.3), (1.0, 0.9), (0.3, 1.0)])
+@pytest.mark.parametrize("n_classes, dim", [(30, 6), (24, 20)])
+def test_held_out_odds_from_the_projected_rows_are_the_readings_of_the_episodes(
+    mixes, n_classes, dim
+):
+    """The held-out episodes are read off each fold's rows projected once; their log-odds
+    are those of a reading built from the episodes' own features, the blended statistics
+    and, in the queries' frame, the features re-centred by hand (more classes than
+    dimensions, and fewer)."""
     from probfsl.inference.open_temperature import _held_out_episodes, _open_log_odds
 
-    x, labels = _many_classes()
+    x, labels = _base(n_classes=n_classes, per_class=12, dim=dim, seed=2)
     x = x - x.mean(0)
     episodes = _held_out_episodes(x, labels, 1e-2, 0, 4)
-    got = _open_log_odds(episodes, *mixes, (False, True))
+    assert episodes
+    got = _open_log_odds(episodes, [mixes], (False, True))[mixes]
     for frame, (odds, is_open) in zip((False, True), got, strict=True):
         want, opened = [], []
         for batch in episodes:
             support, query = batch.rows[batch.support], batch.rows[batch.query]
             if frame:
                 support, query = centre_on_queries(support, query)
-            reading = TwoCovarianceReading(
-                support, batch.support_labels, query, batch.way, batch.stats.blended(*mixes)
-            )
+            stats = batch.background.stats.blended(*mixes)
+            reading = TwoCovarianceReading(support, batch.support_labels, query, batch.way, stats)
             want.append(reading.open_log_odds().reshape(-1))
             opened.append(batch.open_mask.reshape(-1))
         torch.testing.assert_close(odds, torch.cat(want), rtol=1e-9, atol=1e-9)

@@ -327,48 +327,6 @@ def two_covariance_basis(stats: BackgroundStats) -> tuple[torch.Tensor, torch.Te
     return inv.T @ vec, lam.clamp_min(0), -chol.diagonal().log().sum()
 
 
-class BlendedBases:
-    """The bases of :func:`two_covariance_basis` for ``stats.blended(a_w, a_b)`` at many blends,
-    from one eigendecomposition of the within-class covariance, S_w = U diag(d) U^T, and
-    the between-class covariance in its basis, B = U^T S_b U (both computed once).
-
-    The blend keeps U: (1 - a_w) S_w + a_w c_w I = U diag(d') U^T with d' = (1 - a_w) d +
-    a_w c_w, c = tr S / D. So W_1 = U diag(d')^{-1/2} whitens the blended within-class
-    covariance, the blended between-class covariance becomes M = (1 - a_b) diag(d')^{-1/2}
-    B diag(d')^{-1/2} + a_b c_b diag(d')^{-1} there, and with M = V diag(λ) V^T the basis
-    is W = W_1 V, ln|det W| = -½ Σ ln d': one D x D eigendecomposition per blend, where
-    :func:`two_covariance_basis` needs a Cholesky factorisation, a triangular inverse and one.
-    None at all for a_B = 1 (M is diagonal: V = I, λ = c_b / d'), and one for every a_B
-    at a_W = 1 (d' = c_w: M = ((1 - a_B) B + a_B c_b I) / c_w, whose eigenvectors are
-    B's)."""
-
-    def __init__(self, stats: BackgroundStats) -> None:
-        self.d, self.u = torch.linalg.eigh(stats.within)
-        self.b = self.u.T @ stats.between @ self.u
-        dim = stats.within.shape[-1]
-        self.c_w, self.c_b = stats.within.trace() / dim, stats.between.trace() / dim
-        self._b_eigh: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def basis(
-        self, within_mix: float, between_mix: float
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(W, λ, ln|det W|) of the blend (``within_mix``, ``between_mix``)."""
-        d = (1 - within_mix) * self.d + within_mix * self.c_w
-        scale = d.rsqrt()
-        log_det = -0.5 * d.log().sum()
-        if between_mix == 1:
-            return self.u * scale, (self.c_b / d).clamp_min(0), log_det
-        if within_mix == 1:
-            if self._b_eigh is None:
-                self._b_eigh = torch.linalg.eigh(self.b)
-            g, vec = self._b_eigh
-            lam = ((1 - between_mix) * g + between_mix * self.c_b) / self.c_w
-        else:
-            m = (1 - between_mix) * (scale.unsqueeze(-1) * self.b * scale)
-            lam, vec = torch.linalg.eigh(m + torch.diag(between_mix * self.c_b / d))
-        return (self.u * scale) @ vec, lam.clamp_min(0), log_det
-
-
 class TwoCovarianceReading:
     """The two-covariance (PLDA) reading of a batch of tasks, for repeated evaluation.
 
@@ -394,8 +352,7 @@ class TwoCovarianceReading:
     a row equal to x̄_Q stays zero.
 
     ``basis``: the ``basis`` attribute of a reading with the same ``stats`` (the D x D
-    factorisation, reused rather than recomputed), or :meth:`BlendedBases.basis` of the
-    unblended statistics at the blend of ``stats``.
+    factorisation, reused rather than recomputed).
     """
 
     def __init__(
@@ -417,24 +374,6 @@ class TwoCovarianceReading:
         ys = (support - stats.mean) @ w  # [T, S, D]
         self._hold(ys, support_labels, (query - stats.mean) @ w, way, (w, lam, log_jac))
         self.query_centring = query_centring
-
-    @classmethod
-    def from_coordinates(
-        cls,
-        support: torch.Tensor,
-        support_labels: torch.Tensor,
-        query: torch.Tensor,
-        way: int,
-        basis: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    ) -> TwoCovarianceReading:
-        """A reading of tasks given in the coordinates of ``basis`` (W, λ, ln|det W|):
-        ``support`` [T, S, D] and ``query`` [T, Q, D] are (x - mean) W, as the constructor
-        would compute them (in the frame it reads, ``query_centring=False``). For callers
-        that project many tasks' rows once and read them at once."""
-        reading = object.__new__(cls)
-        reading._hold(support, support_labels, query, way, basis)
-        reading.query_centring = False
-        return reading
 
     def _hold(
         self,

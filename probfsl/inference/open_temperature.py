@@ -55,13 +55,9 @@ from typing import NamedTuple
 
 import torch
 
-from probfsl.inference.background import (
-    BackgroundStats,
-    BlendedBases,
-    TwoCovarianceReading,
-    fit_background,
-)
+from probfsl.inference.background import fit_background
 from probfsl.inference.background_shrinkage import FOLDS, class_folds
+from probfsl.inference.blended_odds import BlendedOdds, HeldTasks, between_factor
 
 __all__ = [
     "GRID",
@@ -139,10 +135,10 @@ class _HeldOutEpisodes(NamedTuple):
 
     ``rows`` [R, D] are the held-out fold's samples that its episodes use, each once,
     shared by the fold's batches; ``support`` [T, S] and ``query`` [T, Q] index them, so
-    that each basis projects a row once, not once per episode and frame
+    that a row is projected once, not once per episode, frame and blend
     (:func:`_open_log_odds`)."""
 
-    stats: BackgroundStats
+    background: BlendedOdds
     rows: torch.Tensor
     support: torch.Tensor
     support_labels: torch.Tensor
@@ -165,6 +161,7 @@ def _held_out_episodes(
         if int(torch.unique(inverse[train]).numel()) < 2:
             continue
         stats = fit_background(features[train], inverse[train], shrinkage)
+        background = BlendedOdds(stats, between_factor(features[train], inverse[train]), shrinkage)
         drawn = [_episodes(fold_classes, inverse, WAY, shot, generator, tasks) for shot in SHOTS]
         drawn = [d for d in drawn if d is not None]
         if not drawn:
@@ -178,77 +175,59 @@ def _held_out_episodes(
             way = int(support_labels.max()) + 1
             out.append(
                 _HeldOutEpisodes(
-                    stats, rows, local[support], support_labels, local[query], way, open_mask
+                    background, rows, local[support], support_labels, local[query], way, open_mask
                 )
             )
     return out
 
 
-def _query_frame(batch: _HeldOutEpisodes, framed: dict) -> tuple[torch.Tensor, ...]:
+def _query_frame(batch: _HeldOutEpisodes) -> tuple[torch.Tensor, torch.Tensor]:
     """The reciprocal norms [T, S] and [T, Q] of ``batch``'s support and query rows less
     their task's query mean (the queries' frame of
-    :func:`~probfsl.inference.background.centre_on_queries`), kept in ``framed`` by the
-    batch's id for other blends: they do not depend on the basis. A row equal to its
-    task's query mean gets 0, so that it stays at the frame's origin however the
-    projection rounds it."""
-    key = id(batch)
-    if key not in framed:
-        centre = batch.rows[batch.query].mean(-2, keepdim=True)  # [T, 1, D]
-        norms = [(batch.rows[i] - centre).norm(dim=-1) for i in (batch.support, batch.query)]
-        framed[key] = tuple(torch.where(n > 0, n.reciprocal(), 0.0) for n in norms)
-    return framed[key]
+    :func:`~probfsl.inference.background.centre_on_queries`). A row equal to its task's
+    query mean gets 0, so that it stays at the frame's origin however the projection
+    rounds it."""
+    centre = batch.rows[batch.query].mean(-2, keepdim=True)  # [T, 1, D]
+    norms = [(batch.rows[i] - centre).norm(dim=-1) for i in (batch.support, batch.query)]
+    return tuple(torch.where(n > 0, n.reciprocal(), 0.0) for n in norms)
 
 
 def _open_log_odds(
     episodes: list[_HeldOutEpisodes],
-    within_mix: float,
-    between_mix: float,
+    blends: list[tuple[float, float]],
     frames: tuple[bool, ...],
-    bases: dict | None = None,
-    framed: dict | None = None,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The log-odds [M] and open labels [M] of ``episodes``, their backgrounds blended,
-    read in each frame of ``frames`` (``query_centring`` of
-    :class:`~probfsl.inference.background.TwoCovarianceReading`), one pair per frame.
-    ``bases``: each fold's :class:`~probfsl.inference.background.BlendedBases` by the id of
-    its statistics, filled here, for calls at other blends to share; ``framed``: the
-    norms of the queries' frame (:func:`_query_frame`), likewise.
+) -> dict[tuple[float, float], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """For each blend (a_W, a_B) of ``blends``: the log-odds [M] (float64) and open labels
+    [M] of ``episodes``, their backgrounds blended, read in each frame of ``frames``
+    (``query_centring`` of :class:`~probfsl.inference.background.TwoCovarianceReading`),
+    one pair per frame.
 
-    Each fold's rows are projected once per blend, P = X W, and every episode and frame
-    read off P: in the base frame y = P_i - m W; in the queries' frame, where a row is
-    (x_i - x̄_Q) / ||x_i - x̄_Q||, y = (P_i - x̄_Q W) / ||x_i - x̄_Q|| - m W, x̄_Q W the mean
-    of the task's query rows of P (m the background's mean, which the blend leaves as it
-    is: the covariances are not blended here, the basis is the blend's)."""
+    Each fold's rows are projected once onto the eigenbasis of the within-class
+    covariance, P = X U, which every blend keeps, and each batch's coordinates in each
+    frame are gathered once for all blends (:class:`~probfsl.inference.blended_odds.
+    HeldTasks`; :meth:`~probfsl.inference.blended_odds.BlendedOdds.open_log_odds`)."""
     if not episodes:
-        return [(torch.zeros(0), torch.zeros(0, dtype=torch.bool)) for _ in frames]
-    bases = {} if bases is None else bases
-    framed = {} if framed is None else framed
-    odds, is_open, projected = {f: [] for f in frames}, [], {}
+        empty = torch.zeros(0), torch.zeros(0, dtype=torch.bool)
+        return {blend: [empty for _ in frames] for blend in blends}
+    odds = {blend: {f: [] for f in frames} for blend in blends}
+    projected, is_open = {}, []
     for batch in episodes:
-        key = id(batch.stats)
-        if key not in projected:  # one basis and projection per fold and blend
-            if key not in bases:
-                bases[key] = BlendedBases(batch.stats)
-            basis = bases[key].basis(within_mix, between_mix)
-            w = basis[0]
-            projected[key] = basis, batch.rows @ w, batch.stats.mean @ w
-        basis, rows, mean = projected[key]
-        support, query = rows[batch.support], rows[batch.query]  # [T, S, D], [T, Q, D]
+        background = batch.background
+        key = id(background)
+        if key not in projected:  # one projection per fold
+            projected[key] = background.project(batch.rows), background.project(background.mean)
+        shot = batch.support.shape[1] // batch.way
         for frame in frames:
-            if frame:
-                centre = query.mean(-2, keepdim=True)
-                inv_s, inv_q = _query_frame(batch, framed)
-                ys = (support - centre) * inv_s.unsqueeze(-1) - mean
-                yq = (query - centre) * inv_q.unsqueeze(-1) - mean
-            else:
-                ys, yq = support - mean, query - mean
-            reading = TwoCovarianceReading.from_coordinates(
-                ys, batch.support_labels, yq, batch.way, basis
-            )
-            odds[frame].append(reading.open_log_odds().reshape(-1))
+            norms = _query_frame(batch) if frame else None
+            tasks = HeldTasks(*projected[key], batch.support, batch.query, norms)
+            for blend in blends:
+                read = background.open_log_odds(
+                    tasks, batch.support_labels, batch.way, shot, *blend
+                )
+                odds[blend][frame].append(read.reshape(-1))
         is_open.append(batch.open_mask.reshape(-1))
     is_open = torch.cat(is_open)
-    return [(torch.cat(odds[f]), is_open) for f in frames]
+    return {blend: [(torch.cat(odds[blend][f]), is_open) for f in frames] for blend in blends}
 
 
 def held_out_open_log_odds(
@@ -269,7 +248,8 @@ def held_out_open_log_odds(
     ``query_centring`` reads each episode in its queries' frame (transductive;
     :class:`~probfsl.inference.background.TwoCovarianceReading`)."""
     episodes = _held_out_episodes(features, labels, shrinkage, seed, tasks)
-    [(odds, is_open)] = _open_log_odds(episodes, within_mix, between_mix, (query_centring,))
+    blend = (within_mix, between_mix)
+    [(odds, is_open)] = _open_log_odds(episodes, [blend], (query_centring,))[blend]
     return odds.to(features), is_open.to(features.device)
 
 
@@ -359,24 +339,23 @@ def select_open_readings(
     tasks: int = SELECTION_TASKS,
 ) -> list[OpenReading]:
     """:func:`select_open_reading` for each frame of ``frames`` (``query_centring``), on
-    the same episodes and with one basis per fold and blend for all of them; each with
-    the shift of its chosen reading (:func:`fit_shift`)."""
+    the same episodes, each fold's rows projected once for all blends and frames; each
+    with the shift of its chosen reading (:func:`fit_shift`)."""
     for mix in mix_grid:
         if not 0 <= mix <= 1:
             raise ValueError(f"mix_grid must lie in [0, 1], got {mix_grid}")
     episodes = _held_out_episodes(features, labels, shrinkage, 0, tasks)
     if not episodes:
         return [UNSPLIT_READING for _ in frames]
-    best, bases, framed = [OpenReading(0.0, 0.0, 1.0, math.inf) for _ in frames], {}, {}
+    best = [OpenReading(0.0, 0.0, 1.0, math.inf) for _ in frames]
     best_odds: list[tuple[torch.Tensor, torch.Tensor] | None] = [None for _ in frames]
-    for within_mix in mix_grid:
-        for between_mix in mix_grid:
-            read = _open_log_odds(episodes, within_mix, between_mix, frames, bases, framed)
-            for i, (odds, is_open) in enumerate(read):
-                scale, loss = scale_and_log_loss(odds, is_open)
-                if loss < best[i].log_loss:
-                    best[i] = OpenReading(within_mix, between_mix, scale, loss)
-                    best_odds[i] = (odds, is_open)
+    blends = [(a_w, a_b) for a_w in mix_grid for a_b in mix_grid]
+    for (within_mix, between_mix), read in _open_log_odds(episodes, blends, frames).items():
+        for i, (odds, is_open) in enumerate(read):
+            scale, loss = scale_and_log_loss(odds, is_open)
+            if loss < best[i].log_loss:
+                best[i] = OpenReading(within_mix, between_mix, scale, loss)
+                best_odds[i] = (odds, is_open)
     for i, kept in enumerate(best_odds):
         if kept is not None:
             best[i] = best[i]._replace(odds_shift=fit_shift(*kept, best[i].odds_scale))
