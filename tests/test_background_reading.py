@@ -473,6 +473,19 @@ def test_the_low_rank_odds_are_the_reading_of_the_blended_statistics(mixes, shot
         torch.testing.assert_close(got, reading.open_log_odds(), rtol=1e-9, atol=1e-9)
 
 
+def test_the_low_rank_odds_follow_the_statistics_dtype_and_agree_across_dtypes():
+    """In float32 the held-out odds stay float32 and within rounding of float64's."""
+    from probfsl.inference.open_temperature import held_out_open_log_odds
+
+    x, labels = _base(n_classes=24, per_class=12, dim=20, seed=2)
+    x = x - x.mean(0)
+    high, opened = held_out_open_log_odds(x, labels, 1e-2, 0, 0.6, 0.3, 4, True)
+    low, opened32 = held_out_open_log_odds(x.float(), labels, 1e-2, 0, 0.6, 0.3, 4, True)
+    assert high.dtype == torch.float64 and low.dtype == torch.float32
+    assert torch.equal(opened, opened32) and high.numel() > 0
+    torch.testing.assert_close(low.double(), high, rtol=1e-4, atol=1e-3)
+
+
 def test_the_between_factor_is_the_unshrunk_between_class_covariance():
     from probfsl.inference.blended_odds import between_factor
 

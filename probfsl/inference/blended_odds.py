@@ -28,8 +28,9 @@ the background (n = 0) is N(0, I + M). With D_n = diag(1 + n δ), Woodbury gives
     P_n = diag(δ / (1 + n δ)) + F F^T,  F = D_n^{-1} H L^{-T},  L L^T = I + n H^T D_n^{-1} H,
 
 the same form for n = 0 (F = H). The log-odds are those of the eigendecomposition's reading
-to rounding; the arithmetic after the one projection is in float64, where the
-subtraction of the low-rank part loses nothing that matters.
+to rounding, in the dtype and on the device of the statistics (in float32 they differ
+from float64 by what the eigendecomposition's reading differs by: both are limited by the
+conditioning of the unblended within-class covariance).
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ class HeldTasks:
         query: torch.Tensor,
         frame: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        self.table = torch.cat([rows, mean.unsqueeze(0)]).double()  # the mean last
+        self.table = torch.cat([rows, mean.unsqueeze(0)])  # the mean last
         self.support, self.query, self.frame = support, query, frame
         self.ys, self.yq = self.gather(self.table)  # [T, S, D], [T, Q, D]
         self.yq_sq = self.yq.square()
@@ -149,7 +150,7 @@ class BlendedOdds:
         self.w_mean = stats.within.trace() / dim
         self.b_mean = stats.between.trace() / dim
         self.kappa = shrinkage * factor.square().sum() / dim  # the shrinkage's multiple of I
-        g = (self.u.T @ factor).double()  # [D, C]
+        g = self.u.T @ factor  # [D, C]
         if g.shape[1] > dim:  # more classes than dimensions: a square factor of G G^T
             values, vectors = torch.linalg.eigh(g @ g.T)
             g = vectors * values.clamp_min(0).sqrt()
@@ -169,14 +170,14 @@ class BlendedOdds:
         within_mix: float,
         between_mix: float,
     ) -> torch.Tensor:
-        """ln p_0(x_q) - ln((1/K) Σ_k p_k(x_q)) [T, Q] (float64) of ``tasks`` (``shot``
+        """ln p_0(x_q) - ln((1/K) Σ_k p_k(x_q)) [T, Q] of ``tasks`` (``shot``
         support rows for each of ``way`` classes, labelled ``support_labels`` [T, S]) at
         the blend (``within_mix``, ``between_mix``): :meth:`~probfsl.inference.background.
         TwoCovarianceReading.open_log_odds` of ``stats.blended(within_mix, between_mix)``.
         The projections onto the low-rank parts are made once per row and gathered."""
-        w = ((1 - within_mix) * self.w + within_mix * self.w_mean).double()
+        w = (1 - within_mix) * self.w + within_mix * self.w_mean
         scale = w.rsqrt()
-        delta = ((1 - between_mix) * self.kappa + between_mix * self.b_mean).double() / w
+        delta = ((1 - between_mix) * self.kappa + between_mix * self.b_mean) / w
         h = math.sqrt(1 - between_mix) * scale.unsqueeze(-1) * self.g  # [D, r]
         onehot = torch.nn.functional.one_hot(support_labels, way).to(tasks.ys)  # [T, S, K]
         sums = (onehot.transpose(1, 2) @ tasks.ys) * scale  # [T, K, D]

@@ -197,7 +197,7 @@ def _open_log_odds(
     blends: list[tuple[float, float]],
     frames: tuple[bool, ...],
 ) -> dict[tuple[float, float], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """For each blend (a_W, a_B) of ``blends``: the log-odds [M] (float64) and open labels
+    """For each blend (a_W, a_B) of ``blends``: the log-odds [M] and open labels
     [M] of ``episodes``, their backgrounds blended, read in each frame of ``frames``
     (``query_centring`` of :class:`~probfsl.inference.background.TwoCovarianceReading`),
     one pair per frame.
