@@ -57,6 +57,7 @@ __all__ = [
     "BackgroundStats",
     "attach_open",
     "centre_on_queries",
+    "class_means",
     "fit_background",
     "gaussian_log_density",
     "open_fraction_expectations",
@@ -121,6 +122,14 @@ def _blend(cov: torch.Tensor, mix: float) -> torch.Tensor:
     return (1 - mix) * cov + mix * cov.trace() / cov.shape[-1] * eye
 
 
+def class_means(features: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean of each class's rows [C, D] of ``features`` [N, D] (classes in the sorted
+    order of ``labels`` [N]), and each row's class index [N]."""
+    _, inverse = labels.unique(return_inverse=True)
+    onehot = torch.nn.functional.one_hot(inverse).to(features)  # [N, C]
+    return onehot.T @ features / onehot.sum(0).unsqueeze(-1), inverse
+
+
 def fit_background(
     features: torch.Tensor,
     labels: torch.Tensor,
@@ -150,10 +159,7 @@ def fit_background(
         raise ValueError(f"shrinkage must be non-negative, got {shrinkage}")
     _check_mix("within_mix", within_mix)
     _check_mix("between_mix", between_mix)
-    _, inverse = labels.unique(return_inverse=True)
-    onehot = torch.nn.functional.one_hot(inverse).to(features)  # [N, C]
-    counts = onehot.sum(0)
-    means = onehot.T @ features / counts.unsqueeze(-1)  # [C, D]
+    means, inverse = class_means(features, labels)
     centre = means.mean(0)
     resid = features - means[inverse]
     within = resid.T @ resid / features.shape[0]

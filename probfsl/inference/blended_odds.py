@@ -39,7 +39,7 @@ import math
 
 import torch
 
-from probfsl.inference.background import BackgroundStats
+from probfsl.inference.background import BackgroundStats, class_means
 
 __all__ = ["BlendedOdds", "HeldTasks", "between_factor"]
 
@@ -48,9 +48,7 @@ def between_factor(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     """G [D, C] with G G^T the between-class covariance of :func:`~probfsl.inference.
     background.fit_background` before its shrinkage: the C class means less their mean,
     over √C (every class counts once)."""
-    _, inverse = labels.unique(return_inverse=True)
-    onehot = torch.nn.functional.one_hot(inverse).to(features)  # [N, C]
-    means = onehot.T @ features / onehot.sum(0).unsqueeze(-1)  # [C, D]
+    means, _ = class_means(features, labels)
     return (means - means.mean(0)).T / math.sqrt(means.shape[0])
 
 
