@@ -1,10 +1,14 @@
-"""Few-shot open-set recognition on the built-in data: every method against OSTIM.
+"""Few-shot open-set recognition on the built-in data or your own: every method against OSTIM.
 
 The protocol of Boudiaf, Bennequin, Tami, Toubhans, Piantanida, Hudelot & Ben Ayed,
 "Model-Agnostic Few-Shot Open-Set Recognition" (2022), on the built-in Omniglot and
-WordNet sets: 5-way 1- and 5-shot tasks from the novel classes, 15 closed queries per
-known class and 75 open queries (15 from each of 5 other novel classes), the same
-seeded tasks for every scorer (``sample_episodes(fs, T, 5, shot, 75, n_open=75,
+WordNet sets (``--datasets``) and on feature files (``--features PATH``, any file
+``probfsl run --features`` reads; a cell is named by the file's stem, or by ``NAME=PATH``);
+``--swap-splits`` runs each set with its base and novel classes exchanged instead, a
+check on classes that neither the defaults nor the searches were ever chosen on: 5-way
+1- and 5-shot tasks from the novel classes, 15 closed queries per known class and 75
+open queries (15 from each of 5 other novel classes), the same seeded tasks for every
+scorer (``sample_episodes(fs, T, 5, shot, 75, n_open=75,
 seed=SEED)``). Scored on them:
 
 * **OSTIM**, the paper's transductive method, run by its authors' code: the class file
@@ -42,11 +46,14 @@ Methods in :data:`SLOW` run on the first ``tasks / divisor`` of the same tasks.
 parameters, e.g. ``--variant vmp-gmm:open_model=declared``.
 
     python benchmarks/bench_open_set.py --ostim-repo ~/few-shot-open-set [--quick] [--tasks 500]
+    python benchmarks/bench_open_set.py --datasets --features mine.npz --out results/mine
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import importlib.util
 import json
 import platform
@@ -60,7 +67,7 @@ import numpy as np
 import torch
 
 from probfsl import make_estimator
-from probfsl.data import load_dataset, sample_episodes
+from probfsl.data import load_dataset, load_features, sample_episodes
 from probfsl.evaluation.calibration import mean_ci
 from probfsl.evaluation.open_set import (
     OpenSetOutputs,
@@ -300,6 +307,32 @@ def parse_variant(text: str) -> tuple[str, tuple[str, dict]]:
     return f"{method} ({rest})", (method, params)
 
 
+def feature_file(text: str):
+    """``"[NAME=]PATH"`` as a loader of the file, named NAME (else its stem); the file
+    must exist and have base classes (the background and the searches are fitted on
+    them)."""
+    named = "=" in text and not Path(text).expanduser().is_file()
+    name, path = text.split("=", 1) if named else ("", text)
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise SystemExit(f"--features {text!r}: no such file")
+    name = name or path.stem
+
+    def load():
+        fs = load_features(path, name=name)
+        if fs.classes_in("base").size == 0:
+            raise SystemExit(f"--features {text!r}: no base classes (a `split` field)")
+        return fs
+
+    return load
+
+
+def swapped(fs):
+    """``fs`` with its base and novel rows exchanged (other rows untouched)."""
+    split = np.where(fs.split == "base", "novel", np.where(fs.split == "novel", "base", fs.split))
+    return dataclasses.replace(fs, split=split, name=f"{fs.name}-swapped")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -310,7 +343,20 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="100 tasks a cell")
     parser.add_argument("--tasks", type=int, default=500, help="tasks per data set and shot")
-    parser.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=DATASETS)
+    parser.add_argument(
+        "--datasets",
+        nargs="*",
+        default=list(DATASETS),
+        choices=DATASETS,
+        help="built-in data sets (none: `--datasets` alone, with --features)",
+    )
+    parser.add_argument(
+        "--features",
+        nargs="+",
+        default=[],
+        metavar="[NAME=]PATH",
+        help="feature files with base and novel classes (.npz, .pt), as probfsl run reads them",
+    )
     parser.add_argument("--shots", nargs="+", type=int, default=[1, 5])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument(
@@ -329,6 +375,12 @@ def main() -> None:
         action="store_true",
         help="also a row per tuned method at its raw constructor defaults",
     )
+    parser.add_argument(
+        "--swap-splits",
+        action="store_true",
+        help="exchange each set's base and novel classes (a check on classes no default "
+        "was chosen on)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch", type=int, default=100, help="tasks per predict call")
     parser.add_argument("--threads", type=int, default=1)
@@ -337,16 +389,20 @@ def main() -> None:
     if args.quick:
         args.tasks = 100
     args.variants = dict(parse_variant(text) for text in args.variant)
+    loaders = [functools.partial(load_dataset, name) for name in args.datasets]
+    loaders += [feature_file(text) for text in args.features]
+    if not loaders:
+        raise SystemExit("nothing to run: give --datasets or --features")
     torch.set_num_threads(args.threads)
     import logging
 
     logging.getLogger("probfsl").setLevel(logging.WARNING)
     ostim = load_ostim(args.ostim_repo.expanduser().resolve()) if args.ostim_repo else None
     rows, tic = [], time.perf_counter()
-    for data in args.datasets:
-        fs = load_dataset(data)
+    for load in loaders:
+        fs = swapped(load()) if args.swap_splits else load()
         for shot in args.shots:
-            rows.extend(run_cell(fs, data, shot, args, ostim))
+            rows.extend(run_cell(fs, fs.name, shot, args, ostim))
     write(rows, args, ostim, time.perf_counter() - tic)
 
 
@@ -379,7 +435,7 @@ def write(rows: list[dict], args, ostim, seconds: float) -> None:
     lines = [
         "# Few-shot open-set recognition (5-way, 15 closed queries a class + 75 open queries)",
         "",
-        f"Built-in data sets, novel classes, {args.tasks} seeded tasks a cell (seed "
+        f"Novel classes, {args.tasks} seeded tasks a cell (seed "
         f"{args.seed}), the same tasks for every row (a row with fewer tasks ran on the "
         "first ones). Mean over tasks ± 95% CI; accuracy, AUROC, AUPR and precision at "
         "90% recall of the open queries (P@90R) in %. *Closed only*: the method's accuracy "
