@@ -8,8 +8,7 @@ WordNet sets (``--datasets``) and on feature files (``--features PATH``, any fil
 check on classes that neither the defaults nor the searches were ever chosen on: 5-way
 1- and 5-shot tasks from the novel classes, 15 closed queries per known class and 75
 open queries (15 from each of 5 other novel classes), the same seeded tasks for every
-scorer (``sample_episodes(fs, T, 5, shot, 75, n_open=75,
-seed=SEED)``). Scored on them:
+scorer (``sample_episodes(fs, T, 5, shot, 75, n_open=75, seed=SEED)``). Scored on them:
 
 * **OSTIM**, the paper's transductive method, run by its authors' code: the class file
   ``src/all_in_one/ostim.py`` of a local clone of the public repository
