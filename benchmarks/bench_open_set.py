@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import importlib.util
 import json
 import platform
@@ -307,23 +306,17 @@ def parse_variant(text: str) -> tuple[str, tuple[str, dict]]:
 
 
 def feature_file(text: str):
-    """``"[NAME=]PATH"`` as a loader of the file, named NAME (else its stem); the file
-    must exist and have base classes (the background and the searches are fitted on
-    them)."""
+    """The feature set of ``"[NAME=]PATH"``, named NAME (else the file's stem); it must
+    have base classes (the background and the searches are fitted on them)."""
     named = "=" in text and not Path(text).expanduser().is_file()
     name, path = text.split("=", 1) if named else ("", text)
     path = Path(path).expanduser()
     if not path.is_file():
         raise SystemExit(f"--features {text!r}: no such file")
-    name = name or path.stem
-
-    def load():
-        fs = load_features(path, name=name)
-        if fs.classes_in("base").size == 0:
-            raise SystemExit(f"--features {text!r}: no base classes (a `split` field)")
-        return fs
-
-    return load
+    fs = load_features(path, name=name or path.stem)
+    if fs.classes_in("base").size == 0:
+        raise SystemExit(f"--features {text!r}: no base classes (a `split` field)")
+    return fs
 
 
 def swapped(fs):
@@ -388,18 +381,19 @@ def main() -> None:
     if args.quick:
         args.tasks = 100
     args.variants = dict(parse_variant(text) for text in args.variant)
-    loaders = [functools.partial(load_dataset, name) for name in args.datasets]
-    loaders += [feature_file(text) for text in args.features]
-    if not loaders:
+    sets = [load_dataset(name) for name in args.datasets]
+    sets += [feature_file(text) for text in args.features]
+    if not sets:
         raise SystemExit("nothing to run: give --datasets or --features")
+    if args.swap_splits:
+        sets = [swapped(fs) for fs in sets]
     torch.set_num_threads(args.threads)
     import logging
 
     logging.getLogger("probfsl").setLevel(logging.WARNING)
     ostim = load_ostim(args.ostim_repo.expanduser().resolve()) if args.ostim_repo else None
     rows, tic = [], time.perf_counter()
-    for load in loaders:
-        fs = swapped(load()) if args.swap_splits else load()
+    for fs in sets:
         for shot in args.shots:
             rows.extend(run_cell(fs, fs.name, shot, args, ostim))
     write(rows, args, ostim, time.perf_counter() - tic)
