@@ -83,7 +83,32 @@ def test_npz_train_test_split_reads_as_base_novel(tmp_path, synthetic, caplog):
         (dict(features=np.zeros((3, 2))), "missing field 'labels'"),
         (dict(features=np.zeros(3), labels=np.zeros(3, int)), "must be 2-D"),
         (dict(features=np.zeros((3, 2)), labels=np.zeros(4, int)), "one entry per feature row"),
-        (dict(features=np.zeros((3, 2)), labels=np.zeros(3)), "must be integers"),
+        (dict(features=np.zeros((3, 2)), labels=np.zeros(3)), "must be integers or class names"),
+        (dict(features=np.zeros((3, 2)), labels=np.array(["a", "", "b"])), "row 1 has an empty"),
+        (
+            dict(
+                features=np.zeros((3, 2)),
+                labels=np.array(["a", "c", "b"]),
+                class_names=np.array(["a", "b"]),
+            ),
+            "label 'c' is not one of 'class_names'",
+        ),
+        (
+            dict(
+                features=np.zeros((3, 2)),
+                labels=np.array(["a", "b", "b"]),
+                class_names=np.array(["a", "b", "a"]),
+            ),
+            "'class_names' repeats a name",
+        ),
+        (
+            dict(
+                features=np.zeros((3, 2)),
+                labels=np.array(["a", "b", "b"]),
+                class_text_features=np.zeros((2, 2)),
+            ),
+            "no 'class_names' to say which class",
+        ),
         (dict(features=np.array([[0, np.nan]] * 3), labels=np.zeros(3, int)), "NaN or inf"),
         (dict(features=np.array([[0, np.inf]] * 3), labels=np.zeros(3, int)), "NaN or inf"),
         (
@@ -98,6 +123,29 @@ def test_bad_npz_names_file_and_field(tmp_path, fields, message):
     with pytest.raises(ValueError, match=message) as err:
         load_npz(path)
     assert "bad.npz" in str(err.value)
+
+
+def test_npz_labels_may_be_class_names(tmp_path, synthetic):
+    """Rows labelled by name read as the integer labels of those names: the sorted
+    distinct names, or the file's own ``class_names`` order; ``base_classes`` takes names."""
+    names = np.array([f"class {c:02d}" for c in range(synthetic.n_classes)])
+    rows = names[synthetic.labels]
+    np.savez(tmp_path / "f.npz", features=synthetic.features, labels=rows, split=synthetic.split)
+    fs = load_npz(tmp_path / "f.npz")
+    np.testing.assert_array_equal(fs.labels, synthetic.labels)  # sorted names: same order
+    assert fs.class_names == names.tolist()
+    np.testing.assert_array_equal(fs.split, synthetic.split)
+    # the file's class_names decide the order, bytes read as text, names as base classes
+    order = names[::-1]
+    np.savez(tmp_path / "g.npz", features=synthetic.features, labels=rows.astype(bytes),
+             class_names=order)  # fmt: skip
+    base = [str(names[c]) for c in synthetic.classes_in("base")]
+    fs = load_npz(tmp_path / "g.npz", base_classes=base)
+    assert fs.class_names == order.tolist()
+    np.testing.assert_array_equal(fs.labels, synthetic.n_classes - 1 - synthetic.labels)
+    np.testing.assert_array_equal(fs.split, synthetic.split)
+    with pytest.raises(ValueError, match="base class 'nowhere' is not a label"):
+        load_npz(tmp_path / "g.npz", base_classes=["nowhere"])
 
 
 def test_missing_and_unreadable_files(tmp_path):

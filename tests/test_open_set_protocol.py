@@ -170,7 +170,7 @@ def test_open_way_defaults_to_the_classes_left(synthetic):
         (dict(n_open=-1), "n_open"),
         (dict(way=8, n_query=8, n_open=5), "all taken by 8-way tasks"),
         (dict(n_open=6, open_way=6), "open_way=6 open classes asked"),
-        (dict(n_open=31 * 3), "need up to 31 samples per class"),
+        (dict(n_open=31 * 3), "need up to 31 samples per class.*use at most 90 open queries"),
         (dict(n_open=91, balance="dirichlet"), "cannot be drawn from 3 open classes"),
         (dict(n_open=0, open_way=2), "needs open queries"),
         (dict(n_open=5, open_way=0), "open_way"),

@@ -2,7 +2,9 @@
 
 * ``.npz`` with ``features`` [N, D], ``labels`` [N] and optionally ``split`` [N]
   (``"base"``/``"novel"``), ``class_names`` [C] and ``class_text_features`` [C, D]
-  (the layout of the Omniglot and WordNet files shipped with probfsl).
+  (the layout of the Omniglot and WordNet files shipped with probfsl). ``labels`` are
+  integers (-1 for an unlabelled row) or class names; names index ``class_names`` where
+  the file has it, else the sorted distinct names.
 * Pickled ``{class: features [n, D]}`` dictionaries, one file per split, as
   transductive few-shot repositories publish their backbone features.
 * torch ``.pt`` files holding either the ``.npz`` fields as a dict of tensors or a
@@ -83,11 +85,56 @@ def _base_novel_split(split: np.ndarray, source: str) -> np.ndarray:
     return renamed
 
 
+def _labels_from_names(
+    labels: np.ndarray, fields: Mapping[str, np.ndarray], source: str
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Integer labels for rows labelled by class name, and ``fields`` with the
+    ``class_names`` they index: the file's own ``class_names`` (every label must be one
+    of them, and the order is theirs), or else the distinct labels in sorted order."""
+    names = labels.astype(str)
+    if (np.char.str_len(names) == 0).any():
+        row = int(np.flatnonzero(np.char.str_len(names) == 0)[0])
+        raise ValueError(
+            f"{source}: 'labels' holds class names, and row {row} has an empty one "
+            "(unlabelled rows need integer labels, -1)"
+        )
+    if "class_names" in fields:
+        classes = np.asarray(fields["class_names"]).astype(str)
+        if len(set(classes.tolist())) != classes.size:
+            raise ValueError(f"{source}: 'class_names' repeats a name")
+        unknown = np.setdiff1d(names, classes)
+        if unknown.size:
+            raise ValueError(
+                f"{source}: label {str(unknown[0])!r} is not one of 'class_names' "
+                f"({unknown.size} such labels)"
+            )
+    elif "class_text_features" in fields:
+        raise ValueError(
+            f"{source}: 'labels' holds class names and the file has 'class_text_features' "
+            "but no 'class_names' to say which class each of its rows is"
+        )
+    else:
+        classes = np.unique(names)
+    order = np.argsort(classes)
+    indices = order[np.searchsorted(classes, names, sorter=order)]
+    return indices, {**fields, "class_names": classes}
+
+
+def _indices_of_names(chosen: Sequence, classes: np.ndarray, source: str) -> np.ndarray:
+    """The positions in ``classes`` of the class names ``chosen`` (a ``ValueError`` naming
+    one that is not there)."""
+    chosen = np.asarray(chosen).astype(str)
+    unknown = np.setdiff1d(chosen, classes)
+    if unknown.size:
+        raise ValueError(f"{source}: base class {str(unknown[0])!r} is not a label of the file")
+    return np.flatnonzero(np.isin(classes, chosen))
+
+
 def from_arrays(
     fields: Mapping[str, np.ndarray],
     source: str,
     name: str | None = None,
-    base_classes: Sequence[int] | None = None,
+    base_classes: Sequence[int | str] | None = None,
 ) -> FeatureSet:
     """Build a :class:`FeatureSet` from a mapping with the ``.npz`` field names."""
     for key in ("features", "labels"):
@@ -97,8 +144,15 @@ def from_arrays(
     labels = np.asarray(fields["labels"])
     if labels.ndim != 1:
         raise ValueError(f"{source}: 'labels' must be 1-D, got shape {labels.shape}")
-    if not np.issubdtype(labels.dtype, np.integer):
-        raise ValueError(f"{source}: 'labels' must be integers, got {labels.dtype}")
+    named = labels.dtype.kind in "US"
+    if named:
+        labels, fields = _labels_from_names(labels, fields, source)
+        if base_classes is not None and "split" not in fields:
+            base_classes = _indices_of_names(base_classes, fields["class_names"], source)
+    elif not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(
+            f"{source}: 'labels' must be integers or class names (strings), got {labels.dtype}"
+        )
     labels = labels.astype(np.int64)
     if "split" in fields:
         split = _base_novel_split(np.asarray(fields["split"]).astype(str), source)
@@ -142,7 +196,7 @@ def read_npz(path: Path) -> dict[str, np.ndarray]:
 
 
 def load_npz(
-    path: str | Path, name: str | None = None, base_classes: Sequence[int] | None = None
+    path: str | Path, name: str | None = None, base_classes: Sequence[int | str] | None = None
 ) -> FeatureSet:
     """Load an ``.npz`` feature file (see the module docstring for its fields).
 

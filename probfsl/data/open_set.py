@@ -95,19 +95,22 @@ def check_open_setting(
                 f"{left} of the {sizes.size} novel classes"
             )
     smallest = np.sort(sizes)[:open_way]
+    classes = "class" if open_way == 1 else "classes"
+    more = "" if open_way == left else " or more open classes"
     if balance == "balanced":
         need = -(-n_open // open_way)
         if smallest.min() < need:
             raise ValueError(
-                f"{name}: {n_open} open queries from {open_way} open classes need up to "
+                f"{name}: {n_open} open queries from {open_way} open {classes} need up to "
                 f"{need} samples per class, but the smallest novel class has "
-                f"{smallest.min()}; use fewer open queries or more open classes"
+                f"{smallest.min()}; use at most {open_way * smallest.min()} open "
+                f"queries{more}"
             )
     elif smallest.sum() < n_open:
         raise ValueError(
-            f"{name}: {n_open} open queries cannot be drawn from {open_way} open classes "
-            f"(the smallest novel classes hold {smallest.tolist()}); use fewer open queries "
-            "or more open classes"
+            f"{name}: {n_open} open queries cannot be drawn from {open_way} open {classes} "
+            f"(the smallest novel classes hold {smallest.tolist()}); use at most "
+            f"{smallest.sum()} open queries{more}"
         )
     return n_open, open_way
 
