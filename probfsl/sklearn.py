@@ -285,6 +285,7 @@ class FewShotSoftKMeans(FewShotTaskClassifier):
         open_scale: float | None = None,
         open_shift: float | None = None,
         open_frame: str = "queries",
+        open_neighbours: int = 0,
         base_features: Any = None,
         base_labels: Any = None,
     ) -> None:
@@ -327,6 +328,7 @@ class FewShotBavardage(FewShotTaskClassifier):
         open_scale: float | None = None,
         open_shift: float | None = None,
         open_frame: str = "base",
+        open_neighbours: int = 0,
         base_features: Any = None,
         base_labels: Any = None,
     ) -> None:
@@ -362,6 +364,7 @@ class FewShotBavardageGamma(FewShotTaskClassifier):
         scale: str = "code",
         open_prior: float = 0.5,
         open_frame: str = "base",
+        open_neighbours: int = 0,
         base_features: Any = None,
         base_labels: Any = None,
     ) -> None:
@@ -397,6 +400,7 @@ class FewShotVMPGaussianMixture(FewShotTaskClassifier):
         open_scale: float | None = None,
         open_shift: float | None = None,
         open_frame: str = "queries",
+        open_neighbours: int = 0,
         base_features: Any = None,
         base_labels: Any = None,
     ) -> None:

@@ -67,7 +67,13 @@ def test_soft_kmeans_one_pass_is_the_readings_posterior(omniglot, episodes, fram
     ln p_closed(x)), the reading's own log-odds in the chosen frame, then (queries' frame)
     read last under the background inferred from the queries."""
     est = build_estimator(
-        "soft-kmeans", n_iter=1, open_prior=0.3, open_frame=frame, open_scale=1.0, open_shift=0.0
+        "soft-kmeans",
+        n_iter=1,
+        open_prior=0.3,
+        open_frame=frame,
+        open_scale=1.0,
+        open_shift=0.0,
+        open_neighbours=0,
     )  # P(open) as inferred
     est.fit_featureset(omniglot, torch.float64)
     x = center_and_normalize(episodes.points(), est.base_mean_.to(episodes.support))
@@ -92,6 +98,7 @@ def test_bavardage_open_contrast_is_the_readings(omniglot, episodes, frame):
         mode="soft_kmeans",
         open_scale=1.0,
         open_shift=0.0,
+        open_neighbours=0,
     ).fit_featureset(omniglot, torch.float64)
     x = center_and_normalize(episodes.points(), est.base_mean_.to(episodes.support))
     odds = _reading_odds(est, x, episodes, frame)
@@ -113,7 +120,7 @@ def test_default_open_calibration_is_the_held_out_one(omniglot, episodes, method
     ``open_shift`` is given too."""
     from probfsl.inference.vb_mixture_open import temper_open
 
-    params = {"open_frame": frame}
+    params = {"open_frame": frame, "open_neighbours": 0}  # the calibration alone
     if method != "bavardage-gamma":  # whose P(open) always takes the held-out scale
         params.update(open_scale=None, open_shift=None)
     est = build_estimator(method, **params).fit_featureset(omniglot, torch.float64)
@@ -147,7 +154,13 @@ def test_vmp_gmm_nested_one_sweep_is_one_update_of_the_open_fraction(omniglot, e
     (:func:`open_responsibility`) with the reading's log-odds in the chosen frame, then
     (queries' frame) one more under the background inferred from the queries."""
     est = build_estimator(
-        "vmp-gmm", n_kmeans=1, max_iter=1, open_frame=frame, open_scale=1.0, open_shift=0.0
+        "vmp-gmm",
+        n_kmeans=1,
+        max_iter=1,
+        open_frame=frame,
+        open_scale=1.0,
+        open_shift=0.0,
+        open_neighbours=0,
     )
     est.fit_featureset(omniglot, torch.float64)
     x, _, _ = est.engine_data(episodes)

@@ -87,7 +87,14 @@ from probfsl.inference.vb_mixture import (
     _softmax_and_logsumexp,
 )
 
-__all__ = ["BavardageOpenVB", "OpenBackground", "OpenVBMixtureState", "temper_open"]
+__all__ = [
+    "BavardageOpenVB",
+    "OpenBackground",
+    "OpenVBMixtureState",
+    "open_log_odds_of",
+    "temper_open",
+    "with_open_log_odds",
+]
 
 
 #: the frames of the transductive methods' open contrast (their ``open_frame``): the task
@@ -114,12 +121,24 @@ def temper_open(proba: torch.Tensor, scale: float, shift: float = 0.0) -> torch.
         raise ValueError(f"shift must be finite, got {shift!r}")
     if scale == 1 and shift == 0:
         return proba
+    return with_open_log_odds(proba, scale * open_log_odds_of(proba) + shift)
+
+
+def open_log_odds_of(proba: torch.Tensor) -> torch.Tensor:
+    """ln P(open) - ln Σ_k P(k) of ``proba`` [..., K + 1] (P(open) last), a probability of
+    0 read as the dtype's smallest positive number (finite log-odds)."""
     tiny = torch.finfo(proba.dtype).tiny
-    p_open = proba[..., -1]
+    closed = proba[..., :-1].sum(-1)
+    return proba[..., -1].clamp_min(tiny).log() - closed.clamp_min(tiny).log()
+
+
+def with_open_log_odds(proba: torch.Tensor, logit: torch.Tensor) -> torch.Tensor:
+    """``proba`` [..., K + 1] with P(open) = σ(``logit``) in its last column and the known
+    columns rescaled to 1 - σ(``logit``) with their ratios kept (a query whose known
+    columns are all zero keeps them so)."""
+    tiny = torch.finfo(proba.dtype).tiny
     known = proba[..., :-1]
-    closed = known.sum(-1)
-    logit = scale * (p_open.clamp_min(tiny).log() - closed.clamp_min(tiny).log()) + shift
-    ratio = (torch.sigmoid(-logit) / closed.clamp_min(tiny)).unsqueeze(-1)
+    ratio = (torch.sigmoid(-logit) / known.sum(-1).clamp_min(tiny)).unsqueeze(-1)
     return torch.cat([known * ratio, torch.sigmoid(logit).unsqueeze(-1)], -1)
 
 

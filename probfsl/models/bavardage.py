@@ -63,7 +63,14 @@ from probfsl.inference.vb_mixture_open import (
     BavardageOpenVB,
     OpenBackground,
 )
-from probfsl.models.base import BACKGROUND, ENGINE, OPEN_PRIOR, FewShotClassifier, OpenSetBackground
+from probfsl.models.base import (
+    BACKGROUND,
+    ENGINE,
+    OPEN_NEIGHBOURS,
+    OPEN_PRIOR,
+    FewShotClassifier,
+    OpenSetBackground,
+)
 from probfsl.schema import (
     FEATURE_BOUND,
     Choice,
@@ -256,6 +263,9 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
             with open queries fell in it (97.0% to 93.8%); ``preset="auto"`` chooses
             between the two on base-class episodes with open queries
             (docs/methods/open-set.md).
+        open_neighbours: k, the nearest queries each query's P(open) log-odds are
+            averaged with (:meth:`~probfsl.models.base.OpenSetBackground.tempered_open`);
+            default 0, none.
 
     Open set (:meth:`predict_proba_open`): the mixture gains a background component,
     inside the soft k-means initialisation and every VB iteration, with its weight π_0
@@ -307,6 +317,7 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
             "open_scale": Real(positive=True, optional=True),
             "open_shift": Real(optional=True),
             "open_frame": Choice(OPEN_FRAMES),
+            "open_neighbours": OPEN_NEIGHBOURS,
         },
         fitted=(BASE_STATISTICS, BACKGROUND),
     )
@@ -334,6 +345,7 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         open_scale: float | None = None,
         open_shift: float | None = None,
         open_frame: str = "base",
+        open_neighbours: int = 0,
     ) -> None:
         self.temperature_km = temperature_km
         self.temperature_vb = temperature_vb
@@ -356,6 +368,7 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         self.open_scale = open_scale
         self.open_shift = open_shift
         self.open_frame = open_frame
+        self.open_neighbours = open_neighbours
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> Bavardage:
@@ -656,7 +669,7 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         resp = self.final_open(problem.reading, resp)
         way = episodes.way
         proba = torch.cat([resp[..., :way], resp[..., way:].sum(-1, keepdim=True)], -1)
-        return self.tempered_open(proba)
+        return self.tempered_open(proba, episodes.query)
 
     # ------------------------------------------------------------------ diagnostics
     def posterior_draws(

@@ -188,7 +188,8 @@ class BavardageGamma(Bavardage):
 
     Every argument but ``a0`` is :class:`~probfsl.models.bavardage.Bavardage`'s
     (``open_prior``: the prior mean of the open fraction π_0, :meth:`predict_proba_open`;
-    ``open_frame``: the frame of its open contrast).
+    ``open_frame``: the frame of its open contrast; ``open_neighbours``: the nearest
+    queries its P(open) log-odds are averaged with).
 
     Open set (:meth:`predict_proba_open`): BAVARDAGE's nested open-set mixture
     (:mod:`probfsl.inference.vb_mixture_open`) with this method's classes. A query is
@@ -242,6 +243,7 @@ class BavardageGamma(Bavardage):
         scale: str = "code",
         open_prior: float = 0.5,
         open_frame: str = "base",
+        open_neighbours: int = 0,
     ) -> None:
         self.temperature_km = temperature_km
         self.temperature_vb = temperature_vb
@@ -258,6 +260,7 @@ class BavardageGamma(Bavardage):
         self.scale = scale
         self.open_prior = open_prior
         self.open_frame = open_frame
+        self.open_neighbours = open_neighbours
 
     def declared_model(self, engine: BavardageVB) -> Callable[..., None]:
         """:func:`bavardage_gamma_model` with this estimator's hyperparameters (τ and the
@@ -327,7 +330,7 @@ class BavardageGamma(Bavardage):
         self.state_, self.elbo_trace_ = state, trace
         # the queries' frame: P(open) read last under the task's own background
         proba = self.final_open(problem.reading, resp[:, episodes.support.shape[1] :])
-        return self.tempered_open(proba)
+        return self.tempered_open(proba, episodes.query)
 
     def posterior(self) -> dict[str, torch.distributions.Distribution]:
         """The last batch's factors q(π), q(τ), q(μ), q(z) as batched distributions."""

@@ -11,6 +11,7 @@ from probfsl.inference.vb_mixture_open import OPEN_FRAMES
 from probfsl.models.base import (
     BACKGROUND,
     BASE_MEAN,
+    OPEN_NEIGHBOURS,
     OPEN_PRIOR,
     BaseMeanCentering,
     FewShotClassifier,
@@ -40,6 +41,9 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
             :class:`~probfsl.inference.background.TwoCovarianceReading`,
             ``query_centring``). Default ``"queries"``, the higher AUROC on the built-in
             sets (docs/methods/open-set.md).
+        open_neighbours: k, the nearest queries each query's P(open) log-odds are
+            averaged with (:meth:`~probfsl.models.base.OpenSetBackground.tempered_open`);
+            default 0, none.
 
     Open set (:meth:`predict_proba_open`): one more component, the background, whose
     responsibility is taken in the full feature space: the two-covariance predictive of a
@@ -64,6 +68,7 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
             "open_scale": Real(positive=True, optional=True),
             "open_shift": Real(optional=True),
             "open_frame": Choice(OPEN_FRAMES),
+            "open_neighbours": OPEN_NEIGHBOURS,
         },
         fitted=(BASE_MEAN, BACKGROUND),
     )
@@ -77,6 +82,7 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
         open_scale: float | None = None,
         open_shift: float | None = None,
         open_frame: str = "queries",
+        open_neighbours: int = 0,
     ) -> None:
         self.temperature = temperature
         self.n_iter = n_iter
@@ -85,6 +91,7 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
         self.open_scale = open_scale
         self.open_shift = open_shift
         self.open_frame = open_frame
+        self.open_neighbours = open_neighbours
 
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
         """Query responsibilities ``[T, Q, K]`` after ``n_iter`` soft k-means passes."""
@@ -122,4 +129,4 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
             open_log_odds=reading.open_log_odds(),
         )
         p = self.final_open(reading, p[:, n_s:])  # the task's own background, read last
-        return self.tempered_open(p)
+        return self.tempered_open(p, episodes.query)

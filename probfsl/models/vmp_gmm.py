@@ -34,7 +34,13 @@ from probfsl.inference.background import TwoCovarianceReading, open_log_ratio
 from probfsl.inference.soft_kmeans import soft_kmeans_gram, soft_kmeans_gram_open
 from probfsl.inference.vb_mixture_open import OPEN_FRAMES
 from probfsl.inference.vmp import VMP, VMPState
-from probfsl.models.base import BACKGROUND, OPEN_PRIOR, FewShotClassifier, OpenSetBackground
+from probfsl.models.base import (
+    BACKGROUND,
+    OPEN_NEIGHBOURS,
+    OPEN_PRIOR,
+    FewShotClassifier,
+    OpenSetBackground,
+)
 from probfsl.schema import FEATURE_BOUND, Choice, EstimatorSchema, Group, Int, Real, Tensor
 from probfsl.validation import check_base, check_episodes
 
@@ -216,6 +222,9 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
             :class:`~probfsl.inference.background.TwoCovarianceReading`,
             ``query_centring``). Default ``"queries"``, the higher AUROC on the built-in
             sets (docs/methods/open-set.md); not read with ``precision="full"``.
+        open_neighbours: k, the nearest queries each query's P(open) log-odds are
+            averaged with (:meth:`~probfsl.models.base.OpenSetBackground.tempered_open`);
+            default 0, none.
     """
 
     transductive = True
@@ -238,6 +247,7 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
             "open_scale": Real(positive=True, optional=True),
             "open_shift": Real(optional=True),
             "open_frame": Choice(OPEN_FRAMES),
+            "open_neighbours": OPEN_NEIGHBOURS,
         },
         # the base mean [D] and the average within-class variance of each normalised
         # feature [D] (floored at 1e-8)
@@ -270,6 +280,7 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
         open_scale: float | None = None,
         open_shift: float | None = None,
         open_frame: str = "queries",
+        open_neighbours: int = 0,
     ) -> None:
         self.alpha0, self.beta0, self.a0 = alpha0, beta0, a0
         self.temperature, self.n_kmeans = temperature, n_kmeans
@@ -280,6 +291,7 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
         self.open_scale = open_scale
         self.open_shift = open_shift
         self.open_frame = open_frame
+        self.open_neighbours = open_neighbours
 
     def fit_base(self, features: Any, labels: Any) -> Self:
         """Base mean and the average within-class variance of each normalised feature."""
@@ -468,7 +480,7 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
         (:meth:`~probfsl.models.base.OpenSetBackground.inductive_open`); ``open_model`` is
         not read.
         """
-        return self.tempered_open(self._open_proba(episodes))
+        return self.tempered_open(self._open_proba(episodes), episodes.query)
 
     def _open_proba(self, episodes: Episodes) -> torch.Tensor:
         """:meth:`predict_proba_open` before ``open_scale``."""
