@@ -91,6 +91,17 @@ def test_the_device_and_dtype_follow_the_log_odds():
     assert mixed.dtype == torch.float32
 
 
+def test_the_average_makes_no_host_synchronisation():
+    """Torch calls only: the neighbours, the gather and the known columns' rescaling."""
+    from probfsl.host_syncs import HostSyncCounter
+
+    odds, query = _tasks()
+    proba = torch.softmax(torch.cat([odds.unsqueeze(-1), query[..., :3]], -1), -1)
+    with HostSyncCounter() as counter:
+        neighbour_averaged_open(proba, query, 5)
+    assert counter.total == 0, dict(counter.syncs)
+
+
 def test_bad_shapes_are_refused():
     odds, query = _tasks()
     with pytest.raises(ValueError, match="disagree"):
@@ -158,6 +169,21 @@ def test_the_methods_average_before_the_calibration_and_keep_their_argmax(omnigl
     calibrated = est.predict_proba_open(episodes)
     torch.testing.assert_close(calibrated, temper_open(averaged, a, b))
     assert torch.equal(calibrated[..., :-1].argmax(-1), inferred[..., :-1].argmax(-1))
+
+
+@pytest.mark.parametrize("method", TRANSDUCTIVE)
+def test_the_average_adds_no_host_synchronisation_to_the_methods(omniglot, method):
+    from probfsl.host_syncs import HostSyncCounter
+
+    episodes = sample_episodes(omniglot, 2, 3, 2, 9, seed=1, n_open=6)
+    counts = []
+    for k in (0, 5):
+        est = build_estimator(method, open_neighbours=k).fit_featureset(omniglot)
+        est.predict_proba_open(episodes)  # one-time caches
+        with HostSyncCounter() as counter:
+            est.predict_proba_open(episodes)
+        counts.append(counter.total)
+    assert counts[0] == counts[1], counts
 
 
 @pytest.mark.parametrize("value", [-1, 2.5, True, "5"])

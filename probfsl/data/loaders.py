@@ -92,10 +92,10 @@ def _labels_from_names(
     ``class_names`` they index: the file's own ``class_names`` (every label must be one
     of them, and the order is theirs), or else the distinct labels in sorted order."""
     names = labels.astype(str)
-    if (np.char.str_len(names) == 0).any():
-        row = int(np.flatnonzero(np.char.str_len(names) == 0)[0])
+    empty = np.flatnonzero(np.char.str_len(names) == 0)
+    if empty.size:
         raise ValueError(
-            f"{source}: 'labels' holds class names, and row {row} has an empty one "
+            f"{source}: 'labels' holds class names, and row {empty[0]} has an empty one "
             "(unlabelled rows need integer labels, -1)"
         )
     if "class_names" in fields:
