@@ -286,6 +286,9 @@ def test_auto_falls_back_when_base_classes_cannot_form_the_episodes(method, monk
     if method == "em-dirichlet":  # about 1 s per candidate on these tasks: fewer, shorter runs
         monkeypatch.setitem(SEARCH_SPACES, method, {"n_iter": [1, 2]})
         fixed = {"n_iter": 2}
+    if method == "bavardage-gamma":  # VMP derives its plan per call: 2 of the 50 candidates
+        space = {**SEARCH_SPACES[method], "temperature_vb": [0.1, 1.0], "s_max": [1.0]}
+        monkeypatch.setitem(SEARCH_SPACES, method, {**space, "balanced": [False]})
     fs = make_featureset(n_base=5, n_novel=6, per_class=12, dim=4)
     episodes = sample_episodes(fs, 3, way=5, shot=1, n_query=15, seed=1)
     choice = auto_preset(method, fs, way=5, shot=1, n_query=15, n_episodes=3, fixed=fixed)
