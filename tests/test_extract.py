@@ -55,6 +55,21 @@ def test_folder_and_zip_give_identical_deterministic_features(tmp_path):
     assert np.isfinite(a["features"]).all() and a["features"].std() > 0
 
 
+def test_links_to_class_folders_are_followed_and_a_link_loop_ends(tmp_path):
+    """A folder of symbolic links to class folders (a split made without copying) lists
+    the images a folder of copies lists; a link to an ancestor and a broken link are
+    passed over."""
+    real = _write_images(tmp_path / "real")
+    linked = tmp_path / "linked" / "top"
+    linked.mkdir(parents=True)
+    (linked / "alpha").symlink_to(real / "top" / "alpha", target_is_directory=True)
+    (linked / "beta").symlink_to(real / "top" / "beta", target_is_directory=True)
+    (linked / "again").symlink_to(linked, target_is_directory=True)  # a loop
+    (linked / "gone.png").symlink_to(tmp_path / "missing.png")  # no file behind it
+    assert list_images(tmp_path / "linked") == list_images(real)
+    assert len(list_images(real)[0]) == 9
+
+
 def test_extract_main_writes_a_loadable_feature_file(tmp_path, capsys):
     root = _write_images(tmp_path / "imgs", per_class=2)
     out = tmp_path / "f.npz"

@@ -4,10 +4,10 @@ A folder or ``.zip`` of images with one subfolder per class becomes an ``.npz``
 feature file that :func:`probfsl.data.loaders.load_npz` reads: ``features [N, D]``
 (float32), ``labels [N]``, ``class_names [C]``, ``split [N]``, ``filename [N]``.
 
-The class of an image is the folder that holds it, relative to the root; a single
-top-level folder shared by every image (as in Omniglot's archives) is dropped, so
-``images_background_small1/Greek/character01/0394_01.png`` belongs to the class
-``Greek/character01``. Classes and files are sorted, so the row order, the labels
+The class of an image is the folder that holds it, relative to the root (symbolic
+links to folders are followed); a single top-level folder shared by every image (as in
+Omniglot's archives) is dropped, so ``images_background_small1/Greek/character01/
+0394_01.png`` belongs to the class ``Greek/character01``. Classes and files are sorted, so the row order, the labels
 and the features are deterministic.
 
 Backbones (installed with the ``vision`` extra; no torchvision is needed):
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import zipfile
 from collections.abc import Iterator, Sequence
 from functools import lru_cache
@@ -85,7 +86,7 @@ def list_images(root: str | Path) -> tuple[list[str], list[str]]:
         with zipfile.ZipFile(root) as archive:
             paths = [n for n in archive.namelist() if not n.endswith("/")]
     elif root.is_dir():
-        paths = [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()]
+        paths = _files_under(root)
     else:
         raise ValueError(f"images must be a folder or a .zip archive, got {root}")
     paths = sorted(
@@ -103,6 +104,24 @@ def list_images(root: str | Path) -> tuple[list[str], list[str]]:
     strip = 1 if len(tops) == 1 and all(len(parts) > 1 for parts in parents) else 0
     classes = ["/".join(parts[strip:]) for parts in parents]
     return paths, classes
+
+
+def _files_under(root: Path) -> list[str]:
+    """The files under ``root`` as POSIX paths relative to it, through symbolic links to
+    folders too (a class folder is often a link into a larger data set); a link back to
+    one of its own ancestors is not walked (a loop), as ``find -L`` does."""
+    files: list[str] = []
+    for folder, subfolders, names in os.walk(root, followlinks=True):
+        here = Path(folder)
+        relative = here.relative_to(root)
+        above = {
+            os.path.realpath(root.joinpath(*relative.parts[:i])) for i in range(len(relative.parts))
+        }
+        if os.path.realpath(here) in above:
+            subfolders.clear()
+            continue
+        files += [(relative / n).as_posix() for n in names if (here / n).is_file()]
+    return files
 
 
 def _read(root: Path, paths: Sequence[str]) -> Iterator[bytes]:
