@@ -70,6 +70,34 @@ def test_links_to_class_folders_are_followed_and_a_link_loop_ends(tmp_path):
     assert len(list_images(real)[0]) == 9
 
 
+def test_files_that_are_not_images_are_named_before_any_feature(tmp_path, monkeypatch):
+    """A text file named .png stops the extraction with its name (folder and zip) before
+    the backbone is loaded; a cut-off image is named when its pixels are read."""
+    import probfsl.data.extract as extract
+
+    root = _write_images(tmp_path / "imgs")
+    (root / "top" / "beta" / "notes.png").write_text("not an image")
+    archive = tmp_path / "imgs.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        for p in list_images(root)[0]:
+            z.write(root / p, p)
+
+    def no_backbone(name):
+        raise AssertionError("the backbone was loaded")
+
+    monkeypatch.setattr(extract, "load_backbone", no_backbone)
+    for images in (root, archive):
+        with pytest.raises(ValueError, match=r"1 of 10 files .* read: top/beta/notes.png;"):
+            extract_features(images, "efficientnet-lite0", image_size=32, progress=False)
+    monkeypatch.undo()
+
+    (root / "top" / "beta" / "notes.png").unlink()
+    whole = (root / "top" / "beta" / "01.png").read_bytes()
+    (root / "top" / "beta" / "01.png").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=r"cannot read top/beta/01.png: image file is truncated"):
+        extract_features(root, "efficientnet-lite0", image_size=32, progress=False)
+
+
 def test_extract_main_writes_a_loadable_feature_file(tmp_path, capsys):
     root = _write_images(tmp_path / "imgs", per_class=2)
     out = tmp_path / "f.npz"

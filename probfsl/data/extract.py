@@ -7,8 +7,9 @@ feature file that :func:`probfsl.data.loaders.load_npz` reads: ``features [N, D]
 The class of an image is the folder that holds it, relative to the root (symbolic
 links to folders are followed); a single top-level folder shared by every image (as in
 Omniglot's archives) is dropped, so ``images_background_small1/Greek/character01/
-0394_01.png`` belongs to the class ``Greek/character01``. Classes and files are sorted, so the row order, the labels
-and the features are deterministic.
+0394_01.png`` belongs to the class ``Greek/character01``. Classes and files are sorted,
+so the row order, the labels and the features are deterministic. A file that is not an
+image stops the extraction with its name, before any feature is computed.
 
 Backbones (installed with the ``vision`` extra; no torchvision is needed):
 
@@ -30,6 +31,7 @@ import logging
 import os
 import zipfile
 from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
 from functools import lru_cache
 from pathlib import Path, PurePosixPath
 
@@ -134,6 +136,36 @@ def _read(root: Path, paths: Sequence[str]) -> Iterator[bytes]:
             yield (root / p).read_bytes()
 
 
+def check_images(root: Path, paths: Sequence[str]) -> None:
+    """A ``ValueError`` naming the files under ``root`` whose header PIL does not read as
+    an image (a text file named ``.png``, an empty or cut-off download), before any
+    feature is computed; a file whose pixels turn out damaged is named when it is read."""
+    from PIL import Image
+
+    bad = []
+    with zipfile.ZipFile(root) if root.is_file() else nullcontext() as archive:
+        for p in paths:
+            try:
+                with archive.open(p) if archive else open(root / p, "rb") as stream:
+                    Image.open(stream).close()
+            except (OSError, SyntaxError, ValueError):  # PIL's errors of a bad header
+                bad.append(p)
+    if bad:
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise ValueError(
+            f"images: {len(bad)} of {len(paths)} files in {root} are not images PIL can "
+            f"read: {', '.join(bad[:5])}{more}; remove or replace them"
+        )
+
+
+def _pixels(path: str, data: bytes, image_size: int) -> np.ndarray:
+    """:func:`preprocess` of the file ``path``, a ``ValueError`` naming it if it fails."""
+    try:
+        return preprocess(data, image_size)
+    except (OSError, SyntaxError, ValueError) as error:
+        raise ValueError(f"images: cannot read {path}: {error}") from None
+
+
 def preprocess(data: bytes, image_size: int) -> np.ndarray:
     """One image as a ``[3, S, S]`` float32 array scaled by ``(x - 127) / 128``."""
     from PIL import Image
@@ -182,6 +214,7 @@ def extract_features(
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     root = Path(images)
     paths, classes = list_images(root)
+    check_images(root, paths)
     names = sorted(set(classes))
     index = {c: i for i, c in enumerate(names)}
     if executor is None:
@@ -230,8 +263,8 @@ def _shard_features(job: tuple, shared=None) -> np.ndarray:
     images = data if data is not None else _read(Path(root), paths)
     model = load_backbone(backbone)
     chunks, batch = [], []
-    for item in images:
-        batch.append(preprocess(item, image_size))
+    for path, item in zip(paths, images, strict=True):
+        batch.append(_pixels(path, item, image_size))
         if len(batch) == batch_size:
             chunks.append(_forward(model, batch))
             batch = []
@@ -249,8 +282,8 @@ def _features_here(
     model = load_backbone(backbone)
     chunks, batch = [], []
     bar = progress_display(len(paths), f"{backbone} {root.name}", "images", progress)
-    for data in _read(root, paths):
-        batch.append(preprocess(data, image_size))
+    for path, data in zip(paths, _read(root, paths), strict=True):
+        batch.append(_pixels(path, data, image_size))
         if len(batch) == batch_size:
             chunks.append(_forward(model, batch))
             bar.update(len(batch))
