@@ -11,7 +11,7 @@ from __future__ import annotations
 #: method name -> hyperparameters, presets, tunable by ``--preset auto``
 METHOD_TABLE: dict[str, dict] = {
     "nearest-centroid": {
-        "params": ("center", "prototype", "temperature", "open_prior"),
+        "params": ("center", "prototype", "temperature", "open_prior", "open_frame"),
         "presets": (),
         "tunable": False,
     },

@@ -259,6 +259,7 @@ class FewShotNearestCentroid(FewShotTaskClassifier):
         prototype: str = "mean",
         temperature: float = 10.0,
         open_prior: float = 0.5,
+        open_frame: str = "base",
         base_features: Any = None,
         base_labels: Any = None,
     ) -> None:

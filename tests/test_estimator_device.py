@@ -53,8 +53,12 @@ CASES = [
 ]
 
 
-#: open-set cases with other parameters: vmp-gmm with the background declared in its model
-OPEN_VARIANTS = {"vmp-gmm/declared": ("vmp-gmm", {"open_model": "declared"})}
+#: open-set cases with other parameters: vmp-gmm with the background declared in its model,
+#: nearest centroid's contrast in the queries' frame
+OPEN_VARIANTS = {
+    "vmp-gmm/declared": ("vmp-gmm", {"open_model": "declared"}),
+    "nearest-centroid/queries": ("nearest-centroid", {"open_frame": "queries"}),
+}
 
 
 def _built(case: str) -> FewShotClassifier:
@@ -181,6 +185,7 @@ OPEN_NAMES = [
     "bavardage",
     "bavardage-gamma",
     "nearest-centroid",
+    "nearest-centroid/queries",
     "soft-kmeans",
     "vmp-gmm",
     "vmp-gmm/declared",

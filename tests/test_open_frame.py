@@ -209,6 +209,7 @@ def test_frames_differ(omniglot, episodes):
         ("soft-kmeans", {}),
         ("bavardage", {"whitening": "global"}),
         ("vmp-gmm", {}),
+        ("nearest-centroid", {}),
     ],
 )
 def test_query_frame_batched_and_dtypes(omniglot, episodes, method, params):
@@ -226,7 +227,31 @@ def test_query_frame_batched_and_dtypes(omniglot, episodes, method, params):
     torch.testing.assert_close(p32.double(), batch, atol=5e-3, rtol=0)
 
 
-@pytest.mark.parametrize("method", ["soft-kmeans", "bavardage", "bavardage-gamma", "vmp-gmm"])
+@pytest.mark.parametrize("frame", FRAMES)
+def test_nearest_centroid_p_open_is_the_readings_posterior_in_its_frame(omniglot, episodes, frame):
+    """nearest-centroid's P(open) is the two-covariance posterior of its normalised
+    features in ``open_frame``, under that frame's held-out scale and shift; its known
+    columns are its closed-set probabilities times 1 - P(open) in either frame."""
+    est = build_estimator("nearest-centroid", open_frame=frame).fit_featureset(
+        omniglot, torch.float64
+    )
+    got = est.predict_proba_open(episodes)
+    x = center_and_normalize(episodes.points(), est.base_mean_.to(episodes.support))
+    prefix = "background_query_" if frame == "queries" else "background_"
+    scale, shift = getattr(est, prefix + "odds_scale_"), getattr(est, prefix + "odds_shift_")
+    log_odds = scale * _reading_odds(est, x, episodes, frame) + shift
+    want = torch.sigmoid(log_odds + _logit(est.open_prior))
+    torch.testing.assert_close(got[..., -1], want)
+    closed = est.predict_proba(episodes)
+    torch.testing.assert_close(got[..., :-1], closed * (1 - want).unsqueeze(-1))
+    other = "base" if frame == "queries" else "queries"
+    est.open_frame = other
+    assert (est.predict_proba_open(episodes)[..., -1] - want).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "method", ["soft-kmeans", "bavardage", "bavardage-gamma", "vmp-gmm", "nearest-centroid"]
+)
 def test_open_frame_checked(method):
     """An unknown frame is a ValueError before any computation."""
     with pytest.raises(ValueError, match="open_frame"):

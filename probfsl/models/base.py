@@ -925,16 +925,26 @@ class OpenSetBackground:
         )
 
     def inductive_open(
-        self, episodes: Episodes, proba: torch.Tensor, support: torch.Tensor, query: torch.Tensor
+        self,
+        episodes: Episodes,
+        proba: torch.Tensor,
+        support: torch.Tensor,
+        query: torch.Tensor,
+        query_centring: bool = False,
     ) -> torch.Tensor:
         """``[T, Q, K+1]`` from the closed-set ``proba`` and the preprocessed ``support``
-        and ``query`` features (the class docstring)."""
+        and ``query`` features (the class docstring); with ``query_centring``, the contrast
+        is read in the queries' frame, with that frame's held-out blends, scale and shift
+        (each task's P(open) then depends on its queries' mean)."""
         from probfsl.inference.background import attach_open, open_posterior
 
-        reading = self.open_reading(support, episodes.support_labels, query, episodes.way)
+        reading = self.open_reading(
+            support, episodes.support_labels, query, episodes.way, query_centring
+        )
         class_ll, background_ll = reading.class_log_lik(), reading.background_log_lik()
-        scale = getattr(self, "background_odds_scale_", 1.0)  # older saved files: 1, 0
-        shift = getattr(self, "background_odds_shift_", 0.0)
+        prefix = "background_query_" if query_centring else "background_"
+        scale = getattr(self, prefix + "odds_scale_", 1.0)  # older saved files: 1, 0
+        shift = getattr(self, prefix + "odds_shift_", 0.0)
         p_open = open_posterior(class_ll, background_ll, self.open_prior, scale, shift)[..., -1]
         return attach_open(proba, p_open.to(proba))
 

@@ -7,6 +7,7 @@ import torch
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
 from probfsl.inference.class_stats import class_means, one_hot_support
+from probfsl.inference.vb_mixture_open import OPEN_FRAMES
 from probfsl.models.base import (
     BACKGROUND,
     BASE_MEAN,
@@ -33,7 +34,7 @@ class NearestCentroid(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
     Open set (:meth:`predict_proba_open`): the outlier posterior reads the centred,
     normalised features through the two-covariance Gaussian model of the base classes
     (:meth:`~probfsl.models.base.OpenSetBackground.inductive_open`), with prior open
-    fraction ``open_prior``.
+    fraction ``open_prior``, in the frame ``open_frame`` names.
 
     Args:
         center: centre on the base-class mean (needs ``fit_base``).
@@ -41,6 +42,13 @@ class NearestCentroid(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
         temperature: finite, positive inverse temperature of the softmax.
         open_prior: π_0, the prior probability that a query is of none of the classes
             (:meth:`predict_proba_open` only).
+        open_frame: ``"base"`` (default: each query's P(open) from its own features,
+            inductive) or ``"queries"``: the contrast read with support and queries
+            re-centred on the task's query mean, so P(open) follows the task's own
+            location (its queries are taken as one batch, and a task needs many). Where
+            the novel classes come from another domain than the base classes, it
+            calibrates P(open) far better (docs/methods/open-set.md). The closed-set
+            probabilities do not depend on it.
     """
 
     PROTOTYPES = ("mean", "normalized")
@@ -50,6 +58,7 @@ class NearestCentroid(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
             "prototype": Choice(PROTOTYPES),
             "temperature": Real(positive=True),
             "open_prior": OPEN_PRIOR,
+            "open_frame": Choice(OPEN_FRAMES),
         },
         fitted=(BASE_MEAN, BACKGROUND),
     )
@@ -60,11 +69,13 @@ class NearestCentroid(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
         prototype: str = "mean",
         temperature: float = 10.0,
         open_prior: float = 0.5,
+        open_frame: str = "base",
     ) -> None:
         self.center = center
         self.prototype = prototype
         self.temperature = temperature
         self.open_prior = open_prior
+        self.open_frame = open_frame
 
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
         """Query probabilities ``[T, Q, K]``: softmax of the temperature-scaled scores."""
@@ -86,4 +97,6 @@ class NearestCentroid(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
         mean = self.centring_mean()
         support = center_and_normalize(episodes.support, mean)
         query = center_and_normalize(episodes.query, mean)
-        return self.inductive_open(episodes, proba, support, query)
+        return self.inductive_open(
+            episodes, proba, support, query, query_centring=self.open_frame == "queries"
+        )
