@@ -911,14 +911,16 @@ class OpenSetBackground:
         b = a * shift / scale if given_shift is None else float(given_shift)
         return a, b
 
-    def held_out_calibration(self) -> tuple[float, float]:
+    def held_out_calibration(self, query_centring: bool | None = None) -> tuple[float, float]:
         """(a_h, b_h): the scale and shift of the contrast's log-odds that held-out base
-        classes give in the estimator's ``open_frame`` (``background_odds_scale_`` and
+        classes give in the estimator's ``open_frame``, or in the queries' frame where
+        ``query_centring`` says so (``background_odds_scale_`` and
         ``background_odds_shift_``, or their ``background_query_*`` counterparts, chosen
         by :meth:`fit_background`; 1 and 0 for files saved before them)."""
         self._choose_background()
-        queries = getattr(self, "open_frame", "base") == "queries"
-        prefix = "background_query_" if queries else "background_"
+        if query_centring is None:
+            query_centring = getattr(self, "open_frame", "base") == "queries"
+        prefix = "background_query_" if query_centring else "background_"
         return (
             float(getattr(self, prefix + "odds_scale_", 1.0)),
             float(getattr(self, prefix + "odds_shift_", 0.0)),
@@ -942,9 +944,7 @@ class OpenSetBackground:
             support, episodes.support_labels, query, episodes.way, query_centring
         )
         class_ll, background_ll = reading.class_log_lik(), reading.background_log_lik()
-        prefix = "background_query_" if query_centring else "background_"
-        scale = getattr(self, prefix + "odds_scale_", 1.0)  # older saved files: 1, 0
-        shift = getattr(self, prefix + "odds_shift_", 0.0)
+        scale, shift = self.held_out_calibration(query_centring)
         p_open = open_posterior(class_ll, background_ll, self.open_prior, scale, shift)[..., -1]
         return attach_open(proba, p_open.to(proba))
 
