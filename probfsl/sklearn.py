@@ -432,6 +432,7 @@ class FewShotGPTree(FewShotTaskClassifier):
         max_nodes: int = 2000,
         engine: str = "handwritten",
         open_prior: float = 0.5,
+        open_frame: str = "base",
         base_features: Any = None,
         base_labels: Any = None,
     ) -> None:
@@ -467,6 +468,7 @@ class FewShotEvidenceLSSVM(FewShotTaskClassifier):
         dtype: str = "float64",
         engine: str = "handwritten",
         open_prior: float = 0.5,
+        open_frame: str = "base",
         base_features: Any = None,
         base_labels: Any = None,
     ) -> None:
@@ -504,6 +506,7 @@ class FewShotSLEM(FewShotTaskClassifier):
         temperature: float = 1.0,
         engine: str = "handwritten",
         open_prior: float = 0.5,
+        open_frame: str = "base",
         base_features: Any = None,
         base_labels: Any = None,
     ) -> None:
@@ -541,6 +544,7 @@ class FewShotEMDirichlet(FewShotTaskClassifier):
         compiled: bool | None = None,
         engine: str = "handwritten",
         open_prior: float = 0.5,
+        open_frame: str = "base",
         base_features: Any = None,
         base_labels: Any = None,
     ) -> None:

@@ -249,8 +249,38 @@ def test_nearest_centroid_p_open_is_the_readings_posterior_in_its_frame(omniglot
     assert (est.predict_proba_open(episodes)[..., -1] - want).abs().max() > 1e-3
 
 
+#: the inductive methods besides nearest centroid, at small settings
+INDUCTIVE = {
+    "evidence-lssvm": {},
+    "slem": {},
+    "gp-tree": {"n_chains": 2, "n_sweeps": 2},
+    "em-dirichlet": {"n_iter": 2, "mm_max_iter": 20},
+}
+
+
+@pytest.mark.parametrize("method", sorted(INDUCTIVE))
+def test_inductive_methods_read_p_open_in_their_frame(omniglot, episodes, method):
+    """An inductive method's ``open_frame`` moves P(open) only: the known columns keep
+    its closed-set argmax in both frames, and in the queries' frame each task is read
+    in its own (a batch equals its tasks one at a time)."""
+    est = build_estimator(method, **INDUCTIVE[method]).fit_featureset(omniglot, torch.float64)
+    closed = est.predict_proba(episodes).argmax(-1)
+    by_frame = {}
+    for frame in FRAMES:
+        est.open_frame = frame
+        by_frame[frame] = est.predict_proba_open(episodes)
+        assert torch.equal(by_frame[frame][..., :-1].argmax(-1), closed)
+    gap = by_frame["queries"][..., -1] - by_frame["base"][..., -1]
+    assert gap.abs().max() > 1e-3
+    est.open_frame = "queries"
+    for t in (0, TASKS - 1):
+        alone = est.predict_proba_open(episodes[t : t + 1])
+        torch.testing.assert_close(alone[0, :, -1], by_frame["queries"][t, :, -1])
+
+
 @pytest.mark.parametrize(
-    "method", ["soft-kmeans", "bavardage", "bavardage-gamma", "vmp-gmm", "nearest-centroid"]
+    "method",
+    ["soft-kmeans", "bavardage", "bavardage-gamma", "vmp-gmm", "nearest-centroid", *INDUCTIVE],
 )
 def test_open_frame_checked(method):
     """An unknown frame is a ValueError before any computation."""
@@ -265,7 +295,7 @@ def test_open_frame_checked(method):
         ("soft-kmeans", {"open_frame": "base"}, "base"),
         ("bavardage", {}, ["base", "queries"]),
         ("bavardage", {"open_frame": "base"}, "base"),
-        ("em-dirichlet", {}, None),
+        ("em-dirichlet", {}, "base"),
     ],
 )
 def test_auto_preset_cache_key_holds_the_frame(omniglot, monkeypatch, method, fixed, frame):

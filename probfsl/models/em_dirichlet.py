@@ -39,6 +39,7 @@ from probfsl.inference.dirichlet_mm import (
     DirichletMixtureState,
     EMDirichletEngine,
 )
+from probfsl.inference.vb_mixture_open import OPEN_FRAMES
 from probfsl.models.base import (
     BACKGROUND,
     BASE_MEAN,
@@ -223,6 +224,7 @@ class EMDirichlet(OpenSetBackground, FewShotClassifier):
             "compiled": Flag(optional=True),
             "engine": ENGINE,
             "open_prior": OPEN_PRIOR,
+            "open_frame": Choice(OPEN_FRAMES),
         },
         fitted=(
             BASE_MEAN,
@@ -249,6 +251,7 @@ class EMDirichlet(OpenSetBackground, FewShotClassifier):
         compiled: bool | None = None,
         engine: str = "handwritten",
         open_prior: float = 0.5,
+        open_frame: str = "base",
     ) -> None:
         self.hard = hard
         self.lambda_coef = lambda_coef
@@ -265,6 +268,7 @@ class EMDirichlet(OpenSetBackground, FewShotClassifier):
         self.compiled = compiled
         self.engine = engine
         self.open_prior = open_prior
+        self.open_frame = open_frame
 
     # -- configuration ------------------------------------------------------------------
     @property
@@ -410,13 +414,17 @@ class EMDirichlet(OpenSetBackground, FewShotClassifier):
         each query's assignments weighted by its closed share in the Dirichlet fits) was
         tried and left out: the probability vectors of far-away classes are close to
         uniform, and the Dirichlet fits are hardly moved by them (docs/methods/open-set.md).
+        It is read in the frame ``open_frame``: ``"base"``, or ``"queries"``, re-centred on
+        the task's query mean (as :class:`~probfsl.models.nearest_centroid.NearestCentroid`).
         """
         proba = self.predict_proba(episodes)
         from probfsl.data.preprocess import center_and_normalize
 
         support = center_and_normalize(episodes.support, self.base_mean_)
         query = center_and_normalize(episodes.query, self.base_mean_)
-        return self.inductive_open(episodes, proba, support, query)
+        return self.inductive_open(
+            episodes, proba, support, query, query_centring=self.open_frame == "queries"
+        )
 
     def predict_zero_shot(self, probs: torch.Tensor, matching: str | None = None) -> torch.Tensor:
         """Zero-shot predictions ``[T, Q]`` (column indices of ``probs``, i.e. data-set labels).

@@ -53,6 +53,7 @@ from probfsl.inference.evidence import (
     spectrum,
     spectrum_from_gram,
 )
+from probfsl.inference.vb_mixture_open import OPEN_FRAMES
 from probfsl.models.base import (
     BACKGROUND,
     ENGINE,
@@ -284,6 +285,7 @@ class EvidenceLSSVM(OpenSetBackground, FewShotClassifier):
         dtype: torch.dtype = torch.float64,
         engine: str = "handwritten",
         open_prior: float = 0.5,
+        open_frame: str = "base",
     ) -> None:
         self.normalize = normalize
         self.center = center
@@ -297,6 +299,7 @@ class EvidenceLSSVM(OpenSetBackground, FewShotClassifier):
         self.dtype = dtype
         self.engine = engine
         self.open_prior = open_prior
+        self.open_frame = open_frame
 
     call_diagnostics = ("last_lambda_", "last_log_evidence_", "last_at_boundary_", "last_at_limit_")
     schema = EstimatorSchema(
@@ -313,6 +316,7 @@ class EvidenceLSSVM(OpenSetBackground, FewShotClassifier):
             "dtype": FloatDType(),
             "engine": ENGINE,
             "open_prior": OPEN_PRIOR,
+            "open_frame": Choice(OPEN_FRAMES),
         },
         # fit_base's base mean [D] (for centring) and fit's single problem, each optional
         fitted=(
@@ -458,12 +462,16 @@ class EvidenceLSSVM(OpenSetBackground, FewShotClassifier):
         P(open) is the inductive outlier posterior of the two-covariance Gaussian reading
         of the (centred, normalised) features of the regressions, with prior ``open_prior``
         (:meth:`~probfsl.models.base.OpenSetBackground.inductive_open`).
+        It is read in the frame ``open_frame``: ``"base"``, or ``"queries"``, re-centred on
+        the task's query mean (as :class:`~probfsl.models.nearest_centroid.NearestCentroid`).
         """
         proba = self.predict_proba(episodes)
         mean = getattr(self, "base_mean_", None) if self.center else None
         support = _prepare(episodes.support.to(self.dtype), self.normalize, mean)
         query = _prepare(episodes.query.to(self.dtype), self.normalize, mean)
-        return self.inductive_open(episodes, proba, support, query)
+        return self.inductive_open(
+            episodes, proba, support, query, query_centring=self.open_frame == "queries"
+        )
 
 
 # ---------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
 from probfsl.derived.slem import ENGINES
 from probfsl.inference.class_stats import class_means, one_hot_support
+from probfsl.inference.vb_mixture_open import OPEN_FRAMES
 from probfsl.inference.woodbury import (
     NegativeFactor,
     default_lambda,
@@ -244,6 +245,7 @@ class SLEM(OpenSetBackground, FewShotClassifier):
             "temperature": Real(positive=True),
             "engine": ENGINE,
             "open_prior": OPEN_PRIOR,
+            "open_frame": Choice(OPEN_FRAMES),
         },
         fitted=(
             Group(
@@ -268,6 +270,7 @@ class SLEM(OpenSetBackground, FewShotClassifier):
         temperature: float = 1.0,
         engine: str = "handwritten",
         open_prior: float = 0.5,
+        open_frame: str = "base",
     ) -> None:
         self.lam = lam
         self.rel_lam = rel_lam
@@ -275,6 +278,7 @@ class SLEM(OpenSetBackground, FewShotClassifier):
         self.temperature = temperature
         self.engine = engine
         self.open_prior = open_prior
+        self.open_frame = open_frame
 
     def setting_note(self, way: int, shot: int) -> str:
         """What the engine costs (the derived one: a d x d posterior per class and task)."""
@@ -335,8 +339,12 @@ class SLEM(OpenSetBackground, FewShotClassifier):
         P(open) is the inductive outlier posterior of the two-covariance Gaussian reading
         of the centred (normalised) features of the LDA scores, with prior ``open_prior``
         (:meth:`~probfsl.models.base.OpenSetBackground.inductive_open`).
+        It is read in the frame ``open_frame``: ``"base"``, or ``"queries"``, re-centred on
+        the task's query mean (as :class:`~probfsl.models.nearest_centroid.NearestCentroid`).
         """
         proba = self.predict_proba(episodes)
         support = self._prep(episodes.support, self.base_mean_)
         query = self._prep(episodes.query, self.base_mean_)
-        return self.inductive_open(episodes, proba, support, query)
+        return self.inductive_open(
+            episodes, proba, support, query, query_centring=self.open_frame == "queries"
+        )

@@ -18,6 +18,7 @@ from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
 from probfsl.derived.gp_tree import ENGINES
 from probfsl.inference.polya_gamma import mix32
+from probfsl.inference.vb_mixture_open import OPEN_FRAMES
 from probfsl.models.base import (
     BACKGROUND,
     BASE_MEAN,
@@ -82,6 +83,7 @@ class GPTreeFewShot(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
             "max_nodes": Int(low=1),
             "engine": ENGINE,
             "open_prior": OPEN_PRIOR,
+            "open_frame": Choice(OPEN_FRAMES),
         },
         fitted=(BASE_MEAN, BACKGROUND),
     )
@@ -98,6 +100,7 @@ class GPTreeFewShot(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
         max_nodes: int = 2000,
         engine: str = "handwritten",
         open_prior: float = 0.5,
+        open_frame: str = "base",
     ) -> None:
         self.n_chains = n_chains
         self.n_sweeps = n_sweeps
@@ -109,6 +112,7 @@ class GPTreeFewShot(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
         self.max_nodes = max_nodes
         self.engine = engine
         self.open_prior = open_prior
+        self.open_frame = open_frame
 
     def fit_base(self, features, labels) -> Self:
         """Store the mean of the base ``features [N, D]`` (tensor or NumPy array)."""
@@ -124,12 +128,16 @@ class GPTreeFewShot(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
         P(open) is the inductive outlier posterior of the two-covariance Gaussian reading
         of the centred, normalised features, with prior ``open_prior``
         (:meth:`~probfsl.models.base.OpenSetBackground.inductive_open`).
+        It is read in the frame ``open_frame``: ``"base"``, or ``"queries"``, re-centred on
+        the task's query mean (as :class:`~probfsl.models.nearest_centroid.NearestCentroid`).
         """
         proba = self.predict_proba(episodes)
         mean = self.centring_mean()
         support = center_and_normalize(episodes.support, mean)
         query = center_and_normalize(episodes.query, mean)
-        return self.inductive_open(episodes, proba, support, query)
+        return self.inductive_open(
+            episodes, proba, support, query, query_centring=self.open_frame == "queries"
+        )
 
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
         """Query class probabilities ``[T, Q, K]`` (rows sum to one), design §3.2 and §3.5."""
