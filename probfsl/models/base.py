@@ -932,13 +932,17 @@ class OpenSetBackground:
         proba: torch.Tensor,
         support: torch.Tensor,
         query: torch.Tensor,
-        query_centring: bool = False,
+        query_centring: bool | None = None,
     ) -> torch.Tensor:
         """``[T, Q, K+1]`` from the closed-set ``proba`` and the preprocessed ``support``
-        and ``query`` features (the class docstring); with ``query_centring``, the contrast
-        is read in the queries' frame, with that frame's held-out blends, scale and shift
-        (each task's P(open) then depends on its queries' mean)."""
+        and ``query`` features (the class docstring), in the estimator's ``open_frame``
+        unless ``query_centring`` names the frame: in the queries' frame the contrast is
+        read with that frame's held-out blends, scale and shift (each task's P(open) then
+        depends on its queries' mean)."""
         from probfsl.inference.background import attach_open, open_posterior
+
+        if query_centring is None:
+            query_centring = getattr(self, "open_frame", "base") == "queries"
 
         reading = self.open_reading(
             support, episodes.support_labels, query, episodes.way, query_centring

@@ -422,9 +422,7 @@ class EMDirichlet(OpenSetBackground, FewShotClassifier):
 
         support = center_and_normalize(episodes.support, self.base_mean_)
         query = center_and_normalize(episodes.query, self.base_mean_)
-        return self.inductive_open(
-            episodes, proba, support, query, query_centring=self.open_frame == "queries"
-        )
+        return self.inductive_open(episodes, proba, support, query)
 
     def predict_zero_shot(self, probs: torch.Tensor, matching: str | None = None) -> torch.Tensor:
         """Zero-shot predictions ``[T, Q]`` (column indices of ``probs``, i.e. data-set labels).

@@ -469,9 +469,7 @@ class EvidenceLSSVM(OpenSetBackground, FewShotClassifier):
         mean = getattr(self, "base_mean_", None) if self.center else None
         support = _prepare(episodes.support.to(self.dtype), self.normalize, mean)
         query = _prepare(episodes.query.to(self.dtype), self.normalize, mean)
-        return self.inductive_open(
-            episodes, proba, support, query, query_centring=self.open_frame == "queries"
-        )
+        return self.inductive_open(episodes, proba, support, query)
 
 
 # ---------------------------------------------------------------------------------------

@@ -97,6 +97,4 @@ class NearestCentroid(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
         mean = self.centring_mean()
         support = center_and_normalize(episodes.support, mean)
         query = center_and_normalize(episodes.query, mean)
-        return self.inductive_open(
-            episodes, proba, support, query, query_centring=self.open_frame == "queries"
-        )
+        return self.inductive_open(episodes, proba, support, query)

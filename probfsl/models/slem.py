@@ -345,6 +345,4 @@ class SLEM(OpenSetBackground, FewShotClassifier):
         proba = self.predict_proba(episodes)
         support = self._prep(episodes.support, self.base_mean_)
         query = self._prep(episodes.query, self.base_mean_)
-        return self.inductive_open(
-            episodes, proba, support, query, query_centring=self.open_frame == "queries"
-        )
+        return self.inductive_open(episodes, proba, support, query)

@@ -489,7 +489,8 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
             mean = self.base_mean_ if getattr(self, "center", True) else None
             support = center_and_normalize(episodes.support, mean)
             query = center_and_normalize(episodes.query, mean)
-            return self.inductive_open(episodes, proba, support, query)
+            # in the base frame, whatever open_frame (which names the nested reading's)
+            return self.inductive_open(episodes, proba, support, query, query_centring=False)
         self._check_params()
         if getattr(self, "base_mean_", None) is None:
             raise ValueError("vmp-gmm needs base features: call fit_base first")

@@ -135,9 +135,7 @@ class GPTreeFewShot(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
         mean = self.centring_mean()
         support = center_and_normalize(episodes.support, mean)
         query = center_and_normalize(episodes.query, mean)
-        return self.inductive_open(
-            episodes, proba, support, query, query_centring=self.open_frame == "queries"
-        )
+        return self.inductive_open(episodes, proba, support, query)
 
     def predict_proba(self, episodes: Episodes) -> torch.Tensor:
         """Query class probabilities ``[T, Q, K]`` (rows sum to one), design §3.2 and §3.5."""
