@@ -425,7 +425,8 @@ def build_parser(parser_class: type[_Parser] = _Parser) -> argparse.ArgumentPars
         default=0,
         metavar="N",
         help="tune for open-set tasks: N open queries per base episode from other base "
-        "classes, candidates ranked by the accuracy of the known-class queries (0: closed)",
+        "classes, candidates ranked by the accuracy of the known-class queries, the frame "
+        "of P(open) by the open queries' AUROC (0: closed)",
     )
     tune.add_argument(
         "--criterion",

@@ -291,8 +291,9 @@ def test_open_frame_checked(method):
 @pytest.mark.parametrize(
     "method, fixed, frame",
     [
-        ("soft-kmeans", {}, "queries"),
+        ("soft-kmeans", {}, ["base", "queries"]),
         ("soft-kmeans", {"open_frame": "base"}, "base"),
+        ("vmp-gmm", {"open_frame": "queries"}, "queries"),
         ("bavardage", {}, ["base", "queries"]),
         ("bavardage", {"open_frame": "base"}, "base"),
         ("em-dirichlet", {}, "base"),
@@ -312,9 +313,77 @@ def test_auto_preset_cache_key_holds_the_frame(omniglot, monkeypatch, method, fi
     monkeypatch.setattr(tuning, "_cached", fake_cached)
     tuning.auto_preset(method, omniglot, WAY, SHOT, QUERY, fixed=fixed, open_queries=N_OPEN)
     assert seen["open_frame"] == frame
+    # a searched frame is ranked by AUROC (within the accuracy interval), a key of its own
+    searched = isinstance(frame, list)
+    assert (seen.get("open_frame_rank") is not None) == searched
     # the queries' frame infers the background's mean for the last reading: scales anew
     want = "inferred, read last" if "queries" in (frame or []) else None
     assert seen.get("open_background_mean") == want
     seen.clear()
     tuning.auto_preset(method, omniglot, WAY, SHOT, QUERY, fixed=fixed)
     assert "open_frame" not in seen  # closed searches keep their cache entries
+
+
+def _frame_rows(*rows):
+    """Trace rows (params, accuracy, its 95% interval, AUROC)."""
+    return [
+        {"params": params, "accuracy": acc, "ci95": ci, "auroc": auc}
+        for params, acc, ci, auc in rows
+    ]
+
+
+def test_the_frame_is_the_higher_auroc_within_the_accuracy_interval():
+    """The open-set search takes the most accurate row, then, among the rows that differ
+    from it in ``open_frame`` alone and lie within its accuracy interval, the higher AUROC."""
+    from probfsl.tuning import _best_row, _frame_row
+
+    defaults = {"open_frame": "queries"}
+    rows = _frame_rows(
+        ({"t": 1.0}, 80.5, 2.0, 79.0),  # the main search's best, in the default frame
+        ({"t": 1.0, "open_frame": "base"}, 79.0, 2.0, 85.0),
+        ({"t": 1.0, "open_frame": "queries"}, 80.5, 2.0, 79.0),
+        ({"t": 3.0, "open_frame": "base"}, 80.0, 2.0, 99.0),  # other hyperparameters
+    )
+    top = _best_row(rows)
+    assert top is rows[0]
+    assert _frame_row(rows, top, defaults) is rows[1]
+    # a frame that loses accuracy beyond the interval is not taken for its AUROC
+    rows[1]["accuracy"] = 78.0
+    assert _frame_row(rows, top, defaults) is top
+    # nor is a row of other hyperparameters, however high its AUROC
+    rows[1]["accuracy"], rows[1]["auroc"] = 79.0, 70.0
+    assert _frame_row(rows, top, defaults) is top
+    # a hyperparameter a row does not name is at its default: the main search's best
+    # (no max_iter) and the frames tried with max_iter at its default are alike
+    rows = _frame_rows(
+        ({"t": 1.0}, 80.0, 2.0, 80.0),
+        ({"t": 1.0, "max_iter": 30, "open_frame": "base"}, 79.5, 2.0, 85.0),
+        ({"t": 1.0, "max_iter": 1, "open_frame": "base"}, 79.5, 2.0, 90.0),
+    )
+    assert _frame_row(rows, rows[0], defaults) is rows[0]  # max_iter's default unknown
+    assert _frame_row(rows, rows[0], {**defaults, "max_iter": 30}) is rows[1]
+
+
+def test_soft_kmeans_open_search_reads_both_frames(omniglot):
+    """soft-kmeans' open-set search tries both frames at its best candidate and keeps the
+    one :func:`probfsl.tuning._frame_row` ranks first."""
+    from probfsl.tuning import _best_row, _frame_row, tune
+
+    result = tune(
+        "soft-kmeans",
+        omniglot,
+        {"temperature": [5.0]},
+        way=WAY,
+        shot=1,
+        n_query=QUERY,
+        n_episodes=8,
+        refine=False,
+        open_queries=N_OPEN,
+    )
+    assert {row["params"].get("open_frame") for row in result.trace} == {
+        None,
+        "base",
+        "queries",
+    }
+    chosen = _frame_row(result.trace, _best_row(result.trace))
+    assert result.best == chosen["params"]

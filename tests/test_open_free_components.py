@@ -409,7 +409,7 @@ def test_auto_preset_with_open_queries_learns_open_scale(omniglot, monkeypatch):
             cache=False,
         )
         assert all(fixed.params[k] == v for k, v in given.items())
-        assert fixed.params.keys() <= {"temperature", *given}
+        assert fixed.params.keys() <= {"temperature", "open_frame", *given}
 
 
 def test_auto_preset_with_few_base_classes_searches_fewer_known_classes(monkeypatch):

@@ -39,8 +39,10 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
             the last reading of P(open); transductive) or
             ``"base"`` (centred on the base mean only;
             :class:`~probfsl.inference.background.TwoCovarianceReading`,
-            ``query_centring``). Default ``"queries"``, the higher AUROC on the built-in
-            sets (docs/methods/open-set.md).
+            ``query_centring``). Default ``"queries"``, the higher AUROC where about
+            half the queries are open, as ``open_prior`` = 1/2 assumes; with a tenth
+            open, ``"base"`` ranks better, and ``preset="auto"`` chooses between them on
+            base episodes with the run's open queries (docs/methods/open-set.md).
         open_neighbours: k, the nearest queries each query's P(open) log-odds are
             averaged with (:meth:`~probfsl.models.base.OpenSetBackground.tempered_open`);
             default 0, none.

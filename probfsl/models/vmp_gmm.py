@@ -220,8 +220,11 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
             :meth:`~probfsl.models.base.OpenSetBackground.final_open`; transductive) or
             ``"base"`` (centred on the base mean only;
             :class:`~probfsl.inference.background.TwoCovarianceReading`,
-            ``query_centring``). Default ``"queries"``, the higher AUROC on the built-in
-            sets (docs/methods/open-set.md); not read with ``precision="full"``.
+            ``query_centring``). Default ``"queries"``, the higher AUROC where about
+            half the queries are open, as ``open_prior`` = 1/2 assumes; with a tenth
+            open, ``"base"`` ranks better, and ``preset="auto"`` chooses between them on
+            base episodes with the run's open queries (docs/methods/open-set.md); not read
+            with ``precision="full"``.
         open_neighbours: k, the nearest queries each query's P(open) log-odds are
             averaged with (:meth:`~probfsl.models.base.OpenSetBackground.tempered_open`);
             default 0, none.
