@@ -385,5 +385,6 @@ def test_soft_kmeans_open_search_reads_both_frames(omniglot):
         "base",
         "queries",
     }
-    chosen = _frame_row(result.trace, _best_row(result.trace))
+    defaults = build_estimator("soft-kmeans").get_params()
+    chosen = _frame_row(result.trace, _best_row(result.trace), defaults)
     assert result.best == chosen["params"]
