@@ -911,6 +911,14 @@ class OpenSetBackground:
         b = a * shift / scale if given_shift is None else float(given_shift)
         return a, b
 
+    @property
+    def in_queries_frame(self) -> bool:
+        """Whether ``open_frame`` names the queries' frame (the task re-centred on its
+        queries' mean; ``query_centring`` of
+        :class:`~probfsl.inference.background.TwoCovarianceReading`); estimators without
+        the hyperparameter, and files saved before it, read the base frame."""
+        return getattr(self, "open_frame", "base") == "queries"
+
     def held_out_calibration(self, query_centring: bool | None = None) -> tuple[float, float]:
         """(a_h, b_h): the scale and shift of the contrast's log-odds that held-out base
         classes give in the estimator's ``open_frame``, or in the queries' frame where
@@ -919,7 +927,7 @@ class OpenSetBackground:
         by :meth:`fit_background`; 1 and 0 for files saved before them)."""
         self._choose_background()
         if query_centring is None:
-            query_centring = getattr(self, "open_frame", "base") == "queries"
+            query_centring = self.in_queries_frame
         prefix = "background_query_" if query_centring else "background_"
         return (
             float(getattr(self, prefix + "odds_scale_", 1.0)),
@@ -942,7 +950,7 @@ class OpenSetBackground:
         from probfsl.inference.background import attach_open, open_posterior
 
         if query_centring is None:
-            query_centring = getattr(self, "open_frame", "base") == "queries"
+            query_centring = self.in_queries_frame
 
         reading = self.open_reading(
             support, episodes.support_labels, query, episodes.way, query_centring

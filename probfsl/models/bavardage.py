@@ -603,9 +603,8 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         n_free = int(self.n_free if n_free is None else n_free)
         n_free = min(n_free, episodes.query.shape[1])
         xn = center_and_normalize(episodes.points(), self.base_mean_.to(episodes.support))
-        centring = self.open_frame == "queries"  # the task's own frame (transductive)
         reading = self.open_reading(
-            xn[:, :n_s], episodes.support_labels, xn[:, n_s:], way, centring
+            xn[:, :n_s], episodes.support_labels, xn[:, n_s:], way, self.in_queries_frame
         )
         odds = reading.open_log_odds()  # full-space background vs classes, [T, Q]
         gram = xn @ xn.transpose(1, 2)

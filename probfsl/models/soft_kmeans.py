@@ -116,9 +116,8 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
         mean = self.checked_centring_mean(episodes)
         x = center_and_normalize(episodes.points(), mean)
         n_s = episodes.support.shape[1]
-        centring = self.open_frame == "queries"  # the task's own frame (transductive)
         reading = self.open_reading(
-            x[:, :n_s], episodes.support_labels, x[:, n_s:], episodes.way, centring
+            x[:, :n_s], episodes.support_labels, x[:, n_s:], episodes.way, self.in_queries_frame
         )
         p = soft_kmeans_gram_open(
             x @ x.transpose(1, 2),

@@ -420,9 +420,9 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
         first) whose :meth:`~probfsl.inference.background.TwoCovarianceReading.open_log_odds`
         is the open contrast, in the frame ``open_frame`` names (``"queries"``: re-centred
         on the queries' mean and normalised again, with the blends chosen for that frame)."""
-        n_s, centring = episodes.support.shape[1], self.open_frame == "queries"
+        n_s = episodes.support.shape[1]
         return self.open_reading(
-            x[:, :n_s], episodes.support_labels, x[:, n_s:], episodes.way, centring
+            x[:, :n_s], episodes.support_labels, x[:, n_s:], episodes.way, self.in_queries_frame
         )
 
     def engine_data(self, episodes: Episodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
