@@ -917,7 +917,8 @@ def auto_preset(
         settings["defaults"] = {k: v for k, v in defaults.items() if k not in fixed}
         # learn_open_calibration on the chosen candidate: the held-out bias taken out, or
         # a shift of its own where the episodes clearly ask for one
-        settings["open_scale"] = "brier, held-out bias"
+        # (on the exact log-odds of P(open) as inferred, read last in both frames)
+        settings["open_scale"] = "brier on log-odds, held-out bias"
         settings["open_shift"] = f"brier, where it lowers it by {SHIFT_GAIN}"
         settings["open_rank"] = "accuracy"  # of the known-class queries alone
         if "open_frame" in open_space:  # the frame: AUROC within the accuracy interval
@@ -1135,16 +1136,15 @@ def _auto_preset(
         choice.params, choice.preset, choice.method = {}, None, BASELINE
     if n_open and choice.method is None and "open_scale" not in fixed:
         if {"open_scale", "open_shift"} <= make_estimator(method).get_params().keys():
-            # P(open) as inferred (a = 1, b = 0), whose scale the open/closed labels then
-            # choose, applied to its log-odds with the held-out base classes' bias taken
-            # out (or with the open_shift given)
-            params = {**choice.params, "open_scale": 1.0, "open_shift": 0.0}
-            model = make_estimator(method, choice.preset, **params)
+            # the log-odds of P(open) as inferred, whose scale the open/closed labels then
+            # choose, with the held-out base classes' bias taken out (or with the
+            # open_shift given)
+            model = make_estimator(method, choice.preset, **choice.params)
             model.fit_featureset(view, dtype, device)
-            p_open = model.predict_proba_open(episodes)[..., -1]
+            log_odds = model.inferred_open_log_odds(episodes)
             held_scale, held_shift = model.held_out_calibration()
             learnt, note = learn_open_calibration(
-                p_open, episodes.open_mask, held_shift / held_scale, fixed.get("open_shift")
+                log_odds, episodes.open_mask, held_shift / held_scale, fixed.get("open_shift")
             )
             choice.params = {**choice.params, **learnt}
             notes.append(note)
@@ -1158,11 +1158,12 @@ SHIFT_GAIN = 0.10
 
 
 def learn_open_calibration(
-    p_open: torch.Tensor, is_open: torch.Tensor, bias: float, shift: float | None = None
+    log_odds: torch.Tensor, is_open: torch.Tensor, bias: float, shift: float | None = None
 ) -> tuple[dict[str, float], str]:
     """The calibration of a transductive method's P(open) that base-class episodes with
-    open queries ask for (``p_open`` and ``is_open`` [T, Q]): ``({"open_scale": a}, note)``
-    or ``({"open_scale": a, "open_shift": b}, note)``.
+    open queries ask for (``log_odds`` of P(open) as inferred and ``is_open``, [T, Q];
+    :meth:`~probfsl.models.base.OpenSetBackground.inferred_open_log_odds`):
+    ``({"open_scale": a}, note)`` or ``({"open_scale": a, "open_shift": b}, note)``.
 
     a is :func:`fit_open_scale` with the held-out base classes' ``bias`` (β = b_h / a_h)
     taken out, the estimator then shifting the log-odds by a β of its own base classes;
@@ -1177,7 +1178,7 @@ def learn_open_calibration(
     the base classes: on WordNet's (21 base classes) the fitted shift lowered it by 3.5%
     and 7.7% at 1 and 5 shots and raised the novel ECE-open from 0.113 to 0.134 and 0.150;
     on Omniglot's by under 1%."""
-    scale = fit_open_scale(p_open, is_open, bias, shift)
+    scale = fit_open_scale(log_odds, is_open, bias, shift)
     params = {"open_scale": scale}
     note = (
         f"open_scale {scale:.3g}: the scale of P(open)'s log-odds that those episodes' "
@@ -1185,8 +1186,8 @@ def learn_open_calibration(
     )
     if shift is not None:
         return params, note
-    held = open_brier(p_open, is_open, scale, scale * bias)
-    a, b, fitted = fit_open_scale_and_shift(p_open, is_open)
+    held = open_brier(log_odds, is_open, scale, scale * bias)
+    a, b, fitted = fit_open_scale_and_shift(log_odds, is_open)
     if fitted < (1 - SHIFT_GAIN) * held:
         params = {"open_scale": a, "open_shift": b}
         note = (
@@ -1197,31 +1198,33 @@ def learn_open_calibration(
     return params, note
 
 
-def _logit(p_open: torch.Tensor) -> torch.Tensor:
-    """logit P(open), flat, in float64 (P(open) of 0 or 1 as large finite log-odds)."""
-    p = p_open.double().flatten()
-    tiny = torch.finfo(torch.float64).tiny
-    return p.clamp_min(tiny).log() - (1 - p).clamp_min(tiny).log()
+def _flat(log_odds: torch.Tensor, is_open: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log_odds`` and ``is_open`` (both [T, Q]) flat in float64; ``ValueError`` for shapes
+    that differ or log-odds that are NaN."""
+    if log_odds.shape != is_open.shape:
+        raise ValueError(f"log_odds {tuple(log_odds.shape)} and is_open {tuple(is_open.shape)}")
+    if bool(log_odds.isnan().any()):
+        raise ValueError("log_odds hold NaN")
+    return log_odds.double().flatten(), is_open.flatten().to(torch.float64)
 
 
-def open_brier(p_open: torch.Tensor, is_open: torch.Tensor, scale: float, shift: float) -> float:
-    """The Brier score of σ(``scale`` logit P(open) + ``shift``) against ``is_open``."""
-    target = is_open.flatten().to(torch.float64)
-    return float((torch.sigmoid(scale * _logit(p_open) + shift) - target).square().mean())
+def open_brier(log_odds: torch.Tensor, is_open: torch.Tensor, scale: float, shift: float) -> float:
+    """The Brier score of σ(``scale`` ``log_odds`` + ``shift``) against ``is_open``."""
+    logit, target = _flat(log_odds, is_open)
+    return float((torch.sigmoid(scale * logit + shift) - target).square().mean())
 
 
 def fit_open_scale_and_shift(
-    p_open: torch.Tensor, is_open: torch.Tensor
+    log_odds: torch.Tensor, is_open: torch.Tensor
 ) -> tuple[float, float, float]:
     """(a, b, Brier score): the a of :data:`probfsl.inference.open_temperature.GRID` and the
     b of [-:data:`~probfsl.inference.open_temperature.MAX_SHIFT`, MAX_SHIFT] in steps of
-    0.1 whose σ(a logit P(open) + b) has the least Brier score against ``is_open`` (both
-    [T, Q]): Platt scaling (1999) by a proper score bounded per query."""
+    0.1 whose σ(a ``log_odds`` + b) has the least Brier score against ``is_open`` (both
+    [T, Q]; ``log_odds`` those of P(open) as inferred): Platt scaling (1999) by a proper
+    score bounded per query."""
     from probfsl.inference.open_temperature import GRID, MAX_SHIFT
 
-    if p_open.shape != is_open.shape:
-        raise ValueError(f"p_open {tuple(p_open.shape)} and is_open {tuple(is_open.shape)}")
-    logit, target = _logit(p_open), is_open.flatten().to(torch.float64)
+    logit, target = _flat(log_odds, is_open)
     steps = round(2 * MAX_SHIFT / 0.1)
     shifts = torch.linspace(
         -MAX_SHIFT, MAX_SHIFT, steps + 1, dtype=logit.dtype, device=logit.device
@@ -1236,11 +1239,12 @@ def fit_open_scale_and_shift(
 
 
 def fit_open_scale(
-    p_open: torch.Tensor, is_open: torch.Tensor, bias: float = 0.0, shift: float | None = None
+    log_odds: torch.Tensor, is_open: torch.Tensor, bias: float = 0.0, shift: float | None = None
 ) -> float:
     """The a of :data:`probfsl.inference.open_temperature.GRID` minimising the Brier score
-    of σ(a (logit P(open) + ``bias``)) against ``is_open`` (both [T, Q]), or of
-    σ(a logit P(open) + ``shift``) where ``shift`` is given: the temperature (Guo et al.,
+    of σ(a (``log_odds`` + ``bias``)) against ``is_open`` (both [T, Q]; ``log_odds`` those
+    of P(open) as inferred), or of σ(a ``log_odds`` + ``shift``) where ``shift`` is given:
+    the temperature (Guo et al.,
     ICML 2017) of a transductive method's P(open), ``open_scale``
     (:meth:`probfsl.models.base.OpenSetBackground.open_calibration`, whose ``bias`` is
     the held-out base classes' b_h / a_h), learnt on base-class episodes with open
@@ -1252,15 +1256,12 @@ def fit_open_scale(
     a = 0.01-0.06, P(open) near 1/2 for every query, at three of four settings)."""
     from probfsl.inference.open_temperature import GRID
 
-    if p_open.shape != is_open.shape:
-        raise ValueError(f"p_open {tuple(p_open.shape)} and is_open {tuple(is_open.shape)}")
-    logit = _logit(p_open)
+    logit, target = _flat(log_odds, is_open)
     scales = torch.tensor(GRID, dtype=logit.dtype, device=logit.device).unsqueeze(1)
     if shift is None:
         logits = scales * (logit + bias)
     else:
         logits = scales * logit + shift
-    target = is_open.flatten().to(logit)
     brier = (torch.sigmoid(logits) - target).square().mean(1)
     return float(GRID[int(brier.argmin())])
 

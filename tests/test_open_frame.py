@@ -48,12 +48,12 @@ def _reading_odds(est, x: torch.Tensor, episodes, frame: str) -> torch.Tensor:
 
 
 def _read_last(est, x, episodes, frame: str, open_resp: torch.Tensor) -> torch.Tensor:
-    """P(open) after the iterations: in the queries' frame one more update of q(π_0) and
-    of the open responsibilities under the background inferred from the queries."""
-    if frame != "queries":
-        return open_resp
+    """P(open) after the iterations: one more update of q(π_0) and of the open
+    responsibilities, under the base classes' background in the base frame and under the
+    background inferred from the queries in the queries' frame."""
     reading = _reading(est, x, episodes, frame)
-    reading.infer_background_mean(est.background_query_odds_scale_, est.open_prior)
+    if frame == "queries":
+        reading.infer_background_mean(est.background_query_odds_scale_, est.open_prior)
     return open_responsibility(reading.open_log_odds(), open_resp, est.open_prior)
 
 

@@ -313,8 +313,7 @@ def test_temper_open_scales_and_shifts_the_log_odds_and_keeps_the_known_ratios()
 
 def test_fit_open_scale_recovers_the_scale_of_the_labels():
     """Labels drawn with P(open) = σ(a0 (l + β)) for log-odds l: the Brier score (a proper
-    score) of σ(a (logit p + β)) with p = σ(l) is least near a = a0; with a shift b given,
-    of σ(a logit p + b)."""
+    score) of σ(a (l + β)) is least near a = a0; with a shift b given, of σ(a l + b)."""
     from probfsl.tuning import fit_open_scale
 
     gen = torch.Generator().manual_seed(0)
@@ -323,18 +322,36 @@ def test_fit_open_scale_recovers_the_scale_of_the_labels():
         is_open = torch.rand(logit.shape, generator=gen, dtype=torch.float64) < torch.sigmoid(
             0.25 * (logit + bias)
         )
-        got = fit_open_scale(torch.sigmoid(logit), is_open, bias)
+        got = fit_open_scale(logit, is_open, bias)
         assert got == pytest.approx(0.25, rel=0.15), bias
         if bias:  # the bias not taken out: another scale fits the labels best
-            assert fit_open_scale(torch.sigmoid(logit), is_open) != got
-        assert fit_open_scale(torch.sigmoid(logit), is_open, shift=0.25 * bias) == got
+            assert fit_open_scale(logit, is_open) != got
+        assert fit_open_scale(logit, is_open, shift=0.25 * bias) == got
     with pytest.raises(ValueError, match="is_open"):
-        fit_open_scale(torch.sigmoid(logit), is_open[:1])
+        fit_open_scale(logit, is_open[:1])
+    with pytest.raises(ValueError, match="NaN"):
+        fit_open_scale(torch.full_like(logit, float("nan")), is_open)
+
+
+def test_the_scale_is_learnt_from_log_odds_beyond_single_precision():
+    """Transductive log-odds run to hundreds on wide features (the held-out scale a_h was
+    0.025 on 2,048-d ones), where a float32 P(open) is 0 or 1: the scale is fitted on the
+    log-odds themselves, so float32 log-odds of ±500 give float64's a."""
+    from probfsl.tuning import fit_open_scale
+
+    gen = torch.Generator().manual_seed(3)
+    logit = 150 * torch.randn(200, 150, generator=gen, dtype=torch.float64)
+    truth = torch.sigmoid(0.02 * (logit + 10.0))
+    is_open = torch.rand(logit.shape, generator=gen, dtype=torch.float64) < truth
+    assert (logit.abs() > 90).double().mean() > 0.4  # beyond what a float32 P(open) holds
+    want = fit_open_scale(logit, is_open, 10.0)
+    assert want == pytest.approx(0.02, rel=0.3)
+    assert fit_open_scale(logit.float(), is_open, 10.0) == want
 
 
 def test_fit_open_scale_and_shift_recovers_platts_parameters():
     """Labels drawn with P(open) = σ(a0 l + b0): the (a, b) of least Brier score lie near
-    (a0, b0), the Brier score returned is that of σ(a logit p + b), and no point of the
+    (a0, b0), the Brier score returned is that of σ(a l + b), and no point of the
     grid scores lower (brute force)."""
     from probfsl.inference.open_temperature import GRID
     from probfsl.tuning import fit_open_scale_and_shift, open_brier
@@ -345,14 +362,14 @@ def test_fit_open_scale_and_shift_recovers_platts_parameters():
         is_open = torch.rand(logit.shape, generator=gen, dtype=torch.float64) < torch.sigmoid(
             a0 * logit + b0
         )
-        a, b, brier = fit_open_scale_and_shift(torch.sigmoid(logit), is_open)
+        a, b, brier = fit_open_scale_and_shift(logit, is_open)
         assert a == pytest.approx(a0, rel=0.3) and b == pytest.approx(b0, abs=0.3), (a0, b0)
-        assert brier == pytest.approx(open_brier(torch.sigmoid(logit), is_open, a, b))
+        assert brier == pytest.approx(open_brier(logit, is_open, a, b))
         for scale in GRID:
             for shift in (-5.0, -2.5, -1.0, 0.0, 1.0, 2.5, 5.0, b0 - 0.1, b0 + 0.1):
-                assert brier <= open_brier(torch.sigmoid(logit), is_open, scale, shift) + 1e-12
+                assert brier <= open_brier(logit, is_open, scale, shift) + 1e-12
     with pytest.raises(ValueError, match="is_open"):
-        fit_open_scale_and_shift(torch.sigmoid(logit), is_open[:1])
+        fit_open_scale_and_shift(logit, is_open[:1])
 
 
 @pytest.mark.parametrize(("b0", "learns_shift"), [(0.0, False), (3.0, True)])
@@ -368,16 +385,15 @@ def test_the_search_learns_a_shift_only_where_the_episodes_clearly_ask(b0, learn
     bias = 0.4
     truth = 0.5 * logit + (b0 if b0 else 0.5 * bias)
     is_open = torch.rand(logit.shape, generator=gen, dtype=torch.float64) < torch.sigmoid(truth)
-    p_open = torch.sigmoid(logit)
-    params, note = learn_open_calibration(p_open, is_open, bias)
+    params, note = learn_open_calibration(logit, is_open, bias)
     assert ("open_shift" in params) == learns_shift, note
     scale = params["open_scale"]
-    held = open_brier(p_open, is_open, scale, scale * bias)
+    held = open_brier(logit, is_open, scale, scale * bias)
     if learns_shift:
         assert params["open_shift"] == pytest.approx(b0, abs=0.3)
-        assert open_brier(p_open, is_open, scale, params["open_shift"]) < (1 - SHIFT_GAIN) * held
+        assert open_brier(logit, is_open, scale, params["open_shift"]) < (1 - SHIFT_GAIN) * held
         assert "open_shift" in note
-    given, _ = learn_open_calibration(p_open, is_open, bias, shift=1.0)
+    given, _ = learn_open_calibration(logit, is_open, bias, shift=1.0)
     assert list(given) == ["open_scale"]
 
 

@@ -9,11 +9,8 @@ import torch
 
 from probfsl.data import load_dataset, sample_episodes
 from probfsl.evaluation.open_set import auroc
-from probfsl.inference.open_neighbours import (
-    neighbour_averaged_log_odds,
-    neighbour_averaged_open,
-    query_neighbours,
-)
+from probfsl.inference.open_neighbours import neighbour_averaged_log_odds, query_neighbours
+from probfsl.inference.vb_mixture_open import open_log_odds_of, with_open_log_odds
 from probfsl.methods import build_estimator
 
 TRANSDUCTIVE = ("soft-kmeans", "bavardage", "vmp-gmm", "bavardage-gamma")
@@ -91,6 +88,12 @@ def test_the_device_and_dtype_follow_the_log_odds():
     assert mixed.dtype == torch.float32
 
 
+def _averaged_open(proba: torch.Tensor, query: torch.Tensor, k: int) -> torch.Tensor:
+    """``proba`` with its last column's log-odds averaged (the methods' ``tempered_open`` at
+    a = 1, b = 0)."""
+    return with_open_log_odds(proba, neighbour_averaged_log_odds(open_log_odds_of(proba), query, k))
+
+
 def test_the_average_makes_no_host_synchronisation():
     """Torch calls only: the neighbours, the gather and the known columns' rescaling."""
     from probfsl.host_syncs import HostSyncCounter
@@ -98,7 +101,7 @@ def test_the_average_makes_no_host_synchronisation():
     odds, query = _tasks()
     proba = torch.softmax(torch.cat([odds.unsqueeze(-1), query[..., :3]], -1), -1)
     with HostSyncCounter() as counter:
-        neighbour_averaged_open(proba, query, 5)
+        _averaged_open(proba, query, 5)
     assert counter.total == 0, dict(counter.syncs)
 
 
@@ -112,8 +115,8 @@ def test_the_known_columns_keep_their_ratios_and_rows_sum_to_one():
     gen = torch.Generator().manual_seed(1)
     proba = torch.softmax(torch.randn(3, 12, 5, generator=gen, dtype=torch.float64), -1)
     _, query = _tasks()
-    assert neighbour_averaged_open(proba, query, 0) is proba
-    got = neighbour_averaged_open(proba, query, 5)
+    torch.testing.assert_close(_averaged_open(proba, query, 0), proba)
+    got = _averaged_open(proba, query, 5)
     torch.testing.assert_close(got.sum(-1), torch.ones(3, 12, dtype=torch.float64))
     torch.testing.assert_close(
         got[..., :-1] / got[..., :-1].sum(-1, keepdim=True),
@@ -161,7 +164,7 @@ def test_the_methods_average_before_the_calibration_and_keep_their_argmax(omnigl
     inferred = est.predict_proba_open(episodes)
     est.set_params(open_neighbours=5)
     averaged = est.predict_proba_open(episodes)
-    torch.testing.assert_close(averaged, neighbour_averaged_open(inferred, episodes.query, 5))
+    torch.testing.assert_close(averaged, _averaged_open(inferred, episodes.query, 5))
     if method == "bavardage-gamma":
         est.open_scale = est.open_shift = None
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -17,15 +18,18 @@ from probfsl.inference.background import (
     fit_background,
     gaussian_log_density,
     open_fraction_prior,
+    open_log_ratio,
     open_posterior,
     open_responsibility,
     reread_open,
     two_covariance_log_liks,
 )
+from probfsl.inference.vb_mixture_open import open_columns
 from probfsl.methods import METHODS, build_estimator
 from probfsl.models.nearest_centroid import NearestCentroid
 
 WAY, SHOT, PER_CLASS = 5, 1, 3
+DTYPES = (torch.float32, torch.float64)
 
 #: small settings for the slow methods
 FAST = {"gp-tree": {"n_chains": 2, "n_sweeps": 2}, "em-dirichlet": {"n_iter": 5}}
@@ -192,8 +196,14 @@ def test_reread_open_keeps_the_class_shares():
     proba = torch.softmax(torch.randn(2, 7, 4, generator=gen), -1)
     odds = 5 * torch.randn(2, 7, generator=gen)
     odds[0, 0] = 60.0  # σ(60) == 1 in float32
-    got = reread_open(proba, odds, 0.3)
+    share, logit = reread_open(proba, odds, 0.3)
+    torch.testing.assert_close(logit, open_log_ratio(odds, proba[..., -1], 0.3))
+    got = open_columns(share, logit)
     torch.testing.assert_close(got[..., -1], open_responsibility(odds, proba[..., -1], 0.3))
+    torch.testing.assert_close(share.sum(-1), torch.ones(2, 7))
+    odds[0, 1] = 400.0  # 1 - o_q0 == 0 in float32: the shares are kept all the same
+    share, logit = reread_open(proba, odds, 0.3)
+    assert logit[0, 1] > 390 and share[0, 1].sum() == pytest.approx(1.0)
     share = proba[..., :-1] / proba[..., :-1].sum(-1, keepdim=True)
     torch.testing.assert_close(got[..., :-1] / got[..., :-1].sum(-1, keepdim=True), share)
     torch.testing.assert_close(got.sum(-1), torch.ones(2, 7))
@@ -469,3 +479,69 @@ def test_bavardage_gamma_keeps_the_class_order_of_surely_open_queries(omniglot):
         assert p.dtype == torch.float32
         known = p[..., :-1][~ep.open_mask]
         assert (known.amax(-1) > 0).all()
+
+
+def _wide_open_set(seed: int = 0):
+    """512-d features of 36 well-separated classes (24 base), on which the transductive
+    contrast reaches log-odds of ±200."""
+    from probfsl.data.loaders import from_arrays
+
+    rng = np.random.default_rng(seed)
+    means = rng.normal(size=(36, 512)) * 0.8
+    x = np.concatenate([m + 0.5 * rng.normal(size=(12, 512)) for m in means])
+    y = np.repeat(np.arange(36), 12)
+    return from_arrays(
+        {"features": x, "labels": y, "split": np.where(y < 24, "base", "novel")}, "wide"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [
+        ("soft-kmeans", {}),
+        ("bavardage", {}),
+        ("bavardage", {"n_free": 2, "mode": "bavardage", "n_vb": 3}),
+        ("vmp-gmm", {}),
+        ("bavardage-gamma", {}),
+    ],
+)
+@pytest.mark.parametrize("frame", ["base", "queries"])
+def test_small_open_scales_agree_in_float32_and_float64(name, params, frame):
+    """A transductive P(open) is scaled on its log-odds, which run to hundreds on wide
+    features: read off float32 probabilities they stop near ±87 (1 - P(open) rounds to 0),
+    and a scale of 0.02 then gives σ(±1.7) where float64 gives σ(±4). The methods pass the
+    exact log-odds of their last reading, so float32 agrees with float64."""
+    fs = _wide_open_set()
+    episodes = sample_episodes(fs, 4, WAY, 1, 25, seed=0, n_open=25)
+    # one fit (its held-out choices are discrete and may differ between fits in the two
+    # dtypes), the tasks in either dtype
+    est = build_estimator(name, open_frame=frame, **params).fit_featureset(fs, torch.float64)
+    if name == "bavardage-gamma":  # no hyperparameter: its class attributes
+        est.open_scale, est.open_shift = 0.02, 0.0
+    else:
+        est.set_params(open_scale=0.02, open_shift=0.0)
+    if hasattr(est, "inferred_open"):
+        log_odds = est.inferred_open_log_odds(episodes.to(dtype=torch.float64))
+        assert (log_odds.abs() > 100).double().mean() > 0.3  # beyond float32's P(open)
+    got = {dtype: est.predict_proba_open(episodes.to(dtype=dtype)) for dtype in DTYPES}
+    assert got[torch.float32].dtype == torch.float32
+    # the known columns keep a share where 1 - P(open) as inferred rounds to 0
+    assert (got[torch.float32][..., :-1].sum(-1) > 0).all()
+    p32, p64 = got[torch.float32][..., -1].double(), got[torch.float64][..., -1]
+    torch.testing.assert_close(p32, p64, atol=2e-3, rtol=0)
+
+
+def test_free_components_log_odds_are_those_of_their_sum():
+    """ln(o_q0 + Σ_free o_qj) - ln Σ_known o_qk by brute force in float64, and finite where
+    o_q0 rounds to 1."""
+    from probfsl.inference.vb_mixture_open import with_free_components
+
+    gen = torch.Generator().manual_seed(4)
+    logit = 8 * torch.randn(3, 7, generator=gen, dtype=torch.float64)
+    closed = torch.softmax(torch.randn(3, 7, 5, generator=gen, dtype=torch.float64), -1)
+    closed = closed * torch.sigmoid(-logit).unsqueeze(-1)  # the closed columns after o_q0
+    o0 = torch.sigmoid(logit)
+    want = (o0 + closed[..., 3:].sum(-1)).log() - closed[..., :3].sum(-1).log()
+    torch.testing.assert_close(with_free_components(logit, closed, 3), want)
+    far = with_free_components(torch.full((1, 1), 300.0), torch.full((1, 1, 5), 0.2), 3)
+    assert far.item() == pytest.approx(300.0 + math.log(5 / 3))

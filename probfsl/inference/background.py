@@ -288,10 +288,14 @@ def open_log_ratio(
 
 def reread_open(
     proba: torch.Tensor, open_log_odds: torch.Tensor, open_prior: float
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``proba`` [T, Q, C + 1] (C closed components, o_q0 last) after one more update of
     the open responsibilities under the contrast ``open_log_odds`` [T, Q], the class
-    factors fixed.
+    factors fixed, as (the closed components' shares [T, Q, C], each row summing to 1;
+    the log-odds ℓ = ln o_q0' - ln(1 - o_q0') [T, Q]): o_q0' = σ(ℓ), component c's
+    responsibility σ(-ℓ) times its share (:func:`~probfsl.inference.vb_mixture_open.open_columns`).
+    Apart, they stay exact where the probabilities round to 0 or 1 (a float32 o_q0' is 1
+    beyond log-odds of about 17, 1 - o_q0' is 0 beyond about 103, and the shares with it).
 
     A coordinate step of mean-field variational inference (Bishop, PRML §10.1.1 and
     §10.2.1; Winn & Bishop, JMLR 2005): q(π_0) from the current o_q0
@@ -307,9 +311,7 @@ def reread_open(
     total = closed.sum(-1, keepdim=True)
     tiny = torch.finfo(proba.dtype).tiny
     share = torch.where(total > 0, closed / total.clamp_min(tiny), 1.0 / closed.shape[-1])
-    logit = open_log_ratio(open_log_odds, open_resp, open_prior)
-    closed_share = torch.sigmoid(-logit).unsqueeze(-1)  # 1 - o_q0', exact near o_q0' = 1
-    return torch.cat([share * closed_share, torch.sigmoid(logit).unsqueeze(-1)], -1)
+    return share, open_log_ratio(open_log_odds, open_resp, open_prior)
 
 
 def centre_on_queries(

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from probfsl.inference.vb_mixture_open import open_log_odds_of, with_open_log_odds
-
-__all__ = ["neighbour_averaged_log_odds", "neighbour_averaged_open", "query_neighbours"]
+__all__ = ["neighbour_averaged_log_odds", "query_neighbours"]
 
 
 def query_neighbours(query: torch.Tensor, k: int) -> torch.Tensor:
@@ -53,13 +51,3 @@ def neighbour_averaged_log_odds(
     q = log_odds.shape[-1]
     neighbours = torch.gather(log_odds.unsqueeze(-2).expand(*log_odds.shape[:-1], q, q), -1, index)
     return 0.5 * (log_odds + neighbours.mean(-1))
-
-
-def neighbour_averaged_open(proba: torch.Tensor, query: torch.Tensor, k: int) -> torch.Tensor:
-    """``proba`` [T, Q, K + 1] (P(open) last) with the log-odds of its last column averaged
-    over each query's ``k`` nearest queries in ``query`` [T, Q, D]
-    (:func:`neighbour_averaged_log_odds`); the known columns keep their ratios."""
-    if k == 0:
-        return proba
-    logit = neighbour_averaged_log_odds(open_log_odds_of(proba), query, k)
-    return with_open_log_odds(proba, logit)

@@ -91,8 +91,10 @@ __all__ = [
     "BavardageOpenVB",
     "OpenBackground",
     "OpenVBMixtureState",
+    "open_columns",
     "open_log_odds_of",
     "temper_open",
+    "with_free_components",
     "with_open_log_odds",
 ]
 
@@ -132,14 +134,35 @@ def open_log_odds_of(proba: torch.Tensor) -> torch.Tensor:
     return proba[..., -1].clamp_min(tiny).log() - closed.clamp_min(tiny).log()
 
 
-def with_open_log_odds(proba: torch.Tensor, logit: torch.Tensor) -> torch.Tensor:
-    """``proba`` [..., K + 1] with P(open) = σ(``logit``) in its last column and the known
-    columns rescaled to 1 - σ(``logit``) with their ratios kept (a query whose known
-    columns are all zero keeps them so)."""
-    tiny = torch.finfo(proba.dtype).tiny
-    known = proba[..., :-1]
+def with_free_components(log_odds: torch.Tensor, closed: torch.Tensor, way: int) -> torch.Tensor:
+    """ln P(open) - ln P(known) [T, Q] where P(open) = o_q0 + Σ_{j > K} o_qj, the background's
+    and the J free components' mass (:class:`BavardageOpenVB`): ``log_odds`` [T, Q] is
+    ln o_q0 - ln(1 - o_q0), ``closed`` [T, Q, K + J] the closed components'
+    responsibilities (the ``way`` = K classes first), read for their shares of 1 - o_q0.
+    In log space, so that a query read as surely open keeps its log-odds:
+    ln P(known) = ln σ(-ℓ) + ln s_known, ln P(open) = ln(σ(ℓ) + σ(-ℓ) s_free)."""
+    tiny = torch.finfo(closed.dtype).tiny
+    log_total = closed.sum(-1).clamp_min(tiny).log()
+    log_known = closed[..., :way].sum(-1).clamp_min(tiny).log() - log_total
+    log_free = closed[..., way:].sum(-1).clamp_min(tiny).log() - log_total
+    log_closed = torch.nn.functional.logsigmoid(-log_odds)
+    log_open = torch.logaddexp(torch.nn.functional.logsigmoid(log_odds), log_closed + log_free)
+    return log_open - (log_closed + log_known)
+
+
+def open_columns(known: torch.Tensor, logit: torch.Tensor) -> torch.Tensor:
+    """[..., K + 1]: P(open) = σ(``logit``) last and the known columns ``known`` [..., K]
+    rescaled to 1 - σ(``logit``) with their ratios kept (a query whose known columns are
+    all zero keeps them so)."""
+    tiny = torch.finfo(known.dtype).tiny
     ratio = (torch.sigmoid(-logit) / known.sum(-1).clamp_min(tiny)).unsqueeze(-1)
     return torch.cat([known * ratio, torch.sigmoid(logit).unsqueeze(-1)], -1)
+
+
+def with_open_log_odds(proba: torch.Tensor, logit: torch.Tensor) -> torch.Tensor:
+    """``proba`` [..., K + 1] with P(open) = σ(``logit``) in its last column and the known
+    columns rescaled to 1 - σ(``logit``) with their ratios kept (:func:`open_columns`)."""
+    return open_columns(proba[..., :-1], logit)
 
 
 @dataclass

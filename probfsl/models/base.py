@@ -858,43 +858,65 @@ class OpenSetBackground:
         basis = reading_basis(stats)
         return shared_reading(support, support_labels, query, way, stats, query_centring, basis)
 
-    def final_open(self, reading, proba: torch.Tensor) -> torch.Tensor:
+    def final_open(self, reading, proba: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A transductive method's converged query responsibilities ``proba`` [T, Q, C + 1]
-        (C closed components, the background last), read last under the task's own
-        background when ``reading`` (:meth:`open_reading`, whose base-class background the
-        iterations used) is in the queries' frame; else ``proba`` as it is.
+        (C closed components, the background last) read last under the background: (the
+        closed components' shares [T, Q, C], the log-odds of P(open) [T, Q]), kept apart
+        so that both stay exact where the probabilities round to 0 or 1
+        (:func:`~probfsl.inference.background.reread_open`; :meth:`tempered_open` joins
+        them).
 
-        Two more mean-field coordinate updates, the class factors fixed (Bishop, PRML
-        §10.2.1; Winn & Bishop, JMLR 2005): q(m_0), the background's mean, from the
-        queries (:meth:`~probfsl.inference.background.TwoCovarianceReading.infer_background_mean`,
-        the odds scale ``background_query_odds_scale_``, ``open_prior``), then q(π_0) and
-        the open responsibilities under its predictive
-        (:func:`~probfsl.inference.background.reread_open`). The known classes' statistics
-        are thus those of the iterations with the base-class background: the open queries
-        that the inferred background reads as closed do not pull them."""
+        One more mean-field coordinate update, the class factors fixed (Bishop, PRML
+        §10.2.1; Winn & Bishop, JMLR 2005): q(π_0), then the open responsibilities under
+        the contrast of ``reading`` (:meth:`open_reading`, whose base-class background the
+        iterations used). In the queries' frame the task's own background is inferred
+        first: q(m_0), the background's mean, from the queries
+        (:meth:`~probfsl.inference.background.TwoCovarianceReading.infer_background_mean`,
+        the odds scale ``background_query_odds_scale_``, ``open_prior``). The known
+        classes' statistics are thus those of the iterations with the base-class
+        background: the open queries that the inferred background reads as closed do not
+        pull them."""
         from probfsl.inference.background import reread_open
 
-        if not reading.query_centring:
-            return proba
-        scale = getattr(self, "background_query_odds_scale_", 1.0)
-        reading.infer_background_mean(scale, self.open_prior)
+        if reading.query_centring:
+            scale = getattr(self, "background_query_odds_scale_", 1.0)
+            reading.infer_background_mean(scale, self.open_prior)
         return reread_open(proba, reading.open_log_odds().to(proba), self.open_prior)
 
-    def tempered_open(self, proba: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-        """A transductive method's ``[T, Q, K+1]`` for the queries ``query`` [T, Q, D]: the
-        last column's log-odds averaged over each query's ``open_neighbours`` nearest
-        queries (:func:`~probfsl.inference.open_neighbours.neighbour_averaged_open`; one
-        step of label propagation, Zhou et al., NIPS 2004), then scaled by a and moved by
-        b (:func:`~probfsl.inference.vb_mixture_open.temper_open`; a temperature, Guo et
-        al., ICML 2017, and Platt's intercept, 1999), those of :meth:`open_calibration`.
-        The known-class argmax is unchanged. ``open_neighbours`` = 5 raised the AUROC by
-        0.9 to 1.8 points on the built-in sets but left P(open) less well calibrated, so
-        the methods default to 0 (docs/methods/open-set.md)."""
-        from probfsl.inference.open_neighbours import neighbour_averaged_open
-        from probfsl.inference.vb_mixture_open import temper_open
+    def tempered_open(
+        self, known: torch.Tensor, query: torch.Tensor, log_odds: torch.Tensor
+    ) -> torch.Tensor:
+        """A transductive method's ``[T, Q, K+1]`` for the queries ``query`` [T, Q, D], from
+        the known classes' shares ``known`` [T, Q, K] and the log-odds of P(open)
+        ``log_odds`` [T, Q] as inferred (``inferred_open``): the log-odds averaged over
+        each query's ``open_neighbours`` nearest queries, then scaled by a and moved by b,
+        those of :meth:`open_calibration` (:meth:`open_log_odds`; a temperature, Guo et
+        al., ICML 2017, and Platt's intercept, 1999), the known columns 1 - P(open) in the
+        ratios of ``known`` (:func:`~probfsl.inference.vb_mixture_open.open_columns`). The
+        known-class argmax is ``known``'s. ``open_neighbours`` = 5 raised the AUROC by 0.9
+        to 1.8 points on the built-in sets but left P(open) less well calibrated, so the
+        methods default to 0 (docs/methods/open-set.md)."""
+        from probfsl.inference.vb_mixture_open import open_columns
 
-        proba = neighbour_averaged_open(proba, query, int(self.open_neighbours))
-        return temper_open(proba, *self.open_calibration())
+        a, b = self.open_calibration()
+        return open_columns(known, a * self.open_log_odds(log_odds, query) + b)
+
+    def open_log_odds(self, log_odds: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+        """The log-odds of P(open) as inferred, ``log_odds`` [T, Q], averaged over each
+        query's ``open_neighbours`` nearest queries in ``query`` [T, Q, D]
+        (:func:`~probfsl.inference.open_neighbours.neighbour_averaged_log_odds`; one step of
+        label propagation, Zhou et al., NIPS 2004): what ``open_scale`` and ``open_shift``
+        apply to."""
+        from probfsl.inference.open_neighbours import neighbour_averaged_log_odds
+
+        return neighbour_averaged_log_odds(log_odds, query, int(self.open_neighbours))
+
+    def inferred_open_log_odds(self, episodes: Episodes) -> torch.Tensor:
+        """The log-odds [T, Q] that ``open_scale`` and ``open_shift`` apply to, for the
+        queries of ``episodes`` (:meth:`open_log_odds` of a transductive method's
+        ``inferred_open``): what the search learns the scale on
+        (:func:`probfsl.tuning.learn_open_calibration`)."""
+        return self.open_log_odds(self.inferred_open(episodes)[1], episodes.query)
 
     def open_calibration(self) -> tuple[float, float]:
         """(a, b) of :meth:`tempered_open`. The held-out base classes give the contrast's

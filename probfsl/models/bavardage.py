@@ -62,6 +62,7 @@ from probfsl.inference.vb_mixture_open import (
     OPEN_FRAMES,
     BavardageOpenVB,
     OpenBackground,
+    with_free_components,
 )
 from probfsl.models.base import (
     BACKGROUND,
@@ -651,6 +652,13 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         ``n_free`` free components (class docstring;
         :class:`~probfsl.inference.vb_mixture_open.BavardageOpenVB`); the last column is
         the background's and the free components' mass."""
+        known, log_odds = self.inferred_open(episodes)
+        return self.tempered_open(known, episodes.query, log_odds)
+
+    def inferred_open(self, episodes: Episodes) -> tuple[torch.Tensor, torch.Tensor]:
+        """The known classes' shares [T, Q, K] and the log-odds of P(open) [T, Q] as
+        inferred, before ``open_scale`` and ``open_shift``: the background's last reading
+        (:meth:`final_open`), with the free components' mass added to P(open)."""
         problem = self.open_problem(episodes)
         if problem.engine is None:
             resp = problem.resp[:, episodes.support.shape[1] :]
@@ -665,10 +673,10 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
             )
             resp = state.component_proba
         # K classes, J free components, the background; P(open) read last (queries' frame)
-        resp = self.final_open(problem.reading, resp)
-        way = episodes.way
-        proba = torch.cat([resp[..., :way], resp[..., way:].sum(-1, keepdim=True)], -1)
-        return self.tempered_open(proba, episodes.query)
+        shares, log_odds = self.final_open(problem.reading, resp)
+        if shares.shape[-1] > episodes.way:  # free components: P(open) = o_q0 + their mass
+            log_odds = with_free_components(log_odds, shares, episodes.way)
+        return shares[..., : episodes.way], log_odds
 
     # ------------------------------------------------------------------ diagnostics
     def posterior_draws(

@@ -328,9 +328,9 @@ class BavardageGamma(Bavardage):
                 rows=self.rows(problem.engine),
             )
         self.state_, self.elbo_trace_ = state, trace
-        # the queries' frame: P(open) read last under the task's own background
-        proba = self.final_open(problem.reading, resp[:, episodes.support.shape[1] :])
-        return self.tempered_open(proba, episodes.query)
+        # P(open) read last (in the queries' frame under the task's own background)
+        known, log_odds = self.final_open(problem.reading, resp[:, episodes.support.shape[1] :])
+        return self.tempered_open(known, episodes.query, log_odds)
 
     def posterior(self) -> dict[str, torch.distributions.Distribution]:
         """The last batch's factors q(π), q(τ), q(μ), q(z) as batched distributions."""

@@ -112,6 +112,12 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
     def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
         """Query responsibilities ``[T, Q, K+1]`` of soft k-means with the background
         component (class docstring), the background last."""
+        known, log_odds = self.inferred_open(episodes)
+        return self.tempered_open(known, episodes.query, log_odds)
+
+    def inferred_open(self, episodes: Episodes) -> tuple[torch.Tensor, torch.Tensor]:
+        """The known classes' shares [T, Q, K] and the log-odds of P(open) [T, Q] as
+        inferred (:meth:`final_open`), before ``open_scale`` and ``open_shift``."""
         self._check_params()
         mean = self.checked_centring_mean(episodes)
         x = center_and_normalize(episodes.points(), mean)
@@ -129,5 +135,4 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
             int(self.n_iter),
             open_log_odds=reading.open_log_odds(),
         )
-        p = self.final_open(reading, p[:, n_s:])  # the task's own background, read last
-        return self.tempered_open(p, episodes.query)
+        return self.final_open(reading, p[:, n_s:])  # P(open) read last

@@ -32,7 +32,7 @@ from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
 from probfsl.inference.background import TwoCovarianceReading, open_log_ratio
 from probfsl.inference.soft_kmeans import soft_kmeans_gram, soft_kmeans_gram_open
-from probfsl.inference.vb_mixture_open import OPEN_FRAMES
+from probfsl.inference.vb_mixture_open import OPEN_FRAMES, open_log_odds_of
 from probfsl.inference.vmp import VMP, VMPState
 from probfsl.models.base import (
     BACKGROUND,
@@ -185,6 +185,12 @@ class SeededVMP(VMP):
             )
             init_resp = {"z": resp}
         return super().init(x, labels, observed, init_resp=init_resp)
+
+
+def _split_open(proba: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``proba`` [T, Q, K + 1] (P(open) last) as (its known columns, the log-odds of its
+    last column read off the probabilities)."""
+    return proba[..., :-1], open_log_odds_of(proba)
 
 
 class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
@@ -483,17 +489,21 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
         (:meth:`~probfsl.models.base.OpenSetBackground.inductive_open`); ``open_model`` is
         not read.
         """
-        return self.tempered_open(self._open_proba(episodes), episodes.query)
+        known, log_odds = self.inferred_open(episodes)
+        return self.tempered_open(known, episodes.query, log_odds)
 
-    def _open_proba(self, episodes: Episodes) -> torch.Tensor:
-        """:meth:`predict_proba_open` before ``open_scale``."""
+    def inferred_open(self, episodes: Episodes) -> tuple[torch.Tensor, torch.Tensor]:
+        """The known classes' shares [T, Q, K] and the log-odds of P(open) [T, Q] as
+        inferred, before ``open_scale`` and ``open_shift``: the nested model's last reading
+        (:meth:`final_open`), or read off the probabilities of the declared model and of
+        ``precision="full"``."""
         if self.precision != "diagonal":
             proba = self.predict_proba(episodes)
             mean = self.base_mean_ if getattr(self, "center", True) else None
             support = center_and_normalize(episodes.support, mean)
             query = center_and_normalize(episodes.query, mean)
             # in the base frame, whatever open_frame (which names the nested reading's)
-            return self.inductive_open(episodes, proba, support, query, query_centring=False)
+            return _split_open(self.inductive_open(episodes, proba, support, query, False))
         self._check_params()
         if getattr(self, "base_mean_", None) is None:
             raise ValueError("vmp-gmm needs base features: call fit_base first")
@@ -502,7 +512,7 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
             data, start = self.open_data(episodes)
             state, _ = self.open_engine(episodes.way).fit(*data, init_resp=start)
             self.episode_objective_ = state.objective
-            return state.q["z"][0][:, episodes.support.shape[1] :]
+            return _split_open(state.q["z"][0][:, episodes.support.shape[1] :])
         x, _, _ = self.engine_data(episodes)
         way, n_s = episodes.way, episodes.support.shape[1]
         reading = self._open_reading(x, episodes)
