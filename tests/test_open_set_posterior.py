@@ -520,13 +520,16 @@ def test_small_open_scales_agree_in_float32_and_float64(name, params, frame):
         est.open_scale, est.open_shift = 0.02, 0.0
     else:
         est.set_params(open_scale=0.02, open_shift=0.0)
-    if hasattr(est, "inferred_open"):
-        log_odds = est.inferred_open_log_odds(episodes.to(dtype=torch.float64))
-        assert (log_odds.abs() > 100).double().mean() > 0.3  # beyond float32's P(open)
+    log_odds = est.inferred_open_log_odds(episodes.to(dtype=torch.float64))
+    assert (log_odds.abs() > 100).double().mean() > 0.3  # beyond float32's P(open)
     got = {dtype: est.predict_proba_open(episodes.to(dtype=dtype)) for dtype in DTYPES}
     assert got[torch.float32].dtype == torch.float32
-    # the known columns keep a share where 1 - P(open) as inferred rounds to 0
+    # the known columns keep a share where 1 - P(open) as inferred rounds to 0, and the
+    # argmax of the shares inferred
     assert (got[torch.float32][..., :-1].sum(-1) > 0).all()
+    for dtype in DTYPES:
+        known, _ = est.inferred_open(episodes.to(dtype=dtype))
+        assert torch.equal(got[dtype][..., :-1].argmax(-1), known.argmax(-1))
     p32, p64 = got[torch.float32][..., -1].double(), got[torch.float64][..., -1]
     torch.testing.assert_close(p32, p64, atol=2e-3, rtol=0)
 

@@ -312,6 +312,13 @@ class BavardageGamma(Bavardage):
         (:meth:`~probfsl.models.base.OpenSetBackground.tempered_open`). Sets ``state_``
         and ``elbo_trace_`` as :meth:`predict_proba` does. No free components: this model
         has the background component alone."""
+        known, log_odds = self.inferred_open(episodes)
+        return self.tempered_open(known, episodes.query, log_odds)
+
+    def inferred_open(self, episodes: Episodes) -> tuple[torch.Tensor, torch.Tensor]:
+        """The known classes' shares [T, Q, K] and the log-odds of P(open) [T, Q] of
+        :meth:`predict_proba_open` before its scale and shift (the blocks, then P(open)
+        read last, :meth:`~probfsl.models.base.OpenSetBackground.final_open`)."""
         problem = self.open_problem(episodes, n_free=0)
         model = self.declared_model(problem.engine)
         with pyro.validation_enabled(False):  # the inputs are checked (open_problem)
@@ -329,8 +336,7 @@ class BavardageGamma(Bavardage):
             )
         self.state_, self.elbo_trace_ = state, trace
         # P(open) read last (in the queries' frame under the task's own background)
-        known, log_odds = self.final_open(problem.reading, resp[:, episodes.support.shape[1] :])
-        return self.tempered_open(known, episodes.query, log_odds)
+        return self.final_open(problem.reading, resp[:, episodes.support.shape[1] :])
 
     def posterior(self) -> dict[str, torch.distributions.Distribution]:
         """The last batch's factors q(π), q(τ), q(μ), q(z) as batched distributions."""
