@@ -249,11 +249,14 @@ def test_killed_sweep_resumes_to_the_same_table(local_table, tmp_path):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 120
+    # a stored row, not any *.json: a cell is written to a hidden temporary file of the
+    # same suffix first (atomic_path), and a kill before its rename stores nothing
+    deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
-        if len(list((results / "cells").glob("*.json"))) >= 1:
+        if (results / "cells").is_dir() and ResultsStore(results).stored():
             break
         time.sleep(0.05)
+    assert proc.poll() is None, f"the sweep ended before the kill (exit code {proc.returncode})"
     workers = _children(proc.pid)
     os.kill(proc.pid, signal.SIGKILL)  # the sweep's process only: its workers must follow
     proc.wait()

@@ -147,6 +147,20 @@ def test_a_damaged_row_file_is_named_and_left_out(tmp_path, content, reason):
     assert len(table) == 1 and problems == [f"{bad}; left out"]
 
 
+def test_writes_in_progress_are_no_rows(tmp_path):
+    """A cell is written to a hidden temporary file of the same suffix, then renamed
+    (``atomic_path``); one left by a writer killed in between, empty or whole, is neither
+    a row nor a damaged file."""
+    cells = tmp_path / "cells"
+    cells.mkdir()
+    (cells / "cd34.json").write_text(json.dumps(_good_row("cd34")))
+    (cells / ".ab12.json.4242.x1y2.tmp.json").write_text("")
+    (cells / ".ef56.json.4242.z3w4.tmp.json").write_text(json.dumps(_good_row("ef56")))
+    store = ResultsStore(tmp_path)
+    assert store.stored() == {"cd34": "ok"}
+    assert store.damaged() == []
+
+
 def test_a_good_row_and_a_failed_row_pass_the_check():
     assert row_problem(_good_row()) is None
     failed = {k: v for k, v in _good_row().items() if "accuracy" not in k and k != "ci95"}

@@ -180,11 +180,15 @@ class ResultsStore:
         return self.root / "cells" / f"{key}.json"
 
     def scan(self) -> tuple[dict[str, dict], list[Damaged]]:
-        """Every file of ``cells/``: ``({key: row}`` of the good rows, in the order of
-        their names, ``[damaged files]``)."""
+        """Every row file of ``cells/``: ``({key: row}`` of the good rows, in the order of
+        their names, ``[damaged files]``). Hidden files are writes in progress, or left by
+        a writer killed before its rename (:func:`~probfsl.fileio.atomic_path`), and are
+        no rows."""
         rows: dict[str, dict] = {}
         damaged: list[Damaged] = []
         for path in sorted((self.root / "cells").glob("*.json")):
+            if path.name.startswith("."):
+                continue
             row, reason = _read_row(path)
             if row is None:
                 damaged.append(Damaged(path, reason or "unknown"))
