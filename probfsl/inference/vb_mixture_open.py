@@ -116,7 +116,10 @@ def temper_open(proba: torch.Tensor, scale: float, shift: float = 0.0) -> torch.
 
     so the known columns keep their ratios (their argmax) and the order of the queries by
     P(open) is unchanged (the AUROC); a = 1, b = 0 returns ``proba``. A query whose known
-    columns are all zero keeps them so."""
+    columns are all zero keeps them so. The log-odds are read off ``proba``
+    (:func:`open_log_odds_of`), so in float32 they stop near ±87; the transductive methods
+    scale the exact log-odds of their last reading instead
+    (:meth:`~probfsl.models.base.OpenSetBackground.tempered_open`)."""
     if not scale > 0:
         raise ValueError(f"scale must be positive, got {scale!r}")
     if not math.isfinite(shift):

@@ -468,7 +468,8 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
 
     def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
         """``[T, Q, K+1]``: the mixture with a background component, the background last,
-        its log-odds scaled by ``open_scale`` (:func:`temper_open`).
+        its log-odds scaled by ``open_scale`` and moved by ``open_shift``
+        (:meth:`~probfsl.models.base.OpenSetBackground.tempered_open`).
 
         ``precision="diagonal"``, ``open_model="declared"``: the posterior q(z) of the
         queries in :func:`vmp_gmm_components_model` with the K class rows and the
