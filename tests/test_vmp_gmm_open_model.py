@@ -140,6 +140,40 @@ def test_open_queries_score_higher(declared):
     assert score[:, n_closed:].mean() > score[:, :n_closed].mean() + 0.3
 
 
+def test_natural_parameters_give_q_z(declared, omniglot):
+    """``VMP.natural`` of the label after a fit: z is updated last in every sweep, so the
+    softmax of its natural parameters is the queries' q(z) as the fit left it."""
+    episodes = open_tasks(omniglot, shot=5)
+    data, start = declared.open_data(episodes)
+    engine = declared.open_engine(WAY)
+    state, _ = engine.fit(*data, init_resp=start)
+    n_s = episodes.support.shape[1]
+    eta = engine.natural(state, "z")[0]
+    torch.testing.assert_close(eta[:, n_s:].softmax(-1), state.q["z"][0][:, n_s:])
+    with pytest.raises(ValueError, match="not a latent site"):
+        engine.natural(state, "x")
+
+
+def test_declared_log_odds_are_exact_beyond_single_precision():
+    """The log-odds of P(open) come from q(z)'s natural parameters, not from its
+    probabilities: with open classes far from the known ones in 256 dimensions they run
+    to hundreds of nats, where a float32 probability stops near ±87, and float32 gives
+    float64's; every query keeps its shares among the known classes."""
+    from tests.test_open_set_posterior import synthetic_open_tasks
+
+    base, base_labels, with_open, _ = synthetic_open_tasks(n_tasks=4, dim=256, noise=0.3)
+    runs = []
+    for dtype in (torch.float64, torch.float32):
+        est = build_estimator("vmp-gmm", open_model="declared")
+        est.fit_base(base.to(dtype), base_labels)
+        runs.append(est.inferred_open(with_open.to(dtype=dtype)))
+    (known64, odds64), (known32, odds32) = runs
+    assert odds64.abs().max() > 200
+    torch.testing.assert_close(odds32.double(), odds64, rtol=1e-4, atol=1e-2)
+    torch.testing.assert_close(known32.sum(-1), torch.ones_like(known32[..., 0]))
+    assert torch.equal(known32.argmax(-1), known64.argmax(-1))
+
+
 def test_declared_needs_base_classes(omniglot):
     est = build_estimator("vmp-gmm", open_model="declared")
     with pytest.raises(ValueError, match="base"):

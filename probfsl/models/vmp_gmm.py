@@ -187,12 +187,6 @@ class SeededVMP(VMP):
         return super().init(x, labels, observed, init_resp=init_resp)
 
 
-def _split_open(proba: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``proba`` [T, Q, K + 1] (P(open) last) as (its known columns, the log-odds of its
-    last column read off the probabilities)."""
-    return proba[..., :-1], open_log_odds_of(proba)
-
-
 class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
     """Transductive VB mixture with per-class diagonal Gamma precisions (module docstring).
 
@@ -496,24 +490,30 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
     def inferred_open(self, episodes: Episodes) -> tuple[torch.Tensor, torch.Tensor]:
         """The known classes' shares [T, Q, K] and the log-odds of P(open) [T, Q] as
         inferred, before ``open_scale`` and ``open_shift``: the nested model's last reading
-        (:meth:`final_open`), or read off the probabilities of the declared model and of
-        ``precision="full"``."""
+        (:meth:`final_open`), the natural parameters of q(z) in the declared model
+        (:meth:`VMP.natural <probfsl.inference.vmp.engine.VMP.natural>`), or read off
+        the probabilities of ``precision="full"``'s inductive reading."""
         if self.precision != "diagonal":
             proba = self.predict_proba(episodes)
             mean = self.base_mean_ if getattr(self, "center", True) else None
             support = center_and_normalize(episodes.support, mean)
             query = center_and_normalize(episodes.query, mean)
             # in the base frame, whatever open_frame (which names the nested reading's)
-            return _split_open(self.inductive_open(episodes, proba, support, query, False))
+            proba = self.inductive_open(episodes, proba, support, query, False)
+            return proba[..., :-1], open_log_odds_of(proba)
         self._check_params()
         if getattr(self, "base_mean_", None) is None:
             raise ValueError("vmp-gmm needs base features: call fit_base first")
         check_episodes(episodes, dim=self.base_mean_.shape[0])
         if self.open_model == "declared":
             data, start = self.open_data(episodes)
-            state, _ = self.open_engine(episodes.way).fit(*data, init_resp=start)
+            engine = self.open_engine(episodes.way)
+            state, _ = engine.fit(*data, init_resp=start)
             self.episode_objective_ = state.objective
-            return _split_open(state.q["z"][0][:, episodes.support.shape[1] :])
+            # q(z) of the queries from its natural parameters (z is updated last in every
+            # sweep, so their softmax is q(z)): exact log-odds where P(open) rounds to 1
+            eta = engine.natural(state, "z")[0][:, episodes.support.shape[1] :]
+            return eta[..., :-1].softmax(-1), eta[..., -1] - eta[..., :-1].logsumexp(-1)
         x, _, _ = self.engine_data(episodes)
         way, n_s = episodes.way, episodes.support.shape[1]
         reading = self._open_reading(x, episodes)

@@ -226,6 +226,19 @@ class VMP(Engine):
         with sweeping():
             return messages.elbo(state.plan, state.q)
 
+    def natural(self, state: VMPState, name: str) -> tuple[torch.Tensor, ...]:
+        """η of the latent site ``name``: the natural parameters of its next coordinate
+        update given the other factors of ``state`` (Winn & Bishop §3.2), in the layout of
+        its factor. For a Categorical site these are the unnormalised log-probabilities
+        whose softmax over the last axis is q(z), finite where the probabilities
+        themselves underflow. Where ``name`` was the last site updated (the model's
+        declaration order puts a label after its parameters), its softmax is q(z) as the
+        sweep left it."""
+        if name not in state.plan.latent or state.plan.sites[name].chain is not None:
+            raise ValueError(f"{name!r} is not a latent site of the model outside a chain")
+        with torch.inference_mode(), sweeping():
+            return tuple(t.clone() for t in messages.natural(state.plan, state.q, name))
+
     def init(
         self, *args: Any, init_resp: dict | None = None, init: Any = None, **kwargs: Any
     ) -> VMPState:
