@@ -6,6 +6,7 @@ and the ``vmp-gmm`` method against BAVARDAGE and soft k-means.
     python benchmarks/bench_vmp.py bayespy [--tasks 1000 --bayespy-tasks 100 --rounds 5]
     python benchmarks/bench_vmp.py handwritten [--tasks 1000]
     python benchmarks/bench_vmp.py devices [--device-tasks 1000,10000 --threads 16]
+    python benchmarks/bench_vmp.py plans [--rounds 5]
 
 ``bayespy``: a Gaussian mixture none of the tests declare (Dirichlet weights, Normal means
 with a fixed prior precision, per-class diagonal Gamma precisions, every label latent) on
@@ -24,6 +25,13 @@ float64: relative ELBO difference, responsibilities' max difference, time ratio.
 ``devices``: the ``bayespy`` part's mixture, Pólya-Gamma logistic regression and a hidden
 Markov chain on the CPU (float64) and, when there is one, on CUDA (float64 and float32):
 tasks/s, sweeps, and bounds and labels against the CPU's float64 fit.
+
+``plans``: the estimators that derive their engines (vmp-gmm, its declared open model,
+bavardage-gamma) predicting one 5-way task after another, as a scikit-learn user does:
+milliseconds per call with the plan kept across calls (a
+:class:`~probfsl.inference.vmp.plan_cache.PlanCache`, the default) and derived every call,
+alternating, median of ``--rounds`` rounds of 20 calls, and whether the two give the
+same probabilities.
 
 Results go to ``benchmarks/results/vmp.md`` and ``vmp.json`` (each part updates its entry).
 """
@@ -599,9 +607,76 @@ def handwritten(args) -> None:
     save("handwritten", payload, lines)
 
 
+# ---------------------------------------------------------------- plans
+def plans_part(args) -> None:
+    import statistics
+
+    from probfsl.methods import build_estimator
+
+    fs = load_dataset("omniglot")
+    cases = [
+        ("vmp-gmm", {}, "predict_proba"),
+        ("vmp-gmm", {"open_model": "declared"}, "predict_proba_open"),
+        ("bavardage-gamma", {}, "predict_proba"),
+        ("bavardage-gamma", {}, "predict_proba_open"),
+    ]
+    calls = 20
+    rows = []
+    for name, params, call in cases:
+        est = build_estimator(name, **params).fit_featureset(fs)
+        tasks = [
+            sample_episodes(fs, 1, way=5, shot=1, n_query=75, n_open=75, seed=i)
+            for i in range(calls)
+        ]
+        predict = getattr(est, call)
+
+        def run(keep: bool, est=est, tasks=tasks, predict=predict) -> tuple[float, list]:
+            out, tic = [], time.perf_counter()
+            for episodes in tasks:
+                if not keep:
+                    est.__dict__.pop("_plan_caches", None)
+                out.append(predict(episodes))
+            return (time.perf_counter() - tic) / len(tasks), out
+
+        run(True)  # warm-up
+        kept, derived = [], []
+        for _ in range(args.rounds):
+            t_kept, p_kept = run(True)
+            t_derived, p_derived = run(False)
+            kept.append(t_kept)
+            derived.append(t_derived)
+        same = all(torch.equal(a, b) for a, b in zip(p_kept, p_derived, strict=True))
+        rows.append(
+            dict(
+                method=name + (" (declared)" if params else ""),
+                call=call,
+                kept_ms=1e3 * statistics.median(kept),
+                derived_ms=1e3 * statistics.median(derived),
+                same=same,
+            )
+        )
+        print(rows[-1], flush=True)
+    lines = [
+        f"One 5-way 1-shot Omniglot task per call (75 closed and 75 open queries), {calls} "
+        f"calls a round, median of {args.rounds} rounds, {torch.get_num_threads()} "
+        "thread(s); the plan kept across calls against derived on every call.",
+        "",
+        "| method | call | kept (ms) | derived (ms) | speed-up | same numbers |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | `{r['call']}` | {r['kept_ms']:.1f} | {r['derived_ms']:.1f} | "
+            f"{r['derived_ms'] / r['kept_ms']:.2f}x | {'yes' if r['same'] else 'no'} |"
+        )
+    save("plans", dict(calls=calls, rounds=args.rounds, rows=rows), lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["accuracy", "full", "bayespy", "handwritten", "devices"])
+    parser.add_argument(
+        "part", choices=["accuracy", "full", "bayespy", "handwritten", "devices", "plans"]
+    )
     parser.add_argument("--tasks", type=int, default=1000)
     parser.add_argument("--bayespy-tasks", type=int, default=100)
     parser.add_argument("--full-tasks", type=int, default=200)
@@ -613,7 +688,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     parts = dict(accuracy=accuracy, full=full_precision, bayespy=bayespy_part)
-    parts.update(handwritten=handwritten, devices=device_part)
+    parts.update(handwritten=handwritten, devices=device_part, plans=plans_part)
     parts[args.part](args)
 
 

@@ -38,6 +38,7 @@ from probfsl.inference.base import RunInfo
 from probfsl.inference.class_stats import one_hot_support
 from probfsl.inference.vb_mixture import BavardageVB, VBMixtureState, fit_bavardage_vb
 from probfsl.inference.vmp import VMP, VMPState
+from probfsl.inference.vmp.plan_cache import PlanCache
 
 
 def bavardage_model(
@@ -116,6 +117,7 @@ def run_blocks(
     resp: torch.Tensor,
     n_iter: int = 5,
     rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    plans: PlanCache | None = None,
 ) -> tuple[VMPState, torch.Tensor, torch.Tensor]:
     """``n_iter`` blocks (map, every other latent site, the queries' ``z``; module
     docstring) of any mixture ``model(u_support, support_labels, u_query)`` whose rows are
@@ -123,7 +125,8 @@ def run_blocks(
     are a latent Categorical ``z``, from the responsibilities ``resp`` [T, N, K]; the map
     is ``engine``'s (:meth:`~probfsl.inference.vb_mixture.BavardageVB.rows`), or ``rows(x,
     resp)`` where given. The model
-    is derived once; each block starts its factors afresh on the new rows
+    is derived once (or taken from ``plans``, with the observations ``u_support`` and
+    ``u_query``); each block starts its factors afresh on the new rows
     (:meth:`~probfsl.inference.vmp.layout.Plan.observe`, :meth:`VMP.start`).
 
     Returns the last VMP state, the responsibilities [T, N, K] (the support's one-hot) and
@@ -133,7 +136,7 @@ def run_blocks(
     """
     if n_iter < 1:
         raise ValueError(f"n_iter must be at least 1, got {n_iter}")
-    vmp, n_s = VMP(model), support.shape[1]
+    vmp, n_s = VMP(model, plans=plans), support.shape[1]
     x = torch.cat([support, query], 1)
     onehot = one_hot_support(support_labels, engine.way, x.dtype)
     resp = torch.cat([onehot, resp[:, n_s:].to(x)], 1)

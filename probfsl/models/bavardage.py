@@ -470,6 +470,7 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         if getattr(self, "_search_cache", None) is None:
             self._search_cache = {}
         new = copy.copy(self)
+        new.__dict__.pop("_plan_caches", None)  # bavardage-gamma's derived plans: its own
         for key, value in params.items():
             setattr(new, key, value)
         new._check_params()

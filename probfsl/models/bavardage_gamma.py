@@ -38,9 +38,14 @@ from probfsl.inference.class_stats import one_hot_support
 from probfsl.inference.plda import principal_axes
 from probfsl.inference.vb_mixture import BavardageVB
 from probfsl.inference.vmp import VMP, VMPState
+from probfsl.inference.vmp.plan_cache import PlanCache, kept_plans
 from probfsl.models.bavardage import Bavardage, _seeded_rng
 from probfsl.schema import Real
 from probfsl.validation import check_hyperparameter
+
+#: the arguments of :func:`bavardage_gamma_model` that are the observations of its Normal
+#: sites and nothing else (its dtype and shapes aside): a kept plan takes new ones
+OBSERVED_ROWS = {0: "u_support", 2: "u_query"}
 
 
 def bavardage_gamma_model(
@@ -101,6 +106,7 @@ def run_open_blocks(
     open_prior: float,
     n_iter: int = 5,
     rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    plans: PlanCache | None = None,
 ) -> tuple[VMPState, torch.Tensor, torch.Tensor]:
     """:func:`~probfsl.derived.bavardage.run_blocks` with the background component of
     the nested open-set mixture (:mod:`probfsl.inference.vb_mixture_open`).
@@ -108,7 +114,7 @@ def run_open_blocks(
     ``resp`` [T, N, K + 1]: the starting responsibilities, the background last (a query's
     class columns sum to 1 - o_q0); ``open_log_odds`` [T, Q] the queries' full-space
     ln p_0(x) - ln p_closed(x); ``open_prior`` the prior mean of π_0; ``rows(x, resp)``
-    the projection (default ``engine.rows``). Each block:
+    the projection (default ``engine.rows``); ``plans`` as in ``run_blocks``. Each block:
 
     * the projection from the class responsibilities o_qk = (1 - o_q0) r_qk;
     * the factors of every other latent site (q(π), q(τ), q(μ)) started by VMP from r,
@@ -127,7 +133,7 @@ def run_open_blocks(
     """
     if n_iter < 1:
         raise ValueError(f"n_iter must be at least 1, got {n_iter}")
-    vmp, n_s, way = VMP(model), support.shape[1], engine.way
+    vmp, n_s, way = VMP(model, plans=plans), support.shape[1], engine.way
     x = torch.cat([support, query], 1)
     onehot = one_hot_support(support_labels, way, x.dtype)
     resp = resp.to(x)
@@ -296,7 +302,12 @@ class BavardageGamma(Bavardage):
         # distribution each time VMP traces the model (40 host synchronisations a block)
         with pyro.validation_enabled(False):
             state, resp, trace = run_blocks(
-                model, engine, *data, n_iter=int(self.n_vb), rows=self.rows(engine)
+                model,
+                engine,
+                *data,
+                n_iter=int(self.n_vb),
+                rows=self.rows(engine),
+                plans=kept_plans(self, "closed", OBSERVED_ROWS),
             )
         self.state_, self.elbo_trace_ = state, trace
         return resp[:, episodes.support.shape[1] :]
@@ -333,6 +344,7 @@ class BavardageGamma(Bavardage):
                 self.open_prior,
                 n_iter=int(self.n_vb),
                 rows=self.rows(problem.engine),
+                plans=kept_plans(self, "open", OBSERVED_ROWS),
             )
         self.state_, self.elbo_trace_ = state, trace
         # P(open) read last (in the queries' frame under the task's own background)

@@ -34,6 +34,7 @@ from probfsl.inference.background import TwoCovarianceReading, open_log_ratio
 from probfsl.inference.soft_kmeans import soft_kmeans_gram, soft_kmeans_gram_open
 from probfsl.inference.vb_mixture_open import OPEN_FRAMES, open_log_odds_of
 from probfsl.inference.vmp import VMP, VMPState
+from probfsl.inference.vmp.plan_cache import kept_plans
 from probfsl.models.base import (
     BACKGROUND,
     OPEN_NEIGHBOURS,
@@ -344,6 +345,9 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
             max_iter=int(self.max_iter),
             tol=self.tol,
             warn=False,  # max_iter is this estimator's budget of sweeps
+            # the model uses x as the observation of site "x" alone (its dtype aside); the
+            # full model's is a MultivariateNormal, which Plan.observe does not take
+            plans=kept_plans(self, "closed", {0: "x"}) if self.precision == "diagonal" else None,
         )
 
     def component_priors(self, way: int) -> ComponentPriors:
@@ -392,7 +396,8 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
         """The VMP engine of the declared open model, :func:`vmp_gmm_components_model`
         with :meth:`open_priors`; its data and start are :meth:`open_data`'s."""
         model = partial(vmp_gmm_components_model, priors=self.open_priors(way))
-        return VMP(model, max_iter=int(self.max_iter), tol=self.tol, warn=False)
+        plans = kept_plans(self, "open", {0: "x"})
+        return VMP(model, max_iter=int(self.max_iter), tol=self.tol, warn=False, plans=plans)
 
     def open_data(self, episodes: Episodes) -> tuple[tuple, dict]:
         """The declared open model's data, :meth:`engine_data`'s (x, labels, observed),

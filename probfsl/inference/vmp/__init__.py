@@ -29,7 +29,8 @@ records, to the message modules: :mod:`~probfsl.inference.vmp.normal`,
 :mod:`~probfsl.inference.vmp.gaussian_chain` and :mod:`~probfsl.inference.vmp.at_prior`
 (sites kept at their prior, q = p); contractions over named axes are
 :mod:`~probfsl.inference.vmp.einsum`'s, refusals :mod:`~probfsl.inference.vmp.checks`'s,
-and :mod:`~probfsl.inference.vmp.engine` is the engine;
+and :mod:`~probfsl.inference.vmp.engine` is the engine
+(:mod:`~probfsl.inference.vmp.plan_cache` keeps its last plan for new data);
 :mod:`~probfsl.inference.vmp.branches` holds every parameter to the plan on runs at each
 end of the latent sites' supports (a Python branch on a latent value). Linear maps are
 found by automatic differentiation, and a precision or rate c · Π τ by the form it is computed in
@@ -97,9 +98,18 @@ ELBO terms and its children's are its normaliser Σ_n ln Σ_k e^η_nk.
 from probfsl.inference.vmp import families  # noqa: F401  (registers the families)
 from probfsl.inference.vmp.engine import VMP, ConvergenceWarning, MeanFieldWarning, VMPState
 from probfsl.inference.vmp.family import REGISTRY
+from probfsl.inference.vmp.plan_cache import PlanCache
 from probfsl.inference.vmp.supported import SUPPORTED
 
 #: family name -> its Pyro distribution class (the families VMP knows)
 FAMILIES = {name: record.pyro_class for name, record in REGISTRY.items()}
 
-__all__ = ["FAMILIES", "SUPPORTED", "VMP", "ConvergenceWarning", "MeanFieldWarning", "VMPState"]
+__all__ = [
+    "FAMILIES",
+    "SUPPORTED",
+    "VMP",
+    "ConvergenceWarning",
+    "MeanFieldWarning",
+    "PlanCache",
+    "VMPState",
+]

@@ -33,6 +33,7 @@ from probfsl.inference.vmp.compiler import Compiler
 from probfsl.inference.vmp.einsum import sweeping
 from probfsl.inference.vmp.family import lookup
 from probfsl.inference.vmp.layout import Plan
+from probfsl.inference.vmp.plan_cache import PlanCache
 from probfsl.validation import check_flag, check_hyperparameter
 
 
@@ -139,6 +140,10 @@ class VMP(Engine):
             likelihood couples with separate factors (a product of two latent Gaussian
             sites, an affine map of several); an estimator whose model is mean-field by
             design turns it off (:meth:`describe` still lists the pairs).
+        plans: a :class:`~probfsl.inference.vmp.plan_cache.PlanCache` that :meth:`compile`
+            reuses the last plan from, where only the observations it names changed (an
+            estimator keeps one across its predict calls; one task's plan costs more than
+            its sweeps). ``None``: every call derives its plan.
     """
 
     maximize = True
@@ -155,6 +160,7 @@ class VMP(Engine):
         init: Any = None,
         warn: bool = True,
         warn_mean_field: bool = True,
+        plans: PlanCache | None = None,
     ) -> None:
         if not callable(model):
             raise TypeError(f"model must be callable, got {type(model).__name__}")
@@ -173,6 +179,7 @@ class VMP(Engine):
         self.init_values = init  # (``init`` is the method)
         self.warn = check_flag("warn", warn)
         self.warn_mean_field = check_flag("warn_mean_field", warn_mean_field)
+        self.plans = plans
 
     def schedule(self, device: torch.device) -> tuple[int, float]:
         """``(check_every, check_growth)`` of :meth:`fit` on ``device``: the ones given,
@@ -201,8 +208,15 @@ class VMP(Engine):
         """Read the model's sites, parents and parameter maps for these data
         (:mod:`~probfsl.inference.vmp.compiler`). With ``warn_mean_field``, a
         :class:`MeanFieldWarning` names the coupled latent sites the plan fits with
-        separate factors."""
+        separate factors. With ``plans``, the plan kept there with these observations
+        where it applies (:class:`~probfsl.inference.vmp.plan_cache.PlanCache`)."""
+        if self.plans is not None:
+            plan = self.plans.reuse(self.model, self.order, args, kwargs)
+            if plan is not None:
+                return plan
         plan = Compiler(self.model, self.order).compile(*args, **kwargs)
+        if self.plans is not None:
+            self.plans.keep(self.model, self.order, args, kwargs, plan)
         pairs = plan.mean_field_pairs() if self.warn_mean_field else []
         if pairs:
             coupled = "; ".join(f"{a} and {b} (through site {c})" for a, b, c in pairs)
