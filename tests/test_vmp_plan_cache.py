@@ -81,6 +81,20 @@ def test_anything_else_that_changes_derives_a_new_plan(change):
         assert torch.equal(a, b)
 
 
+def test_an_argument_changed_in_place_derives_a_new_plan():
+    """The kept arguments are copies: labels changed in place and passed again are new
+    labels, not the same tensor."""
+    plans = PlanCache({0: "x"})
+    x, labels, observed = data(0)
+    VMP(model(), plans=plans).compile(x, labels, observed)
+    labels[:, 0] = 1
+    kept = fit(VMP(model(), max_iter=10, tol=0.0, plans=plans), (x, labels, observed))
+    fresh = fit(VMP(model(), max_iter=10, tol=0.0), (x, labels, observed))
+    assert (plans.hits, plans.misses) == (0, 2)
+    for a, b in zip(kept, fresh, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_large_observations_are_not_kept():
     plans = PlanCache({0: "x"}, max_bytes=N * D * 8 - 1)  # one float64 task is too many
     for seed in range(2):

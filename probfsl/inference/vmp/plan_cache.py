@@ -92,7 +92,14 @@ class PlanCache:
             for t in (_argument(args, kwargs, k) for k in self.observations)
             if isinstance(t, torch.Tensor)
         )
-        self._kept = (model, order, args, dict(kwargs), plan) if size <= self.max_bytes else None
+        if size > self.max_bytes:
+            self._kept = None
+            return
+        # a copy of what is compared by value: a tensor changed in place after this call
+        # must not compare equal to itself
+        args = tuple(a if i in self.observations else _snapshot(a) for i, a in enumerate(args))
+        kwargs = {k: v if k in self.observations else _snapshot(v) for k, v in kwargs.items()}
+        self._kept = (_snapshot(model), order, args, kwargs, plan)
 
     def _matches(self, key: int | str, kept: Any, new: Any) -> bool:
         if key in self.observations:
@@ -119,8 +126,6 @@ def _same(a: Any, b: Any) -> bool:
     """Whether two model arguments (or models) are equal: tensors by dtype, shape, device
     and value, containers element by element, partials by function, arguments and
     keywords, anything else by identity or ``==``."""
-    if a is b:
-        return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (
             isinstance(a, torch.Tensor)
@@ -130,6 +135,8 @@ def _same(a: Any, b: Any) -> bool:
             and a.device == b.device
             and torch.equal(a, b)
         )
+    if a is b:
+        return True
     if isinstance(a, functools.partial) and isinstance(b, functools.partial):
         return _same(a.func, b.func) and _same(a.args, b.args) and _same(a.keywords, b.keywords)
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
@@ -141,6 +148,22 @@ def _same(a: Any, b: Any) -> bool:
     ):
         return type(a) is type(b) and a == b
     return False
+
+
+def _snapshot(a: Any) -> Any:
+    """``a`` with every tensor in it copied (through partials and containers)."""
+    if isinstance(a, torch.Tensor):
+        return a.detach().clone()
+    if isinstance(a, functools.partial):
+        return functools.partial(a.func, *_snapshot(a.args), **_snapshot(a.keywords))
+    if isinstance(a, tuple):
+        items = [_snapshot(x) for x in a]
+        return type(a)(*items) if hasattr(a, "_fields") else tuple(items)  # a NamedTuple's
+    if isinstance(a, list):
+        return [_snapshot(x) for x in a]
+    if isinstance(a, dict):
+        return {k: _snapshot(v) for k, v in a.items()}
+    return a
 
 
 def kept_plans(owner: object, role: str, observations: dict[int | str, str]) -> PlanCache:
