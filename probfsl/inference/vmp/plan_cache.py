@@ -102,14 +102,7 @@ class PlanCache:
         self._kept = (_snapshot(model), order, args, kwargs, plan)
 
     def _matches(self, key: int | str, kept: Any, new: Any) -> bool:
-        if key in self.observations:
-            return (
-                isinstance(new, torch.Tensor)
-                and kept.shape == new.shape
-                and kept.dtype == new.dtype
-                and kept.device == new.device
-            )
-        return _same(kept, new)
+        return _same_layout(kept, new) if key in self.observations else _same(kept, new)
 
 
 def _named(args_a: tuple, kwargs_a: dict, args_b: tuple, kwargs_b: dict):
@@ -122,19 +115,21 @@ def _argument(args: tuple, kwargs: dict, key: int | str) -> Any:
     return args[key] if isinstance(key, int) else kwargs[key]
 
 
+def _same_layout(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are tensors of the same dtype, shape and device."""
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device)
+    )
+
+
 def _same(a: Any, b: Any) -> bool:
     """Whether two model arguments (or models) are equal: tensors by dtype, shape, device
     and value, containers element by element, partials by function, arguments and
     keywords, anything else by identity or ``==``."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and a.device == b.device
-            and torch.equal(a, b)
-        )
+        return _same_layout(a, b) and torch.equal(a, b)
     if a is b:
         return True
     if isinstance(a, functools.partial) and isinstance(b, functools.partial):
