@@ -174,6 +174,26 @@ def test_declared_log_odds_are_exact_beyond_single_precision():
     assert torch.equal(known32.argmax(-1), known64.argmax(-1))
 
 
+def test_full_precision_log_odds_are_the_inductive_readings_beyond_single_precision():
+    """``precision="full"`` takes the inductive reading's log-odds as computed, not off its
+    probabilities: in float32 most of these far-apart queries lie beyond the ±87 that a
+    float32 probability can hold, and in float64 their σ is the reading's P(open)."""
+    from probfsl.data.preprocess import center_and_normalize
+    from tests.test_open_set_posterior import synthetic_open_tasks
+
+    base, base_labels, with_open, _ = synthetic_open_tasks(n_tasks=4, dim=64, noise=0.3)
+    est32 = build_estimator("vmp-gmm", precision="full").fit_base(base.float(), base_labels)
+    known, odds = est32.inferred_open(with_open.to(dtype=torch.float32))
+    assert (odds.abs() > 100).float().mean() > 0.5
+    torch.testing.assert_close(known.sum(-1), torch.ones_like(odds))
+    est = build_estimator("vmp-gmm", precision="full").fit_base(base, base_labels)
+    _, odds64 = est.inferred_open(with_open)
+    support = center_and_normalize(with_open.support, est.base_mean_)
+    query = center_and_normalize(with_open.query, est.base_mean_)
+    proba = est.inductive_open(with_open, est.predict_proba(with_open), support, query, False)
+    torch.testing.assert_close(torch.sigmoid(odds64), proba[..., -1])
+
+
 def test_declared_needs_base_classes(omniglot):
     est = build_estimator("vmp-gmm", open_model="declared")
     with pytest.raises(ValueError, match="base"):

@@ -24,7 +24,8 @@ This module holds what every method shares:
   (``[T, D, D]``); no Python loop over tasks, dtype and device those of the queries.
 * :func:`open_posterior`: the inductive outlier posterior by enumeration over z,
   P(z = 0 | x) = π_0 p_0(x) / (π_0 p_0(x) + Σ_k π_k p_k(x)), with π_0 the prior open
-  fraction and the known classes sharing 1 - π_0 equally.
+  fraction and the known classes sharing 1 - π_0 equally (its log-odds:
+  :func:`inductive_log_odds`).
 * :func:`two_covariance_log_liks`: the class and background predictive log-likelihoods
   of the two-covariance (PLDA) model of Ioffe ("Probabilistic Linear Discriminant
   Analysis", ECCV 2006) and Prince & Elder (ICCV 2007): the generative reading of the
@@ -64,6 +65,7 @@ __all__ = [
     "reread_open",
     "open_fraction_prior",
     "open_posterior",
+    "inductive_log_odds",
     "open_log_ratio",
     "open_responsibility",
     "TwoCovarianceReading",
@@ -213,17 +215,31 @@ def open_posterior(
     :mod:`probfsl.inference.open_temperature`); the known classes get 1 - P(z = 0 | x) in
     proportion to p_k(x).
     """
+    log_odds = inductive_log_odds(
+        class_log_lik, background_log_lik, open_prior, odds_scale, odds_shift
+    )
+    return attach_open(torch.softmax(class_log_lik, -1), torch.sigmoid(log_odds))
+
+
+def inductive_log_odds(
+    class_log_lik: torch.Tensor,
+    background_log_lik: torch.Tensor,
+    open_prior: float,
+    odds_scale: float = 1.0,
+    odds_shift: float = 0.0,
+) -> torch.Tensor:
+    """ln P(z = 0 | x) - ln P(z ≠ 0 | x) [T, Q] of :func:`open_posterior` (same
+    arguments): a (ln p_0(x) - ln p̄(x)) + b + logit π_0, finite where P(z = 0 | x) itself
+    rounds to 0 or 1."""
     if not 0 < open_prior < 1:
         raise ValueError(f"open_prior must be in (0, 1), got {open_prior}")
     if not odds_scale > 0:
         raise ValueError(f"odds_scale must be positive, got {odds_scale}")
-    k = class_log_lik.shape[-1]
-    closed = torch.logsumexp(class_log_lik, -1) - math.log(k)
-    prior_odds = math.log(open_prior) - math.log1p(-open_prior)
     if not math.isfinite(odds_shift):
         raise ValueError(f"odds_shift must be finite, got {odds_shift}")
-    p_open = torch.sigmoid(odds_scale * (background_log_lik - closed) + odds_shift + prior_odds)
-    return attach_open(torch.softmax(class_log_lik, -1), p_open)
+    closed = torch.logsumexp(class_log_lik, -1) - math.log(class_log_lik.shape[-1])
+    prior_odds = math.log(open_prior) - math.log1p(-open_prior)
+    return odds_scale * (background_log_lik - closed) + odds_shift + prior_odds
 
 
 def attach_open(proba: torch.Tensor, p_open: torch.Tensor) -> torch.Tensor:

@@ -968,19 +968,31 @@ class OpenSetBackground:
         and ``query`` features (the class docstring), in the estimator's ``open_frame``
         unless ``query_centring`` names the frame: in the queries' frame the contrast is
         read with that frame's held-out blends, scale and shift (each task's P(open) then
-        depends on its queries' mean)."""
-        from probfsl.inference.background import attach_open, open_posterior
+        depends on its queries' mean). P(open) is σ of :meth:`inductive_open_log_odds`."""
+        from probfsl.inference.background import attach_open
+
+        log_odds = self.inductive_open_log_odds(episodes, support, query, query_centring)
+        return attach_open(proba, torch.sigmoid(log_odds).to(proba))
+
+    def inductive_open_log_odds(
+        self,
+        episodes: Episodes,
+        support: torch.Tensor,
+        query: torch.Tensor,
+        query_centring: bool | None = None,
+    ) -> torch.Tensor:
+        """The log-odds [T, Q] of the inductive P(open) of :meth:`inductive_open` (same
+        arguments, without ``proba``; :func:`~probfsl.inference.background.inductive_log_odds`)."""
+        from probfsl.inference.background import inductive_log_odds
 
         if query_centring is None:
             query_centring = self.in_queries_frame
-
         reading = self.open_reading(
             support, episodes.support_labels, query, episodes.way, query_centring
         )
         class_ll, background_ll = reading.class_log_lik(), reading.background_log_lik()
         scale, shift = self.held_out_calibration(query_centring)
-        p_open = open_posterior(class_ll, background_ll, self.open_prior, scale, shift)[..., -1]
-        return attach_open(proba, p_open.to(proba))
+        return inductive_log_odds(class_ll, background_ll, self.open_prior, scale, shift)
 
 
 class BaseMeanCentering:

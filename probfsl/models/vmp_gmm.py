@@ -32,7 +32,7 @@ from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
 from probfsl.inference.background import TwoCovarianceReading, open_log_ratio
 from probfsl.inference.soft_kmeans import soft_kmeans_gram, soft_kmeans_gram_open
-from probfsl.inference.vb_mixture_open import OPEN_FRAMES, open_log_odds_of
+from probfsl.inference.vb_mixture_open import OPEN_FRAMES
 from probfsl.inference.vmp import VMP, VMPState
 from probfsl.inference.vmp.plan_cache import kept_plans
 from probfsl.models.base import (
@@ -496,16 +496,16 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
         """The known classes' shares [T, Q, K] and the log-odds of P(open) [T, Q] as
         inferred, before ``open_scale`` and ``open_shift``: the nested model's last reading
         (:meth:`final_open`), the natural parameters of q(z) in the declared model
-        (:meth:`VMP.natural <probfsl.inference.vmp.engine.VMP.natural>`), or read off
-        the probabilities of ``precision="full"``'s inductive reading."""
+        (:meth:`VMP.natural <probfsl.inference.vmp.engine.VMP.natural>`), or
+        ``precision="full"``'s inductive reading
+        (:meth:`~probfsl.models.base.OpenSetBackground.inductive_open_log_odds`)."""
         if self.precision != "diagonal":
             proba = self.predict_proba(episodes)
             mean = self.base_mean_ if getattr(self, "center", True) else None
             support = center_and_normalize(episodes.support, mean)
             query = center_and_normalize(episodes.query, mean)
             # in the base frame, whatever open_frame (which names the nested reading's)
-            proba = self.inductive_open(episodes, proba, support, query, False)
-            return proba[..., :-1], open_log_odds_of(proba)
+            return proba, self.inductive_open_log_odds(episodes, support, query, False).to(proba)
         self._check_params()
         if getattr(self, "base_mean_", None) is None:
             raise ValueError("vmp-gmm needs base features: call fit_base first")
