@@ -883,23 +883,22 @@ class OpenSetBackground:
             reading.infer_background_mean(scale, self.open_prior)
         return reread_open(proba, reading.open_log_odds().to(proba), self.open_prior)
 
-    def tempered_open(
-        self, known: torch.Tensor, query: torch.Tensor, log_odds: torch.Tensor
-    ) -> torch.Tensor:
-        """A transductive method's ``[T, Q, K+1]`` for the queries ``query`` [T, Q, D], from
-        the known classes' shares ``known`` [T, Q, K] and the log-odds of P(open)
-        ``log_odds`` [T, Q] as inferred (``inferred_open``): the log-odds averaged over
-        each query's ``open_neighbours`` nearest queries, then scaled by a and moved by b,
-        those of :meth:`open_calibration` (:meth:`open_log_odds`; a temperature, Guo et
-        al., ICML 2017, and Platt's intercept, 1999), the known columns 1 - P(open) in the
-        ratios of ``known`` (:func:`~probfsl.inference.vb_mixture_open.open_columns`). The
-        known-class argmax is ``known``'s. ``open_neighbours`` = 5 raised the AUROC by 0.9
-        to 1.8 points on the built-in sets but left P(open) less well calibrated, so the
-        methods default to 0 (docs/methods/open-set.md)."""
+    def tempered_open(self, episodes: Episodes) -> torch.Tensor:
+        """A transductive method's ``[T, Q, K+1]`` for the queries of ``episodes``, from the
+        known classes' shares [T, Q, K] and the log-odds of P(open) [T, Q] of its
+        ``inferred_open``: the log-odds averaged over each query's ``open_neighbours``
+        nearest queries, then scaled by a and moved by b, those of :meth:`open_calibration`
+        (:meth:`open_log_odds`; a temperature, Guo et al., ICML 2017, and Platt's
+        intercept, 1999), the known columns 1 - P(open) in the ratios of the shares
+        (:func:`~probfsl.inference.vb_mixture_open.open_columns`), whose argmax they keep.
+        ``open_neighbours`` = 5 raised the AUROC by 0.9 to 1.8 points on the built-in sets
+        but left P(open) less well calibrated, so the methods default to 0
+        (docs/methods/open-set.md)."""
         from probfsl.inference.vb_mixture_open import open_columns
 
+        known, log_odds = self.inferred_open(episodes)
         a, b = self.open_calibration()
-        return open_columns(known, a * self.open_log_odds(log_odds, query) + b)
+        return open_columns(known, a * self.open_log_odds(log_odds, episodes.query) + b)
 
     def open_log_odds(self, log_odds: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
         """The log-odds of P(open) as inferred, ``log_odds`` [T, Q], averaged over each

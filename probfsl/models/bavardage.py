@@ -653,8 +653,7 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         ``n_free`` free components (class docstring;
         :class:`~probfsl.inference.vb_mixture_open.BavardageOpenVB`); the last column is
         the background's and the free components' mass."""
-        known, log_odds = self.inferred_open(episodes)
-        return self.tempered_open(known, episodes.query, log_odds)
+        return self.tempered_open(episodes)
 
     def inferred_open(self, episodes: Episodes) -> tuple[torch.Tensor, torch.Tensor]:
         """The known classes' shares [T, Q, K] and the log-odds of P(open) [T, Q] as

@@ -323,8 +323,7 @@ class BavardageGamma(Bavardage):
         (:meth:`~probfsl.models.base.OpenSetBackground.tempered_open`). Sets ``state_``
         and ``elbo_trace_`` as :meth:`predict_proba` does. No free components: this model
         has the background component alone."""
-        known, log_odds = self.inferred_open(episodes)
-        return self.tempered_open(known, episodes.query, log_odds)
+        return self.tempered_open(episodes)
 
     def inferred_open(self, episodes: Episodes) -> tuple[torch.Tensor, torch.Tensor]:
         """The known classes' shares [T, Q, K] and the log-odds of P(open) [T, Q] of

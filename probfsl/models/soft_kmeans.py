@@ -112,8 +112,7 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
     def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
         """Query responsibilities ``[T, Q, K+1]`` of soft k-means with the background
         component (class docstring), the background last."""
-        known, log_odds = self.inferred_open(episodes)
-        return self.tempered_open(known, episodes.query, log_odds)
+        return self.tempered_open(episodes)
 
     def inferred_open(self, episodes: Episodes) -> tuple[torch.Tensor, torch.Tensor]:
         """The known classes' shares [T, Q, K] and the log-odds of P(open) [T, Q] as

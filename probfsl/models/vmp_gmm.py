@@ -489,8 +489,7 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
         (:meth:`~probfsl.models.base.OpenSetBackground.inductive_open`); ``open_model`` is
         not read.
         """
-        known, log_odds = self.inferred_open(episodes)
-        return self.tempered_open(known, episodes.query, log_odds)
+        return self.tempered_open(episodes)
 
     def inferred_open(self, episodes: Episodes) -> tuple[torch.Tensor, torch.Tensor]:
         """The known classes' shares [T, Q, K] and the log-odds of P(open) [T, Q] as
