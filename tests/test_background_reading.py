@@ -22,10 +22,12 @@ from probfsl.inference.background import (
     two_covariance_log_liks,
 )
 from probfsl.inference.open_temperature import (
+    GRID,
     MIX_GRID,
     TASKS,
     UNSPLIT_READING,
     fit_scale,
+    fit_shift,
     held_out_open_log_odds,
     scale_and_log_loss,
     select_open_reading,
@@ -563,3 +565,32 @@ def test_the_reading_basis_is_computed_once_for_the_same_statistics(monkeypatch)
     est = make_estimator("nearest-centroid").fit_base(moved, labels)
     est.open_reading(support, task_labels, query, 2)
     assert len(calls) == 2
+
+
+def test_on_separated_classes_float32_chooses_float64s_reading():
+    """Held-out classes so far apart that the mean log loss of the best readings is below
+    float32's smallest normal number: compared in the log domain, float32 chooses
+    float64's blends and scale (the grid's largest, the maximum-likelihood scale on
+    separated labels) and finds its shift."""
+    x, labels = _base(n_classes=30, per_class=12, dim=64, seed=2)
+    high = select_open_reading(x, labels, 1e-3, tasks=8)
+    low = select_open_reading(x.float(), labels, 1e-3, tasks=8)
+    assert 0 < high.log_loss < torch.finfo(torch.float32).tiny
+    assert (low.within_mix, low.between_mix, low.odds_scale) == (
+        high.within_mix,
+        high.between_mix,
+        high.odds_scale,
+    )
+    assert high.odds_scale == max(GRID)
+    assert math.isclose(low.odds_shift, high.odds_shift, abs_tol=1e-3)
+    assert math.isclose(low.log_loss, high.log_loss, rel_tol=1e-2)
+
+
+def test_the_shift_of_separated_labels_is_the_root_found_in_the_log_domain():
+    """Where every loss term underflows, the shift is still the root of the log loss's
+    derivative, ln Σ_closed σ(z) = ln Σ_open σ(-z): for closed odds -400..-300 and open
+    ones 296..396 (as many, spaced alike) it is 2, in float64 and in float32."""
+    odds = torch.cat([torch.linspace(-400, -300, 50), torch.linspace(296, 396, 50)]).double()
+    is_open = torch.arange(100) >= 50
+    assert math.isclose(fit_shift(odds, is_open, 1.0), 2.0, abs_tol=1e-9)
+    assert math.isclose(fit_shift(odds.float(), is_open, 1.0), 2.0, abs_tol=1e-4)

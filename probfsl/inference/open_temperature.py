@@ -264,39 +264,75 @@ def scale_and_log_loss(
 ) -> tuple[float, float]:
     """:func:`fit_scale`'s a and its mean log loss (nats per query; ``inf`` where no odds
     are finite, with a = 1)."""
+    scale, log_mean = _scale_and_log_mean_loss(odds, is_open, grid)
+    return scale, math.exp(log_mean)
+
+
+def _log_softplus(x: torch.Tensor) -> torch.Tensor:
+    """ln ln(1 + e^x) without underflow: x itself where e^x is below the dtype's relative
+    precision (ln(1 + y) = y (1 - y/2 + ...))."""
+    threshold = math.log(torch.finfo(x.dtype).eps)
+    softplus = torch.nn.functional.softplus(x.clamp_min(threshold))
+    return torch.where(x < threshold, x, softplus.log())
+
+
+def _scale_and_log_mean_loss(
+    odds: torch.Tensor, is_open: torch.Tensor, grid: tuple[float, ...]
+) -> tuple[float, float]:
+    """The a of ``grid`` with the smallest mean log loss of σ(a · odds + logit f), and the
+    logarithm of that loss, over the finite odds (a = 1 and ``inf`` for none).
+
+    The losses are compared in the log domain: where the held-out episodes are separated
+    (margins of hundreds of nats on wide, well-separated features) the mean loss itself
+    underflows to 0 for many scales, first in float32, and the first of the tied scales
+    would win in one dtype and another in the other; the logarithm keeps the order, so the
+    larger scale, the maximum-likelihood one on separated labels, wins in both."""
     finite = torch.isfinite(odds)  # degenerate base classes can give infinite odds
     odds, is_open = odds[finite], is_open[finite]
     if odds.numel() == 0:
         return 1.0, math.inf
     scales = torch.tensor(grid, dtype=odds.dtype, device=odds.device)
-    fraction = is_open.to(odds).mean().clamp(1e-3, 1 - 1e-3)
+    target = is_open.to(odds)
+    fraction = target.mean().clamp(1e-3, 1 - 1e-3)
     logits = scales.unsqueeze(1) * odds.unsqueeze(0) + torch.logit(fraction)
-    target = is_open.to(odds).expand_as(logits)
-    loss = torch.nn.functional.binary_cross_entropy_with_logits(
-        logits, target, reduction="none"
-    ).mean(1)
-    best = int(loss.argmin())
-    return float(grid[best]), float(loss[best])
+    # the log loss of one query is softplus(-m), m = ±logit its signed margin
+    margins = torch.where(is_open, logits, -logits)
+    log_mean = torch.logsumexp(_log_softplus(-margins), 1) - math.log(odds.numel())
+    best = int(log_mean.argmin())
+    return float(grid[best]), float(log_mean[best])
 
 
-def fit_shift(odds: torch.Tensor, is_open: torch.Tensor, scale: float, steps: int = 25) -> float:
+def fit_shift(odds: torch.Tensor, is_open: torch.Tensor, scale: float, steps: int = 64) -> float:
     """The b with the smallest mean log loss of σ(``scale`` · odds + b + logit f) against
     ``is_open`` (f the episodes' open fraction), over the finite odds: Platt's intercept
-    (1999) with the slope held, by Newton's method on the convex loss, clamped to
-    [-:data:`MAX_SHIFT`, :data:`MAX_SHIFT`]; 0 where no odds are finite or the labels are
-    all one kind."""
+    (1999) with the slope held, clamped to [-:data:`MAX_SHIFT`, :data:`MAX_SHIFT`]; 0
+    where no odds are finite or the labels are all one kind.
+
+    The loss is convex in b, and its derivative Σ_closed σ(z_q) - Σ_open σ(-z_q) (z the
+    logits) is zero where ln Σ_closed σ(z_q) = ln Σ_open σ(-z_q); the root is found by
+    ``steps`` bisections of that difference, taken in the log domain so that it keeps its
+    sign where both sums underflow (held-out episodes separated by hundreds of nats) and
+    float32 finds float64's b."""
     finite = torch.isfinite(odds)
-    odds, target = odds[finite], is_open[finite].to(odds)
-    if odds.numel() == 0 or bool(target.min() == target.max()):
+    odds, is_open = odds[finite], is_open[finite]
+    if odds.numel() == 0 or bool(is_open.all() | ~is_open.any()):
         return 0.0
-    fraction = target.mean()
-    logits = scale * odds + torch.logit(fraction)
-    shift = torch.zeros((), dtype=odds.dtype, device=odds.device)
-    for _ in range(steps):
-        p = torch.sigmoid(logits + shift)
-        curvature = (p * (1 - p)).sum().clamp_min(torch.finfo(odds.dtype).tiny)
-        shift = (shift - (p - target).sum() / curvature).clamp(-MAX_SHIFT, MAX_SHIFT)
-    return float(shift)
+    logits = scale * odds + torch.logit(is_open.to(odds).mean())
+    closed_logits, open_logits = logits[~is_open], logits[is_open]
+
+    def excess(shift: torch.Tensor) -> torch.Tensor:  # > 0: P(open) too high on the whole
+        log_sigmoid = torch.nn.functional.logsigmoid
+        return torch.logsumexp(log_sigmoid(closed_logits + shift), 0) - torch.logsumexp(
+            log_sigmoid(-(open_logits + shift)), 0
+        )
+
+    low = torch.tensor(-MAX_SHIFT, dtype=odds.dtype, device=odds.device)
+    high = torch.tensor(MAX_SHIFT, dtype=odds.dtype, device=odds.device)
+    for _ in range(steps):  # an excess at a bound keeps the bisection at that bound
+        middle = (low + high) / 2
+        above = excess(middle) > 0
+        low, high = torch.where(above, low, middle), torch.where(above, middle, high)
+    return float((low + high) / 2)
 
 
 def select_open_temperature(
@@ -348,14 +384,15 @@ def select_open_readings(
     if not episodes:
         return [UNSPLIT_READING for _ in frames]
     best = [OpenReading(0.0, 0.0, 1.0, math.inf) for _ in frames]
+    best_log = [math.inf for _ in frames]  # compared in the log domain (no underflow)
     best_odds: list[tuple[torch.Tensor, torch.Tensor] | None] = [None for _ in frames]
     blends = [(a_w, a_b) for a_w in mix_grid for a_b in mix_grid]
     for (within_mix, between_mix), read in _open_log_odds(episodes, blends, frames).items():
         for i, (odds, is_open) in enumerate(read):
-            scale, loss = scale_and_log_loss(odds, is_open)
-            if loss < best[i].log_loss:
-                best[i] = OpenReading(within_mix, between_mix, scale, loss)
-                best_odds[i] = (odds, is_open)
+            scale, log_mean = _scale_and_log_mean_loss(odds, is_open, GRID)
+            if log_mean < best_log[i]:
+                best[i] = OpenReading(within_mix, between_mix, scale, math.exp(log_mean))
+                best_log[i], best_odds[i] = log_mean, (odds, is_open)
     for i, kept in enumerate(best_odds):
         if kept is not None:
             best[i] = best[i]._replace(odds_shift=fit_shift(*kept, best[i].odds_scale))

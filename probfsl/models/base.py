@@ -529,8 +529,10 @@ def held_out_background_choices(
 
 def _stored_choices_key(digest: str, features: torch.Tensor, shrinkage: float) -> dict:
     """The disk-cache key of the held-out choices of base features of ``digest`` at the
-    shrinkage λ ``shrinkage``: the digest, λ, the probfsl version and the grids the
-    choices are made on."""
+    shrinkage λ ``shrinkage``: the digest, λ, the probfsl version, the grids the choices
+    are made on and how the held-out log loss is compared (in the log domain; choices
+    stored before, which compared the losses themselves and so could tie where they
+    underflow, are not read back)."""
     from probfsl import __version__
     from probfsl.inference import background_shrinkage, open_temperature
 
@@ -545,6 +547,7 @@ def _stored_choices_key(digest: str, features: torch.Tensor, shrinkage: float) -
         "folds": background_shrinkage.FOLDS,
         "mix_grid": list(open_temperature.MIX_GRID),
         "scale_grid": list(open_temperature.GRID),
+        "loss": "log domain",
         "tasks": open_temperature.SELECTION_TASKS,
     }
 
