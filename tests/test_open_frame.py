@@ -388,3 +388,40 @@ def test_soft_kmeans_open_search_reads_both_frames(omniglot):
     defaults = build_estimator("soft-kmeans").get_params()
     chosen = _frame_row(result.trace, _best_row(result.trace), defaults)
     assert result.best == chosen["params"]
+
+
+@pytest.mark.parametrize("method", ["bavardage", "bavardage-gamma"])
+def test_a_searchs_candidates_share_the_open_inputs_and_predict_as_fresh_estimators(
+    omniglot, episodes, method
+):
+    """In a search (``with_params`` copies) the contrast, the reading and the rows of a
+    batch are read once per frame and shared by the candidates; each candidate's open-set
+    posterior is that of a fresh estimator with its hyperparameters (to rounding: in a
+    search the whitened Gram rows come from the rotated rows the candidates share), also
+    after other candidates' last readings, and a new batch replaces what was kept."""
+    fixed = dict(whitening="global", open_neighbours=0)
+    searched = build_estimator(method, **fixed).fit_featureset(omniglot, torch.float64)
+    candidates = [
+        dict(open_frame=frame, temperature_vb=t, s_max=s)
+        for frame in FRAMES
+        for t, s in ((0.3, 0.5), (1.0, 2.0))
+    ]
+    if method == "bavardage":
+        candidates.append(dict(open_frame="queries", mode="vb"))
+    fresh = {}
+    for params in candidates + candidates[::-1]:  # the second pass reads what was kept
+        key = tuple(sorted(params.items()))
+        if key not in fresh:
+            est = build_estimator(method, **fixed, **params)
+            fresh[key] = est.fit_featureset(omniglot, torch.float64).predict_proba_open(episodes)
+        got = searched.with_params(**params).predict_proba_open(episodes)
+        torch.testing.assert_close(got, fresh[key], rtol=1e-6, atol=1e-9)
+    assert set(searched._search_cache["open"]) == {True, False}  # one entry per frame
+    other = sample_episodes(omniglot, 2, WAY, SHOT, QUERY, seed=4, n_open=N_OPEN)
+    got = searched.with_params(open_frame="base").predict_proba_open(other.to(dtype=torch.float64))
+    assert set(searched._search_cache["open"]) == {False}
+    est = build_estimator(method, **fixed, open_frame="base")
+    want = est.fit_featureset(omniglot, torch.float64).predict_proba_open(
+        other.to(dtype=torch.float64)
+    )
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)

@@ -882,7 +882,7 @@ class OpenSetBackground:
         from probfsl.inference.background import reread_open
 
         if reading.query_centring:
-            scale = getattr(self, "background_query_odds_scale_", 1.0)
+            scale, _ = self.held_out_calibration(query_centring=True)  # chosen if still due
             reading.infer_background_mean(scale, self.open_prior)
         return reread_open(proba, reading.open_log_odds().to(proba), self.open_prior)
 

@@ -424,6 +424,18 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
                 self.s_max_ = self.s_max * (self.scatter_.shape[0] / trace) ** 0.5
         self.whitening_ = global_whitening(self.scatter_, self.s_max_, self.scatter_eigen_)
 
+    def _batch_cache(self, episodes: Episodes) -> dict | None:
+        """The search's cache of ``episodes`` (shared by :meth:`with_params` copies; emptied
+        when the batch changes), or ``None`` outside a search."""
+        cache = getattr(self, "_search_cache", None)
+        if cache is None:
+            return None
+        # the cache holds the batch's tensors, so identity means the same (unmodified) data
+        if cache.get("support") is not episodes.support or cache.get("query") is not episodes.query:
+            cache.clear()
+            cache.update(support=episodes.support, query=episodes.query)
+        return cache
+
     def _rotated_grams(
         self, episodes: Episodes, mean: torch.Tensor, metric: GlobalWhitening
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -431,18 +443,10 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         on s_max: kept for the last batch so that candidates of a search share them, with
         K for the last few whitening scales s (one per s_max of the search; the candidates
         that differ in T_vb or the Dirichlet weights alone reuse it: K costs T N^2 D)."""
-        cache = self._search_cache
-        # the cache holds the batch's tensors, so identity means the same (unmodified) data
-        if cache.get("support") is not episodes.support or cache.get("query") is not episodes.query:
-            cache.clear()
+        cache = self._batch_cache(episodes)
+        if "rotated" not in cache:
             centred, gram = centred_rows(episodes.points(), mean)
-            cache.update(
-                support=episodes.support,
-                query=episodes.query,
-                gram=gram,
-                rotated=centred @ metric.rotation,
-                scaled=[],
-            )
+            cache.update(gram=gram, rotated=centred @ metric.rotation, scaled=[])
         scales, kept = metric.scales, cache["scaled"]
         for known, k in kept:
             if known.shape == scales.shape and torch.equal(known, scales):
@@ -453,6 +457,31 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         if len(kept) > SCALED_GRAMS_KEPT:
             kept.pop(0)
         return cache["gram"], k
+
+    def _open_inputs(self, episodes: Episodes) -> tuple:
+        """``(xn, gram, reading, odds)`` of :meth:`open_problem`, which no hyperparameter
+        but ``open_frame`` changes: the centred, normalised rows [T, N, D] (``None`` where
+        they were kept by a search, which needs them no further), their Gram matrices, the
+        two-covariance reading in the estimator's frame (a fresh copy: the last reading of
+        P(open) changes its background) and its contrast ln p_0 - ln p_closed [T, Q]. In a
+        search the last three are kept for the batch and each frame, so its candidates
+        read them once (at D = 2,048 most of a candidate's time otherwise)."""
+        n_s, way = episodes.support.shape[1], episodes.way
+        cache = self._batch_cache(episodes)
+        frame = self.in_queries_frame
+        kept = None if cache is None else cache.setdefault("open", {}).get(frame)
+        xn = None
+        if kept is None:
+            xn = center_and_normalize(episodes.points(), self.base_mean_.to(episodes.support))
+            reading = self.open_reading(
+                xn[:, :n_s], episodes.support_labels, xn[:, n_s:], way, frame
+            )
+            # full-space background vs classes, [T, Q]
+            kept = xn @ xn.transpose(1, 2), reading, reading.open_log_odds()
+            if cache is not None:
+                cache["open"][frame] = kept
+        gram, reading, odds = kept
+        return xn, gram, reading.copy(), odds
 
     def with_params(self, **params) -> Self:
         """A copy with hyperparameters ``params`` that shares the fitted base statistics.
@@ -604,12 +633,7 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         way, n_s = episodes.way, episodes.support.shape[1]
         n_free = int(self.n_free if n_free is None else n_free)
         n_free = min(n_free, episodes.query.shape[1])
-        xn = center_and_normalize(episodes.points(), self.base_mean_.to(episodes.support))
-        reading = self.open_reading(
-            xn[:, :n_s], episodes.support_labels, xn[:, n_s:], way, self.in_queries_frame
-        )
-        odds = reading.open_log_odds()  # full-space background vs classes, [T, Q]
-        gram = xn @ xn.transpose(1, 2)
+        xn, gram, reading, odds = self._open_inputs(episodes)
         resp = soft_kmeans_gram_open(
             gram,
             episodes.support_labels,
@@ -624,13 +648,21 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         labels = episodes.support_labels
         if self.mode == "soft_kmeans":
             return OpenProblem(None, None, labels, None, resp, odds, reading)
+        mean = self.base_mean_.to(episodes.support)
         if self.mode == "vb":  # VB in the normalised feature space
+            if xn is None:
+                xn = center_and_normalize(episodes.points(), mean)
             rows, projection = xn, "identity"
+        elif getattr(self, "_search_cache", None) is not None:  # in a search: from the
+            # rotated rows its candidates share (_rotated_grams), as predict_proba does
+            centred, k = self._rotated_grams(episodes, mean, self.whitening_.to(mean))
+            inv_norm = centred.diagonal(dim1=1, dim2=2).sqrt().clamp_min(1e-12).reciprocal()
+            rows, projection = k * (inv_norm.unsqueeze(-1) * inv_norm.unsqueeze(1)), "adaptive_gram"
         else:  # the global whitening W (task_span's when s_max does not clamp)
             rows, projection = self.whitening_.to(xn).gram(xn, euclidean=gram), "adaptive_gram"
         closed = self._engine(way, None, projection)  # the estimator's settings
         background = OpenBackground(
-            reading.background_log_lik(), None, xn.shape[-1], open_log_odds=odds
+            reading.background_log_lik(), None, episodes.support.shape[-1], open_log_odds=odds
         )
         open_engine = BavardageOpenVB(
             way,
