@@ -122,7 +122,12 @@ def test_copies_start_empty():
 
 @pytest.mark.parametrize(
     ("name", "params"),
-    [("vmp-gmm", {}), ("vmp-gmm", {"open_model": "declared"}), ("bavardage-gamma", {})],
+    [
+        ("vmp-gmm", {}),
+        ("vmp-gmm", {"open_model": "declared"}),
+        ("bavardage-gamma", {}),
+        ("bavardage", {"engine": "derived"}),
+    ],
 )
 def test_estimators_predict_as_fresh_ones_across_calls(name, params):
     """The estimators that derive their engines keep their plans across predict calls; each
@@ -135,8 +140,8 @@ def test_estimators_predict_as_fresh_ones_across_calls(name, params):
         assert torch.equal(est.predict_proba(episodes), fresh.predict_proba(episodes))
         assert torch.equal(est.predict_proba_open(episodes), fresh.predict_proba_open(episodes))
     caches = est._plan_caches
-    assert caches["closed"].hits == 2
-    if name == "bavardage-gamma" or params:
+    assert caches["derived" if name == "bavardage" else "closed"].hits == 2
+    if name == "bavardage-gamma" or name == "vmp-gmm" and params:
         assert caches["open"].hits == 2
 
 

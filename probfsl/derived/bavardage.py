@@ -94,6 +94,13 @@ def bavardage_model(
             pyro.sample("u_query", dist.Normal(onehot_q @ mu, scale_u).to_event(1), obs=u_query)
 
 
+#: the arguments of :func:`bavardage_model` (and of the models that extend it, such as
+#: bavardage-gamma's) that are the observations of its Normal sites and nothing else (their
+#: dtype and shapes aside), by position: a kept plan takes new ones
+#: (:class:`~probfsl.inference.vmp.plan_cache.PlanCache`)
+OBSERVED_ROWS = {0: "u_support", 2: "u_query"}
+
+
 def declared_model(engine: BavardageVB) -> Callable[..., None]:
     """:func:`~probfsl.derived.bavardage.bavardage_model` with the hand-written engine's
     hyperparameters (τ, α_o, β_o, balanced, count_support)."""
@@ -166,11 +173,16 @@ def fit(
     query: torch.Tensor,
     resp: torch.Tensor,
     n_iter: int = 5,
+    plans: PlanCache | None = None,
 ) -> tuple[VBMixtureState, RunInfo]:
-    """BAVARDAGE's loop on its declaration (:func:`run_blocks` of :func:`declared_model`):
-    the state and info :func:`~probfsl.inference.vb_mixture.fit_bavardage_vb` returns."""
+    """BAVARDAGE's loop on its declaration (:func:`run_blocks` of :func:`declared_model`;
+    its plan taken from ``plans`` where one was kept for these shapes, the observations
+    :data:`OBSERVED_ROWS`): the state and info
+    :func:`~probfsl.inference.vb_mixture.fit_bavardage_vb` returns."""
     model = declared_model(engine)
-    state, resp, trace = run_blocks(model, engine, support, support_labels, query, resp, n_iter)
+    state, resp, trace = run_blocks(
+        model, engine, support, support_labels, query, resp, n_iter, plans=plans
+    )
     x = torch.cat([support, query], 1)
     u = state.plan.sites["u_support"].value  # the last block's rows
     u = torch.cat([u, state.plan.sites["u_query"].value], 1)

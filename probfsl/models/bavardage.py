@@ -42,7 +42,7 @@ import torch
 
 from probfsl.data.preprocess import center_and_normalize
 from probfsl.data.tasks import Episodes
-from probfsl.derived.bavardage import ENGINES
+from probfsl.derived.bavardage import ENGINES, OBSERVED_ROWS
 from probfsl.derived.bavardage import bavardage_model as bavardage_model  # its declaration
 from probfsl.inference.background import TwoCovarianceReading
 from probfsl.inference.class_stats import class_means
@@ -64,6 +64,7 @@ from probfsl.inference.vb_mixture_open import (
     OpenBackground,
     with_free_components,
 )
+from probfsl.inference.vmp.plan_cache import kept_plans
 from probfsl.models.base import (
     BACKGROUND,
     ENGINE,
@@ -611,7 +612,10 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
             self.state_, self.elbo_trace_ = None, None
             return resp[:, episodes.support.shape[1] :]
         fit = ENGINES[self.engine]  # probfsl.derived.bavardage: "handwritten" or "derived"
-        state, info = fit(engine, *data, n_iter=int(self.n_vb))
+        kept = {}  # the derived engine keeps its plan across calls
+        if self.engine == "derived":
+            kept["plans"] = kept_plans(self, "derived", OBSERVED_ROWS)
+        state, info = fit(engine, *data, n_iter=int(self.n_vb), **kept)
         self.state_ = state
         self.elbo_trace_ = info.trace if self.trace_elbo else None
         return state.query_resp

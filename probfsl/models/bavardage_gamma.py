@@ -32,7 +32,7 @@ import pyro.distributions as dist
 import torch
 
 from probfsl.data.tasks import Episodes
-from probfsl.derived.bavardage import run_blocks
+from probfsl.derived.bavardage import OBSERVED_ROWS, run_blocks
 from probfsl.inference.background import open_log_ratio
 from probfsl.inference.class_stats import one_hot_support
 from probfsl.inference.plda import principal_axes
@@ -42,10 +42,6 @@ from probfsl.inference.vmp.plan_cache import PlanCache, kept_plans
 from probfsl.models.bavardage import Bavardage, _seeded_rng
 from probfsl.schema import Real
 from probfsl.validation import check_hyperparameter
-
-#: the arguments of :func:`bavardage_gamma_model` that are the observations of its Normal
-#: sites and nothing else (its dtype and shapes aside): a kept plan takes new ones
-OBSERVED_ROWS = {0: "u_support", 2: "u_query"}
 
 
 def bavardage_gamma_model(
