@@ -161,3 +161,35 @@ def test_a_copied_reading_keeps_the_base_background():
     copy.infer_background_mean(1.0, 0.5)
     assert reading.background_shift is None and torch.equal(reading.background_log_lik(), before)
     assert not torch.equal(copy.background_log_lik(), before)
+
+
+def test_a_readings_contrast_is_computed_once_and_follows_the_inferred_background():
+    """The base-class contrast of a reading is computed once and handed to its copies, the
+    same numbers as a fresh reading's; with query weights, or after a copy's background
+    is inferred, the contrast is computed afresh and the kept one is unchanged."""
+    from probfsl.inference.background import TwoCovarianceReading, fit_background
+
+    x, labels = _base_tensors(dtype=torch.float64)
+    g = torch.Generator().manual_seed(1)
+    support = torch.randn(2, 6, 6, generator=g, dtype=torch.float64)
+    query = torch.randn(2, 8, 6, generator=g, dtype=torch.float64)
+    support_labels = torch.arange(3).repeat(2).expand(2, -1)
+    stats = fit_background(x, labels)
+
+    def fresh() -> TwoCovarianceReading:
+        return TwoCovarianceReading(support, support_labels, query, 3, stats, True)
+
+    reading = fresh()
+    odds = reading.open_log_odds()
+    assert reading.open_log_odds() is odds and reading.copy().open_log_odds() is odds
+    assert torch.equal(odds, fresh().open_log_odds())
+    weights = torch.rand(2, 8, 3, generator=g, dtype=torch.float64)
+    weighted = reading.open_log_odds(weights)
+    assert torch.equal(weighted, fresh().open_log_odds(weights))
+    assert not torch.equal(weighted, odds)
+    inferred = reading.copy().infer_background_mean(1.0, 0.5)
+    assert torch.equal(
+        inferred.open_log_odds(), fresh().infer_background_mean(1.0, 0.5).open_log_odds()
+    )
+    assert not torch.equal(inferred.open_log_odds(), odds)
+    assert reading.open_log_odds() is odds and torch.equal(odds, fresh().open_log_odds())

@@ -415,8 +415,9 @@ class TwoCovarianceReading:
         onehot = torch.nn.functional.one_hot(support_labels, way).to(ys)  # [T, S, K]
         self.counts = onehot.sum(1)  # [T, K]
         self.sums = onehot.transpose(1, 2) @ ys  # [T, K, D]
-        # ln p_0 of the queries under the base classes' background, computed at the first
-        # call and shared with copies (it depends on the projection alone)
+        # ln p_0 of the queries under the base classes' background and the contrast of
+        # open_log_odds, computed at the first call and shared with copies (they depend on
+        # the projection and the support alone)
         self._base_background: dict[str, torch.Tensor] = {}
         self.background_shift: torch.Tensor | None = None  # [T, 1, D], basis coordinates
         self.background_extra_var: torch.Tensor | None = None  # [T, 1, D]
@@ -501,9 +502,18 @@ class TwoCovarianceReading:
 
     def open_log_odds(self, query_weights: torch.Tensor | None = None) -> torch.Tensor:
         """ln p_0(x_q) - ln((1/K) Σ_k p_k(x_q)) [T, Q] (``query_weights`` as in
-        :meth:`class_log_lik`)."""
+        :meth:`class_log_lik`). Under the base classes' background and without query
+        weights, computed once per reading and its copies (as :meth:`background_log_lik`:
+        a search's candidates read the same contrast) and handed back; callers do not
+        change it in place."""
+        kept = query_weights is None and self.background_shift is None
+        if kept and "open_log_odds" in self._base_background:
+            return self._base_background["open_log_odds"]
         closed = torch.logsumexp(self.class_log_lik(query_weights), -1) - math.log(self.way)
-        return self.background_log_lik() - closed
+        odds = self.background_log_lik() - closed
+        if kept:
+            self._base_background["open_log_odds"] = odds
+        return odds
 
 
 def two_covariance_log_liks(
