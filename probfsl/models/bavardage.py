@@ -202,6 +202,14 @@ class OpenProblem(NamedTuple):
 SCALED_GRAMS_KEPT = 5
 
 
+def _unit_rows(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reciprocal norms [T, N] of the rows whose Gram matrices are ``gram`` [T, N, N]
+    (floored as :func:`torch.nn.functional.normalize` floors the norm) and their outer
+    products [T, N, N]: MESV's "E" (unit rows) applied to Gram matrices."""
+    inv_norm = gram.diagonal(dim1=1, dim2=2).sqrt().clamp_min(1e-12).reciprocal()
+    return inv_norm, inv_norm.unsqueeze(-1) * inv_norm.unsqueeze(1)
+
+
 class Bavardage(OpenSetBackground, FewShotClassifier):
     """BAVARDAGE transductive few-shot classifier (Hu, Pateux & Gripon, AISTATS 2023).
 
@@ -572,8 +580,7 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
             k = metric.gram(x, euclidean=gram) if global_mode else None
         else:
             gram, k = grams
-        inv_norm = gram.diagonal(dim1=1, dim2=2).sqrt().clamp_min(1e-12).reciprocal()
-        outer = inv_norm.unsqueeze(-1) * inv_norm.unsqueeze(1)
+        inv_norm, outer = _unit_rows(gram)
         resp = soft_kmeans_gram(gram * outer, labels, way, self.temperature_km, int(self.n_km))
         if self.mode == "soft_kmeans":
             return resp, None, None
@@ -660,8 +667,7 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         elif getattr(self, "_search_cache", None) is not None:  # in a search: from the
             # rotated rows its candidates share (_rotated_grams), as predict_proba does
             centred, k = self._rotated_grams(episodes, mean, self.whitening_.to(mean))
-            inv_norm = centred.diagonal(dim1=1, dim2=2).sqrt().clamp_min(1e-12).reciprocal()
-            rows, projection = k * (inv_norm.unsqueeze(-1) * inv_norm.unsqueeze(1)), "adaptive_gram"
+            rows, projection = k * _unit_rows(centred)[1], "adaptive_gram"
         else:  # the global whitening W (task_span's when s_max does not clamp)
             rows, projection = self.whitening_.to(xn).gram(xn, euclidean=gram), "adaptive_gram"
         closed = self._engine(way, None, projection)  # the estimator's settings
