@@ -594,3 +594,19 @@ def test_the_shift_of_separated_labels_is_the_root_found_in_the_log_domain():
     is_open = torch.arange(100) >= 50
     assert math.isclose(fit_shift(odds, is_open, 1.0), 2.0, abs_tol=1e-9)
     assert math.isclose(fit_shift(odds.float(), is_open, 1.0), 2.0, abs_tol=1e-4)
+
+
+def test_the_shifts_bisection_stays_on_the_device():
+    """The bisection of :func:`fit_shift` reads no value on the host inside its loop: its
+    host synchronisations do not grow with the number of steps."""
+    from probfsl.host_syncs import HostSyncCounter
+
+    g = torch.Generator().manual_seed(5)
+    odds = 3 * torch.randn(400, generator=g, dtype=torch.float64)
+    is_open = torch.rand(400, generator=g, dtype=torch.float64) < torch.sigmoid(odds)
+    counts = []
+    for steps in (4, 64):
+        with HostSyncCounter() as counter:
+            fit_shift(odds, is_open, 0.5, steps=steps)
+        counts.append(counter.total)
+    assert counts[0] == counts[1] <= 3
