@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from bench_open_set_detector import closed_accuracy as closed_accuracy_of  # a sibling script
 
 from probfsl import make_estimator
 from probfsl.data import FeatureSet, sample_episodes
@@ -179,9 +180,7 @@ def best_of_starts(episodes, b: torch.Tensor, n_starts: int) -> torch.Tensor:
 
 def closed_accuracy(scores: torch.Tensor, episodes) -> torch.Tensor:
     """Per-task accuracy (%) of the argmax over the known classes on the closed queries."""
-    closed = ~episodes.open_mask
-    right = (scores[..., :WAY].argmax(-1) == episodes.query_labels) & closed
-    return 100 * right.double().sum(-1) / closed.sum(-1)
+    return closed_accuracy_of(scores, episodes.query_labels, episodes.open_mask)
 
 
 def open_class_means(episodes, labels: np.ndarray, n_open_classes: int = WAY) -> torch.Tensor:
