@@ -145,12 +145,17 @@ def main() -> None:
     write(rows, args, time.perf_counter() - tic)
 
 
-def write(rows: list[dict], args, seconds: float) -> None:
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(
+def write_json(out: Path, rows: list[dict], seconds: float) -> None:
+    """``rows`` with the run's time and machine, as ``out`` + ``.json``."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(
         json.dumps({"rows": rows, "seconds": seconds, "machine": platform.platform()}, indent=1)
         + "\n"
     )
+
+
+def write(rows: list[dict], args, seconds: float) -> None:
+    write_json(args.out, rows, seconds)
     lines = [
         "# The open/closed contrast against a synthetic detector of known AUROC",
         "",

@@ -39,13 +39,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from bench_open_set_detector import closed_accuracy as closed_accuracy_of  # a sibling script
+from bench_open_set_detector import write_json
 
 from probfsl import make_estimator
 from probfsl.data import FeatureSet, sample_episodes
@@ -266,11 +266,7 @@ def main() -> None:
 
 
 def write(rows: list[dict], args, seconds: float) -> None:
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(
-        json.dumps({"rows": rows, "seconds": seconds, "machine": platform.platform()}, indent=1)
-        + "\n"
-    )
+    write_json(args.out, rows, seconds)
     lines = [
         "# The open-set loss on data from the two-covariance model itself",
         "",
