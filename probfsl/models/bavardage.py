@@ -666,8 +666,8 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
             rows, projection = xn, "identity"
         elif getattr(self, "_search_cache", None) is not None:  # in a search: from the
             # rotated rows its candidates share (_rotated_grams), as predict_proba does
-            centred, k = self._rotated_grams(episodes, mean, self.whitening_.to(mean))
-            rows, projection = k * _unit_rows(centred)[1], "adaptive_gram"
+            centred_gram, k = self._rotated_grams(episodes, mean, self.whitening_.to(mean))
+            rows, projection = k * _unit_rows(centred_gram)[1], "adaptive_gram"
         else:  # the global whitening W (task_span's when s_max does not clamp)
             rows, projection = self.whitening_.to(xn).gram(xn, euclidean=gram), "adaptive_gram"
         closed = self._engine(way, None, projection)  # the estimator's settings
