@@ -33,6 +33,7 @@ from probfsl.running import (
     print_tuning,
     run,
     run_setting,
+    with_open_fraction,
 )
 from probfsl.running import auto_by_default as _auto_by_default
 from probfsl.running import note as _note
@@ -101,12 +102,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
     search_space(args.method)
     make_estimator(args.method, **fixed)  # bad hyperparameters fail before loading
     fs = _load(args)
+    open_queries = getattr(args, "open_queries", 0)
+    fixed, prior_note = with_open_fraction(args.method, fixed, open_queries, args.query)
+    if prior_note:
+        _note(prior_note)
     choice = auto_choice(
         args.method, fs, fixed, device, dtype,
         way=args.way, shot=args.shot, query=args.query, balance=args.balance,
         alpha=args.alpha, episodes=args.episodes, seed=args.seed, criterion=args.criterion,
         zero_shot=args.zero_shot, min_classes=args.min_classes, max_classes=args.max_classes,
-        open_queries=getattr(args, "open_queries", 0),
+        open_queries=open_queries,
     )  # fmt: skip
     if choice.result is None:
         raise ValueError(f"cannot tune {args.method} on {fs.name}: {choice.reason}")

@@ -578,6 +578,61 @@ def test_probfsl_run_open_queries_end_to_end(tmp_path, capsys, open_posterior):
     assert json.loads(closed.read_text())["accuracy"] == pytest.approx(row["accuracy"])
 
 
+def test_with_open_fraction_sets_the_prior_of_inductive_posteriors():
+    from probfsl.running import with_open_fraction
+
+    params, message = with_open_fraction("nearest-centroid", {"center": True}, 15, 60)
+    assert params == {"center": True, "open_prior": pytest.approx(0.2)}
+    assert "open_prior 0.2" in message and "15 of 75 queries" in message
+    # tasks with as many open queries as closed: the default prior, nothing added
+    assert with_open_fraction("slem", {}, 75, 75) == ({}, None)
+    assert with_open_fraction("slem", {}, 0, 75) == ({}, None)  # closed tasks
+    given = {"open_prior": 0.5}
+    assert with_open_fraction("gp-tree", given, 15, 60) == (given, None)
+    # nearly only open queries: at most the bound the hyperparameter accepts
+    assert with_open_fraction("evidence-lssvm", {}, 1000, 5)[0]["open_prior"] == 0.99
+    # the transductive mixtures infer the open fraction of each task
+    for method in ("soft-kmeans", "bavardage", "bavardage-gamma", "vmp-gmm"):
+        assert with_open_fraction(method, {}, 15, 60) == ({}, None)
+    # vmp-gmm's full-covariance P(open) is the inductive posterior
+    full = with_open_fraction("vmp-gmm", {"precision": "full"}, 15, 60)[0]
+    assert full["open_prior"] == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("method", ["nearest-centroid", "slem", "soft-kmeans"])
+def test_probfsl_run_takes_its_open_fraction_as_the_prior(method, tmp_path, capsys, monkeypatch):
+    """An inductive P(open)'s prior open fraction is the run's (15 open of 75 queries),
+    for the search's candidates and the method that runs, unless ``--param`` gives one;
+    a transductive mixture keeps its prior mean."""
+    from probfsl.tuning import SEARCH_SPACES
+
+    monkeypatch.setitem(SEARCH_SPACES, "soft-kmeans", {"temperature": [10.0]})
+    monkeypatch.setitem(SEARCH_SPACES, "slem", {"rel_lam": [1.0]})
+    argv = ["run", "--method", method, "--dataset", "omniglot", "--tasks", "8", "--query", "60"]
+    inductive = method != "soft-kmeans"
+    rows = {}
+    for name, extra in (("run", []), ("given", ["--param", "open_prior=0.5"])):
+        out = tmp_path / f"{name}.json"
+        assert main([*argv, "--open-queries", "15", *extra, "--out", str(out)]) == 0
+        rows[name] = json.loads(out.read_text())
+        err = capsys.readouterr().err
+        assert ("open fraction of the run's tasks" in err) == (name == "run" and inductive)
+    assert rows["given"]["params"]["open_prior"] == 0.5
+    if inductive:
+        assert rows["run"]["params"]["open_prior"] == pytest.approx(0.2)
+        assert rows["run"]["ece_open"] != pytest.approx(rows["given"]["ece_open"])
+    else:
+        assert "open_prior" not in rows["run"]["params"]
+    if method == "nearest-centroid":  # the prior moves P(open) alone
+        assert rows["run"]["accuracy"] == rows["given"]["accuracy"]
+    if method == "slem":  # probfsl tune searches as probfsl run does
+        tune = ["tune", "--method", method, "--dataset", "omniglot", "--episodes", "5"]
+        assert main([*tune, "--query", "60", "--open-queries", "15"]) == 0
+        printed = capsys.readouterr()
+        assert "open fraction of the run's tasks" in printed.err
+        assert "'open_prior': 0.2" in printed.out
+
+
 @pytest.mark.parametrize(
     "extra, problem",
     [

@@ -737,6 +737,13 @@ class OpenSetBackground:
 
     open_prior: float = 0.5
 
+    @property
+    def infers_open_fraction(self) -> bool:
+        """Whether P(open) infers the open fraction π_0 of each task (a transductive
+        mixture with the background, ``open_prior`` the mean of π_0's prior) rather than
+        reading ``open_prior`` as π_0 (the inductive posterior, :meth:`inductive_open`)."""
+        return False
+
     #: the names of the choices made on held-out base classes (:meth:`_choose_background`)
     _CHOICES = (
         "background_within_mix_",

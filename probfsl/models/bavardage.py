@@ -689,6 +689,11 @@ class Bavardage(OpenSetBackground, FewShotClassifier):
         )
         return OpenProblem(open_engine, rows[:, :n_s], labels, rows[:, n_s:], resp, odds, reading)
 
+    @property
+    def infers_open_fraction(self) -> bool:
+        """True: q(π_0) per task, ``open_prior`` its prior mean."""
+        return True
+
     def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
         """Open-set responsibilities ``[T, Q, K+1]`` (P(none of the K classes) last): soft
         k-means and n_vb VB iterations of the mixture with the background component and

@@ -109,6 +109,11 @@ class SoftKMeans(OpenSetBackground, BaseMeanCentering, FewShotClassifier):
         )
         return p[:, episodes.support.shape[1] :]
 
+    @property
+    def infers_open_fraction(self) -> bool:
+        """True: q(π_0) per task, ``open_prior`` its prior mean."""
+        return True
+
     def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
         """Query responsibilities ``[T, Q, K+1]`` of soft k-means with the background
         component (class docstring), the background last."""

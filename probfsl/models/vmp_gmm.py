@@ -465,6 +465,11 @@ class VMPGaussianMixture(OpenSetBackground, FewShotClassifier):
         self.episode_objective_ = torch.cat(elbo)
         return torch.cat(probs)
 
+    @property
+    def infers_open_fraction(self) -> bool:
+        """True but with ``precision="full"``, whose P(open) is the inductive posterior."""
+        return self.precision != "full"
+
     def predict_proba_open(self, episodes: Episodes) -> torch.Tensor:
         """``[T, Q, K+1]``: the mixture with a background component, the background last,
         its log-odds scaled by ``open_scale`` and moved by ``open_shift``
