@@ -633,6 +633,22 @@ def test_probfsl_run_takes_its_open_fraction_as_the_prior(method, tmp_path, caps
         assert "'open_prior': 0.2" in printed.out
 
 
+def test_the_baseline_a_search_falls_back_to_takes_the_run_fraction(tmp_path, capsys, monkeypatch):
+    """soft-kmeans keeps its prior mean, but where its search runs nearest centroid
+    instead (a temperature that cannot beat it), nearest centroid's P(open) reads the
+    run's open fraction, and the run says so."""
+    from probfsl.tuning import SEARCH_SPACES
+
+    monkeypatch.setitem(SEARCH_SPACES, "soft-kmeans", {"temperature": [1e-8]})
+    out = tmp_path / "run.json"
+    argv = ["run", "--method", "soft-kmeans", "--dataset", "omniglot", "--tasks", "8"]
+    assert main([*argv, "--query", "60", "--open-queries", "15", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())
+    assert row["method_run"] == "nearest-centroid"
+    assert row["params"] == {"open_prior": pytest.approx(0.2)}
+    assert "nearest-centroid: open_prior 0.2, the open fraction" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "extra, problem",
     [
